@@ -1,0 +1,72 @@
+// Block-sparse prefill (FlashPrefill V2) and the chunked-prefill block union (CompactAttention).
+//
+// Semantics (DESIGN.md): key blocks of `block_size` tokens per KV head; PackGQA query tiles of 128 packed rows
+// (row r <-> position r / g, head kvh*g + r % g); a tile keeps block J iff its pooled energy
+// E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, plus sink / window / last_n blocks; kept blocks are listed per
+// segment (sequence, KV head, tile) in a CSR index; mean correction adds, for every block fully visible to the whole
+// tile and not kept, one virtual key (k_mean_J, v_mean_J) with weight |B_J|.
+#pragma once
+
+#include <vector>
+
+#include "sparse_prefill/attention.h"
+
+namespace sparse_prefill {
+
+constexpr int kTileRows = 128;  // packed query rows per selection tile
+
+struct SelectionParams {
+  float alpha = 0.1f;     // keep J iff E_IJ >= alpha * max_J E_IJ; alpha = 0 keeps every visible block (dense)
+  int block_size = 128;   // tokens per key block; a positive multiple of 64
+  int sink = 256;         // the blocks holding the first `sink` tokens are always kept
+  int window = 512;       // the blocks meeting the `window` tokens before each query are always kept
+  int last_n = 2;         // the last `last_n` query tiles of each sequence keep every visible block
+  bool correction = true; // add the mean correction for the dropped, fully visible blocks
+};
+
+// Segment order: for sequence b with Lq_b queries, T_b = ceil(Lq_b * g / 128) tiles; segments of b start at
+// segment_offset(b) = sum_{b' < b} Hkv * T_b' and are ordered (kvh, tile): id = segment_offset(b) + kvh * T_b + t.
+// Segment s lists block_ids[segment_start[s] .. segment_end[s]) ascending (block ids are per sequence, 0-based).
+// Several segments may share one list (union mode).
+//
+// Pooled means: k_mean, v_mean [total_blocks, Hkv, D] float32, where sequence b owns rows
+// cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
+struct BlockIndex {
+  int block_size = 128;
+  int group_size = 1;     // g = Hq / Hkv
+  int num_kv_heads = 0;
+  bool correction = true;
+  std::vector<int32_t> segment_start, segment_end, block_ids;
+  std::vector<int32_t> cu_blocks;
+  std::vector<float> k_mean, v_mean;
+  int64_t kept_blocks = 0;     // sum over segments of listed blocks visible to the segment's tile
+  int64_t visible_blocks = 0;  // sum over segments of blocks visible to the segment's tile
+  double density() const { return visible_blocks ? double(kept_blocks) / double(visible_blocks) : 1.0; }
+};
+
+// A view of an index held by the caller (Python keeps its arrays as numpy arrays).
+struct BlockIndexView {
+  int block_size = 128;
+  bool correction = true;
+  TensorView segment_start, segment_end, block_ids;  // int32 [S], [S], [N]
+  TensorView cu_blocks;                              // int32 [B+1]
+  TensorView k_mean, v_mean;                         // float32 [total_blocks, Hkv, D]
+};
+BlockIndexView view_of(BlockIndex& index);
+
+// Pooled block means of K and V (contiguous or paged KV in `in`; q is only used for its shape checks).
+void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
+             std::vector<float>& v_mean);
+
+// Selection: pooling, scoring, thresholding, always-kept rules and CSR compaction.
+BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params);
+
+// Sparse attention over the index: every listed block of a row's segment (token-level causal / window masks still
+// apply), plus the mean correction when index.correction is set.
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs);
+
+// Chunked-prefill lowering: one ascending list per (sequence, KV head) holding the union of the lists of all tiles
+// of that sequence and KV head; every such segment points to the shared list.
+BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index);
+
+}  // namespace sparse_prefill

@@ -1,0 +1,42 @@
+// The resolved shape of one call, produced once by validation (src/api/validate.cpp) and shared by every backend.
+#pragma once
+
+#include <vector>
+
+#include "sparse_prefill/attention.h"
+
+namespace sparse_prefill {
+
+struct SequenceInfo {
+  int64_t q_start = 0;  // first row of q
+  int64_t q_len = 0;    // Lq
+  int64_t k_start = 0;  // first row of k (contiguous KV only)
+  int64_t k_len = 0;    // Lk
+};
+
+struct Problem {
+  int batch = 0;            // B
+  int num_q_heads = 0;      // Hq
+  int num_kv_heads = 0;     // Hkv
+  int head_dim = 0;         // D
+  int group_size = 1;       // g = Hq / Hkv
+  int64_t total_q = 0;
+  int64_t total_k = 0;      // contiguous: rows of k; paged: num_pages * page_size
+  bool paged = false;
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+  int64_t max_pages = 0;    // block_table columns
+  float softmax_scale = 0;  // resolved (default 1/sqrt(D))
+  DType dtype = DType::kFloat32;
+  Device device = Device::kCPU;
+  // Per-sequence offsets and lengths, read from cu_seqlens / seqused_k. Filled only when the index tensors live on
+  // the host (the CUDA path never synchronises to read them).
+  std::vector<SequenceInfo> seqs;
+};
+
+// Validates every argument of `in` (and `outs` when given) and resolves the problem. Throws ArgumentError naming
+// the argument. Host-readable index tensors are checked element by element (monotone cu_seqlens matching the totals,
+// lengths within max_seqlen, page ids in range, seqused_k within the pages given).
+Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs);
+
+}  // namespace sparse_prefill
