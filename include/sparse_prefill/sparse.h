@@ -35,6 +35,7 @@ struct BlockIndex {
   int block_size = 128;
   int group_size = 1;     // g = Hq / Hkv
   int num_kv_heads = 0;
+  int head_dim = 0;
   bool correction = true;
   std::vector<int32_t> segment_start, segment_end, block_ids;
   std::vector<int32_t> cu_blocks;

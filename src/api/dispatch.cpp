@@ -1,0 +1,81 @@
+// The public entry points: validate once, then dispatch by device (CPU reference or CUDA backend).
+#include "api/problem.h"
+#include "api/validate.h"
+#include "reference/reference.h"
+#include "sparse_prefill/sparse.h"
+
+#ifdef SPARSE_PREFILL_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace sparse_prefill {
+namespace {
+
+[[noreturn]] void not_on_cuda(const char* what) {
+  throw NotImplementedError(std::string(what) + " is not implemented for CUDA yet; pass CPU arrays to use the "
+                                                "CPU reference backend");
+}
+
+Problem validate_host(const AttentionInputs& in, const AttentionOutputs* outs, const char* what) {
+  Problem p = validate_inputs(in, outs);
+  if (p.device != Device::kCPU) not_on_cuda(what);
+  return p;
+}
+
+}  // namespace
+
+void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
+  const Problem p = validate_inputs(in, &outs);
+  if (p.device == Device::kCPU) return reference::attention(in, outs, p);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  cuda::attention(in, outs, p);
+#else
+  throw NotImplementedError("attention: this build has no CUDA backend (nvcc was not found when it was configured)");
+#endif
+}
+
+void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
+             std::vector<float>& v_mean) {
+  SelectionParams params;
+  params.block_size = block_size;
+  check_selection_params(params);
+  const Problem p = validate_host(in, nullptr, "pool_kv");
+  reference::pool_kv(p, reference::gather_kv(in, p), block_size, cu_blocks, k_mean, v_mean);
+}
+
+BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
+  check_selection_params(params);
+  const Problem p = validate_host(in, nullptr, "build_index");
+  return reference::build_index(in, p, params);
+}
+
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs) {
+  const Problem p = validate_inputs(in, &outs);
+  validate_index(p, index);
+  if (p.device != Device::kCPU) not_on_cuda("sparse_attention");
+  reference::sparse_attention(in, index, outs, p);
+}
+
+BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index) {
+  const Problem p = validate_host(in, nullptr, "union_index");
+  BlockIndex copy = index;
+  validate_index(p, view_of(copy));
+  return reference::union_index(in, p, index);
+}
+
+BlockIndexView view_of(BlockIndex& index) {
+  BlockIndexView v;
+  v.block_size = index.block_size;
+  v.correction = index.correction;
+  v.segment_start = make_view(index.segment_start.data(), DType::kInt32, {int64_t(index.segment_start.size())});
+  v.segment_end = make_view(index.segment_end.data(), DType::kInt32, {int64_t(index.segment_end.size())});
+  v.block_ids = make_view(index.block_ids.data(), DType::kInt32, {int64_t(index.block_ids.size())});
+  v.cu_blocks = make_view(index.cu_blocks.data(), DType::kInt32, {int64_t(index.cu_blocks.size())});
+  const int64_t rows = index.cu_blocks.empty() ? 0 : index.cu_blocks.back();
+  const int64_t d = index.head_dim;
+  v.k_mean = make_view(index.k_mean.data(), DType::kFloat32, {rows, index.num_kv_heads, d});
+  v.v_mean = make_view(index.v_mean.data(), DType::kFloat32, {rows, index.num_kv_heads, d});
+  return v;
+}
+
+}  // namespace sparse_prefill

@@ -1,0 +1,349 @@
+#include "api/validate.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace sparse_prefill {
+
+std::string shape_string(const TensorView& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
+  s << "]";
+  return s.str();
+}
+
+void check_rank(const TensorView& t, int ndim, const char* name) {
+  if (t.ndim != ndim) {
+    throw ArgumentError(name, "expected a " + std::to_string(ndim) + "-dimensional array, got shape " +
+                                  shape_string(t));
+  }
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) throw ArgumentError(name, "negative extent in shape " + shape_string(t));
+  }
+  if (t.data == nullptr && t.numel() > 0) throw ArgumentError(name, "null data pointer");
+}
+
+void check_dtype(const TensorView& t, DType dtype, const char* name) {
+  if (t.dtype != dtype) {
+    throw ArgumentError(name, std::string("expected dtype ") + dtype_name(dtype) + ", got " + dtype_name(t.dtype),
+                        /*type_error=*/true);
+  }
+}
+
+void check_last_dim_contiguous(const TensorView& t, const char* name) {
+  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
+    throw ArgumentError(name, "the last dimension must be contiguous (stride 1), got stride " +
+                                  std::to_string(t.stride[t.ndim - 1]));
+  }
+}
+
+void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name) {
+  if (t.device != ref.device || (t.device == Device::kCUDA && t.device_id != ref.device_id)) {
+    throw ArgumentError(name, std::string("must be on the same device as ") + ref_name, /*type_error=*/true);
+  }
+}
+
+void check_selection_params(const SelectionParams& params) {
+  if (params.block_size <= 0 || params.block_size % 64 != 0) {
+    throw ArgumentError("block_size", "must be a positive multiple of 64, got " + std::to_string(params.block_size));
+  }
+  if (!(params.alpha >= 0.f && params.alpha <= 1.f)) {
+    throw ArgumentError("alpha", "must lie in [0, 1], got " + std::to_string(params.alpha));
+  }
+  if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
+  if (params.window < 0) throw ArgumentError("window", "must be >= 0");
+  if (params.last_n < 0) throw ArgumentError("last_n", "must be >= 0");
+}
+
+namespace {
+
+bool is_float_input(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+
+// 1-D int32 index tensor of `n` elements on the device of q.
+void check_index_vector(const TensorView& t, int64_t n, const TensorView& q, const char* name) {
+  check_rank(t, 1, name);
+  check_dtype(t, DType::kInt32, name);
+  check_same_device(t, q, name, "q");
+  if (t.shape[0] != n) {
+    throw ArgumentError(name, "expected " + std::to_string(n) + " elements, got " + std::to_string(t.shape[0]));
+  }
+}
+
+int32_t at1(const TensorView& t, int64_t i) { return t.ptr<const int32_t>()[i * t.stride[0]]; }
+
+// cu_seqlens: starts at 0, monotone, ends at `total`; every length <= max_len. Returns the lengths via starts.
+void check_cu_seqlens(const TensorView& cu, int64_t total, int64_t max_len, const char* name, const char* max_name,
+                      std::vector<int64_t>& starts, std::vector<int64_t>& lens) {
+  const int64_t batch = cu.shape[0] - 1;
+  starts.resize(batch);
+  lens.resize(batch);
+  if (at1(cu, 0) != 0) throw ArgumentError(name, "must start at 0, got " + std::to_string(at1(cu, 0)));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lo = at1(cu, b), hi = at1(cu, b + 1);
+    if (hi < lo) {
+      throw ArgumentError(name, "must be non-decreasing; entry " + std::to_string(b + 1) + " (" +
+                                    std::to_string(hi) + ") < entry " + std::to_string(b) + " (" +
+                                    std::to_string(lo) + ")");
+    }
+    if (hi - lo > max_len) {
+      throw ArgumentError(max_name, "sequence " + std::to_string(b) + " has length " + std::to_string(hi - lo) +
+                                        " > " + max_name + " = " + std::to_string(max_len));
+    }
+    starts[b] = lo;
+    lens[b] = hi - lo;
+  }
+  if (at1(cu, batch) != total) {
+    throw ArgumentError(name, "last entry (" + std::to_string(at1(cu, batch)) + ") must equal the number of rows (" +
+                                  std::to_string(total) + ")");
+  }
+}
+
+}  // namespace
+
+Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs) {
+  Problem p;
+  // q
+  check_rank(in.q, 3, "q");
+  if (!is_float_input(in.q.dtype)) {
+    throw ArgumentError("q", std::string("dtype must be float16, bfloat16 or float32, got ") + dtype_name(in.q.dtype),
+                        true);
+  }
+  check_last_dim_contiguous(in.q, "q");
+  p.dtype = in.q.dtype;
+  p.device = in.q.device;
+  p.total_q = in.q.shape[0];
+  p.num_q_heads = int(in.q.shape[1]);
+  p.head_dim = int(in.q.shape[2]);
+  if (p.num_q_heads <= 0) throw ArgumentError("q", "needs at least one head, got shape " + shape_string(in.q));
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    throw ArgumentError("q", "unsupported head dim " + std::to_string(p.head_dim) + " (supported: 64, 128)");
+  }
+
+  // k, v
+  p.paged = in.block_table.has_value();
+  const int kv_rank = p.paged ? 4 : 3;
+  for (const auto& [t, name] : {std::pair{&in.k, "k"}, std::pair{&in.v, "v"}}) {
+    if (t->ndim != kv_rank) {
+      throw ArgumentError(name, std::string("expected ") +
+                                    (p.paged ? "[num_pages, page_size, Hkv, D] (paged: block_table given)"
+                                             : "[total_k, Hkv, D]") +
+                                    ", got shape " + shape_string(*t));
+    }
+    check_rank(*t, kv_rank, name);
+    if (t->dtype != in.q.dtype) {
+      throw ArgumentError(name, std::string("dtype ") + dtype_name(t->dtype) + " does not match q's " +
+                                    dtype_name(in.q.dtype), true);
+    }
+    check_same_device(*t, in.q, name, "q");
+    check_last_dim_contiguous(*t, name);
+  }
+  for (int d = 0; d < kv_rank; ++d) {
+    if (in.v.shape[d] != in.k.shape[d]) {
+      throw ArgumentError("v", "shape " + shape_string(in.v) + " must equal k's shape " + shape_string(in.k));
+    }
+  }
+  p.num_kv_heads = int(in.k.shape[kv_rank - 2]);
+  if (in.k.shape[kv_rank - 1] != p.head_dim) {
+    throw ArgumentError("k", "head dim " + std::to_string(in.k.shape[kv_rank - 1]) + " does not match q's " +
+                                 std::to_string(p.head_dim));
+  }
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) {
+    throw ArgumentError("k", "the number of query heads (" + std::to_string(p.num_q_heads) +
+                                 ") must be a multiple of the number of KV heads (" +
+                                 std::to_string(p.num_kv_heads) + ")");
+  }
+  p.group_size = p.num_q_heads / p.num_kv_heads;
+  if (p.paged) {
+    p.num_pages = in.k.shape[0];
+    p.page_size = in.k.shape[1];
+    if (p.page_size < 1) throw ArgumentError("k", "page_size (dim 1) must be >= 1");
+    p.total_k = p.num_pages * p.page_size;
+  } else {
+    p.total_k = in.k.shape[0];
+  }
+
+  // scalars
+  if (in.max_seqlen_q < 0) throw ArgumentError("max_seqlen_q", "must be >= 0");
+  if (in.max_seqlen_k < 0) throw ArgumentError("max_seqlen_k", "must be >= 0");
+  if (in.window_left < -1 || in.window_right < -1) {
+    throw ArgumentError("window", "entries must be >= -1 (-1 = unbounded), got (" + std::to_string(in.window_left) +
+                                      ", " + std::to_string(in.window_right) + ")");
+  }
+  if (in.softmax_scale.has_value()) {
+    const float s = *in.softmax_scale;
+    if (!std::isfinite(s) || s <= 0.f) throw ArgumentError("softmax_scale", "must be finite and > 0");
+    p.softmax_scale = s;
+  } else {
+    p.softmax_scale = float(1.0 / std::sqrt(double(p.head_dim)));
+  }
+
+  // sequence descriptors
+  check_rank(in.cu_seqlens_q, 1, "cu_seqlens_q");
+  if (in.cu_seqlens_q.shape[0] < 2) throw ArgumentError("cu_seqlens_q", "needs at least 2 entries (batch + 1)");
+  p.batch = int(in.cu_seqlens_q.shape[0] - 1);
+  check_index_vector(in.cu_seqlens_q, p.batch + 1, in.q, "cu_seqlens_q");
+  if (p.paged) {
+    if (in.cu_seqlens_k.has_value()) {
+      throw ArgumentError("cu_seqlens_k", "must be None with paged KV (key lengths come from seqused_k)");
+    }
+    if (!in.seqused_k.has_value()) throw ArgumentError("seqused_k", "is required with paged KV (block_table given)");
+    const TensorView& bt = *in.block_table;
+    check_rank(bt, 2, "block_table");
+    check_dtype(bt, DType::kInt32, "block_table");
+    check_same_device(bt, in.q, "block_table", "q");
+    if (bt.shape[0] != p.batch) {
+      throw ArgumentError("block_table", "expected " + std::to_string(p.batch) + " rows (one per sequence), got " +
+                                             std::to_string(bt.shape[0]));
+    }
+    p.max_pages = bt.shape[1];
+    check_index_vector(*in.seqused_k, p.batch, in.q, "seqused_k");
+  } else {
+    if (in.seqused_k.has_value()) throw ArgumentError("seqused_k", "is only supported with paged KV");
+    if (!in.cu_seqlens_k.has_value()) throw ArgumentError("cu_seqlens_k", "is required with contiguous KV");
+    check_index_vector(*in.cu_seqlens_k, p.batch + 1, in.q, "cu_seqlens_k");
+  }
+
+  // outputs
+  if (outs) {
+    const TensorView& o = outs->out;
+    check_rank(o, 3, "out");
+    if (o.shape[0] != in.q.shape[0] || o.shape[1] != in.q.shape[1] || o.shape[2] != in.q.shape[2]) {
+      throw ArgumentError("out", "shape " + shape_string(o) + " must equal q's shape " + shape_string(in.q));
+    }
+    if (o.dtype != in.q.dtype) {
+      throw ArgumentError("out", std::string("dtype ") + dtype_name(o.dtype) + " must equal q's " +
+                                     dtype_name(in.q.dtype), true);
+    }
+    check_same_device(o, in.q, "out", "q");
+    check_last_dim_contiguous(o, "out");
+    if (outs->lse.has_value()) {
+      const TensorView& l = *outs->lse;
+      check_rank(l, 2, "lse");
+      check_dtype(l, DType::kFloat32, "lse");
+      check_same_device(l, in.q, "lse", "q");
+      if (l.shape[0] != p.num_q_heads || l.shape[1] != p.total_q) {
+        throw ArgumentError("lse", "expected shape [" + std::to_string(p.num_q_heads) + ", " +
+                                       std::to_string(p.total_q) + "], got " + shape_string(l));
+      }
+      check_last_dim_contiguous(l, "lse");
+    }
+  }
+
+  // Element checks need host-readable index tensors; the CUDA path trusts them (no synchronisation).
+  if (p.device != Device::kCPU) return p;
+  std::vector<int64_t> q_starts, q_lens, k_starts, k_lens;
+  check_cu_seqlens(in.cu_seqlens_q, p.total_q, in.max_seqlen_q, "cu_seqlens_q", "max_seqlen_q", q_starts, q_lens);
+  if (p.paged) {
+    const TensorView& bt = *in.block_table;
+    k_lens.resize(p.batch);
+    k_starts.assign(p.batch, 0);
+    for (int b = 0; b < p.batch; ++b) {
+      const int64_t used = at1(*in.seqused_k, b);
+      if (used < 0) throw ArgumentError("seqused_k", "entry " + std::to_string(b) + " is negative");
+      if (used > p.max_pages * p.page_size) {
+        throw ArgumentError("seqused_k", "entry " + std::to_string(b) + " (" + std::to_string(used) +
+                                             ") exceeds the pages given: block_table has " +
+                                             std::to_string(p.max_pages) + " pages of " +
+                                             std::to_string(p.page_size) + " tokens");
+      }
+      if (used > in.max_seqlen_k) {
+        throw ArgumentError("max_seqlen_k", "sequence " + std::to_string(b) + " uses " + std::to_string(used) +
+                                                " keys > max_seqlen_k = " + std::to_string(in.max_seqlen_k));
+      }
+      const int64_t pages = (used + p.page_size - 1) / p.page_size;
+      for (int64_t i = 0; i < pages; ++i) {
+        const int64_t page = bt.ptr<const int32_t>()[b * bt.stride[0] + i * bt.stride[1]];
+        if (page < 0 || page >= p.num_pages) {
+          throw ArgumentError("block_table", "page id " + std::to_string(page) + " at [" + std::to_string(b) + ", " +
+                                                 std::to_string(i) + "] is out of range [0, " +
+                                                 std::to_string(p.num_pages) + ")");
+        }
+      }
+      k_lens[b] = used;
+    }
+  } else {
+    check_cu_seqlens(*in.cu_seqlens_k, p.total_k, in.max_seqlen_k, "cu_seqlens_k", "max_seqlen_k", k_starts, k_lens);
+  }
+  p.seqs.resize(p.batch);
+  for (int b = 0; b < p.batch; ++b) p.seqs[b] = {q_starts[b], q_lens[b], k_starts[b], k_lens[b]};
+  return p;
+}
+
+void validate_index(const Problem& p, const BlockIndexView& index) {
+  if (index.block_size <= 0 || index.block_size % 64 != 0) {
+    throw ArgumentError("index", "block_size must be a positive multiple of 64, got " +
+                                     std::to_string(index.block_size));
+  }
+  int64_t segments = 0, total_blocks = 0;
+  for (const SequenceInfo& s : p.seqs) {
+    segments += p.num_kv_heads * num_tiles(s.q_len, p.group_size);
+    total_blocks += num_blocks(s.k_len, index.block_size);
+  }
+  for (const auto& [t, name] : {std::pair{&index.segment_start, "index.segment_start"},
+                                std::pair{&index.segment_end, "index.segment_end"}}) {
+    check_rank(*t, 1, name);
+    check_dtype(*t, DType::kInt32, name);
+    if (t->device != p.device) throw ArgumentError(name, "must be on the device of q", true);
+    if (t->shape[0] != segments) {
+      throw ArgumentError(name, "expected " + std::to_string(segments) +
+                                    " segments for these sequences (index built for other inputs?), got " +
+                                    std::to_string(t->shape[0]));
+    }
+  }
+  check_rank(index.block_ids, 1, "index.block_ids");
+  check_dtype(index.block_ids, DType::kInt32, "index.block_ids");
+  check_rank(index.cu_blocks, 1, "index.cu_blocks");
+  check_dtype(index.cu_blocks, DType::kInt32, "index.cu_blocks");
+  if (index.cu_blocks.shape[0] != p.batch + 1) {
+    throw ArgumentError("index.cu_blocks", "expected " + std::to_string(p.batch + 1) + " entries");
+  }
+  if (index.correction) {
+    for (const auto& [t, name] : {std::pair{&index.k_mean, "index.k_mean"}, std::pair{&index.v_mean, "index.v_mean"}}) {
+      check_rank(*t, 3, name);
+      check_dtype(*t, DType::kFloat32, name);
+      if (t->shape[0] != total_blocks || t->shape[1] != p.num_kv_heads || t->shape[2] != p.head_dim) {
+        throw ArgumentError(name, "expected shape [" + std::to_string(total_blocks) + ", " +
+                                      std::to_string(p.num_kv_heads) + ", " + std::to_string(p.head_dim) + "], got " +
+                                      shape_string(*t));
+      }
+      check_last_dim_contiguous(*t, name);
+    }
+  }
+  if (p.device != Device::kCPU) return;
+  int64_t expect = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    if (at1(index.cu_blocks, b) != expect) {
+      throw ArgumentError("index.cu_blocks", "does not match the key lengths (index built for other inputs?)");
+    }
+    expect += num_blocks(p.seqs[b].k_len, index.block_size);
+  }
+  if (at1(index.cu_blocks, p.batch) != expect) {
+    throw ArgumentError("index.cu_blocks", "does not match the key lengths (index built for other inputs?)");
+  }
+  const int64_t n = index.block_ids.shape[0];
+  int64_t seg = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t tiles = num_tiles(p.seqs[b].q_len, p.group_size);
+    const int64_t nb = num_blocks(p.seqs[b].k_len, index.block_size);
+    for (int64_t i = 0; i < p.num_kv_heads * tiles; ++i, ++seg) {
+      const int64_t lo = at1(index.segment_start, seg), hi = at1(index.segment_end, seg);
+      if (lo < 0 || hi < lo || hi > n) {
+        throw ArgumentError("index.segment_start", "segment " + std::to_string(seg) + " range [" +
+                                                       std::to_string(lo) + ", " + std::to_string(hi) +
+                                                       ") is invalid for " + std::to_string(n) + " block ids");
+      }
+      int64_t prev = -1;
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t id = at1(index.block_ids, j);
+        if (id <= prev || id >= nb) {
+          throw ArgumentError("index.block_ids", "segment " + std::to_string(seg) + " must list ascending block ids in [0, " +
+                                                     std::to_string(nb) + "), got " + std::to_string(id));
+        }
+        prev = id;
+      }
+    }
+  }
+}
+
+}  // namespace sparse_prefill

@@ -1,0 +1,28 @@
+// Argument checks shared by every entry point. Each throws ArgumentError naming the argument.
+#pragma once
+
+#include <string>
+
+#include "api/problem.h"
+#include "sparse_prefill/sparse.h"
+
+namespace sparse_prefill {
+
+std::string shape_string(const TensorView& t);
+void check_rank(const TensorView& t, int ndim, const char* name);
+void check_dtype(const TensorView& t, DType dtype, const char* name);
+void check_last_dim_contiguous(const TensorView& t, const char* name);
+void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name);
+void check_selection_params(const SelectionParams& params);
+
+// Number of selection tiles of a sequence with `q_len` queries and group size g.
+inline int64_t num_tiles(int64_t q_len, int group_size) {
+  return (q_len * group_size + kTileRows - 1) / kTileRows;
+}
+inline int64_t num_blocks(int64_t k_len, int block_size) { return (k_len + block_size - 1) / block_size; }
+
+// Checks an index view against a resolved (host-readable) problem: segment count, ranges, ascending block ids within
+// each sequence's block count, pooled-mean shapes.
+void validate_index(const Problem& p, const BlockIndexView& index);
+
+}  // namespace sparse_prefill

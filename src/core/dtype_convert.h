@@ -1,0 +1,94 @@
+// Scalar conversions between float and the 16-bit storage types (round to nearest even), host only.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "sparse_prefill/tensor.h"
+
+namespace sparse_prefill {
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return uint16_t((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+      mant &= 0x3ffu;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  uint32_t sign = (bits >> 16) & 0x8000u;
+  int32_t exp = int32_t((bits >> 23) & 0xffu);
+  uint32_t mant = bits & 0x7fffffu;
+  if (exp == 0xff) return uint16_t(sign | 0x7c00u | (mant ? 0x200u : 0u));
+  int32_t e = exp - 127 + 15;
+  if (e >= 0x1f) return uint16_t(sign | 0x7c00u);  // overflow -> inf
+  if (e <= 0) {                                     // subnormal or zero
+    if (e < -10) return uint16_t(sign);
+    mant |= 0x800000u;
+    uint32_t shift = uint32_t(14 - e);
+    uint32_t half_mant = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half_mant & 1u))) ++half_mant;
+    return uint16_t(sign | half_mant);
+  }
+  uint32_t h = sign | (uint32_t(e) << 10) | (mant >> 13);
+  uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: still correct
+  return uint16_t(h);
+}
+
+// Reads element `i` (in elements from `base`) of a float-like tensor as float.
+inline float load_as_float(const void* base, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(base)[i];
+    case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return 0.f;
+  }
+}
+
+inline void store_from_float(void* base, DType dtype, int64_t i, float x) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(base)[i] = x; break;
+    case DType::kFloat16: static_cast<uint16_t*>(base)[i] = float_to_half(x); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(x); break;
+    default: break;
+  }
+}
+
+}  // namespace sparse_prefill

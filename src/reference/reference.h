@@ -1,0 +1,60 @@
+// The CPU reference backend: plain, exact (double accumulation), readable. It is the oracle of every test.
+// Entry points take validated arguments (src/api/validate.cpp) and the resolved Problem.
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/problem.h"
+#include "sparse_prefill/sparse.h"
+
+namespace sparse_prefill::reference {
+
+// Keys and values of one (sequence, KV head) gathered into float rows [len, D] (contiguous or paged source).
+struct SequenceKV {
+  int64_t len = 0;
+  std::vector<float> k, v;
+};
+// Gathers every (sequence b, KV head h) pair; element [b * Hkv + h].
+std::vector<SequenceKV> gather_kv(const AttentionInputs& in, const Problem& p);
+
+// The keys query `i` of a sequence sees: the inclusive range [lo, hi] (empty when lo > hi).
+struct KeyRange {
+  int64_t lo, hi;
+  bool empty() const { return lo > hi; }
+};
+inline KeyRange visible_keys(int64_t i, int64_t q_len, int64_t k_len, bool causal, int window_left,
+                             int window_right) {
+  const int64_t diag = i + (k_len - q_len);  // bottom-right alignment
+  int64_t lo = 0, hi = k_len - 1;
+  if (causal) hi = std::min(hi, diag);
+  if (window_right >= 0) hi = std::min(hi, diag + window_right);
+  if (window_left >= 0) lo = std::max<int64_t>(lo, diag - window_left);
+  return {lo, hi};
+}
+
+// Block geometry of one selection tile (sequence, KV head, tile): which blocks each row can see.
+struct TileGeometry {
+  int64_t first_pos = 0, last_pos = 0;  // query positions covered by the tile's packed rows
+  int64_t row_begin = 0, row_end = 0;   // packed rows [row_begin, row_end)
+};
+TileGeometry tile_geometry(int64_t tile, int64_t q_len, int group_size);
+
+// Block J is fully visible to every row of the tile (the only blocks selection may drop, and the only ones the
+// mean correction may stand in for).
+bool block_fully_visible(const AttentionInputs& in, const SequenceInfo& s, const TileGeometry& tile, int64_t block,
+                         int block_size);
+
+void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
+void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
+             std::vector<float>& k_mean, std::vector<float>& v_mean);
+BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
+                      const Problem& p);
+BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index);
+
+// kept / visible counts of an index (listed blocks that the segment's tile can see, and all it can see).
+void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& index);
+
+}  // namespace sparse_prefill::reference

@@ -1,0 +1,208 @@
+// FlashPrefill V2 selection, exactly: pooled block means, per-tile scores s_rJ = scale * q_r . k_mean_J over the
+// blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
+// threshold, the always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
+#include <algorithm>
+#include <cmath>
+
+#include "api/validate.h"
+#include "core/dtype_convert.h"
+#include "reference/parallel.h"
+#include "reference/reference.h"
+
+namespace sparse_prefill::reference {
+namespace {
+
+// Blocks that some row of the tile sees (at least one key).
+std::vector<char> tile_visible_blocks(const AttentionInputs& in, const SequenceInfo& s, const TileGeometry& geo,
+                                      int block_size, int64_t nb) {
+  std::vector<char> visible(size_t(nb), 0);
+  for (int64_t pos = geo.first_pos; pos <= geo.last_pos; ++pos) {
+    const KeyRange r = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+    if (r.empty()) continue;
+    for (int64_t J = r.lo / block_size; J <= r.hi / block_size; ++J) visible[J] = 1;
+  }
+  return visible;
+}
+
+std::vector<int64_t> segment_offsets(const Problem& p) {
+  std::vector<int64_t> off(p.batch + 1, 0);
+  for (int b = 0; b < p.batch; ++b) off[b + 1] = off[b] + int64_t(p.num_kv_heads) * num_tiles(p.seqs[b].q_len, p.group_size);
+  return off;
+}
+
+// Concatenates per-segment lists into the CSR arrays.
+void compact(const std::vector<std::vector<int32_t>>& lists, BlockIndex& index) {
+  index.segment_start.resize(lists.size());
+  index.segment_end.resize(lists.size());
+  index.block_ids.clear();
+  for (size_t s = 0; s < lists.size(); ++s) {
+    index.segment_start[s] = int32_t(index.block_ids.size());
+    index.block_ids.insert(index.block_ids.end(), lists[s].begin(), lists[s].end());
+    index.segment_end[s] = int32_t(index.block_ids.size());
+  }
+}
+
+}  // namespace
+
+void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
+             std::vector<float>& k_mean, std::vector<float>& v_mean) {
+  const int D = p.head_dim, H = p.num_kv_heads;
+  cu_blocks.assign(p.batch + 1, 0);
+  for (int b = 0; b < p.batch; ++b) cu_blocks[b + 1] = cu_blocks[b] + int32_t(num_blocks(p.seqs[b].k_len, block_size));
+  k_mean.assign(size_t(cu_blocks[p.batch]) * H * D, 0.f);
+  v_mean.assign(k_mean.size(), 0.f);
+  parallel_for(int64_t(p.batch) * H, [&](int64_t item) {
+    const int b = int(item / H), h = int(item % H);
+    const SequenceKV& s = kv[item];
+    std::vector<double> ks(D), vs(D);
+    for (int64_t J = 0; J < num_blocks(s.len, block_size); ++J) {
+      const int64_t lo = J * block_size, hi = std::min<int64_t>(lo + block_size, s.len);
+      std::fill(ks.begin(), ks.end(), 0.0);
+      std::fill(vs.begin(), vs.end(), 0.0);
+      for (int64_t j = lo; j < hi; ++j) {
+        for (int d = 0; d < D; ++d) {
+          ks[d] += s.k[size_t(j) * D + d];
+          vs[d] += s.v[size_t(j) * D + d];
+        }
+      }
+      const size_t off = (size_t(cu_blocks[b] + J) * H + h) * D;
+      for (int d = 0; d < D; ++d) {
+        k_mean[off + d] = float(ks[d] / double(hi - lo));
+        v_mean[off + d] = float(vs[d] / double(hi - lo));
+      }
+    }
+  });
+}
+
+BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  BlockIndex index;
+  index.block_size = params.block_size;
+  index.group_size = p.group_size;
+  index.num_kv_heads = p.num_kv_heads;
+  index.head_dim = p.head_dim;
+  index.correction = params.correction;
+  const std::vector<SequenceKV> kv = gather_kv(in, p);
+  pool_kv(p, kv, params.block_size, index.cu_blocks, index.k_mean, index.v_mean);
+
+  const int D = p.head_dim, g = p.group_size, B = params.block_size, H = p.num_kv_heads;
+  const std::vector<int64_t> seg_offset = segment_offsets(p);
+  std::vector<std::vector<int32_t>> lists(size_t(seg_offset[p.batch]));
+  parallel_for(seg_offset[p.batch], [&](int64_t seg) {
+    const int b = int(std::upper_bound(seg_offset.begin(), seg_offset.end(), seg) - seg_offset.begin() - 1);
+    const SequenceInfo& s = p.seqs[b];
+    const int64_t tiles = num_tiles(s.q_len, g);
+    const int kvh = int((seg - seg_offset[b]) / tiles);
+    const int64_t tile = (seg - seg_offset[b]) % tiles;
+    const int64_t nb = num_blocks(s.k_len, B);
+    const TileGeometry geo = tile_geometry(tile, s.q_len, g);
+    const std::vector<char> visible = tile_visible_blocks(in, s, geo, B, nb);
+
+    // Scores of every row against the pooled keys it sees; tile maximum.
+    const float* k_mean = &index.k_mean[size_t(index.cu_blocks[b]) * H * D];
+    const int64_t rows = geo.row_end - geo.row_begin;
+    std::vector<double> score(size_t(rows * nb), -std::numeric_limits<double>::infinity());
+    std::vector<float> q(D);
+    double tile_max = -std::numeric_limits<double>::infinity();
+    for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
+      const int64_t pos = r / g;
+      const int h = kvh * g + int(r % g);
+      const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+      if (keys.empty()) continue;
+      const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
+      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+      for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
+        const float* km = k_mean + (size_t(J) * H + kvh) * D;
+        double dot = 0;
+        for (int d = 0; d < D; ++d) dot += double(q[d]) * double(km[d]);
+        const double sc = double(p.softmax_scale) * dot;
+        score[size_t((r - geo.row_begin) * nb + J)] = sc;
+        tile_max = std::max(tile_max, sc);
+      }
+    }
+    // Block energies and their maximum.
+    std::vector<double> energy(size_t(nb), 0.0);
+    double energy_max = 0;
+    for (int64_t J = 0; J < nb; ++J) {
+      if (!visible[J]) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        const double sc = score[size_t(r * nb + J)];
+        if (sc != -std::numeric_limits<double>::infinity()) energy[J] += std::exp(sc - tile_max);
+      }
+      energy_max = std::max(energy_max, energy[J]);
+    }
+    // Keep: above threshold, or always kept (not prunable, sink, window band, last tiles).
+    const bool last_tile = tile >= tiles - params.last_n;
+    std::vector<char> band(size_t(nb), 0);
+    if (params.window > 0) {
+      for (int64_t pos = geo.first_pos; pos <= geo.last_pos; ++pos) {
+        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+        const int64_t diag = pos + s.k_len - s.q_len;
+        const int64_t lo = std::max(keys.lo, diag - params.window + 1), hi = std::min(keys.hi, diag);
+        if (lo > hi) continue;
+        for (int64_t J = lo / B; J <= hi / B; ++J) band[J] = 1;
+      }
+    }
+    std::vector<int32_t>& list = lists[size_t(seg)];
+    for (int64_t J = 0; J < nb; ++J) {
+      if (!visible[J]) continue;
+      const bool keep = last_tile || energy[J] >= double(params.alpha) * energy_max || J * B < params.sink ||
+                        band[J] || !block_fully_visible(in, s, geo, J, B);
+      if (keep) list.push_back(int32_t(J));
+    }
+  });
+  compact(lists, index);
+  count_density(in, p, index);
+  return index;
+}
+
+void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& index) {
+  const std::vector<int64_t> seg_offset = segment_offsets(p);
+  index.kept_blocks = index.visible_blocks = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SequenceInfo& s = p.seqs[b];
+    const int64_t tiles = num_tiles(s.q_len, p.group_size);
+    const int64_t nb = num_blocks(s.k_len, index.block_size);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const std::vector<char> visible =
+          tile_visible_blocks(in, s, tile_geometry(t, s.q_len, p.group_size), index.block_size, nb);
+      const int64_t visible_count = std::count(visible.begin(), visible.end(), char(1));
+      for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+        const int64_t seg = seg_offset[b] + kvh * tiles + t;
+        index.visible_blocks += visible_count;
+        for (int32_t n = index.segment_start[seg]; n < index.segment_end[seg]; ++n) {
+          index.kept_blocks += visible[index.block_ids[n]];
+        }
+      }
+    }
+  }
+}
+
+BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
+  BlockIndex u = index;  // metadata and pooled means carry over
+  const std::vector<int64_t> seg_offset = segment_offsets(p);
+  u.block_ids.clear();
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t tiles = num_tiles(p.seqs[b].q_len, p.group_size);
+    const int64_t nb = num_blocks(p.seqs[b].k_len, index.block_size);
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      std::vector<char> in_union(size_t(nb), 0);
+      const int64_t first = seg_offset[b] + kvh * tiles;
+      for (int64_t seg = first; seg < first + tiles; ++seg) {
+        for (int32_t n = index.segment_start[seg]; n < index.segment_end[seg]; ++n) in_union[index.block_ids[n]] = 1;
+      }
+      const int32_t start = int32_t(u.block_ids.size());
+      for (int64_t J = 0; J < nb; ++J) {
+        if (in_union[J]) u.block_ids.push_back(int32_t(J));
+      }
+      const int32_t end = int32_t(u.block_ids.size());
+      for (int64_t seg = first; seg < first + tiles; ++seg) {
+        u.segment_start[seg] = start;
+        u.segment_end[seg] = end;
+      }
+    }
+  }
+  count_density(in, p, u);
+  return u;
+}
+
+}  // namespace sparse_prefill::reference
