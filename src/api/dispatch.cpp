@@ -71,10 +71,18 @@ BlockIndexView view_of(BlockIndex& index) {
   v.segment_end = make_view(index.segment_end.data(), DType::kInt32, {int64_t(index.segment_end.size())});
   v.block_ids = make_view(index.block_ids.data(), DType::kInt32, {int64_t(index.block_ids.size())});
   v.cu_blocks = make_view(index.cu_blocks.data(), DType::kInt32, {int64_t(index.cu_blocks.size())});
-  const int64_t rows = index.cu_blocks.empty() ? 0 : index.cu_blocks.back();
-  const int64_t d = index.head_dim;
-  v.k_mean = make_view(index.k_mean.data(), DType::kFloat32, {rows, index.num_kv_heads, d});
-  v.v_mean = make_view(index.v_mean.data(), DType::kFloat32, {rows, index.num_kv_heads, d});
+  // Pooled-mean views take their extent from the vectors themselves, so a mismatched index fails validation
+  // instead of being read out of bounds.
+  const int64_t row = int64_t(index.num_kv_heads) * index.head_dim;
+  auto pooled_view = [&](std::vector<float>& m, const char* name) {
+    if (row <= 0 || int64_t(m.size()) % row != 0) {
+      throw ArgumentError(name, "holds " + std::to_string(m.size()) + " floats, not a multiple of Hkv * D = " +
+                                    std::to_string(row));
+    }
+    return make_view(m.data(), DType::kFloat32, {int64_t(m.size()) / row, index.num_kv_heads, index.head_dim});
+  };
+  v.k_mean = pooled_view(index.k_mean, "index.k_mean");
+  v.v_mean = pooled_view(index.v_mean, "index.v_mean");
   return v;
 }
 

@@ -32,7 +32,7 @@ void check_dtype(const TensorView& t, DType dtype, const char* name) {
 }
 
 void check_last_dim_contiguous(const TensorView& t, const char* name) {
-  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
+  if (t.ndim > 0 && t.numel() > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
     throw ArgumentError(name, "the last dimension must be contiguous (stride 1), got stride " +
                                   std::to_string(t.stride[t.ndim - 1]));
   }

@@ -1,0 +1,29 @@
+"""SparsePrefill: fast prefill of long prompts — dense attention, block-sparse prefill (FlashPrefill V2) and
+chunked-prefill block union — for numpy, torch, cupy and jax arrays.
+
+    import sparse_prefill as sp
+    out, lse = sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal=True, softmax_scale=None, window=(-1, -1), out=None, return_lse=True)
+    out = sp.attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
+                       block_table=block_table, seqused_k=seqused_k)                      # paged KV
+    index = sp.build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=True)
+    out = sp.sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
+    q, k, v = sp.workload.topic(8192, num_q_heads=32, num_kv_heads=8, head_dim=128, seed=0)
+
+CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
+NotImplementedError). See sparse_prefill._api for shapes, masking and error conventions.
+"""
+
+from . import _C
+from ._api import Index, attention, build_index, pool_kv, sparse_attention, sparse_prefill, union_index
+from . import workload
+
+with_cuda: bool = bool(_C.with_cuda)
+"""True when the extension was built with the CUDA backend."""
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "union_index", "pool_kv", "Index",
+           "workload", "with_cuda", "__version__"]

@@ -1,0 +1,476 @@
+"""The public functions of sparse_prefill: dense attention, block-sparse prefill, block union, KV pooling.
+
+Vocabulary and argument names follow flash_attn_varlen_func so that adopting SparsePrefill is a one-line change.
+Every array argument may come from numpy, torch, cupy or jax (any DLPack producer); all arrays of one call must come
+from one array library, and outputs are allocated in it, on the device of `q`.
+
+Shapes (B sequences, Hq query heads, Hkv KV heads, head dim D in {64, 128}; Hq % Hkv == 0):
+    q                   [total_q, Hq, D]           float32 / float16 / bfloat16
+    k, v (contiguous)   [total_k, Hkv, D]          with cu_seqlens_k [B+1] int32
+    k, v (paged)        [num_pages, page_size, Hkv, D]  with block_table [B, max_pages] int32, seqused_k [B] int32,
+                                                        and cu_seqlens_k=None
+    cu_seqlens_q        [B+1] int32, monotone, cu_seqlens_q[-1] == total_q
+    out                 [total_q, Hq, D]           q's dtype
+    lse                 [Hq, total_q]              float32, natural log; -inf for rows that see no key
+
+Masking: causal is aligned bottom-right (query i of a sequence with Lq queries and Lk keys sees key j iff
+j <= i + Lk - Lq); `window=(left, right)` bounds the keys to [diag - left, diag + right] (-1 = unbounded).
+A row that sees no key outputs zeros and lse = -inf.
+
+Errors: bad arguments raise ValueError (values, shapes) or TypeError (types, dtypes, devices, array libraries);
+the message starts with the argument's name and the exception carries it as `.argument` when raised by the library.
+A valid call that a backend does not implement (e.g. a CUDA path not built yet) raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _C
+from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
+
+__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "union_index", "pool_kv", "Index"]
+
+_TILE_ROWS = int(_C.tile_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks done in Python (the rest happens once, in C++)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _as_int32(name: str, value: Any) -> int:
+    v = _as_int(name, value)
+    if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
+        raise ValueError(f"{name}: {v} does not fit in int32")
+    return v
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _as_window(window: Any) -> Tuple[int, int]:
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(f"window: expected a pair (left, right) of ints, got {type(window).__name__}")
+    if len(window) != 2:
+        raise ValueError(f"window: expected a pair (left, right) of ints, got {len(window)} entries")
+    left, right = (_as_int32("window", w) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window: entries must be >= -1 (-1 = unbounded), got ({left}, {right})")
+    return left, right
+
+
+class _Call:
+    """One call's arrays, checked for kind and array library, converted for the extension.
+
+    `ref` names the array whose library and device the call uses (q, or k for pool_kv).
+    """
+
+    _REQUIRED = ("q", "k", "v", "cu_seqlens_q")
+
+    def __init__(self, arrays: dict, out: Any = None, ref: str = "q"):
+        first = arrays[ref]
+        name = library_of(first)
+        if name is None:
+            raise TypeError(f"{ref}: expected an array (numpy, torch, cupy, jax or any DLPack producer), got "
+                            f"{type(first).__name__}")
+        for key, x in arrays.items():
+            if x is None:
+                if key in self._REQUIRED:
+                    raise TypeError(f"{key}: is required, got None")
+                continue
+            other = library_of(x)
+            if other is None:
+                raise TypeError(f"{key}: expected an array (numpy, torch, cupy, jax or any DLPack producer), got "
+                                f"{type(x).__name__}")
+            if other != name:
+                raise TypeError(f"{key}: is a {other} array but {ref} is a {name} array; pass every array of a "
+                                "call from one array library")
+        self.lib = ArrayLib(name, first)
+        if out is not None:
+            if name == "jax":
+                raise TypeError("out: jax arrays are immutable, so out= is not supported for jax inputs")
+            other = library_of(out)
+            if other != name:
+                raise TypeError(f"out: is a {other or type(out).__name__} array but {ref} is a {name} array")
+        self.arrays = {k: self._wrap(x) for k, x in arrays.items()}
+        if "q" in self.arrays:
+            qw = self.arrays["q"]
+            if len(qw.shape) != 3:
+                raise ValueError(f"q: expected a 3-dimensional array [total_q, Hq, D], got shape {tuple(qw.shape)}")
+
+    def _wrap(self, x: Any) -> Any:
+        x = self.lib.wrap_in(x)
+        if self.lib.compute == "torch" and x is not None and x.requires_grad:
+            x = x.detach()  # forward only; DLPack refuses tensors that require grad
+        return x
+
+    def inputs(self, max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, softmax_scale: Any,
+               window: Any = (-1, -1), stream: Any = None) -> tuple:
+        a = self.arrays
+        max_q = _as_int("max_seqlen_q", max_seqlen_q)
+        max_k = _as_int("max_seqlen_k", max_seqlen_k)
+        if max_q < 0:
+            raise ValueError(f"max_seqlen_q: must be >= 0, got {max_q}")
+        if max_k < 0:
+            raise ValueError(f"max_seqlen_k: must be >= 0, got {max_k}")
+        if max(max_q, max_k) >= 2**62:
+            raise ValueError("max_seqlen_q: too large" if max_q >= 2**62 else "max_seqlen_k: too large")
+        scale = None if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
+        left, right = _as_window(window)
+        return (a["q"], a["k"], a["v"], a["cu_seqlens_q"], a.get("cu_seqlens_k"), a.get("block_table"),
+                a.get("seqused_k"), max_q, max_k, _as_bool("causal", causal), scale, left, right,
+                resolve_stream(stream, self.lib))
+
+    def outputs(self, out: Any, return_lse: bool):
+        """(out for C++, lse for C++ or None, out to return)."""
+        q = self.arrays["q"]
+        if out is None:
+            out_c = self.lib.empty(q.shape, q.dtype)
+            out_ret = None
+        else:
+            out_c = out
+            if self.lib.compute == "torch" and out.requires_grad:
+                raise TypeError("out: must not require grad (it is written in place)")
+            out_ret = out
+        lse = self.lib.empty((q.shape[1], q.shape[0]), "float32") if return_lse else None
+        return out_c, lse, out_ret
+
+    def result(self, out_c: Any, lse: Any, out_ret: Any, return_lse: bool):
+        out_r = out_ret if out_ret is not None else self.lib.wrap_out(out_c)
+        if return_lse:
+            return out_r, self.lib.wrap_out(lse)
+        return out_r
+
+
+def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> dict:
+    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+            "block_table": block_table, "seqused_k": seqused_k}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dense attention
+# ---------------------------------------------------------------------------------------------------------------------
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+              softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
+              return_lse: bool = False, block_table=None, seqused_k=None, stream=None):
+    """Dense varlen attention: out = softmax(q k^T * softmax_scale + mask) v, per sequence and query head.
+
+    Args:
+        q: [total_q, Hq, D] queries (float32, float16 or bfloat16).
+        k, v: contiguous [total_k, Hkv, D] or, with `block_table`, paged [num_pages, page_size, Hkv, D]
+            (any page_size >= 1). Query head h reads KV head h // (Hq // Hkv).
+        cu_seqlens_q: [B+1] int32 offsets of the sequences in q.
+        cu_seqlens_k: [B+1] int32 offsets in k/v; must be None with paged KV.
+        max_seqlen_q, max_seqlen_k: upper bounds of the per-sequence lengths (checked on the CPU).
+        causal: bottom-right aligned causal mask.
+        softmax_scale: default 1/sqrt(D).
+        window: sliding window (left, right) in the causal alignment; -1 = unbounded.
+        out: optional [total_q, Hq, D] array of q's dtype, written in place and returned.
+        return_lse: also return lse [Hq, total_q] float32 (default False, like flash_attn_varlen_func).
+        block_table: [B, max_pages] int32 page ids (paged KV).
+        seqused_k: [B] int32 key lengths (paged KV).
+        stream: CUDA stream (int handle, torch.cuda.Stream or cupy Stream); default: the caller library's current
+            stream (torch.cuda.current_stream() for torch) for CUDA arrays.
+
+    Returns:
+        out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.
+    """
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream)
+    return_lse = _as_bool("return_lse", return_lse)
+    out_c, lse, out_ret = call.outputs(out, return_lse)
+    _C.attention(inputs, out_c, lse)
+    return call.result(out_c, lse, out_ret, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The block index
+# ---------------------------------------------------------------------------------------------------------------------
+
+class Index:
+    """A block-sparse selection (CSR over segments), produced by build_index() or union_index().
+
+    A segment is one (sequence b, KV head, query tile); a tile is 128 PackGQA rows (row r <-> position r // g of query
+    head kv_head * g + r % g, g = Hq // Hkv). Segments are ordered by sequence, then KV head, then tile:
+    id = segment_offsets[b] + kv_head * tiles[b] + tile. Segment s lists the kept block ids (per sequence, ascending)
+    block_ids[segment_start[s]:segment_end[s]]; in union mode all tiles of a (sequence, KV head) share one list.
+
+    Attributes:
+        density: kept_blocks / visible_blocks (1.0 when nothing is visible).
+        kept_blocks, visible_blocks: summed over segments, counting only blocks the segment's tile can see.
+        block_size, group_size, num_kv_heads, head_dim, correction, mode ('tile' or 'union').
+        segment_start, segment_end: [S] int32.   block_ids: [N] int32.   cu_blocks: [B+1] int32 (block offsets).
+        k_mean, v_mean: [total_blocks, Hkv, D] float32 pooled block means (a tail block averages its valid keys).
+        The arrays live in the array library and on the device of the inputs the index was built from (numpy for
+        CPU numpy and jax inputs; cupy for CUDA jax inputs). `host` holds numpy copies.
+
+    An index may be passed to sparse_attention() with inputs of another array library or device: its arrays are then
+    copied there once and cached.
+    """
+
+    _ARRAYS = ("segment_start", "segment_end", "block_ids", "cu_blocks", "k_mean", "v_mean")
+
+    def __init__(self, d: dict, lib: ArrayLib, cu_seqlens_q: Any, mode: str):
+        self.block_size = int(d["block_size"])
+        self.group_size = int(d["group_size"])
+        self.num_kv_heads = int(d["num_kv_heads"])
+        self.correction = bool(d["correction"])
+        self.kept_blocks = int(d["kept_blocks"])
+        self.visible_blocks = int(d["visible_blocks"])
+        self.mode = mode
+        self.host = {name: d[name] for name in self._ARRAYS}
+        self.head_dim = int(d["head_dim"])
+        self._lib = lib
+        self._cu_seqlens_q = cu_seqlens_q  # read lazily (may be a device array)
+        self._tiles = None
+        self._cache = {}
+        for name in self._ARRAYS:
+            setattr(self, name, self._host_to(lib, self.host[name]))
+
+    # -- geometry ---------------------------------------------------------------------------------------------------
+    @property
+    def density(self) -> float:
+        return self.kept_blocks / self.visible_blocks if self.visible_blocks else 1.0
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.host["segment_start"].shape[0])
+
+    @property
+    def batch(self) -> int:
+        return int(self.host["cu_blocks"].shape[0]) - 1
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """[B] number of query tiles of each sequence: ceil(Lq_b * group_size / 128)."""
+        if self._tiles is None:
+            cu = to_numpy(self._cu_seqlens_q).astype(np.int64)
+            self._tiles = (np.diff(cu) * self.group_size + _TILE_ROWS - 1) // _TILE_ROWS
+        return self._tiles
+
+    @property
+    def segment_offsets(self) -> np.ndarray:
+        """[B+1] first segment id of each sequence."""
+        return np.concatenate([[0], np.cumsum(self.tiles * self.num_kv_heads)]).astype(np.int64)
+
+    def segment_id(self, b: int, kv_head: int, tile: int) -> int:
+        b, kv_head, tile = (_as_int(n, x) for n, x in (("b", b), ("kv_head", kv_head), ("tile", tile)))
+        tiles = self.tiles
+        if not 0 <= b < len(tiles):
+            raise ValueError(f"b: sequence {b} out of range [0, {len(tiles)})")
+        if not 0 <= kv_head < self.num_kv_heads:
+            raise ValueError(f"kv_head: {kv_head} out of range [0, {self.num_kv_heads})")
+        if not 0 <= tile < tiles[b]:
+            raise ValueError(f"tile: {tile} out of range [0, {int(tiles[b])}) for sequence {b}")
+        return int(self.segment_offsets[b] + kv_head * tiles[b] + tile)
+
+    def segment(self, b: int, kv_head: int, tile: int) -> np.ndarray:
+        """The kept block ids (ascending, per-sequence numbering) of sequence b, KV head kv_head, query tile tile."""
+        s = self.segment_id(b, kv_head, tile)
+        lo, hi = int(self.host["segment_start"][s]), int(self.host["segment_end"][s])
+        return self.host["block_ids"][lo:hi].copy()
+
+    def __repr__(self) -> str:
+        return (f"Index(mode={self.mode!r}, density={self.density:.4f}, kept_blocks={self.kept_blocks}, "
+                f"visible_blocks={self.visible_blocks}, segments={self.num_segments}, block_size={self.block_size}, "
+                f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, correction={self.correction})")
+
+    # -- placement --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _host_to(lib: ArrayLib, a: np.ndarray) -> Any:
+        return lib.from_numpy(a)
+
+    def _arrays_for(self, lib: ArrayLib) -> tuple:
+        """The index arrays in the compute library and on the device of `lib` (copied once, then cached)."""
+        mine = self._lib
+        if lib.compute == mine.compute and lib.cuda == mine.cuda and (not lib.cuda or
+                                                                       lib.device_id == mine.device_id):
+            return tuple(getattr(self, n) for n in self._ARRAYS)
+        key = (lib.compute, lib.cuda, lib.device_id if lib.cuda else 0,
+               str(getattr(lib.ref, "device", "")) if lib.compute == "torch" else "")
+        if key not in self._cache:
+            self._cache[key] = tuple(lib.from_numpy(self.host[n]) for n in self._ARRAYS)
+        return self._cache[key]
+
+    def _view_tuple(self, lib: ArrayLib) -> tuple:
+        return (self.block_size, self.correction) + self._arrays_for(lib)
+
+    def _host_tuple(self) -> tuple:
+        h = self.host
+        return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
+                h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
+                self.visible_blocks)
+
+
+def _selection_args(alpha, block_size, sink, window, last_n, correction) -> tuple:
+    return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
+            _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction))
+
+
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
+                block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
+                causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
+                stream=None) -> Index:
+    """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
+
+    For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
+    E_IJ = sum_r exp(q_r . kmean_J * scale - M_I) >= alpha * max_J E_IJ, plus the blocks of the first `sink` tokens,
+    the blocks meeting the `window` tokens before each query, and every visible block for the last `last_n` tiles of
+    each sequence. alpha=0 keeps every visible block (sparse_attention then equals attention).
+
+    KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None).
+    `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
+    block_size must be a positive multiple of 64. `correction` is recorded in the index: sparse_attention then adds,
+    for every dropped block fully visible to the whole tile, one virtual key kmean_J with value vmean_J and
+    weight |B_J|.
+
+    Returns:
+        Index (see its docstring); `index.density` is kept / visible blocks.
+    """
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    d = _C.build_index(inputs, *_selection_args(alpha, block_size, sink, window, last_n, correction))
+    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "tile")
+
+
+def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     causal: bool = True, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
+                     block_table=None, seqused_k=None, stream=None):
+    """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
+    correction for the dropped, fully visible blocks when index.correction is set.
+
+    The KV arguments are those of attention(); `index` must come from build_index() or union_index() on inputs of
+    the same shapes and lengths. Returns out, or (out, lse) when return_lse is True.
+    """
+    if not isinstance(index, Index):
+        raise TypeError(f"index: expected a sparse_prefill.Index (from build_index or union_index), got "
+                        f"{type(index).__name__}")
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    return_lse = _as_bool("return_lse", return_lse)
+    out_c, lse, out_ret = call.outputs(out, return_lse)
+    _C.sparse_attention(inputs, index._view_tuple(call.lib), out_c, lse)
+    return call.result(out_c, lse, out_ret, return_lse)
+
+
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
+                   block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
+                   correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
+                   return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
+                   stream=None):
+    """build_index() + sparse_attention() in one call (same arguments as the two).
+
+    Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
+    """
+    index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
+                        block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
+                        causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
+                        stream=stream)
+    res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                           softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
+                           seqused_k=seqused_k, stream=stream)
+    if not _as_bool("return_index", return_index):
+        return res
+    return (res + (index,)) if isinstance(res, tuple) else (res, index)
+
+
+def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
+                stream=None) -> Index:
+    """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
+    its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union').
+
+    Pass the inputs `index` was built from (the shapes and lengths are needed to lay the segments out).
+    """
+    if not isinstance(index, Index):
+        raise TypeError(f"index: expected a sparse_prefill.Index, got {type(index).__name__}")
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    d = _C.union_index(inputs, index._host_tuple())
+    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union")
+
+
+def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[int] = None, block_table=None,
+            seqused_k=None, stream=None):
+    """Pooled block means of K and V: block J of sequence b averages its keys (a tail block its valid keys).
+
+    Contiguous (k, v [total_k, Hkv, D] + cu_seqlens_k) or paged (k, v [num_pages, page_size, Hkv, D] + block_table +
+    seqused_k, cu_seqlens_k=None) KV. max_seqlen_k defaults to the longest sequence (read from the host).
+
+    Returns:
+        (k_mean, v_mean, cu_blocks): [total_blocks, Hkv, D] float32 twice and [B+1] int32 block offsets, in k's
+        array library and device.
+    """
+    block_size = _as_int32("block_size", block_size)
+    call = _Call({"k": k, "v": v, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
+                  "seqused_k": seqused_k}, ref="k")
+    a = call.arrays
+    paged = block_table is not None
+    kv_rank = 4 if paged else 3
+    if len(a["k"].shape) != kv_rank:
+        raise ValueError(f"k: expected a {kv_rank}-dimensional array "
+                         f"{'[num_pages, page_size, Hkv, D]' if paged else '[total_k, Hkv, D]'}, got shape "
+                         f"{tuple(a['k'].shape)}")
+    if paged:
+        bt = a["block_table"]
+        if len(bt.shape) != 2 or bt.shape[0] < 1:
+            raise ValueError(f"block_table: expected a 2-dimensional array [B, max_pages] with B >= 1, got shape "
+                             f"{tuple(bt.shape)}")
+        batch = int(bt.shape[0])
+    else:
+        cu = a["cu_seqlens_k"]
+        if cu is None:
+            raise ValueError("cu_seqlens_k: is required with contiguous KV (or pass block_table and seqused_k)")
+        if len(cu.shape) != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_k: expected a 1-dimensional array of B+1 >= 2 entries, got shape "
+                             f"{tuple(cu.shape)}")
+        batch = int(cu.shape[0]) - 1
+    if max_seqlen_k is None:
+        if paged:
+            used = to_numpy(a["seqused_k"]) if a["seqused_k"] is not None else np.zeros(0)
+            max_seqlen_k = int(used.max()) if used.size else 0
+        else:
+            max_seqlen_k = int(np.diff(to_numpy(a["cu_seqlens_k"]).astype(np.int64)).max())
+    # The C++ entry point takes full attention inputs; q is a zero-row stand-in (group size 1) used for shapes only.
+    kw = a["k"]
+    a["q"] = call.lib.empty((0, kw.shape[-2], kw.shape[-1]), kw.dtype)
+    a["cu_seqlens_q"] = call.lib.zeros((batch + 1,), "int32")
+    inputs = call.inputs(0, max_seqlen_k, True, None, (-1, -1), stream)
+    try:
+        d = _C.pool_kv(inputs, block_size)
+    except (ValueError, TypeError) as e:
+        if getattr(e, "argument", None) != "q":
+            raise
+        # the stand-in q mirrors k's head count and head dim: report its problems against k
+        err = type(e)("k" + str(e)[1:])
+        err.argument = "k"
+        raise err from None
+    return tuple(call.lib.wrap_out(call.lib.from_numpy(d[n])) for n in ("k_mean", "v_mean", "cu_blocks"))

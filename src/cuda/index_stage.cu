@@ -1,0 +1,478 @@
+// GPU index stage (FlashPrefill V2 selection). See index_stage.h for the design; docs/semantics.md for the rules.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+
+#include "api/validate.h"
+#include "cuda/index_stage.h"
+
+namespace sparse_prefill::cuda {
+namespace {
+
+constexpr int kChunk = 64;           // pooled blocks scored per step: S chunk is 128 rows x 64 blocks
+constexpr int kScoreThreads = 128;   // 4 warps x 32 packed rows
+constexpr int kPoolThreadsMax = 128;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+
+struct SeqArgs {
+  const int32_t* cu_q;
+  const int32_t* cu_k;         // contiguous KV (else null)
+  const int32_t* seqused_k;    // paged KV (else null)
+  int batch;
+  __device__ int64_t q_start(int b) const { return cu_q[b]; }
+  __device__ int64_t q_len(int b) const { return cu_q[b + 1] - cu_q[b]; }
+  __device__ int64_t k_start(int b) const { return cu_k ? cu_k[b] : 0; }
+  __device__ int64_t k_len(int b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : seqused_k[b]; }
+};
+
+// Largest b in [0, batch) with cu[b] <= idx (skips empty sequences).
+__device__ int find_sequence(const int32_t* cu, int batch, int64_t idx) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu[mid] <= idx) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Serial prefix sums over the batch (B is small; microseconds) and counter reset.
+__global__ void plan_kernel(SeqArgs seq, int group_size, int block_size, int num_kv_heads, int32_t* cu_tiles,
+                            int32_t* cu_blocks, int64_t* cu_capacity, unsigned long long* counters) {
+  int64_t tiles = 0, blocks = 0, cap = 0;
+  cu_tiles[0] = 0; cu_blocks[0] = 0; cu_capacity[0] = 0;
+  for (int b = 0; b < seq.batch; ++b) {
+    const int64_t t = (seq.q_len(b) * group_size + kTileRows - 1) / kTileRows;
+    const int64_t nb = (seq.k_len(b) + block_size - 1) / block_size;
+    tiles += t; blocks += nb; cap += num_kv_heads * t * nb;
+    cu_tiles[b + 1] = int32_t(tiles); cu_blocks[b + 1] = int32_t(blocks); cu_capacity[b + 1] = cap;
+  }
+  counters[0] = counters[1] = 0;
+}
+
+struct KVArgs {
+  const void* k;
+  const void* v;
+  int64_t k_stride[3], v_stride[3];  // contiguous: row, head; paged: page, slot, head
+  const int32_t* block_table;
+  int64_t bt_stride0, bt_stride1;
+  int64_t page_size;
+};
+
+template <typename T>
+__device__ float to_float(T x);
+template <> __device__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ float to_float<__half>(__half x) { return __half2float(x); }
+template <typename T>
+__device__ T from_float(float x);
+template <> __device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __half from_float<__half>(float x) { return __float2half(x); }
+
+// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys.
+template <typename T>
+__global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads, int head_dim,
+                            const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp) {
+  const int64_t idx = blockIdx.x;
+  if (idx >= cu_blocks[seq.batch]) return;
+  const int kvh = blockIdx.y;
+  const int b = find_sequence(cu_blocks, seq.batch, idx);
+  const int64_t J = idx - cu_blocks[b];
+  const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
+  const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float ks = 0.f, vs = 0.f;
+    for (int64_t j = lo; j < hi; ++j) {
+      int64_t ko, vo;
+      if (kv.block_table) {
+        const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+        const int64_t slot = j % kv.page_size;
+        ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
+        vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
+      } else {
+        ko = (k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
+        vo = (k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
+      }
+      ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
+      vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
+    }
+    const float inv = 1.f / float(hi - lo);
+    const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
+    k_mean[o] = ks * inv;
+    v_mean[o] = vs * inv;
+    k_mean_lowp[o] = from_float<T>(ks * inv);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct SelectArgs {
+  float alpha;
+  int block_size, sink, window, last_n;
+  float scale_log2;  // softmax_scale * log2(e): energies are computed with exp2
+};
+
+struct QArgs {
+  const void* q;
+  int64_t stride_row, stride_head;
+};
+
+// One CTA per (tile, KV head). Warp w owns packed rows [32w, 32w + 32) of the tile as two m16 MMA tiles; the pooled
+// keys stream through shared memory 64 blocks at a time.
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
+    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, const int32_t* cu_tiles,
+    const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp, int32_t* segment_start,
+    int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
+  constexpr int kPitch = D + 8;  // +16 B per row: the 8 rows a B-fragment load touches fall in distinct banks
+  constexpr int kWarps = kScoreThreads / 32;
+  __shared__ __align__(16) T kchunk[2][kChunk * kPitch];  // double buffer: chunk c+1 loads while c is scored
+  __shared__ float red[kWarps];
+  __shared__ float warp_max[kWarps];
+  __shared__ float colsum[kWarps][kChunk];
+  __shared__ int warp_count[kWarps];
+  extern __shared__ float dyn[];  // energy[nb_max] then chunk_max[nb_max / 64 + 1]
+
+  const int64_t tile_idx = blockIdx.x;
+  if (tile_idx >= cu_tiles[seq.batch]) return;
+  const int kvh = blockIdx.y;
+  const int b = find_sequence(cu_tiles, seq.batch, tile_idx);
+  const int64_t t = tile_idx - cu_tiles[b];
+  const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
+  const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
+  const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
+  const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
+  const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
+  const int64_t hi_first = min(k_len - 1, first_pos + off), hi_last = min(k_len - 1, last_pos + off);
+  const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
+  const int64_t base = cu_capacity[b] + (kvh * tiles + t) * nb;
+  const int B = sel.block_size;
+  const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
+  float* energy = dyn;
+  float* chunk_max = dyn + ((nb + 3) & ~int64_t(3));
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
+  const T* pooled = k_mean_lowp + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
+
+  // Stages 64 pooled keys of chunk c into buffer `buf` with cp.async (16 B each; zero-fill past the last block).
+  auto stage_chunk = [&](int64_t c, int buf) {
+    constexpr int kVecPerRow = D * int(sizeof(T)) / 16;
+    for (int i = threadIdx.x; i < kChunk * kVecPerRow; i += kScoreThreads) {
+      const int n = i / kVecPerRow, v = i % kVecPerRow;
+      const int64_t J = c * kChunk + n;
+      const T* src = J < nb ? pooled + J * num_kv_heads * D + v * 8 : pooled;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][n * kPitch + v * 8]));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(J < nb ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  const int64_t nchunks = (nvis + kChunk - 1) / kChunk;
+  if (nchunks > 0) stage_chunk(0, 0);
+
+  // A fragments of this thread's 4 rows (2 m-tiles x 2 halves), all of D, loaded once.
+  uint32_t a[2][D / 16][4];
+  int64_t row_hi[2][2];  // last key each row sees (-1: none)
+  for (int mt = 0; mt < 2; ++mt) {
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t r = t * kTileRows + warp * 32 + mt * 16 + hf * 8 + group;
+      const bool valid = r < t * kTileRows + rows;
+      const int64_t pos = valid ? r / group_size : 0;
+      const int head = kvh * group_size + int(valid ? r % group_size : 0);
+      row_hi[mt][hf] = valid ? min(k_len - 1, pos + off) : -1;
+      const T* qrow = static_cast<const T*>(qa.q) + (seq.q_start(b) + pos) * qa.stride_row + head * qa.stride_head;
+      for (int ks = 0; ks < D / 16; ++ks) {
+        for (int kh = 0; kh < 2; ++kh) {
+          const int col = ks * 16 + kh * 8 + quad * 2;
+          a[mt][ks][kh * 2 + hf] = valid ? *reinterpret_cast<const uint32_t*>(qrow + col) : 0u;
+        }
+      }
+    }
+  }
+
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int buf = int(c & 1);
+    if (c + 1 < nchunks) {
+      stage_chunk(c + 1, buf ^ 1);  // its buffer was last read in chunk c-1, before that chunk's barrier
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();  // chunk c is visible to every warp
+
+    float acc[2][kChunk / 8][4];
+    for (int mt = 0; mt < 2; ++mt)
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        const T* brow = &kchunk[buf][(nt * 8 + group) * kPitch + ks * 16 + quad * 2];
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + 8);
+        mma_16816<T>(acc[0][nt], a[0][ks], b0, b1);
+        mma_16816<T>(acc[1][nt], a[1][ks], b0, b1);
+      }
+    }
+    // Scores in the log2 domain; -inf where the row does not see the block. Warp maximum.
+    float m = -INFINITY;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t J = c * kChunk + nt * 8 + quad * 2 + (e & 1);
+          const bool seen = J < nb && J * B <= row_hi[mt][e >> 1];
+          acc[mt][nt][e] = seen ? acc[mt][nt][e] * sel.scale_log2 : -INFINITY;
+          m = fmaxf(m, acc[mt][nt][e]);
+        }
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    // This warp's block energies relative to its own maximum (one barrier per chunk instead of two).
+#pragma unroll
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+#pragma unroll
+      for (int e1 = 0; e1 < 2; ++e1) {
+        float s = 0.f;
+        if (m != -INFINITY) {
+          for (int mt = 0; mt < 2; ++mt)
+            for (int hf = 0; hf < 2; ++hf) s += exp2f(acc[mt][nt][hf * 2 + e1] - m);  // exp2(-inf) = 0
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 8);
+        s += __shfl_xor_sync(0xffffffffu, s, 16);
+        if (group == 0) colsum[warp][nt * 8 + quad * 2 + e1] = s;
+      }
+    }
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    // Combine the warps: chunk maximum and energies relative to it.
+    if (threadIdx.x < kChunk) {
+      float cm = warp_max[0];
+      for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, warp_max[w]);
+      float e = 0.f;
+      for (int w = 0; w < kWarps; ++w) {
+        if (warp_max[w] != -INFINITY) e += colsum[w][threadIdx.x] * exp2f(warp_max[w] - cm);
+      }
+      const int64_t J = c * kChunk + threadIdx.x;
+      if (J < nb) energy[J] = e;
+      if (threadIdx.x == 0) chunk_max[c] = cm;
+    }
+  }
+  __syncthreads();
+
+  // Rescale every chunk's energies to the tile maximum M; E_max.
+  float tile_max = -INFINITY;
+  for (int64_t c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
+  float local_emax = 0.f;
+  for (int64_t J = threadIdx.x; J < nvis; J += kScoreThreads) {
+    const float cm = chunk_max[J / kChunk];
+    const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
+    energy[J] = e;
+    local_emax = fmaxf(local_emax, e);
+  }
+  for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
+  __syncthreads();
+  if (lane == 0) red[warp] = local_emax;
+  __syncthreads();
+  float emax = red[0];
+  for (int w = 1; w < kScoreThreads / 32; ++w) emax = fmaxf(emax, red[w]);
+  const float threshold = sel.alpha * emax;
+
+  // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles.
+  const bool last_tile = t >= tiles - sel.last_n;
+  const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
+  const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
+  const bool has_band = sel.window > 0 && diag_last >= 0;
+  int64_t kept = 0;
+  for (int64_t round = 0; round < nvis; round += kScoreThreads) {
+    const int64_t J = round + threadIdx.x;
+    bool keep = false;
+    if (J < nvis) {
+      const int64_t last_key = min((J + 1) * B, k_len) - 1;
+      const bool prunable = hi_first >= 0 && last_key <= hi_first;
+      keep = last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
+             (has_band && J * B <= band_hi && last_key >= band_lo);
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    __syncthreads();
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int64_t offset = kept;
+    for (int w = 0; w < warp; ++w) offset += warp_count[w];
+    offset += __popc(ballot & ((1u << lane) - 1u));
+    if (keep) block_ids[base + offset] = int32_t(J);
+    for (int w = 0; w < kScoreThreads / 32; ++w) kept += warp_count[w];
+  }
+  if (threadIdx.x == 0) {
+    segment_start[seg] = int32_t(base);
+    segment_end[seg] = int32_t(base + kept);
+    atomicAdd(&counters[0], (unsigned long long)kept);
+    atomicAdd(&counters[1], (unsigned long long)nvis);
+  }
+}
+
+struct Bounds {
+  int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
+};
+
+Bounds bounds_of(const AttentionInputs& in, const Problem& p, int block_size) {
+  Bounds bd;
+  bd.max_tiles = p.total_q * p.group_size / kTileRows + p.batch;
+  bd.nb_max = (in.max_seqlen_k + block_size - 1) / block_size;
+  bd.max_blocks = int64_t(p.batch) * bd.nb_max;
+  if (!p.paged) bd.max_blocks = std::min(bd.max_blocks, p.total_k / block_size + p.batch);
+  bd.max_segments = int64_t(p.num_kv_heads) * bd.max_tiles;
+  bd.capacity = bd.max_segments * bd.nb_max;
+  return bd;
+}
+
+size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
+
+// Carves the workspace; with base == nullptr only sums the sizes.
+size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* ptr = base ? base + off : nullptr;
+    off += align_up(bytes);
+    return ptr;
+  };
+  const size_t pooled = size_t(bd.max_blocks) * p.num_kv_heads * p.head_dim;
+  DeviceIndex d;
+  d.segment_start = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
+  d.segment_end = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
+  d.block_ids = reinterpret_cast<int32_t*>(take(bd.capacity * 4));
+  d.cu_blocks = reinterpret_cast<int32_t*>(take((p.batch + 1) * 4));
+  d.cu_tiles = reinterpret_cast<int32_t*>(take((p.batch + 1) * 4));
+  d.cu_capacity = reinterpret_cast<int64_t*>(take((p.batch + 1) * 8));
+  d.k_mean = reinterpret_cast<float*>(take(pooled * 4));
+  d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
+  d.k_mean_lowp = take(pooled * 2);
+  d.counters = reinterpret_cast<unsigned long long*>(take(16));
+  if (idx) *idx = d;
+  return off;
+}
+
+template <typename T, int D>
+void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
+                  const SelectArgs& sel, const Problem& p, const DeviceIndex& d) {
+  auto kernel = score_select_kernel<T, D>;
+  if (dyn_smem > 48 * 1024) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
+               "cudaFuncSetAttribute(score_select_kernel)");
+  }
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, p.group_size, p.num_kv_heads, d.cu_tiles,
+                                                    d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
+                                                    d.segment_start, d.segment_end, d.block_ids, d.counters);
+}
+
+}  // namespace
+
+size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  return carve(p, bounds_of(in, p, params.block_size), nullptr, nullptr);
+}
+
+DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
+                        size_t workspace_bytes) {
+  if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
+    throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
+  }
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16 and float16 inputs, got ") +
+                              dtype_name(p.dtype));
+  }
+  if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
+    throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
+  }
+  const Bounds bd = bounds_of(in, p, params.block_size);
+  if (bd.capacity >= (int64_t(1) << 31)) {
+    throw NotImplementedError("build_index on CUDA: index capacity exceeds 2^31 block ids for these shapes");
+  }
+  const size_t need = carve(p, bd, nullptr, nullptr);
+  if (workspace == nullptr || workspace_bytes < need) {
+    throw ArgumentError("workspace", "needs " + std::to_string(need) + " bytes (index_workspace_bytes), got " +
+                                         std::to_string(workspace_bytes));
+  }
+  DeviceIndex d;
+  carve(p, bd, static_cast<char*>(workspace), &d);
+  d.block_size = params.block_size;
+  d.correction = params.correction;
+  d.max_segments = bd.max_segments;
+  d.max_blocks = bd.max_blocks;
+  d.capacity = bd.capacity;
+
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  SeqArgs seq{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
+              p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
+  plan_kernel<<<1, 1, 0, stream>>>(seq, p.group_size, params.block_size, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
+                                   d.cu_capacity, d.counters);
+  check_cuda(cudaGetLastError(), "plan_kernel launch");
+
+  KVArgs kv{};
+  kv.k = in.k.data;
+  kv.v = in.v.data;
+  for (int i = 0; i < 3; ++i) {
+    kv.k_stride[i] = in.k.stride[i];
+    kv.v_stride[i] = in.v.stride[i];
+  }
+  if (p.paged) {
+    kv.block_table = in.block_table->ptr<const int32_t>();
+    kv.bt_stride0 = in.block_table->stride[0];
+    kv.bt_stride1 = in.block_table->stride[1];
+    kv.page_size = p.page_size;
+  }
+  if (bd.max_blocks > 0) {
+    const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
+    const int threads = std::min(p.head_dim, kPoolThreadsMax);
+    if (p.dtype == DType::kBFloat16) {
+      pool_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads,
+                                                                p.head_dim, d.cu_blocks, d.k_mean, d.v_mean,
+                                                                static_cast<__nv_bfloat16*>(d.k_mean_lowp));
+    } else {
+      pool_kernel<__half><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads, p.head_dim,
+                                                         d.cu_blocks, d.k_mean, d.v_mean,
+                                                         static_cast<__half*>(d.k_mean_lowp));
+    }
+    check_cuda(cudaGetLastError(), "pool_kernel launch");
+  }
+  if (bd.max_tiles > 0) {
+    const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1]};
+    const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window, params.last_n,
+                         float(p.softmax_scale * 1.4426950408889634)};
+    const size_t dyn_smem = (size_t((bd.nb_max + 3) & ~int64_t(3)) + size_t(bd.nb_max / kChunk + 1)) * 4;
+    const dim3 grid(unsigned(bd.max_tiles), unsigned(p.num_kv_heads));
+    const bool bf16 = p.dtype == DType::kBFloat16;
+    if (p.head_dim == 128) {
+      bf16 ? launch_score<__nv_bfloat16, 128>(grid, dyn_smem, stream, seq, qa, sel, p, d)
+           : launch_score<__half, 128>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+    } else {
+      bf16 ? launch_score<__nv_bfloat16, 64>(grid, dyn_smem, stream, seq, qa, sel, p, d)
+           : launch_score<__half, 64>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+    }
+    check_cuda(cudaGetLastError(), "score_select_kernel launch");
+  }
+  return d;
+}
+
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,48 @@
+// GPU index stage of block-sparse prefill (FlashPrefill V2 selection), CUDA end to end, no host synchronisation:
+//   1. plan:  per-sequence prefix sums of tiles, blocks and index capacity (from cu_seqlens / seqused_k on the device);
+//   2. pool:  block means of K and V (float32, plus a bf16/fp16 copy of the K means for the tensor-core scorer);
+//   3. score: one CTA per (tile, KV head): S = Q_tile . K_mean^T on tensor cores (mma.sync m16n8k16), running chunk
+//             maxima and block energies kept in shared memory (no L x L/B score buffer), alpha * max threshold,
+//             sink / window / last_n / diagonal rules, and in-CTA compaction of the kept ids into the CSR.
+// The CSR is laid out "in place": segment s owns a fixed slice of `block_ids` of capacity nb_b (the number of blocks
+// of its sequence) and segment_start/end delimit its kept ids inside that slice, so no global compaction pass and no
+// host read-back of sizes is needed. All buffers are carved from one caller-provided workspace, reusable across
+// calls and layers (index_workspace_bytes gives its size from host-known bounds).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "api/problem.h"
+#include "sparse_prefill/sparse.h"
+
+namespace sparse_prefill::cuda {
+
+// Device pointers into the workspace; sizes are upper bounds known on the host.
+struct DeviceIndex {
+  int block_size = 128;
+  bool correction = true;
+  int64_t max_segments = 0;      // >= Hkv * sum_b T_b
+  int64_t max_blocks = 0;        // >= sum_b nb_b (pooled rows)
+  int64_t capacity = 0;          // block_ids slots
+  int32_t* segment_start = nullptr;  // [max_segments]; entries beyond the real count are unused
+  int32_t* segment_end = nullptr;
+  int32_t* block_ids = nullptr;      // [capacity]
+  int32_t* cu_blocks = nullptr;      // [B+1]
+  int32_t* cu_tiles = nullptr;       // [B+1] tiles per sequence, prefix-summed (segment_offset(b) = Hkv * cu_tiles[b])
+  int64_t* cu_capacity = nullptr;    // [B+1] block_ids slots per sequence, prefix-summed
+  float* k_mean = nullptr;           // [max_blocks, Hkv, D]
+  float* v_mean = nullptr;
+  void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype, the scorer's B operand
+  unsigned long long* counters = nullptr;  // [2]: kept blocks, visible blocks (density = kept / visible)
+};
+
+// Workspace bytes for one call with these shapes (shape-only bound: no host read of lengths).
+size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+
+// Builds the index on in.stream. Supports causal attention without an attention window, bf16/fp16, D in {64, 128},
+// contiguous or paged KV; other combinations throw NotImplementedError.
+DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
+                        size_t workspace_bytes);
+
+}  // namespace sparse_prefill::cuda
