@@ -226,11 +226,11 @@ bool run_case(const Case& c, uint64_t seed) {
 }
 
 // Index-stage time on the topic workload (Hq=32, Hkv=8, D=128, bf16, batch 1), median of 20 runs.
-void bench(const char* json_path) {
+void bench(const char* json_path, const std::vector<int64_t>& lengths) {
   FILE* f = json_path ? std::fopen(json_path, "w") : nullptr;
   if (f) std::fprintf(f, "[\n");
   bool first = true;
-  for (int64_t L : {4096, 8192, 16384, 32768, 65536, 131072}) {
+  for (int64_t L : lengths) {
     sp::workload::Shape shape{L, 32, 8, 128};
     std::vector<float> qf(L * 32 * 128), kf(L * 8 * 128), vf(L * 8 * 128);
     sp::workload::generate_topic(shape, sp::workload::TopicParams{}, 1, qf.data(), kf.data(), vf.data());
@@ -296,6 +296,11 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device: skipped\n");
     return 0;
   }
+  // --only L: timing at one length, no checks (for ncu).
+  if (argc > 2 && std::string(argv[1]) == "--only") {
+    bench(nullptr, {std::atoll(argv[2])});
+    return 0;
+  }
   const uint64_t seed = std::random_device{}();
   std::printf("seed %llu\n", (unsigned long long)seed);
   const std::vector<Case> cases = {
@@ -312,6 +317,6 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], seed + i) && ok;
   std::printf("index stage checks: %s\n", ok ? "PASS" : "FAIL");
-  bench(argc > 1 ? argv[1] : nullptr);
+  bench(argc > 1 ? argv[1] : nullptr, {4096, 8192, 16384, 32768, 65536, 131072});
   return ok ? 0 : 1;
 }

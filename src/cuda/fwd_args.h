@@ -1,0 +1,40 @@
+// Plain-C++ description of one forward launch (no CUDA headers), filled by cuda_backend.cpp and consumed by the
+// per-dtype translation units (fwd_<dtype>_hdim<D>.cu).
+#pragma once
+
+#include <cstdint>
+
+namespace sparse_prefill::cuda {
+
+struct FwdArgs {
+  // q [total_q, Hq, D]; k, v contiguous [total_k, Hkv, D] or paged [num_pages, page_size, Hkv, D]; out like q.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;                  // [Hq, total_q] or null
+  int64_t q_row_stride = 0, q_head_stride = 0;   // elements
+  int64_t k_row_stride = 0, k_head_stride = 0;   // per KV row (paged: per token inside the page buffer)
+  int64_t v_row_stride = 0, v_head_stride = 0;
+  int64_t o_row_stride = 0, o_head_stride = 0;
+  int64_t lse_head_stride = 0, lse_row_stride = 0;
+  const int* cu_seqlens_q = nullptr;     // [B+1]
+  const int* cu_seqlens_k = nullptr;     // [B+1] (contiguous KV)
+  const int* block_table = nullptr;      // [B, max_pages] (paged KV)
+  const int* seqused_k = nullptr;        // [B] (paged KV)
+  int64_t block_table_stride = 0;
+  int batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int total_q = 0, total_k_rows = 0;     // total_k_rows: rows of the K row space (paged: num_pages * page_size)
+  int max_seqlen_q = 0;
+  int page_size = 0;                     // 0 = contiguous KV
+  float softmax_scale = 0.f;
+  bool causal = true;
+  int window_left = -1, window_right = -1;
+  void* stream = nullptr;                // cudaStream_t
+};
+
+// One entry point per translation unit (dtype x head dim).
+void run_fwd_bf16_hdim128(const FwdArgs& args);
+void run_fwd_fp16_hdim128(const FwdArgs& args);
+
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,6 @@
+// Forward kernel instantiation: bfloat16, head dim 128.
+#include "cuda/fwd_launch.h"
+
+namespace sparse_prefill::cuda {
+void run_fwd_bf16_hdim128(const FwdArgs& args) { run_fwd<cutlass::bfloat16_t, 128>(args); }
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,6 @@
+// Forward kernel instantiation: float16, head dim 128.
+#include "cuda/fwd_launch.h"
+
+namespace sparse_prefill::cuda {
+void run_fwd_fp16_hdim128(const FwdArgs& args) { run_fwd<cutlass::half_t, 128>(args); }
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,390 @@
+// The warp-specialised sm90 forward kernel: one producer warpgroup (a single thread issues TMA for Q once and for the
+// K/V blocks of the tile's block iterator into 2-stage mbarrier pipelines), two consumer warpgroups of 64 query rows
+// each (wgmma S = Q K^T from smem, online softmax in registers, wgmma O += P V with P from registers).
+//
+// Consumer schedule (FA3 "intra-warpgroup overlap"): while the tensor cores run S(i) = Q K(i)^T and
+// O += P(i-1) V(i-1), the softmax of block i waits only for S(i) (warpgroup_wait<1>), so the exp2 work of block i
+// overlaps the PV GEMM of block i-1.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "cuda/block_iterator.h"
+#include "cuda/fwd_config.h"
+#include "cuda/softmax.h"
+
+namespace sparse_prefill::cuda {
+
+template <class Config>
+struct FwdParams {
+  typename Config::TmaQ tma_q;
+  typename Config::TmaKV tma_k;
+  typename Config::TmaKV tma_v;
+  void* out;
+  float* lse;
+  int64_t o_row_stride, o_head_stride, lse_head_stride, lse_row_stride;
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* block_table;
+  const int* seqused_k;
+  int64_t block_table_stride;
+  int total_q, total_k_rows, num_q_heads, num_kv_heads, group_size, page_size;
+  int num_m_blocks;
+  int num_tiles;  // num_q_heads * num_m_blocks * batch
+  float softmax_scale, scale_log2;
+  int window_left, window_right;  // right = 0 for causal; -1 = unbounded
+};
+
+// Issues one warpgroup-wide wgmma batch: C (+)= A * B over all k-steps of the operands. Does not wait.
+// kARegs: A comes from registers (RS wgmma) rather than smem descriptors (SS).
+template <bool kARegs, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_batch(TiledMma& mma, TA const& tA, TB const& tB, TC& tC, bool zero_init) {
+  using namespace cute;
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tC);
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
+}
+
+// Persistent mode is a build switch (-DSP_PERSISTENT=1): its tile loop costs registers (at 240 per consumer
+// thread ptxas spills ~60 bytes), so the default build keeps one tile per CTA and its loop has a trip count of 1,
+// which compiles to straight-line code.
+#ifndef SP_PERSISTENT
+#define SP_PERSISTENT 0
+#endif
+#if SP_PERSISTENT
+#define SP_TILE_LOOP(t) for (int t = blockIdx.x; t < params.num_tiles; t += gridDim.x)
+#else
+#define SP_TILE_LOOP(t) for (int t = blockIdx.x, t##_once = 0; t##_once < 1; ++t##_once)
+#endif
+
+// Tile order: heads fastest (the g query heads of a KV head share its K/V blocks in L2), then m-blocks from the
+// last (heaviest under causal) to the first, then sequences. A CTA processes tiles blockIdx.x, + gridDim.x, ...:
+// one tile per CTA (grid = num_tiles) or persistent (grid = #SMs; the static stride over a heaviest-first order
+// is an LPT-like schedule, and the next tile's K/V loads overlap the current epilogue).
+struct TileCoord {
+  int head, m_block, batch;
+};
+__device__ __forceinline__ TileCoord tile_coord(int t, int num_q_heads, int num_m_blocks) {
+  TileCoord c;
+  c.head = t % num_q_heads;
+  const int r = t / num_q_heads;
+  c.m_block = num_m_blocks - 1 - r % num_m_blocks;
+  c.batch = r / num_m_blocks;
+  return c;
+}
+
+__device__ __forceinline__ SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int* seqused_k, int b) {
+  SeqSpan s;
+  s.q_start = cu_q[b];
+  s.q_len = cu_q[b + 1] - s.q_start;
+  if (seqused_k != nullptr) {  // paged KV
+    s.k_start = 0;
+    s.k_len = seqused_k[b];
+  } else {
+    s.k_start = cu_k[b];
+    s.k_len = cu_k[b + 1] - s.k_start;
+  }
+  return s;
+}
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kNumThreads, 1)
+    fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
+  using namespace cute;
+  using Element = typename Config::Element;
+  using SharedStorage = typename Config::SharedStorage;
+  using Pipeline = typename Config::Pipeline;
+  using PipelineState = typename Config::PipelineState;
+  constexpr int kBlockM = Config::kBlockM;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kHeadDim = Config::kHeadDim;
+  using Iterator = DenseBlockIterator<kBlockM, kBlockN>;
+
+  extern __shared__ char smem_raw[];
+  SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int wg_idx = cutlass::canonical_warp_group_idx();
+
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    storage.barrier_q.init(1);
+    storage.barrier_q_empty.init(Config::kNumMmaThreads);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Config::kTmaBytesKV;
+  pipe_params.role = wg_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Config::kNumMmaThreads;
+  Pipeline pipeline_k(storage.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(storage.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  if (wg_idx == 0) {
+    // ================================ producer ================================
+    cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState st_v = cutlass::make_producer_start_state<Pipeline>();
+    int q_loads = 0;
+    SP_TILE_LOOP(t) {
+      // ---- Tile metadata: evaluated identically by every role. ----
+      const TileCoord tc = tile_coord(t, params.num_q_heads, params.num_m_blocks);
+      const int head = tc.head, m_block = tc.m_block, batch = tc.batch;
+      const int kv_head = head / params.group_size;
+      const SeqSpan seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, batch);
+      if (m_block * kBlockM >= seq.q_len) continue;  // beyond this sequence
+      const Iterator iter = Iterator::make(m_block, seq, params.window_left, params.window_right);
+      const int n_count = iter.count();
+      if (n_count == 0) continue;  // consumers write zeros without smem
+      // The Q buffer is reused as O staging: wait until both consumer warpgroups finished the previous epilogue.
+      if (q_loads > 0) storage.barrier_q_empty.wait((q_loads - 1) & 1);
+      ++q_loads;
+      Tensor mQ = params.tma_q.get_tma_tensor(make_shape(params.total_q, kHeadDim, params.num_q_heads));
+      Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+      Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
+      Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
+
+      Tensor gQ = local_tile(domain_offset(make_coord(seq.q_start, _0{}), mQ(_, _, head)),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      storage.barrier_q.arrive_and_expect_tx(Config::kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q), 0), tQgQ, tQsQ);
+
+      // Row of the K/V row space where key block n starts: contiguous (k_start + n*N) or paged (page % N == 0).
+      auto block_row = [&](int n) -> int {
+        const int tok = n * kBlockN;
+        if (params.page_size == 0) return seq.k_start + tok;
+        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
+        return page * params.page_size + tok % params.page_size;
+      };
+      auto load_block = [&](auto const& tma, auto const& mX, auto& sX, Pipeline& pipe, PipelineState& st, int n) {
+        Tensor gX = local_tile(domain_offset(make_coord(block_row(n), _0{}), mX(_, _, kv_head)),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+        auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
+        pipe.producer_acquire(st);
+        copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
+        ++st;
+      };
+      // K runs one block ahead of V: the consumer issues S(i) = Q K(i)^T before O += P(i-1) V(i-1).
+      load_block(params.tma_k, mK, sK, pipeline_k, st_k, iter.block(0));
+      for (int i = 1; i < n_count; ++i) {
+        load_block(params.tma_k, mK, sK, pipeline_k, st_k, iter.block(i));
+        load_block(params.tma_v, mV, sV, pipeline_v, st_v, iter.block(i - 1));
+      }
+      load_block(params.tma_v, mV, sV, pipeline_v, st_v, iter.block(n_count - 1));
+    }
+    return;
+  }
+
+  // ================================ consumers ================================
+  cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+  const int mma_tidx = threadIdx.x - 128;
+  const int cwg = wg_idx - 1;  // consumer warpgroup: query rows [64*cwg, 64*cwg + 64) of the tile
+  Element* out_base = static_cast<Element*>(params.out);
+  PipelineState st;  // consumer read state (same sequence for K and V), carried across tiles
+  int q_phase = 0;
+  SP_TILE_LOOP(t) {
+    const TileCoord tc = tile_coord(t, params.num_q_heads, params.num_m_blocks);
+    const int head = tc.head, m_block = tc.m_block, batch = tc.batch;
+    const SeqSpan seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, batch);
+    if (m_block * kBlockM >= seq.q_len) continue;
+    const Iterator iter = Iterator::make(m_block, seq, params.window_left, params.window_right);
+    const int n_count = iter.count();
+    const int64_t out_head_off = int64_t(head) * params.o_head_stride;
+
+    if (n_count == 0) {  // no visible key for any row of the tile: O = 0, lse = -inf
+      constexpr int kChunks = kHeadDim / 8;
+      for (int idx = mma_tidx; idx < kBlockM * kChunks; idx += Config::kNumMmaThreads) {
+        const int row = idx / kChunks, ch = idx % kChunks;
+        const int r = iter.m0 + row;
+        if (r < seq.q_len)
+          *reinterpret_cast<uint4*>(out_base + int64_t(seq.q_start + r) * params.o_row_stride + out_head_off + ch * 8) =
+              make_uint4(0, 0, 0, 0);
+      }
+      if (params.lse != nullptr && mma_tidx < kBlockM && iter.m0 + mma_tidx < seq.q_len)
+        params.lse[int64_t(head) * params.lse_head_stride +
+                   int64_t(seq.q_start + iter.m0 + mma_tidx) * params.lse_row_stride] = -INFINITY;
+      continue;
+    }
+
+    typename Config::TiledMmaQK mma_qk;
+    typename Config::TiledMmaPV mma_pv;
+    auto wg_qk = mma_qk.get_slice(cwg * 128);
+    auto wg_pv = mma_pv.get_slice(cwg * 128);
+    auto thr_qk = mma_qk.get_slice(mma_tidx);
+    auto thr_pv = mma_pv.get_slice(mma_tidx);
+
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutVt{});
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tOrP = make_tensor<Element>(acc_to_a_layout(tSrS.layout()));
+    Tensor S_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    Tensor O_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+    constexpr int kRows = decltype(size<0>(S_rc))::value;
+
+    // Tile coordinates of this thread's accumulator elements (for the mask and the epilogue).
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+
+    auto apply_mask = [&](int n_block) {
+      const int col0 = n_block * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = iter.m0 + get<0>(cS_rc(r, 0));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S_rc); ++c) {
+          if (!iter.visible(row, col0 + get<1>(cS_rc(r, c)))) S_rc(r, c) = -INFINITY;
+        }
+      }
+    };
+    auto convert_p = [&]() {
+      constexpr int N = decltype(size(tSrS))::value;
+      cutlass::NumericArrayConverter<Element, float, N> conv;
+      *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
+          conv(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+    };
+    auto rescale_o = [&](float (&scale)[kRows]) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(O_rc); ++c) O_rc(r, c) *= scale[r];
+      }
+    };
+
+    // Optional pingpong between the two consumer warpgroups (named barriers 3 and 4, build with -DSP_PINGPONG):
+    // warpgroup w issues the GEMMs of block i only after the other one issued its GEMMs of block i-1 (w = 0) or i
+    // (w = 1), so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores. Each barrier completes
+    // exactly as often as it is waited on: warpgroup 0 skips the wait for block 0, warpgroup 1 skips its arrive after
+    // its last block. Measured on the H200 (bench/NOTES.md): OFF is faster with this mainloop (causal 32K: 614 vs
+    // 580 TFLOP/s, 128K: 602 vs 593), so it is off by default.
+  #ifdef SP_PINGPONG
+    auto scheduler_sync = [&]() { cutlass::arch::NamedBarrier::sync(2 * 128, 3 + cwg); };
+    auto scheduler_arrive = [&](bool last) {
+      if (!(cwg == 1 && last)) cutlass::arch::NamedBarrier::arrive(2 * 128, 3 + (1 - cwg));
+    };
+  #else  // build switch for A/B measurements of the pingpong
+    auto scheduler_sync = [&]() {};
+    auto scheduler_arrive = [&](bool) {};
+  #endif
+
+    OnlineSoftmax<kRows> softmax(params.scale_log2);
+    float o_scale[kRows];
+
+    storage.barrier_q.wait(q_phase);
+    q_phase ^= 1;
+
+    // Block 0 (descending order: the diagonal block first under causal).
+    pipeline_k.consumer_wait(st);
+    if (cwg == 1) scheduler_sync();
+    wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
+    scheduler_arrive(n_count == 1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    pipeline_k.consumer_release(st);
+    if (iter.needs_mask(0)) apply_mask(iter.block(0));
+    softmax.template step<true>(S_rc, o_scale);
+    convert_p();
+
+    CUTE_NO_UNROLL
+    for (int i = 1; i < n_count; ++i) {
+      PipelineState st_v = st;  // V of block i-1
+      ++st;
+      pipeline_k.consumer_wait(st);
+      scheduler_sync();
+      wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
+      if (i > 1) rescale_o(o_scale);
+      pipeline_v.consumer_wait(st_v);
+      wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
+      scheduler_arrive(i == n_count - 1);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      pipeline_k.consumer_release(st);
+      if (iter.needs_mask(i)) apply_mask(iter.block(i));
+      softmax.template step<false>(S_rc, o_scale);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      pipeline_v.consumer_release(st_v);
+      convert_p();
+    }
+    pipeline_v.consumer_wait(st);
+    if (n_count > 1) rescale_o(o_scale);
+    wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipeline_v.consumer_release(st);
+    ++st;
+
+    // ================================ epilogue ================================
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(params.softmax_scale, inv_sum, lse);
+    rescale_o(inv_sum);
+
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor cO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+    if (params.lse != nullptr && (mma_tidx % 4) == 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = iter.m0 + get<0>(cO_rc(r, 0));
+        if (row < seq.q_len)
+          params.lse[int64_t(head) * params.lse_head_stride + int64_t(seq.q_start + row) * params.lse_row_stride] =
+              lse[r];
+      }
+    }
+
+    // O: registers -> smem (this warpgroup's 64 rows of the Q buffer; its own QK GEMMs are complete) -> 16-byte stores.
+    Tensor sO = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+    Tensor tOsO = thr_pv.partition_C(sO);
+    {
+      constexpr int N = decltype(size(tOrO))::value;
+      cutlass::NumericArrayConverter<Element, float, N> conv;
+      Tensor tOrOc = make_tensor_like<Element>(tOrO);
+      *reinterpret_cast<cutlass::Array<Element, N>*>(tOrOc.data()) =
+          conv(*reinterpret_cast<cutlass::Array<float, N> const*>(tOrO.data()));
+      copy(tOrOc, tOsO);
+    }
+    cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+    {
+      constexpr int kChunks = kHeadDim / 8;
+      const int t = mma_tidx % 128;
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int idx = t + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        const int r = iter.m0 + row;
+        // Address through the tensor: the swizzle of a GMMA smem layout acts on byte addresses of the smem pointer,
+        // so SmemLayoutQ{}(row, col) alone is not the element offset.
+        const uint4 val = *reinterpret_cast<const uint4*>(&sO(row, ch * 8));
+        if (r < seq.q_len)
+          *reinterpret_cast<uint4*>(out_base + int64_t(seq.q_start + r) * params.o_row_stride + out_head_off + ch * 8) =
+              val;
+      }
+    }
+    storage.barrier_q_empty.arrive();  // this thread is done with the Q/O smem buffer of this tile
+  }  // tile loop
+}
+
+}  // namespace sparse_prefill::cuda

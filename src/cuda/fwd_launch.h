@@ -1,0 +1,92 @@
+// Host side of the forward kernel: builds the TMA descriptors (host-only encode, no device sync, no allocation)
+// and launches. Included by exactly one translation unit per (dtype, head dim).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/fwd_args.h"
+#include "cuda/fwd_kernel.h"
+
+namespace sparse_prefill::cuda {
+
+inline bool persistent_mode() { return SP_PERSISTENT != 0; }
+
+// Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device.
+inline int num_sms() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = n > 0 ? n : 132;
+  }
+  return cache[dev];
+}
+
+template <class Element, int kHeadDim>
+void run_fwd(const FwdArgs& a) {
+  using namespace cute;
+  using Config = FwdConfig<Element, kHeadDim>;
+  if (a.total_q == 0 || a.batch == 0) return;
+
+  auto gmem = [](const void* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(int32_t(rows), int32_t(kHeadDim), int32_t(heads)),
+                       make_stride(row_stride, _1{}, head_stride));
+  };
+  FwdParams<Config> p;
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.total_q, a.num_q_heads, a.q_row_stride, a.q_head_stride),
+                          typename Config::SmemLayoutQ{}, select<0, 2>(typename Config::TileShapeQK{}), _1{});
+  const auto kv_tile = select<1, 2>(typename Config::TileShapeQK{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride, a.k_head_stride),
+                          take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
+                          take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
+  p.out = a.out;
+  p.lse = a.lse;
+  p.o_row_stride = a.o_row_stride;
+  p.o_head_stride = a.o_head_stride;
+  p.lse_head_stride = a.lse_head_stride;
+  p.lse_row_stride = a.lse_row_stride;
+  p.cu_seqlens_q = a.cu_seqlens_q;
+  p.cu_seqlens_k = a.cu_seqlens_k;
+  p.block_table = a.block_table;
+  p.seqused_k = a.page_size > 0 ? a.seqused_k : nullptr;
+  p.block_table_stride = a.block_table_stride;
+  p.total_q = a.total_q;
+  p.total_k_rows = a.total_k_rows;
+  p.num_q_heads = a.num_q_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.group_size = a.num_q_heads / a.num_kv_heads;
+  p.page_size = a.page_size;
+  p.num_m_blocks = (a.max_seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+  p.softmax_scale = a.softmax_scale;
+  p.scale_log2 = a.softmax_scale * float(M_LOG2E);
+  p.window_left = a.window_left;
+  p.window_right = a.causal ? 0 : a.window_right;
+  if (p.num_m_blocks == 0) return;
+  const int64_t num_tiles = int64_t(a.num_q_heads) * p.num_m_blocks * a.batch;
+  if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
+  p.num_tiles = int(num_tiles);
+
+  auto kernel = fwd_kernel<Config>;
+  static const cudaError_t attr_err =  // once per instantiation; not a stream operation
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  if (attr_err != cudaSuccess)
+    throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
+  // One CTA per tile by default; a -DSP_PERSISTENT=1 build launches one CTA per SM that strides over the tiles.
+  int grid = p.num_tiles;
+  if (persistent_mode()) grid = std::min(grid, num_sms());
+  kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("sparse_prefill cuda: forward launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace sparse_prefill::cuda
