@@ -2,8 +2,12 @@
 // V2 selection + sparse attention with mean correction). Prints sequence length, selected density, relative error
 // against dense attention (with and without correction) and times.
 //
-//   sparse_prefill_demo [--seqlen L] [--heads Hq] [--kv-heads Hkv] [--alpha A] [--seed S]
-// Without a GPU (or without the CUDA backend) this runs the CPU reference backend on a small input.
+//   sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu]
+// With a GPU and the CUDA backend it first runs the GPU path (default L = 32768, Llama-3.1-8B heads: Hq=32, Hkv=8):
+// dense attention on the GPU (checked against the CPU reference on the last 64 queries) and the GPU index stage
+// (density, time). Block-sparse attention has no CUDA kernel yet, so its error against dense is always measured by
+// the CPU reference backend on a small input (default L = 4096, Hq=4, Hkv=1), the only path without a GPU.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +19,14 @@
 #include "sparse_prefill/attention.h"
 #include "sparse_prefill/sparse.h"
 #include "sparse_prefill/workload.h"
+
+#ifdef SPARSE_PREFILL_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "api/problem.h"
+#include "core/dtype_convert.h"
+#include "cuda/index_stage.h"
+#endif
 
 namespace sp = sparse_prefill;
 
@@ -33,26 +45,7 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
   return std::sqrt(num / den);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  sp::workload::Shape shape;
-  shape.seqlen = 4096;
-  shape.num_q_heads = 4;
-  shape.num_kv_heads = 1;
-  shape.head_dim = 128;
-  sp::SelectionParams sel;
-  uint64_t seed = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const char* v = argv[i + 1];
-    if (a == "--seqlen") shape.seqlen = std::atoll(v);
-    else if (a == "--heads") shape.num_q_heads = std::atoi(v);
-    else if (a == "--kv-heads") shape.num_kv_heads = std::atoi(v);
-    else if (a == "--alpha") sel.alpha = float(std::atof(v));
-    else if (a == "--seed") seed = std::strtoull(v, nullptr, 10);
-    else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
-  }
+void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
   const int64_t L = shape.seqlen, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
   std::vector<float> q(L * Hq * D), k(L * Hkv * D), v(L * Hkv * D);
   sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
@@ -67,7 +60,7 @@ int main(int argc, char** argv) {
   in.max_seqlen_q = in.max_seqlen_k = L;
   in.causal = true;
 
-  std::printf("SparsePrefill demo (CPU reference backend): structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld\n",
+  std::printf("SparsePrefill demo, CPU reference backend: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld\n",
               (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
   std::vector<float> dense(q.size()), sparse(q.size()), sparse_nc(q.size());
   auto t0 = std::chrono::steady_clock::now();
@@ -90,5 +83,153 @@ int main(int argc, char** argv) {
               rel_err(sparse_nc, dense));
   std::printf("  time (CPU, exact)   dense %.2f s, index %.2f s, sparse attention %.2f s\n", t_dense, t_index,
               t_sparse);
+}
+
+#ifdef SPARSE_PREFILL_WITH_CUDA
+#define CHECK_CUDA(x)                                                                                \
+  do {                                                                                               \
+    const cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "CUDA error: %s (%s:%d)\n", cudaGetErrorString(e_), __FILE__, __LINE__);  \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+template <typename Fn>
+float median_ms(Fn&& fn, int reps) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  fn();  // warm-up
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    fn();
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Dense attention and the index stage on the GPU, bf16, one sequence of the structured workload.
+void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
+  const int64_t L = shape.seqlen, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
+  std::vector<float> q(L * Hq * D), k(L * Hkv * D), v(L * Hkv * D);
+  sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
+  auto to_bf16 = [](const std::vector<float>& x) {
+    std::vector<uint16_t> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = sp::float_to_bf16(x[i]);
+    return y;
+  };
+  const std::vector<uint16_t> qh = to_bf16(q), kh = to_bf16(k), vh = to_bf16(v);
+  std::vector<int32_t> cu = {0, int32_t(L)};
+  void *dq, *dk, *dv, *dout, *dcu;
+  CHECK_CUDA(cudaMalloc(&dq, qh.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dk, kh.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dv, vh.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dout, qh.size() * 2));
+  CHECK_CUDA(cudaMalloc(&dcu, 8));
+  CHECK_CUDA(cudaMemcpy(dq, qh.data(), qh.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, kh.data(), kh.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, vh.data(), vh.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dcu, cu.data(), 8, cudaMemcpyHostToDevice));
+  const sp::Device gpu = sp::Device::kCUDA;
+  sp::AttentionInputs in;
+  in.q = sp::make_view(dq, sp::DType::kBFloat16, {L, Hq, D}, gpu);
+  in.k = sp::make_view(dk, sp::DType::kBFloat16, {L, Hkv, D}, gpu);
+  in.v = sp::make_view(dv, sp::DType::kBFloat16, {L, Hkv, D}, gpu);
+  in.cu_seqlens_q = sp::make_view(dcu, sp::DType::kInt32, {2}, gpu);
+  in.cu_seqlens_k = in.cu_seqlens_q;
+  in.max_seqlen_q = in.max_seqlen_k = L;
+  const sp::AttentionOutputs outs{sp::make_view(dout, sp::DType::kBFloat16, {L, Hq, D}, gpu), std::nullopt};
+
+  std::printf("SparsePrefill demo, GPU path: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld, bf16\n",
+              (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
+  const float dense_ms = median_ms([&] { sp::attention(in, outs); }, 5);
+  const double tflops = 4.0 * double(L) * double(L) * double(D) * double(Hq) / 2.0 / (dense_ms * 1e-3) / 1e12;
+
+  // The dense GPU output of the last 64 queries against the CPU reference (a 64-query chunk over all L keys).
+  const int64_t tail = std::min<int64_t>(64, L);
+  std::vector<uint16_t> out(qh.size());
+  CHECK_CUDA(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> ref(tail * Hq * D);
+  std::vector<int32_t> cu_tail = {0, int32_t(tail)}, cu_k = {0, int32_t(L)};
+  std::vector<uint16_t> q_tail(qh.end() - tail * Hq * D, qh.end());
+  std::vector<float> out_tail_ref(tail * Hq * D);
+  std::vector<uint16_t> out_tail(tail * Hq * D);
+  sp::AttentionInputs cpu;
+  cpu.q = sp::make_view(q_tail.data(), sp::DType::kBFloat16, {tail, Hq, D});
+  cpu.k = sp::make_view(const_cast<uint16_t*>(kh.data()), sp::DType::kBFloat16, {L, Hkv, D});
+  cpu.v = sp::make_view(const_cast<uint16_t*>(vh.data()), sp::DType::kBFloat16, {L, Hkv, D});
+  cpu.cu_seqlens_q = sp::make_view(cu_tail.data(), sp::DType::kInt32, {2});
+  cpu.cu_seqlens_k = sp::make_view(cu_k.data(), sp::DType::kInt32, {2});
+  cpu.max_seqlen_q = tail;
+  cpu.max_seqlen_k = L;
+  sp::attention(cpu, {sp::make_view(out_tail.data(), sp::DType::kBFloat16, {tail, Hq, D}), std::nullopt});
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < tail * Hq * D; ++i) {
+    const double g = sp::bf16_to_float(out[(L - tail) * Hq * D + i]), r = sp::bf16_to_float(out_tail[i]);
+    num += (g - r) * (g - r);
+    den += r * r;
+  }
+
+  // The GPU index stage.
+  const sp::Problem p = sp::validate_inputs(in, nullptr);
+  const size_t bytes = sp::cuda::index_workspace_bytes(in, p, sel);
+  void* ws = nullptr;
+  CHECK_CUDA(cudaMalloc(&ws, bytes));
+  sp::cuda::DeviceIndex index;
+  const float index_ms = median_ms([&] { index = sp::cuda::build_index(in, p, sel, ws, bytes); }, 5);
+  unsigned long long counters[2];
+  CHECK_CUDA(cudaMemcpy(counters, index.counters, sizeof(counters), cudaMemcpyDeviceToHost));
+
+  std::printf("  seqlen              %lld\n", (long long)L);
+  std::printf("  dense attention     %.3f ms (%.0f TFLOP/s); rel. error vs CPU reference (last %lld queries) %.2e\n",
+              dense_ms, tflops, (long long)tail, std::sqrt(num / den));
+  std::printf("  index stage         %.3f ms (%.2f %% of dense); selected density %.2f %%\n", index_ms,
+              100.0 * index_ms / dense_ms, 100.0 * double(counters[0]) / double(counters[1]));
+  std::printf("  sparse attention    no CUDA kernel yet: error vs dense below comes from the CPU backend\n\n");
+  for (void* ptr : {dq, dk, dv, dout, dcu, ws}) cudaFree(ptr);
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  sp::workload::Shape gpu_shape{32768, 32, 8, 128};
+  sp::workload::Shape cpu_shape{4096, 4, 1, 128};
+  sp::SelectionParams sel;
+  uint64_t seed = 1;
+  bool force_cpu = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : "";
+    if (a == "--cpu") { force_cpu = true; continue; }
+    if (i + 1 >= argc) { std::fprintf(stderr, "option %s needs a value\n", a.c_str()); return 2; }
+    ++i;
+    if (a == "--seqlen") cpu_shape.seqlen = std::atoll(v);
+    else if (a == "--gpu-seqlen") gpu_shape.seqlen = std::atoll(v);
+    else if (a == "--alpha") sel.alpha = float(std::atof(v));
+    else if (a == "--seed") seed = std::strtoull(v, nullptr, 10);
+    else { std::fprintf(stderr, "unknown option %s (options: --seqlen L, --gpu-seqlen L, --alpha A, --seed S, --cpu)\n", a.c_str()); return 2; }
+  }
+  try {
+#ifdef SPARSE_PREFILL_WITH_CUDA
+    if (!force_cpu && have_gpu()) run_gpu(gpu_shape, sel, seed);
+#endif
+    run_cpu(cpu_shape, sel, seed);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }
