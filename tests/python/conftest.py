@@ -1,0 +1,53 @@
+"""pytest setup for the Python package tests: import sparse_prefill from <repo>/python when it is not installed."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PKG = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "python")
+if _PKG not in sys.path:
+    sys.path.insert(0, _PKG)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def make_varlen(rng, q_lens, k_lens, hq=4, hkv=2, d=64, dtype=np.float32):
+    """Random q [sum q_lens, hq, d], k, v [sum k_lens, hkv, d] and int32 cu_seqlens."""
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], hq, d)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], hkv, d)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], hkv, d)).astype(dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def to_paged(rng, k, v, cu_k, page_size, extra_pages=3):
+    """A paged copy of contiguous k, v: shuffled pages, spare pages of garbage, padded block_table."""
+    lens = np.diff(cu_k)
+    pages_per_seq = [(int(n) + page_size - 1) // page_size for n in lens]
+    num_pages = sum(pages_per_seq) + extra_pages
+    perm = rng.permutation(num_pages)
+    hkv, d = k.shape[1:]
+    k_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(k.dtype) * 100
+    v_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(v.dtype) * 100
+    max_pages = max(pages_per_seq) + 1
+    block_table = np.full((len(lens), max_pages), -1, np.int32)  # unused slots hold garbage ids
+    nxt = 0
+    for b, n in enumerate(lens):
+        for p in range(pages_per_seq[b]):
+            page = perm[nxt]
+            nxt += 1
+            block_table[b, p] = page
+            lo = cu_k[b] + p * page_size
+            hi = min(lo + page_size, cu_k[b + 1])
+            k_cache[page, : hi - lo] = k[lo:hi]
+            v_cache[page, : hi - lo] = v[lo:hi]
+    return k_cache, v_cache, block_table, lens.astype(np.int32)
