@@ -295,6 +295,11 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
   check_dtype(index.block_ids, DType::kInt32, "index.block_ids");
   check_rank(index.cu_blocks, 1, "index.cu_blocks");
   check_dtype(index.cu_blocks, DType::kInt32, "index.cu_blocks");
+  for (const auto& [t, name] : {std::pair{&index.block_ids, "index.block_ids"},
+                                std::pair{&index.cu_blocks, "index.cu_blocks"},
+                                std::pair{&index.k_mean, "index.k_mean"}, std::pair{&index.v_mean, "index.v_mean"}}) {
+    if (t->device != p.device) throw ArgumentError(name, "must be on the device of q", true);
+  }
   if (index.cu_blocks.shape[0] != p.batch + 1) {
     throw ArgumentError("index.cu_blocks", "expected " + std::to_string(p.batch + 1) + " entries");
   }

@@ -1,0 +1,549 @@
+// Bad arguments: every case must throw sparse_prefill::ArgumentError naming the argument (Python names), never crash.
+#include "test_util.h"
+
+namespace sptest {
+namespace {
+
+const DType F32 = DType::kFloat32;
+
+class Errors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::mt19937_64 rng(1234);
+    Case c;
+    c.Hq = 4;
+    c.Hkv = 2;
+    c.D = 64;
+    c.lq = {5, 70};
+    c.lk = {9, 130};
+    C = build(c, rng);
+    c.paged = true;
+    c.page_size = 16;
+    c.extra_pages = 2;
+    c.extra_cols = 1;
+    P = build(c, rng);
+    co = C->outputs();
+    po = P->outputs();
+  }
+  std::unique_ptr<Built> C, P;  // contiguous, paged
+  AttentionOutputs co, po;
+
+  // A valid index for C, and its view
+  BlockIndex index_for(Built& B, int bs = 64) {
+    SelectionParams p;
+    p.block_size = bs;
+    return build_index(B.in, p);
+  }
+};
+
+TEST_F(Errors, ValidInputsDoNotThrow) {
+  EXPECT_NO_THROW(attention(C->in, co));
+  EXPECT_NO_THROW(attention(P->in, po));
+  BlockIndex ic = index_for(*C), ip = index_for(*P);
+  EXPECT_NO_THROW(sparse_attention(C->in, view_of(ic), co));
+  EXPECT_NO_THROW(sparse_attention(P->in, view_of(ip), po));
+  EXPECT_NO_THROW(union_index(P->in, ip));
+}
+
+// ---- ranks and shapes -------------------------------------------------------------------------------------------
+TEST_F(Errors, QRank) {
+  AttentionInputs in = C->in;
+  in.q = make_view(C->q.data(), F32, {C->total_q, 4 * 64});
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+  in.q = make_view(C->q.data(), F32, {1, C->total_q, 4, 64});
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+}
+TEST_F(Errors, KRank) {
+  AttentionInputs in = C->in;
+  in.k = make_view(C->k.data(), F32, {C->total_k, 2 * 64});
+  EXPECT_ARG_ERROR(attention(in, co), "k");
+  AttentionInputs pin = P->in;  // paged k must be 4-D
+  pin.k = make_view(P->k.data(), F32, {P->num_pages * 16, 2, 64});
+  EXPECT_ARG_ERROR(attention(pin, po), "k");
+}
+TEST_F(Errors, VShapeMismatch) {
+  AttentionInputs in = C->in;
+  in.v = make_view(C->v.data(), F32, {C->total_k, 1, 64});
+  EXPECT_ARG_ERROR(attention(in, co), "v");
+  in = C->in;
+  in.v = make_view(C->v.data(), F32, {C->total_k - 1, 2, 64});
+  EXPECT_ARG_ERROR(attention(in, co), "v");
+  AttentionInputs pin = P->in;
+  pin.v = make_view(P->v.data(), F32, {P->num_pages, 8, 2, 64});  // page size differs from k
+  EXPECT_ARG_ERROR(attention(pin, po), "v");
+}
+TEST_F(Errors, HeadDimMismatch) {
+  AttentionInputs in = C->in;
+  in.k = make_view(C->k.data(), F32, {C->total_k, 4, 32});  // same numel, D differs from q
+  EXPECT_ARG_ERROR(attention(in, co), "k", "v");
+}
+TEST_F(Errors, HeadsNotDivisible) {
+  AttentionInputs in = C->in;
+  in.q = make_view(C->q.data(), F32, {C->total_q, 3, 64});
+  AttentionOutputs o = co;
+  o.out = make_view(C->out.data(), F32, {C->total_q, 3, 64});
+  o.lse = std::nullopt;
+  EXPECT_ARG_ERROR(attention(in, o), "q", "k");
+  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "q", "k");
+}
+TEST_F(Errors, UnsupportedHeadDim) {
+  std::vector<float> q(C->total_q * 4 * 96), k(C->total_k * 2 * 96), v(C->total_k * 2 * 96), o(C->total_q * 4 * 96);
+  AttentionInputs in = C->in;
+  in.q = make_view(q.data(), F32, {C->total_q, 4, 96});
+  in.k = make_view(k.data(), F32, {C->total_k, 2, 96});
+  in.v = make_view(v.data(), F32, {C->total_k, 2, 96});
+  AttentionOutputs outs;
+  outs.out = make_view(o.data(), F32, {C->total_q, 4, 96});
+  EXPECT_ARG_ERROR(attention(in, outs), "q", "k", "v");
+  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "q", "k", "v");
+}
+
+TEST_F(Errors, ZeroOrNegativeExtents) {
+  AttentionInputs in = C->in;
+  in.k.shape[1] = 0;  // Hkv = 0 must not divide by zero
+  in.v.shape[1] = 0;
+  EXPECT_ARG_ERROR(attention(in, co), "k", "q");
+  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "k", "q");
+  in = C->in;
+  in.q.shape[1] = 0;
+  AttentionOutputs o = co;
+  o.out.shape[1] = 0;
+  o.lse = std::nullopt;
+  EXPECT_ARG_ERROR(attention(in, o), "q");
+  in = C->in;
+  in.q.shape[2] = in.k.shape[2] = in.v.shape[2] = 0;
+  o = co;
+  o.out.shape[2] = 0;
+  EXPECT_ARG_ERROR(attention(in, o), "q", "k", "v");
+  in = C->in;
+  in.q.shape[0] = -1;
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+}
+TEST_F(Errors, NullPointers) {
+  AttentionInputs in = C->in;
+  in.q.data = nullptr;
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+  in = C->in;
+  in.k.data = nullptr;
+  EXPECT_ARG_ERROR(attention(in, co), "k");
+  in = C->in;
+  in.cu_seqlens_q.data = nullptr;
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  AttentionInputs pin = P->in;
+  pin.block_table->data = nullptr;
+  EXPECT_ARG_ERROR(attention(pin, po), "block_table");
+  AttentionOutputs o = co;
+  o.out.data = nullptr;
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+  o = co;
+  o.lse->data = nullptr;
+  EXPECT_ARG_ERROR(attention(C->in, o), "lse");
+}
+
+// ---- cu_seqlens -------------------------------------------------------------------------------------------------
+TEST_F(Errors, CuSeqlensQ) {
+  AttentionInputs in = C->in;
+  std::vector<int32_t> bad{0, 70, 75};  // last matches total_q but not monotone? -> 0,70,75 is monotone; use below
+  std::vector<int32_t> nonmono{0, 80, 75};
+  in.cu_seqlens_q = make_view(nonmono.data(), DType::kInt32, {3});
+  in.max_seqlen_q = 100;
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  std::vector<int32_t> short_total{0, 5, 74};
+  in.cu_seqlens_q = make_view(short_total.data(), DType::kInt32, {3});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  std::vector<int32_t> nonzero{1, 5, 75};
+  in.cu_seqlens_q = make_view(nonzero.data(), DType::kInt32, {3});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  std::vector<float> fl{0, 5, 75};
+  in.cu_seqlens_q = make_view(fl.data(), F32, {3});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  in.cu_seqlens_q = make_view(C->cu_q.data(), DType::kInt32, {3, 1});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  in.cu_seqlens_q = make_view(C->cu_q.data(), DType::kInt32, {0});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_q");
+  (void)bad;
+}
+TEST_F(Errors, CuSeqlensK) {
+  AttentionInputs in = C->in;
+  in.cu_seqlens_k = std::nullopt;  // contiguous KV needs cu_seqlens_k
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_k");
+  std::vector<int32_t> two{0, 139};  // batch size differs from cu_seqlens_q
+  in.cu_seqlens_k = make_view(two.data(), DType::kInt32, {2});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_k");
+  std::vector<int32_t> nonmono{0, 140, 139};
+  in.cu_seqlens_k = make_view(nonmono.data(), DType::kInt32, {3});
+  in.max_seqlen_k = 1000;
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_k");
+  std::vector<int32_t> total{0, 9, 138};
+  in.cu_seqlens_k = make_view(total.data(), DType::kInt32, {3});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_k");
+  std::vector<int32_t> over{0, 9, 140};
+  in.cu_seqlens_k = make_view(over.data(), DType::kInt32, {3});
+  EXPECT_ARG_ERROR(attention(in, co), "cu_seqlens_k");
+}
+TEST_F(Errors, MaxSeqlen) {
+  AttentionInputs in = C->in;
+  in.max_seqlen_q = 69;  // sequence 1 has 70 queries
+  EXPECT_ARG_ERROR(attention(in, co), "max_seqlen_q");
+  in = C->in;
+  in.max_seqlen_k = 129;  // sequence 1 has 130 keys
+  EXPECT_ARG_ERROR(attention(in, co), "max_seqlen_k");
+  AttentionInputs pin = P->in;
+  pin.max_seqlen_k = 100;
+  EXPECT_ARG_ERROR(attention(pin, po), "max_seqlen_k");
+  in = C->in;
+  in.max_seqlen_q = -1;
+  EXPECT_ARG_ERROR(attention(in, co), "max_seqlen_q");
+}
+
+// ---- paged KV -----------------------------------------------------------------------------------------------------
+TEST_F(Errors, BlockTable) {
+  AttentionInputs in = P->in;
+  std::vector<int32_t> bt = P->block_table;
+  in.block_table = make_view(bt.data(), DType::kInt32, {2, P->max_pages});
+  bt[0] = int32_t(P->num_pages);  // out of range
+  EXPECT_ARG_ERROR(attention(in, po), "block_table");
+  bt = P->block_table;
+  bt[P->max_pages] = -1;  // negative (sequence 1, first page, which is used)
+  in.block_table = make_view(bt.data(), DType::kInt32, {2, P->max_pages});
+  EXPECT_ARG_ERROR(attention(in, po), "block_table");
+  in.block_table = make_view(P->block_table.data(), DType::kInt32, {1, P->max_pages});  // rows != B
+  EXPECT_ARG_ERROR(attention(in, po), "block_table");
+  std::vector<float> fl(P->block_table.size());
+  in.block_table = make_view(fl.data(), F32, {2, P->max_pages});
+  EXPECT_ARG_ERROR(attention(in, po), "block_table");
+  in.block_table = make_view(P->block_table.data(), DType::kInt32, {2 * P->max_pages});
+  EXPECT_ARG_ERROR(attention(in, po), "block_table");
+}
+TEST_F(Errors, SequsedK) {
+  AttentionInputs in = P->in;
+  std::vector<int32_t> su = P->seqused;
+  su[1] = int32_t(P->max_pages * 16 + 1);  // beyond the pages given
+  in.seqused_k = make_view(su.data(), DType::kInt32, {2});
+  in.max_seqlen_k = 100000;
+  EXPECT_ARG_ERROR(attention(in, po), "seqused_k");
+  su = P->seqused;
+  su[0] = -1;
+  in.seqused_k = make_view(su.data(), DType::kInt32, {2});
+  EXPECT_ARG_ERROR(attention(in, po), "seqused_k");
+  in.seqused_k = make_view(P->seqused.data(), DType::kInt32, {1});
+  EXPECT_ARG_ERROR(attention(in, po), "seqused_k");
+  in.seqused_k = std::nullopt;
+  EXPECT_ARG_ERROR(attention(in, po), "seqused_k");
+  std::vector<float> fl{9, 130};
+  in.seqused_k = make_view(fl.data(), F32, {2});
+  EXPECT_ARG_ERROR(attention(in, po), "seqused_k");
+}
+TEST_F(Errors, SequsedWithoutBlockTable) {
+  AttentionInputs in = C->in;
+  std::vector<int32_t> su{9, 130};
+  in.seqused_k = make_view(su.data(), DType::kInt32, {2});
+  in.cu_seqlens_k = std::nullopt;
+  EXPECT_ARG_ERROR(attention(in, co), "block_table", "seqused_k", "cu_seqlens_k");
+}
+
+// ---- strides, dtypes, devices -----------------------------------------------------------------------------------
+TEST_F(Errors, LastDimNotContiguous) {
+  AttentionInputs in = C->in;
+  in.q.stride[2] = 2;
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+  in = C->in;
+  in.k.stride[2] = 2;
+  EXPECT_ARG_ERROR(attention(in, co), "k");
+  in = C->in;
+  in.v.stride[2] = 0;
+  EXPECT_ARG_ERROR(attention(in, co), "v");
+  AttentionInputs pin = P->in;
+  pin.k.stride[3] = 2;
+  EXPECT_ARG_ERROR(attention(pin, po), "k");
+  AttentionOutputs o = co;
+  o.out.stride[2] = 2;
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+}
+TEST_F(Errors, DTypes) {
+  AttentionInputs in = C->in;
+  in.k.dtype = DType::kFloat16;
+  EXPECT_ARG_ERROR(attention(in, co), "k");
+  in = C->in;
+  in.v.dtype = DType::kBFloat16;
+  EXPECT_ARG_ERROR(attention(in, co), "v");
+  in = C->in;
+  in.q.dtype = DType::kInt32;
+  in.k.dtype = DType::kInt32;
+  in.v.dtype = DType::kInt32;
+  EXPECT_ARG_ERROR(attention(in, co), "q");
+}
+TEST_F(Errors, TypeErrorsAreTypeErrors) {
+  AttentionInputs in = C->in;
+  in.k.dtype = DType::kFloat16;
+  try {
+    attention(in, co);
+    FAIL() << "no throw";
+  } catch (const ArgumentError& e) {
+    EXPECT_TRUE(e.is_type_error()) << e.what();
+  }
+  in = C->in;
+  in.max_seqlen_q = 1;
+  try {
+    attention(in, co);
+    FAIL() << "no throw";
+  } catch (const ArgumentError& e) {
+    EXPECT_FALSE(e.is_type_error()) << e.what();
+    EXPECT_EQ(std::string(e.what()).rfind(e.argument(), 0), 0u) << "message must start with the argument name";
+  }
+}
+TEST_F(Errors, Devices) {
+  AttentionInputs in = C->in;
+  in.q.device = Device::kCUDA;  // data stays a host pointer: nothing crashes even if it is read
+  EXPECT_ARG_ERROR(attention(in, co), "q", "k");
+  in = C->in;
+  in.k.device = Device::kCUDA;
+  EXPECT_ARG_ERROR(attention(in, co), "k", "q");
+  in = C->in;
+  in.v.device = Device::kCUDA;
+  EXPECT_ARG_ERROR(attention(in, co), "v", "q");
+  AttentionOutputs o = co;
+  o.out.device = Device::kCUDA;
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+}
+
+#ifndef SPARSE_PREFILL_WITH_CUDA
+// Every tensor on the GPU in a CPU-only build: a valid call the build cannot run -> NotImplementedError (or an
+// ArgumentError), never a crash. The data pointers are host memory, so even a wrong host read would not fault.
+TEST_F(Errors, AllOnCudaInCpuOnlyBuild) {
+  auto on_cuda = [](TensorView t) {
+    t.device = Device::kCUDA;
+    return t;
+  };
+  AttentionInputs in = P->in;
+  in.q = on_cuda(in.q);
+  in.k = on_cuda(in.k);
+  in.v = on_cuda(in.v);
+  in.cu_seqlens_q = on_cuda(in.cu_seqlens_q);
+  in.block_table = on_cuda(*in.block_table);
+  in.seqused_k = on_cuda(*in.seqused_k);
+  AttentionOutputs o = po;
+  o.out = on_cuda(o.out);
+  o.lse = on_cuda(*o.lse);
+  auto expect_clean_refusal = [](auto&& f, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": a CUDA call ran in a CPU-only build";
+    } catch (const NotImplementedError&) {
+    } catch (const ArgumentError& e) {
+      std::cout << "[errors] " << what << " on CUDA: ArgumentError " << e.what() << "\n";
+    }
+  };
+  expect_clean_refusal([&] { attention(in, o); }, "attention");
+  expect_clean_refusal([&] { build_index(in, SelectionParams{}); }, "build_index");
+}
+#endif
+
+// ---- window, scale ----------------------------------------------------------------------------------------------
+TEST_F(Errors, Window) {
+  AttentionInputs in = C->in;
+  in.window_left = -2;
+  EXPECT_ARG_ERROR(attention(in, co), "window");
+  in = C->in;
+  in.window_right = -7;
+  EXPECT_ARG_ERROR(attention(in, co), "window");
+}
+TEST_F(Errors, SoftmaxScale) {
+  AttentionInputs in = C->in;
+  in.softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_ARG_ERROR(attention(in, co), "softmax_scale");
+  in.softmax_scale = std::numeric_limits<float>::infinity();
+  EXPECT_ARG_ERROR(attention(in, co), "softmax_scale");
+}
+
+// ---- out / lse --------------------------------------------------------------------------------------------------
+TEST_F(Errors, OutShapeDtype) {
+  AttentionOutputs o = co;
+  o.out = make_view(C->out.data(), F32, {C->total_q - 1, 4, 64});
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+  o.out = make_view(C->out.data(), F32, {C->total_q, 2, 128});
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+  o.out = make_view(C->out.data(), F32, {C->total_q * 4, 64});
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+  o.out = make_view(C->out.data(), DType::kBFloat16, {C->total_q, 4, 64});
+  EXPECT_ARG_ERROR(attention(C->in, o), "out");
+}
+TEST_F(Errors, LseShapeDtype) {
+  AttentionOutputs o = co;
+  o.lse = make_view(C->lse.data(), F32, {C->total_q, 4});  // transposed
+  EXPECT_ARG_ERROR(attention(C->in, o), "lse");
+  o.lse = make_view(C->lse.data(), F32, {4 * C->total_q});
+  EXPECT_ARG_ERROR(attention(C->in, o), "lse");
+  o.lse = make_view(C->lse.data(), DType::kFloat16, {4, C->total_q});
+  EXPECT_ARG_ERROR(attention(C->in, o), "lse");
+  o.lse = make_view(C->lse.data(), F32, {4, C->total_q});
+  o.lse->device = Device::kCUDA;
+  EXPECT_ARG_ERROR(attention(C->in, o), "lse");
+}
+
+// ---- selection parameters -----------------------------------------------------------------------------------------
+TEST_F(Errors, BlockSize) {
+  for (int bs : {96, 0, -64, 32, 100}) {
+    SelectionParams p;
+    p.block_size = bs;
+    EXPECT_ARG_ERROR(build_index(C->in, p), "block_size") << " block_size " << bs;
+    std::vector<int32_t> cu;
+    std::vector<float> km, vm;
+    EXPECT_ARG_ERROR(pool_kv(P->in, bs, cu, km, vm), "block_size") << " block_size " << bs;
+  }
+}
+TEST_F(Errors, SelectionParams) {
+  SelectionParams p;
+  p.alpha = -0.1f;
+  EXPECT_ARG_ERROR(build_index(C->in, p), "alpha");
+  p.alpha = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_ARG_ERROR(build_index(C->in, p), "alpha");
+  p = SelectionParams{};
+  p.sink = -1;
+  EXPECT_ARG_ERROR(build_index(C->in, p), "sink");
+  p = SelectionParams{};
+  p.window = -1;
+  EXPECT_ARG_ERROR(build_index(C->in, p), "window");
+  p = SelectionParams{};
+  p.last_n = -1;
+  EXPECT_ARG_ERROR(build_index(C->in, p), "last_n");
+}
+TEST_F(Errors, BuildIndexValidatesInputs) {
+  AttentionInputs in = P->in;
+  std::vector<int32_t> bt = P->block_table;
+  bt[0] = 1 << 20;
+  in.block_table = make_view(bt.data(), DType::kInt32, {2, P->max_pages});
+  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "block_table");
+  std::vector<int32_t> cu;
+  std::vector<float> km, vm;
+  EXPECT_ARG_ERROR(pool_kv(in, 64, cu, km, vm), "block_table");
+}
+
+// ---- index ------------------------------------------------------------------------------------------------------
+TEST_F(Errors, IndexSegmentCount) {
+  BlockIndex idx = index_for(*C);
+  idx.segment_start.pop_back();
+  idx.segment_end.pop_back();
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(idx), co), "index*");
+  EXPECT_ARG_ERROR(union_index(C->in, idx), "index*");
+}
+TEST_F(Errors, IndexBlockIdsOutOfRange) {
+  BlockIndex idx = index_for(*C);
+  ASSERT_FALSE(idx.block_ids.empty());
+  BlockIndex a = idx;
+  a.block_ids.back() = 1000;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(a), co), "index*");
+  BlockIndex b = idx;
+  b.block_ids[0] = -1;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(b), co), "index*");
+}
+TEST_F(Errors, IndexNotAscending) {
+  BlockIndex idx = index_for(*C);
+  std::vector<std::vector<int>> lists = lists_of(idx);
+  size_t s = 0;
+  while (s < lists.size() && lists[s].size() < 2) ++s;
+  ASSERT_LT(s, lists.size());
+  auto dup = lists;
+  dup[s][1] = dup[s][0];  // duplicate block: would double-count its keys
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(*std::make_unique<BlockIndex>(index_with_lists(idx, dup, true))), co),
+                   "index*");
+  auto desc = lists;
+  std::reverse(desc[s].begin(), desc[s].end());
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(*std::make_unique<BlockIndex>(index_with_lists(idx, desc, true))), co),
+                   "index*");
+}
+TEST_F(Errors, IndexRanges) {
+  BlockIndex idx = index_for(*C);
+  BlockIndex a = idx;
+  a.segment_end.back() = int32_t(a.block_ids.size()) + 5;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(a), co), "index*");
+  BlockIndex b = idx;
+  b.segment_start[0] = b.segment_end[0] + 1;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(b), co), "index*");
+}
+TEST_F(Errors, IndexPooledMeans) {
+  BlockIndex idx = index_for(*C);
+  BlockIndex a = idx;
+  a.cu_blocks.back() += 1;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(a), co), "index*");
+  BlockIndex b = idx;
+  b.k_mean.resize(b.k_mean.size() - 64);
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(b), co), "index*");
+  BlockIndex c = idx;
+  c.v_mean.resize(c.v_mean.size() + 64);
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(c), co), "index*");
+}
+TEST_F(Errors, IndexDTypesAndDevices) {
+  BlockIndex idx = index_for(*C);
+  {
+    BlockIndexView v = view_of(idx);
+    v.block_ids.dtype = F32;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.segment_start.dtype = DType::kFloat16;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.k_mean.dtype = DType::kBFloat16;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.v_mean.device = Device::kCUDA;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.block_ids.device = Device::kCUDA;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.cu_blocks.device = Device::kCUDA;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.cu_blocks.stride[0] = 2;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+  {
+    BlockIndexView v = view_of(idx);
+    v.k_mean.shape[2] = 32;  // head dim differs from q
+    v.k_mean.shape[1] = 4;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index*");
+  }
+}
+TEST_F(Errors, IndexBlockSize) {
+  BlockIndex idx = index_for(*C);
+  idx.block_size = 96;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(idx), co), "index*", "block_size");
+  BlockIndex other = index_for(*C, 128);  // right shape for bs 128, declared as 64
+  other.block_size = 64;
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(other), co), "index*");
+}
+TEST_F(Errors, IndexOfAnotherProblem) {
+  BlockIndex idx = index_for(*C);  // lk {9, 130}: cu_blocks {0, 1, 4}
+  AttentionInputs in = C->in;
+  std::vector<int32_t> cu_k{0, 9, 70};  // lk {9, 61}: 2 blocks
+  in.cu_seqlens_k = make_view(cu_k.data(), DType::kInt32, {3});
+  in.k.shape[0] = 70;
+  in.v.shape[0] = 70;
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "index*");
+  EXPECT_ARG_ERROR(union_index(in, idx), "index*");
+}
+TEST_F(Errors, SparseAttentionValidatesInputsAndOutputs) {
+  BlockIndex idx = index_for(*C);
+  AttentionInputs in = C->in;
+  in.k.dtype = DType::kFloat16;
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "k");
+  AttentionOutputs o = co;
+  o.out = make_view(C->out.data(), F32, {C->total_q, 4, 32});
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(idx), o), "out");
+}
+
+}  // namespace
+}  // namespace sptest
