@@ -34,6 +34,7 @@ if command -v cuobjdump > /dev/null; then
   done > "$OUT/sass_summary.txt"
   cat "$OUT/sass_summary.txt"
 fi
+build-cuda/test_block_iterator > "$OUT/test_block_iterator.log" 2>&1; tail -1 "$OUT/test_block_iterator.log"
 # Smoke first, under a timeout: a deadlocked pipeline must not eat the session.
 timeout 90 python3 tests/gpu/test_dense.py --smoke > "$OUT/smoke.log" 2>&1
 SMOKE_RC=$?

@@ -86,7 +86,14 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   a.window_left = in.window_left;
   a.window_right = in.window_right;
   a.stream = in.stream;
-  if (a.total_k_rows == 0) a.total_k_rows = 1;  // TMA needs a non-empty box domain; every key is masked anyway
+  if (a.total_k_rows == 0) {
+    // No key at all: every tile is empty (zeros, lse = -inf) and no K/V load is issued, but the TMA descriptors
+    // still need a valid non-empty domain: describe q's memory instead.
+    a.k = a.v = a.q;
+    a.k_row_stride = a.v_row_stride = a.q_row_stride;
+    a.k_head_stride = a.v_head_stride = a.q_head_stride;
+    a.total_k_rows = 1;
+  }
   if (p.dtype == DType::kBFloat16)
     run_fwd_bf16_hdim128(a);
   else

@@ -254,10 +254,14 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       const int col0 = n_block * kBlockN;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int row = iter.m0 + get<0>(cS_rc(r, 0));
+        int lo, hi;
+        iter.col_range(iter.m0 + get<0>(cS_rc(r, 0)), lo, hi);
+        lo -= col0;
+        hi -= col0;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S_rc); ++c) {
-          if (!iter.visible(row, col0 + get<1>(cS_rc(r, c)))) S_rc(r, c) = -INFINITY;
+          const int col = get<1>(cS_rc(r, c));
+          S_rc(r, c) = (col >= lo && col <= hi) ? S_rc(r, c) : -INFINITY;
         }
       }
     };
@@ -281,15 +285,15 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     // exactly as often as it is waited on: warpgroup 0 skips the wait for block 0, warpgroup 1 skips its arrive after
     // its last block. Measured on the H200 (bench/NOTES.md): OFF is faster with this mainloop (causal 32K: 614 vs
     // 580 TFLOP/s, 128K: 602 vs 593), so it is off by default.
-  #ifdef SP_PINGPONG
+#ifdef SP_PINGPONG
     auto scheduler_sync = [&]() { cutlass::arch::NamedBarrier::sync(2 * 128, 3 + cwg); };
     auto scheduler_arrive = [&](bool last) {
       if (!(cwg == 1 && last)) cutlass::arch::NamedBarrier::arrive(2 * 128, 3 + (1 - cwg));
     };
-  #else  // build switch for A/B measurements of the pingpong
+#else  // build switch for A/B measurements of the pingpong
     auto scheduler_sync = [&]() {};
     auto scheduler_arrive = [&](bool) {};
-  #endif
+#endif
 
     OnlineSoftmax<kRows> softmax(params.scale_log2);
     float o_scale[kRows];

@@ -190,16 +190,18 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   const int64_t nchunks = (nvis + kChunk - 1) / kChunk;
   if (nchunks > 0) stage_chunk(0, 0);
 
-  // A fragments of this thread's 4 rows (2 m-tiles x 2 halves), all of D, loaded once.
+  // A fragments of this thread's 4 rows (2 m-tiles x 2 halves), all of D, loaded once; and the last block each row
+  // sees (int32: the mask below runs per score element, where 64-bit index math cost 5x the MMA issue slots).
   uint32_t a[2][D / 16][4];
-  int64_t row_hi[2][2];  // last key each row sees (-1: none)
+  int row_last_block[2][2];  // -1: the row sees no key (or is past the tile's rows)
   for (int mt = 0; mt < 2; ++mt) {
     for (int hf = 0; hf < 2; ++hf) {
       const int64_t r = t * kTileRows + warp * 32 + mt * 16 + hf * 8 + group;
       const bool valid = r < t * kTileRows + rows;
       const int64_t pos = valid ? r / group_size : 0;
       const int head = kvh * group_size + int(valid ? r % group_size : 0);
-      row_hi[mt][hf] = valid ? min(k_len - 1, pos + off) : -1;
+      const int64_t hi = valid ? min(k_len - 1, pos + off) : -1;
+      row_last_block[mt][hf] = hi >= 0 ? int(hi / B) : -1;
       const T* qrow = static_cast<const T*>(qa.q) + (seq.q_start(b) + pos) * qa.stride_row + head * qa.stride_head;
       for (int ks = 0; ks < D / 16; ++ks) {
         for (int kh = 0; kh < 2; ++kh) {
@@ -209,6 +211,8 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
       }
     }
   }
+  // Chunks whose every block every row of the tile sees skip the mask (causal: all but the last one or two).
+  const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
   for (int64_t c = 0; c < nchunks; ++c) {
     const int buf = int(c & 1);
@@ -237,17 +241,29 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
     }
     // Scores in the log2 domain; -inf where the row does not see the block. Warp maximum.
     float m = -INFINITY;
+    const int chunk_first = int(c) * kChunk;
+    if (chunk_first + kChunk - 1 <= tile_min_last_block) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt)
+        for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t J = c * kChunk + nt * 8 + quad * 2 + (e & 1);
-          const bool seen = J < nb && J * B <= row_hi[mt][e >> 1];
-          acc[mt][nt][e] = seen ? acc[mt][nt][e] * sel.scale_log2 : -INFINITY;
-          m = fmaxf(m, acc[mt][nt][e]);
-        }
+          for (int e = 0; e < 4; ++e) {
+            acc[mt][nt][e] *= sel.scale_log2;
+            m = fmaxf(m, acc[mt][nt][e]);
+          }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int J = chunk_first + nt * 8 + quad * 2 + (e & 1);
+            acc[mt][nt][e] = J <= row_last_block[mt][e >> 1] ? acc[mt][nt][e] * sel.scale_log2 : -INFINITY;
+            m = fmaxf(m, acc[mt][nt][e]);
+          }
+    }
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     // This warp's block energies relative to its own maximum (one barrier per chunk instead of two).
 #pragma unroll

@@ -61,22 +61,28 @@ struct OnlineSoftmax {
     static_assert(decltype(size<0>(s))::value == kRows);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m = kFirst ? -INFINITY : row_max[r];
+      // 4 independent partial maxima / sums: shorter dependency chains than one serial FMNMX / FADD chain of 32.
+      constexpr int kCols = decltype(size<1>(s))::value;
+      static_assert(kCols % 4 == 0);
+      float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      for (int c = 0; c < kCols; ++c) mp[c % 4] = fmaxf(mp[c % 4], s(r, c));
+      float m = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+      if (!kFirst) m = fmaxf(m, row_max[r]);
       m = quad_max(m);
       // A row with nothing visible so far keeps max = -inf; use 0 as the reference so exp2 gives 0, never NaN.
       const float m_ref = (m == -INFINITY) ? 0.f : m;
       const float mb = m_ref * scale_log2;
       o_scale[r] = kFirst ? 1.f : fast_exp2(row_max[r] * scale_log2 - mb);
       row_max[r] = m;
-      float sum = 0.f;
+      float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int c = 0; c < size<1>(s); ++c) {
+      for (int c = 0; c < kCols; ++c) {
         const float p = fast_exp2(fmaf(s(r, c), scale_log2, -mb));
         s(r, c) = p;
-        sum += p;
+        sp[c % 4] += p;
       }
+      const float sum = (sp[0] + sp[1]) + (sp[2] + sp[3]);
       row_sum[r] = kFirst ? sum : fmaf(row_sum[r], o_scale[r], sum);
     }
   }

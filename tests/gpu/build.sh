@@ -32,5 +32,7 @@ for s in "${SRCS[@]}"; do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 "$NVCC" -shared -o "$BUILD/$LIBNAME" "${OBJS[@]}" -cudart static
+# Host-only exhaustive check of the block iterator (the producer/consumer seam); no GPU needed.
+g++ -std=c++17 -O2 -I"$ROOT/src" "$ROOT/tests/gpu/test_block_iterator.cpp" -o "$BUILD/test_block_iterator"
 grep -h "registers\|spill" "$OBJDIR"/*.o.log 2>/dev/null | sort | uniq -c || true
 echo "built $BUILD/$LIBNAME"

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -226,9 +227,21 @@ bool run_case(const Case& c, uint64_t seed) {
 }
 
 // Index-stage time on the topic workload (Hq=32, Hkv=8, D=128, bf16, batch 1), median of 20 runs.
-void bench(const char* json_path, const std::vector<int64_t>& lengths) {
+void bench(const char* json_path, const std::vector<int64_t>& lengths, const std::string& command) {
   FILE* f = json_path ? std::fopen(json_path, "w") : nullptr;
-  if (f) std::fprintf(f, "[\n");
+  if (f) {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    const char* commit = std::getenv("SP_COMMIT");
+    std::fprintf(f,
+                 "{\"device\": \"%s\", \"commit\": \"%s\", \"date\": \"%s\", \"command\": \"%s\",\n"
+                 " \"workload\": \"topic, Hq=32 Hkv=8 D=128 bf16 batch 1, alpha 0.1 block 128 sink 256 window 512 "
+                 "last_n 2\",\n \"rows\": [\n",
+                 prop.name, commit ? commit : "unknown", date, command.c_str());
+  }
   bool first = true;
   for (int64_t L : lengths) {
     sp::workload::Shape shape{L, 32, 8, 128};
@@ -283,7 +296,7 @@ void bench(const char* json_path, const std::vector<int64_t>& lengths) {
     for (void* ptr : {(void*)dq, (void*)dk, (void*)dv, (void*)dcu, ws}) cudaFree(ptr);
   }
   if (f) {
-    std::fprintf(f, "\n]\n");
+    std::fprintf(f, "\n]}\n");
     std::fclose(f);
   }
 }
@@ -298,7 +311,7 @@ int main(int argc, char** argv) {
   }
   // --only L: timing at one length, no checks (for ncu).
   if (argc > 2 && std::string(argv[1]) == "--only") {
-    bench(nullptr, {std::atoll(argv[2])});
+    bench(nullptr, {std::atoll(argv[2])}, "");
     return 0;
   }
   const uint64_t seed = std::random_device{}();
@@ -317,6 +330,9 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], seed + i) && ok;
   std::printf("index stage checks: %s\n", ok ? "PASS" : "FAIL");
-  bench(argc > 1 ? argv[1] : nullptr, {4096, 8192, 16384, 32768, 65536, 131072});
+  if (argc > 1 && std::string(argv[1]) == "--checks-only") return ok ? 0 : 1;
+  std::string command = argv[0];
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  bench(argc > 1 ? argv[1] : nullptr, {4096, 8192, 16384, 32768, 65536, 131072}, command);
   return ok ? 0 : 1;
 }
