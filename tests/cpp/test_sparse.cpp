@@ -7,34 +7,7 @@ namespace {
 
 const DType F32 = DType::kFloat32, F16 = DType::kFloat16, BF16 = DType::kBFloat16;
 
-Case sc(int Hq, int Hkv, int D, DType dt, std::vector<int> lq, std::vector<int> lk, bool paged, int ps, bool causal = true,
-        int wl = -1, int wr = -1) {
-  Case c;
-  c.Hq = Hq;
-  c.Hkv = Hkv;
-  c.D = D;
-  c.dtype = dt;
-  c.lq = std::move(lq);
-  c.lk = std::move(lk);
-  c.paged = paged;
-  c.page_size = ps;
-  c.causal = causal;
-  c.wl = wl;
-  c.wr = wr;
-  c.structured = true;
-  return c;
-}
 
-SelectionParams sp(float alpha, int bs, int sink, int window, int last_n, bool corr) {
-  SelectionParams p;
-  p.alpha = alpha;
-  p.block_size = bs;
-  p.sink = sink;
-  p.window = window;
-  p.last_n = last_n;
-  p.correction = corr;
-  return p;
-}
 
 // Reference index -> reference sparse_attention vs naive64::sparse with the same lists.
 void check_sparse(const Case& c, SelectionParams p, bool with_lse = true) {

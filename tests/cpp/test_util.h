@@ -192,6 +192,36 @@ struct Case {
   }
 };
 
+// A structured (topic) test case: the shape used by the selection, sparse and union tests.
+inline Case sc(int Hq, int Hkv, int D, DType dt, std::vector<int> lq, std::vector<int> lk, bool paged, int ps,
+               bool causal = true, int wl = -1, int wr = -1) {
+  Case c;
+  c.Hq = Hq;
+  c.Hkv = Hkv;
+  c.D = D;
+  c.dtype = dt;
+  c.lq = std::move(lq);
+  c.lk = std::move(lk);
+  c.paged = paged;
+  c.page_size = ps;
+  c.causal = causal;
+  c.wl = wl;
+  c.wr = wr;
+  c.structured = true;
+  return c;
+}
+
+inline SelectionParams sp(float alpha, int bs, int sink, int window, int last_n, bool corr = true) {
+  SelectionParams p;
+  p.alpha = alpha;
+  p.block_size = bs;
+  p.sink = sink;
+  p.window = window;
+  p.last_n = last_n;
+  p.correction = corr;
+  return p;
+}
+
 struct Built {
   Case c;
   HostTensor q, k, v;  // storage as passed (contiguous [total_k,Hkv,D] or paged [pages,ps,Hkv,D])
