@@ -7,20 +7,11 @@
 namespace sptest {
 namespace {
 
+// Dense cases use plain Gaussian inputs (the structured ones of `sc` target selection).
 Case mk(int Hq, int Hkv, int D, DType dt, std::vector<int> lq, std::vector<int> lk, bool paged = false, int ps = 16,
         bool causal = true, int wl = -1, int wr = -1) {
-  Case c;
-  c.Hq = Hq;
-  c.Hkv = Hkv;
-  c.D = D;
-  c.dtype = dt;
-  c.lq = std::move(lq);
-  c.lk = std::move(lk);
-  c.paged = paged;
-  c.page_size = ps;
-  c.causal = causal;
-  c.wl = wl;
-  c.wr = wr;
+  Case c = sc(Hq, Hkv, D, dt, std::move(lq), std::move(lk), paged, ps, causal, wl, wr);
+  c.structured = false;
   return c;
 }
 
