@@ -59,7 +59,10 @@ BlockIndexView view_of(BlockIndex& index);
 void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
              std::vector<float>& v_mean);
 
-// Selection: pooling, scoring, thresholding, always-kept rules and CSR compaction.
+// Selection: pooling, scoring, thresholding, always-kept rules and CSR compaction. CPU inputs run the reference;
+// CUDA inputs (bf16/fp16, causal, no attention window) run the GPU index stage and copy the index back to the host
+// (this convenience path allocates and synchronises; the graph-capturable GPU entry point with a caller workspace
+// is sparse_prefill::cuda::build_index in src/cuda/index_stage.h).
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params);
 
 // Sparse attention over the index: every listed block of a row's segment (token-level causal / window masks still

@@ -6,6 +6,7 @@
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
 #include "cuda/cuda_backend.h"
+#include "cuda/index_stage.h"
 #endif
 
 namespace sparse_prefill {
@@ -45,14 +46,19 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
 
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
   check_selection_params(params);
-  const Problem p = validate_host(in, nullptr, "build_index");
-  return reference::build_index(in, p, params);
+  const Problem p = validate_inputs(in, nullptr);
+  if (p.device == Device::kCPU) return reference::build_index(in, p, params);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return cuda::build_index_to_host(in, p, params);
+#else
+  not_on_cuda("build_index");
+#endif
 }
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs) {
   const Problem p = validate_inputs(in, &outs);
-  validate_index(p, index);
   if (p.device != Device::kCPU) not_on_cuda("sparse_attention");
+  validate_index(p, index);
   reference::sparse_attention(in, index, outs, p);
 }
 

@@ -491,4 +491,55 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   return d;
 }
 
+BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  const size_t bytes = index_workspace_bytes(in, p, params);
+  void* ws = nullptr;
+  check_cuda(cudaMalloc(&ws, bytes), "cudaMalloc(index workspace)");
+  struct Free {
+    void* ptr;
+    ~Free() { cudaFree(ptr); }
+  } free_ws{ws};
+  const DeviceIndex d = build_index(in, p, params, ws, bytes);
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  check_cuda(cudaStreamSynchronize(stream), "build_index");
+
+  auto download = [&](const void* src, size_t n_bytes, void* dst) {
+    if (n_bytes) check_cuda(cudaMemcpy(dst, src, n_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy(index)");
+  };
+  std::vector<int32_t> cu_tiles(p.batch + 1);
+  std::vector<int64_t> cu_capacity(p.batch + 1);
+  unsigned long long counters[2] = {0, 0};
+  BlockIndex idx;
+  idx.block_size = params.block_size;
+  idx.group_size = p.group_size;
+  idx.num_kv_heads = p.num_kv_heads;
+  idx.head_dim = p.head_dim;
+  idx.correction = params.correction;
+  idx.cu_blocks.resize(p.batch + 1);
+  download(d.cu_tiles, cu_tiles.size() * 4, cu_tiles.data());
+  download(d.cu_capacity, cu_capacity.size() * 8, cu_capacity.data());
+  download(d.cu_blocks, idx.cu_blocks.size() * 4, idx.cu_blocks.data());
+  download(d.counters, sizeof(counters), counters);
+  const size_t segments = size_t(cu_tiles[p.batch]) * p.num_kv_heads;
+  std::vector<int32_t> start(segments), end(segments), ids(static_cast<size_t>(cu_capacity[p.batch]));
+  download(d.segment_start, segments * 4, start.data());
+  download(d.segment_end, segments * 4, end.data());
+  download(d.block_ids, ids.size() * 4, ids.data());
+  idx.segment_start.resize(segments);
+  idx.segment_end.resize(segments);
+  for (size_t s = 0; s < segments; ++s) {  // compact the in-place slices into one dense CSR
+    idx.segment_start[s] = int32_t(idx.block_ids.size());
+    idx.block_ids.insert(idx.block_ids.end(), ids.begin() + start[s], ids.begin() + end[s]);
+    idx.segment_end[s] = int32_t(idx.block_ids.size());
+  }
+  const size_t pooled = size_t(idx.cu_blocks[p.batch]) * p.num_kv_heads * p.head_dim;
+  idx.k_mean.resize(pooled);
+  idx.v_mean.resize(pooled);
+  download(d.k_mean, pooled * 4, idx.k_mean.data());
+  download(d.v_mean, pooled * 4, idx.v_mean.data());
+  idx.kept_blocks = int64_t(counters[0]);
+  idx.visible_blocks = int64_t(counters[1]);
+  return idx;
+}
+
 }  // namespace sparse_prefill::cuda

@@ -45,4 +45,9 @@ size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes);
 
+// Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
+// workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the
+// pooled means). It allocates and synchronises: engines use build_index() with their own workspace instead.
+BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+
 }  // namespace sparse_prefill::cuda
