@@ -149,7 +149,9 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   __shared__ __align__(16) T kchunk[2][kChunk * kPitch];  // double buffer: chunk c+1 loads while c is scored
   __shared__ float red[kWarps];
   __shared__ float warp_max[kWarps];
-  __shared__ float colsum[kWarps][kChunk];
+  // Per-warp, per-row-group column sums of a chunk (+8 floats per row: the 8 row groups' 8-byte stores spread over
+  // the banks); reduced by 64 threads after the chunk's barrier instead of 48 shuffles per thread.
+  __shared__ __align__(16) float partial[kWarps][8][kChunk + 8];
   __shared__ int warp_count[kWarps];
   extern __shared__ float dyn[];  // energy[nb_max] then chunk_max[nb_max / 64 + 1]
 
@@ -175,14 +177,20 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   const T* pooled = k_mean_lowp + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
 
   // Stages 64 pooled keys of chunk c into buffer `buf` with cp.async (16 B each; zero-fill past the last block).
+  // 32-bit index math: this runs every chunk, and 64-bit multiplies here cost as many issue slots as the MMAs.
+  const int pooled_row_stride = num_kv_heads * D;  // elements between consecutive blocks' means of one KV head
+  const int nb32 = int(nb);
   auto stage_chunk = [&](int64_t c, int buf) {
     constexpr int kVecPerRow = D * int(sizeof(T)) / 16;
-    for (int i = threadIdx.x; i < kChunk * kVecPerRow; i += kScoreThreads) {
-      const int n = i / kVecPerRow, v = i % kVecPerRow;
-      const int64_t J = c * kChunk + n;
-      const T* src = J < nb ? pooled + J * num_kv_heads * D + v * 8 : pooled;
-      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][n * kPitch + v * 8]));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(J < nb ? 16 : 0));
+    constexpr int kRowsPerPass = kScoreThreads / kVecPerRow;
+    const int v = threadIdx.x % kVecPerRow;
+    const uint32_t dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][v * 8]));
+#pragma unroll
+    for (int n = threadIdx.x / kVecPerRow; n < kChunk; n += kRowsPerPass) {
+      const int J = int(c) * kChunk + n;
+      const T* src = J < nb32 ? pooled + J * pooled_row_stride + v * 8 : pooled;
+      const uint32_t dst = dst0 + uint32_t(n * kPitch * int(sizeof(T)));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(J < nb32 ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -194,15 +202,18 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   // sees (int32: the mask below runs per score element, where 64-bit index math cost 5x the MMA issue slots).
   uint32_t a[2][D / 16][4];
   int row_last_block[2][2];  // -1: the row sees no key (or is past the tile's rows)
+  const int tile_rows = int(rows);
+  const int64_t q_start = seq.q_start(b);
   for (int mt = 0; mt < 2; ++mt) {
     for (int hf = 0; hf < 2; ++hf) {
-      const int64_t r = t * kTileRows + warp * 32 + mt * 16 + hf * 8 + group;
-      const bool valid = r < t * kTileRows + rows;
-      const int64_t pos = valid ? r / group_size : 0;
-      const int head = kvh * group_size + int(valid ? r % group_size : 0);
-      const int64_t hi = valid ? min(k_len - 1, pos + off) : -1;
+      const int r_local = warp * 32 + mt * 16 + hf * 8 + group;
+      const bool valid = r_local < tile_rows;
+      const int r = int(t) * kTileRows + r_local;  // packed row within the sequence (32-bit: Lq * g < 2^31)
+      const int pos = valid ? r / group_size : 0;
+      const int head = kvh * group_size + (valid ? r % group_size : 0);
+      const int64_t hi = valid ? min(k_len - 1, int64_t(pos) + off) : -1;
       row_last_block[mt][hf] = hi >= 0 ? int(hi / B) : -1;
-      const T* qrow = static_cast<const T*>(qa.q) + (seq.q_start(b) + pos) * qa.stride_row + head * qa.stride_head;
+      const T* qrow = static_cast<const T*>(qa.q) + (q_start + pos) * qa.stride_row + head * qa.stride_head;
       for (int ks = 0; ks < D / 16; ++ks) {
         for (int kh = 0; kh < 2; ++kh) {
           const int col = ks * 16 + kh * 8 + quad * 2;
@@ -228,18 +239,26 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
     for (int mt = 0; mt < 2; ++mt)
       for (int nt = 0; nt < kChunk / 8; ++nt)
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    // B fragments with ldmatrix.x4: matrices (nt, k 0-7), (nt, k 8-15), (nt+1, k 0-7), (nt+1, k 8-15).
+    const uint32_t chunk_smem = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][0]));
+    const int ld_row = (lane >> 4) * 8 + (lane & 7), ld_col = ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt) {
-        const T* brow = &kchunk[buf][(nt * 8 + group) * kPitch + ks * 16 + quad * 2];
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(brow);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(brow + 8);
-        mma_16816<T>(acc[0][nt], a[0][ks], b0, b1);
-        mma_16816<T>(acc[1][nt], a[1][ks], b0, b1);
+      for (int nt = 0; nt < kChunk / 8; nt += 2) {
+        uint32_t b[4];
+        const uint32_t addr = chunk_smem + uint32_t(((nt * 8 + ld_row) * kPitch + ks * 16 + ld_col) * int(sizeof(T)));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                     : "r"(addr));
+        mma_16816<T>(acc[0][nt], a[0][ks], b[0], b[1]);
+        mma_16816<T>(acc[1][nt], a[1][ks], b[0], b[1]);
+        mma_16816<T>(acc[0][nt + 1], a[0][ks], b[2], b[3]);
+        mma_16816<T>(acc[1][nt + 1], a[1][ks], b[2], b[3]);
       }
     }
-    // Scores in the log2 domain; -inf where the row does not see the block. Warp maximum.
+    // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max, so the
+    // scale is folded into the exp2 argument below: one FFMA per element instead of FMUL + FADD).
     float m = -INFINITY;
     const int chunk_first = int(c) * kChunk;
     if (chunk_first + kChunk - 1 <= tile_min_last_block) {
@@ -248,10 +267,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
 #pragma unroll
         for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[mt][nt][e] *= sel.scale_log2;
-            m = fmaxf(m, acc[mt][nt][e]);
-          }
+          for (int e = 0; e < 4; ++e) m = fmaxf(m, acc[mt][nt][e]);
     } else {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -260,36 +276,39 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int J = chunk_first + nt * 8 + quad * 2 + (e & 1);
-            acc[mt][nt][e] = J <= row_last_block[mt][e >> 1] ? acc[mt][nt][e] * sel.scale_log2 : -INFINITY;
+            if (J > row_last_block[mt][e >> 1]) acc[mt][nt][e] = -INFINITY;
             m = fmaxf(m, acc[mt][nt][e]);
           }
     }
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    // This warp's block energies relative to its own maximum (one barrier per chunk instead of two).
+    const float m_log2 = m * sel.scale_log2;  // this warp's maximum in the log2 domain
+    // This warp's block energies relative to its own maximum, summed over the thread's 4 rows.
+    if (m != -INFINITY) {
 #pragma unroll
-    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        float2 s = make_float2(0.f, 0.f);
 #pragma unroll
-      for (int e1 = 0; e1 < 2; ++e1) {
-        float s = 0.f;
-        if (m != -INFINITY) {
-          for (int mt = 0; mt < 2; ++mt)
-            for (int hf = 0; hf < 2; ++hf) s += exp2f(acc[mt][nt][hf * 2 + e1] - m);  // exp2(-inf) = 0
-        }
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
-        s += __shfl_xor_sync(0xffffffffu, s, 8);
-        s += __shfl_xor_sync(0xffffffffu, s, 16);
-        if (group == 0) colsum[warp][nt * 8 + quad * 2 + e1] = s;
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {  // exp2(-inf) = 0 for masked scores
+            s.x += exp2f(fmaf(acc[mt][nt][hf * 2], sel.scale_log2, -m_log2));
+            s.y += exp2f(fmaf(acc[mt][nt][hf * 2 + 1], sel.scale_log2, -m_log2));
+          }
+        *reinterpret_cast<float2*>(&partial[warp][group][nt * 8 + quad * 2]) = s;
       }
     }
-    if (lane == 0) warp_max[warp] = m;
+    if (lane == 0) warp_max[warp] = m_log2;
     __syncthreads();
-    // Combine the warps: chunk maximum and energies relative to it.
+    // Combine the warps and row groups: chunk maximum and energies relative to it.
     if (threadIdx.x < kChunk) {
       float cm = warp_max[0];
       for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, warp_max[w]);
       float e = 0.f;
       for (int w = 0; w < kWarps; ++w) {
-        if (warp_max[w] != -INFINITY) e += colsum[w][threadIdx.x] * exp2f(warp_max[w] - cm);
+        if (warp_max[w] == -INFINITY) continue;  // that warp wrote no partial sums for this chunk
+        float col = 0.f;
+        for (int g = 0; g < 8; ++g) col += partial[w][g][threadIdx.x];
+        e += col * exp2f(warp_max[w] - cm);
       }
       const int64_t J = c * kChunk + threadIdx.x;
       if (J < nb) energy[J] = e;
@@ -394,10 +413,9 @@ template <typename T, int D>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const Problem& p, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D>;
-  if (dyn_smem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
-               "cudaFuncSetAttribute(score_select_kernel)");
-  }
+  // Static (~44 KB at D=128) plus dynamic shared memory may pass the 48 KB default: opt in every time (no sync).
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
+             "cudaFuncSetAttribute(score_select_kernel)");
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, p.group_size, p.num_kv_heads, d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
                                                     d.segment_start, d.segment_end, d.block_ids, d.counters);
