@@ -43,6 +43,7 @@ if (( SMOKE_RC != 0 )); then echo "smoke failed rc=$SMOKE_RC"; exit 2; fi
 timeout 300 python3 tests/gpu/test_dense.py --out "$OUT/test_dense.json" 2>&1 | tee "$OUT/test_dense.log" | tail -30
 TEST_RC=${PIPESTATUS[0]}
 if (( BENCH )); then
+  # Also writes $OUT/dense_h200_paged_varlen.json (varlen vs separate calls, paged 64/128 vs contiguous).
   timeout 400 python3 bench/bench_dense.py --out "$OUT/dense_h200.json" --lengths "$LENGTHS" $FLEX 2>&1 \
     | tee "$OUT/bench_dense.log"
   # A/B builds (tests/gpu/build.sh with SP_VARIANT=name): each in its own process, three lengths.
@@ -53,7 +54,7 @@ if (( BENCH )); then
       > "$OUT/test_dense_ab_$n.log" 2>&1 || echo "variant $n: tests FAILED (see test_dense_ab_$n.log)"
     tail -1 "$OUT/test_dense_ab_$n.log"
     SP_CUDA_LIB="$ROOT/$so" timeout 200 python3 bench/bench_dense.py --out "$OUT/dense_h200_ab_$n.json" \
-      --lengths 8192,32768,131072 --label "variant $n" 2>&1 | tee "$OUT/bench_dense_ab_$n.log"
+      --lengths 8192,32768,131072 --label "variant $n" --no-extra 2>&1 | tee "$OUT/bench_dense_ab_$n.log"
   done
 fi
 echo "tests rc=$TEST_RC"

@@ -24,11 +24,11 @@ if [[ "$PHASE" == sanitize ]]; then
   timeout 150 compute-sanitizer --tool racecheck build-gpu/check_index_stage --checks-only > "$OUT/racecheck_index.log" 2>&1
   tail -2 "$OUT/racecheck_index.log"
   step memcheck, dense kernel smoke
-  timeout 200 compute-sanitizer --tool memcheck --kernel-name regex:fwd python3 tests/gpu/test_dense.py --smoke \
+  timeout 200 compute-sanitizer --tool memcheck --kernel-name kns=fwd python3 tests/gpu/test_dense.py --smoke \
     > "$OUT/memcheck_dense.log" 2>&1
   tail -3 "$OUT/memcheck_dense.log"
   step racecheck, dense kernel smoke
-  timeout 200 compute-sanitizer --tool racecheck --kernel-name regex:fwd python3 tests/gpu/test_dense.py --smoke \
+  timeout 200 compute-sanitizer --tool racecheck --kernel-name kns=fwd python3 tests/gpu/test_dense.py --smoke \
     > "$OUT/racecheck_dense.log" 2>&1
   tail -3 "$OUT/racecheck_dense.log"
   exit 0

@@ -46,9 +46,11 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   require_aligned(in.q, "q", 0, 1);
   require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
-    if (p.page_size % 128 != 0)
-      throw NotImplementedError("CUDA attention: paged KV needs page_size % 128 == 0 for now (got " +
-                                std::to_string(p.page_size) + ")");
+    // TMA path: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
+    // (page_size % 128 == 64). Smaller pages would need a cp.async producer.
+    if (p.page_size <= 0 || p.page_size % 64 != 0)
+      throw NotImplementedError("CUDA attention: paged KV needs page_size % 64 == 0 (TMA path); got page_size " +
+                                std::to_string(p.page_size));
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");

@@ -1,5 +1,5 @@
 // The warp-specialised sm90 forward kernel: one producer warpgroup (a single thread issues TMA for Q once and for the
-// K/V blocks of the tile's block iterator into 2-stage mbarrier pipelines), two consumer warpgroups of 64 query rows
+// K/V blocks of the tile's block iterator into 3-stage (default) mbarrier pipelines), two consumer warpgroups of 64 query rows
 // each (wgmma S = Q K^T from smem, online softmax in registers, wgmma O += P V with P from registers).
 //
 // Consumer schedule (FA3 "intra-warpgroup overlap"): while the tensor cores run S(i) = Q K(i)^T and
@@ -25,6 +25,9 @@ struct FwdParams {
   typename Config::TmaQ tma_q;
   typename Config::TmaKV tma_k;
   typename Config::TmaKV tma_v;
+  typename Config::TmaKVHalf tma_k_half;  // 64-row boxes: paged KV with page_size % 128 == 64 (else unused)
+  typename Config::TmaKVHalf tma_v_half;
+  int half_boxes;                         // 1: load each K/V block as two 64-row boxes (page_size % 128 == 64)
   void* out;
   float* lse;
   int64_t o_row_stride, o_head_stride, lse_head_stride, lse_row_stride;
@@ -124,6 +127,10 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    if (params.half_boxes) {
+      cute::prefetch_tma_descriptor(params.tma_k_half.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_v_half.get_tma_descriptor());
+    }
     storage.barrier_q.init(1);
     storage.barrier_q_empty.init(Config::kNumMmaThreads);
   }
@@ -176,21 +183,81 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      auto load_block = [&](auto const& tma, auto const& mX, auto& sX, Pipeline& pipe, PipelineState& st, int n) {
-        Tensor gX = local_tile(domain_offset(make_coord(block_row(n), _0{}), mX(_, _, kv_head)),
-                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
-        auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
-        pipe.producer_acquire(st);
-        copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
+      // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
+      // lies entirely beyond seqused_k reads no block_table entry (the table may have no such page) and points the
+      // box past the end of the row space: TMA zero-fills it and still counts its bytes on the mbarrier.
+      constexpr int kHalfN = Config::kHalfN;
+      auto half_row = [&](int n, int h) -> int {
+        const int tok = n * kBlockN + h * kHalfN;
+        if (tok >= seq.k_len) return params.total_k_rows;
+        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
+        return page * params.page_size + tok % params.page_size;
+      };
+      Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
+      // loads). Default: computed at each K and at each V issue. -DSP_ROWS_PREFETCH=1 computes them once per block
+      // and one block ahead (loads in flight while the producer waits for a free stage); measured on the H200 at
+      // causal 128K (one A/B, 3 interleaved rounds per process) it did not help: paged/contiguous 1.057 (page 64)
+      // and 1.073 (page 128) with it vs 1.031 and 1.042 without (run-to-run spread is a few %), so it is off.
+      struct BlockRows {
+        int r0, r1;
+      };
+      auto rows_of = [&](int n) -> BlockRows {
+        if (!params.half_boxes) return {block_row(n), 0};
+        return {half_row(n, 0), half_row(n, 1)};
+      };
+      auto load_block = [&](auto const& tma, auto const& tma_half, auto const& mX, auto const& mXh, auto& sX,
+                            Pipeline& pipe, PipelineState& st, BlockRows const& rows) {
+        pipe.producer_acquire(st);  // expects kTmaBytesKV on the stage's mbarrier, whatever the box split
+        if (!params.half_boxes) {
+          Tensor gX = local_tile(domain_offset(make_coord(rows.r0, _0{}), mX(_, _, kv_head)),
+                                 Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+          auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
+          copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
+        } else {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            Tensor gX = local_tile(domain_offset(make_coord(h == 0 ? rows.r0 : rows.r1, _0{}), mXh(_, _, kv_head)),
+                                   Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+            Tensor sXh = local_tile(sX(_, _, st.index()), Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(h, _0{}));
+            auto [tXgX, tXsX] = tma_partition(tma_half, _0{}, Layout<_1>{}, group_modes<0, 2>(sXh),
+                                              group_modes<0, 2>(gX));
+            copy(tma_half.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
+          }
+        }
         ++st;
       };
       // K runs one block ahead of V: the consumer issues S(i) = Q K(i)^T before O += P(i-1) V(i-1).
-      load_block(params.tma_k, mK, sK, pipeline_k, st_k, iter.block(0));
+      auto load_k = [&](BlockRows const& r) {
+        load_block(params.tma_k, params.tma_k_half, mK, mKh, sK, pipeline_k, st_k, r);
+      };
+      auto load_v = [&](BlockRows const& r) {
+        load_block(params.tma_v, params.tma_v_half, mV, mVh, sV, pipeline_v, st_v, r);
+      };
+#ifndef SP_ROWS_PREFETCH
+#define SP_ROWS_PREFETCH 0
+#endif
+#if !SP_ROWS_PREFETCH
+      load_k(rows_of(iter.block(0)));
       for (int i = 1; i < n_count; ++i) {
-        load_block(params.tma_k, mK, sK, pipeline_k, st_k, iter.block(i));
-        load_block(params.tma_v, mV, sV, pipeline_v, st_v, iter.block(i - 1));
+        load_k(rows_of(iter.block(i)));
+        load_v(rows_of(iter.block(i - 1)));
       }
-      load_block(params.tma_v, mV, sV, pipeline_v, st_v, iter.block(n_count - 1));
+      load_v(rows_of(iter.block(n_count - 1)));
+#else
+      BlockRows cur = rows_of(iter.block(0));                                    // block i - 1 (its V is next)
+      BlockRows nxt = n_count > 1 ? rows_of(iter.block(1)) : cur;                // block i
+      load_k(cur);
+      for (int i = 1; i < n_count; ++i) {
+        const BlockRows after = i + 1 < n_count ? rows_of(iter.block(i + 1)) : nxt;  // loads issued now, used next
+        load_k(nxt);
+        load_v(cur);
+        cur = nxt;
+        nxt = after;
+      }
+      load_v(cur);
+#endif
     }
     return;
   }
@@ -295,6 +362,26 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     auto scheduler_arrive = [&](bool) {};
 #endif
 
+    // Paged KV: the rows of the last page beyond seqused_k are whatever the engine's cache holds (possibly NaN bit
+    // patterns). Their keys are masked (the select replaces even a NaN logit by -inf, so P is exactly 0), but
+    // 0 x NaN = NaN in O += P V, so the V rows of the tail block beyond k_len are zeroed in smem before the PV GEMM.
+    // At most once per tile; contiguous KV never needs it (rows past a sequence belong to the next sequence or are
+    // TMA zero-fill). Each warpgroup zeroes all tail rows itself and syncs only its own 128 threads (the other one
+    // writes the same zeros: no cross-warpgroup barrier, so it cannot deadlock with the optional pingpong).
+    const int v_tail_block = (params.page_size != 0 && (seq.k_len % kBlockN) != 0) ? seq.k_len / kBlockN : -1;
+    auto sanitize_v = [&](int stage, int n_block) {
+      if (n_block != v_tail_block) return;
+      Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
+      constexpr int kChunks = kHeadDim / 8;
+      const int valid = seq.k_len - n_block * kBlockN;
+      for (int idx = mma_tidx % 128; idx < (kBlockN - valid) * kChunks; idx += 128) {
+        const int row = valid + idx / kChunks, ch = idx % kChunks;
+        *reinterpret_cast<uint4*>(&sV(row, ch * 8, stage)) = make_uint4(0, 0, 0, 0);
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to wgmma (async proxy)
+      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+    };
+
     OnlineSoftmax<kRows> softmax(params.scale_log2);
     float o_scale[kRows];
 
@@ -322,6 +409,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       if (i > 1) rescale_o(o_scale);
       pipeline_v.consumer_wait(st_v);
+      sanitize_v(st_v.index(), iter.block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
       scheduler_arrive(i == n_count - 1);
       warpgroup_wait<1>();
@@ -335,6 +423,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       convert_p();
     }
     pipeline_v.consumer_wait(st);
+    sanitize_v(st.index(), iter.block(n_count - 1));
     if (n_count > 1) rescale_o(o_scale);
     wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);
     warpgroup_wait<0>();

@@ -48,6 +48,17 @@ void run_fwd(const FwdArgs& a) {
                           take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
                           take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
+  // page_size % 128 == 64 (the backend accepts page_size % 64 == 0): two 64-row boxes per key block, one per page.
+  p.half_boxes = (a.page_size > 0 && a.page_size % Config::kBlockN != 0) ? 1 : 0;
+  if (p.half_boxes) {
+    const auto half_tile = Shape<Int<Config::kHalfN>, Int<kHeadDim>>{};
+    p.tma_k_half = make_tma_copy(SM90_TMA_LOAD{},
+                                 gmem(a.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride, a.k_head_stride),
+                                 typename Config::SmemLayoutKHalf{}, half_tile, _1{});
+    p.tma_v_half = make_tma_copy(SM90_TMA_LOAD{},
+                                 gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
+                                 typename Config::SmemLayoutKHalf{}, half_tile, _1{});
+  }
   p.out = a.out;
   p.lse = a.lse;
   p.o_row_stride = a.o_row_stride;

@@ -72,8 +72,37 @@ def ref_attention(q, k, v, lq_list, lk_list, causal, window, scale, lowp):
     return out, lse
 
 
+def make_paged(k, v, lk_list, ps, gen, nan_fill=False):
+    """Scatter contiguous K/V [total_k, Hkv, D] into randomly permuted pages of ps tokens (+3 spare pages).
+    nan_fill: every slot not holding a token (tail of the last page, spare pages) is NaN, as in an engine's
+    uninitialised cache; masked keys must not inject NaN into O."""
+    dev, dtype = k.device, k.dtype
+    hkv, d = k.shape[1], k.shape[2]
+    b = len(lk_list)
+    max_pages = max((lk + ps - 1) // ps for lk in lk_list)
+    num_pages = b * max_pages + 3
+    perm = torch.randperm(num_pages, device=dev, generator=gen)[: b * max_pages].to(torch.int32)
+    block_table = perm.view(b, max_pages).contiguous()
+    if nan_fill:
+        kc = torch.full((num_pages, ps, hkv, d), float("nan"), device=dev, dtype=dtype)
+        vc = torch.full((num_pages, ps, hkv, d), float("nan"), device=dev, dtype=dtype)
+    else:
+        kc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype, generator=gen)
+        vc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype, generator=gen)
+    ks = 0
+    for bi, lk in enumerate(lk_list):  # scatter the contiguous K/V into the pages
+        for t0 in range(0, lk, ps):
+            pg = int(block_table[bi, t0 // ps])
+            n = min(ps, lk - t0)
+            kc[pg, :n] = k[ks + t0:ks + t0 + n]
+            vc[pg, :n] = v[ks + t0:ks + t0 + n]
+        ks += lk
+    seqused = torch.tensor(lk_list, dtype=torch.int32, device=dev)
+    return kc, vc, block_table, seqused
+
+
 def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtype=torch.bfloat16, paged=0,
-             d=128, seed=0):
+             d=128, seed=0, nan_fill=False, vs_contiguous=False):
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
     tq, tk = sum(lq_list), sum(lk_list)
@@ -86,26 +115,21 @@ def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtyp
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, tq), float("nan"), device=dev, dtype=torch.float32)
     kw = dict(causal=causal, window=window, out=out, lse=lse)
+    contiguous_diff = None
     if paged:
-        ps = paged
-        b = len(lk_list)
-        max_pages = max((lk + ps - 1) // ps for lk in lk_list)
-        num_pages = b * max_pages + 3
-        perm = torch.randperm(num_pages, device=dev, generator=gen)[: b * max_pages].to(torch.int32)
-        block_table = perm.view(b, max_pages).contiguous()
-        kc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype, generator=gen)
-        vc = torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype, generator=gen)
-        ks = 0
-        for bi, lk in enumerate(lk_list):  # scatter the contiguous K/V into the pages
-            for t0 in range(0, lk, ps):
-                pg = int(block_table[bi, t0 // ps])
-                n = min(ps, lk - t0)
-                kc[pg, :n] = k[ks + t0:ks + t0 + n]
-                vc[pg, :n] = v[ks + t0:ks + t0 + n]
-            ks += lk
-        seqused = torch.tensor(lk_list, dtype=torch.int32, device=dev)
+        kc, vc, block_table, seqused = make_paged(k, v, lk_list, paged, gen, nan_fill)
         sp_cuda.attention(q, kc, vc, cu_q, None, max(lq_list), max(lk_list), block_table=block_table,
                           seqused_k=seqused, **kw)
+        if vs_contiguous:  # same blocks in the same order: paged must equal contiguous bit for bit
+            out_c = torch.full_like(q, float("nan"))
+            lse_c = torch.full((hq, tq), float("nan"), device=dev, dtype=torch.float32)
+            sp_cuda.attention(q, k, v, cu_q, cu_k, max(lq_list), max(lk_list), causal=causal, window=window,
+                              out=out_c, lse=lse_c)
+            torch.cuda.synchronize()
+            contiguous_diff = max((out.float() - out_c.float()).abs().max().item(),
+                                  (lse - lse_c).nan_to_num(0.0).abs().max().item())
+            if bool(torch.isnan(out_c).any()) or not torch.equal(torch.isinf(lse), torch.isinf(lse_c)):
+                contiguous_diff = float("nan")
     else:
         sp_cuda.attention(q, k, v, cu_q, cu_k, max(lq_list), max(lk_list), **kw)
     torch.cuda.synchronize()
@@ -125,7 +149,11 @@ def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtyp
         empty_ok = bool((lse[~fin] == -math.inf).all()) and bool((out[rows[:, 1], rows[:, 0]] == 0).all())
     ok = (not nan_out and not nan_lse and empty_ok and err <= 2 * err_low + atol
           and lse_err <= 2 * lse_err_low + 1e-3)
-    return dict(name=name, ok=ok, err=err, err_lowp=err_low, atol=atol, lse_err=lse_err, lse_err_lowp=lse_err_low,
+    extra = {}
+    if contiguous_diff is not None:
+        ok = ok and contiguous_diff == 0.0
+        extra["diff_vs_contiguous"] = contiguous_diff
+    return dict(**extra, name=name, ok=ok, err=err, err_lowp=err_low, atol=atol, lse_err=lse_err, lse_err_lowp=lse_err_low,
                 nan_out=nan_out, nan_lse=nan_lse, empty_rows_ok=empty_ok, empty_rows=int((~fin).sum()))
 
 
@@ -153,10 +181,24 @@ def main():
         ("window (300,40) noncausal 1000/1200", [1000], [1200], 8, 2, dict(causal=False, window=(300, 40))),
         ("paged ps=128 varlen causal", [300, 1763], [700, 1763], 8, 2, dict(paged=128)),
         ("paged ps=256 causal chunk 129/3000", [129], [3000], 8, 2, dict(paged=256)),
+        # page_size % 128 == 64: two 64-row TMA boxes per key block. Unused page slots hold NaN; k_len % 128 covers
+        # 0 < r < 64 (second half past seqused_k: zero-filled box), r = 64 and 64 < r < 128.
+        ("paged ps=64 varlen causal NaN-filled", [300, 1763, 1, 320], [700, 1763, 1, 320], 8, 2,
+         dict(paged=64, nan_fill=True)),
+        ("paged ps=64 causal chunk 129/3000 NaN-filled", [129], [3000], 8, 2, dict(paged=64, nan_fill=True)),
+        ("paged ps=64 noncausal 777/1500 NaN-filled", [777], [1500], 16, 2, dict(paged=64, nan_fill=True,
+                                                                                causal=False)),
+        ("paged ps=192 window (300,0) varlen NaN-filled", [500, 1000], [900, 1000], 8, 2,
+         dict(paged=192, nan_fill=True, window=(300, -1))),
+        ("paged ps=128 varlen causal NaN-filled", [300, 1763], [700, 1763], 8, 2, dict(paged=128, nan_fill=True)),
+        ("paged ps=64 == contiguous (varlen causal)", [300, 1763, 129], [700, 1763, 4000], 8, 2,
+         dict(paged=64, vs_contiguous=True)),
+        ("paged ps=64 == contiguous (L=4096 Llama)", [4096], [4096], 32, 8, dict(paged=64, vs_contiguous=True)),
         ("llama shape causal L=4096 g=4", [4096], [4096], 32, 8, dict()),
     ]
     if args.smoke:
-        cases = [c for c in cases if c[0] in ("causal L=129 g=4", "varlen causal mixed g=4")]
+        cases = [c for c in cases if c[0] in ("causal L=129 g=4", "varlen causal mixed g=4",
+                                              "paged ps=64 causal chunk 129/3000 NaN-filled")]
     if args.quick:
         cases = [c for c in cases if "32767" not in c[0]]
     results = []
