@@ -21,18 +21,24 @@ from ._api import _as_float, _as_int
 __all__ = ["topic", "structured", "structured_defaults", "needle_positions"]
 
 
+def _seed(seed) -> int:
+    seed = _as_int("seed", seed)
+    if seed < 0:
+        raise ValueError(f"seed: must be >= 0, got {seed}")
+    return seed
+
+
 def topic(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, seed: int = 0,
           block: int = 128, targets: int = 4) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The "topic" workload: per KV head h and key block J a topic t[h, J] ~ N(0, I); K[i, h] = t[h, i // block] +
     N(0, I); V ~ N(0, I); query group p (block consecutive positions) of KV head h draws `targets` target blocks
     uniformly from [0, max(p, 1)) and Q[i, h*g + j] = sum of the targets' topics + N(0, I) for each head j of the
-    group. With the default selection its density falls with length (about 24 % at 8K, 1.7 % at 128K).
+    group. With the default selection its density falls with length (measured with this project's selection: 26 % at
+    8K, 1.9 % at 128K for the Llama-3.1-8B head shape).
 
     Returns (q, k, v) as float32 numpy arrays.
     """
-    seed = _as_int("seed", seed)
-    if seed < 0:
-        raise ValueError(f"seed: must be >= 0, got {seed}")
+    seed = _seed(seed)
     return _C.workload_topic(_as_int("seqlen", seqlen), _as_int("num_q_heads", num_q_heads),
                              _as_int("num_kv_heads", num_kv_heads), _as_int("head_dim", head_dim), seed,
                              _as_int("block", block), _as_int("targets", targets))
@@ -62,9 +68,7 @@ def structured(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_d
 
     Returns (q, k, v) as float32 numpy arrays.
     """
-    seed = _as_int("seed", seed)
-    if seed < 0:
-        raise ValueError(f"seed: must be >= 0, got {seed}")
+    seed = _seed(seed)
     return _C.workload_structured(_as_int("seqlen", seqlen), _as_int("num_q_heads", num_q_heads),
                                   _as_int("num_kv_heads", num_kv_heads), _as_int("head_dim", head_dim), seed,
                                   _knobs(knobs))
@@ -78,9 +82,7 @@ def needle_positions(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, 
     and value (float32 [head_dim]): the queries [query_begin, query_end) of the query heads of kv_head match the keys
     [key_begin, key_end), whose values all equal `value`.
     """
-    seed = _as_int("seed", seed)
-    if seed < 0:
-        raise ValueError(f"seed: must be >= 0, got {seed}")
+    seed = _seed(seed)
     return list(_C.workload_needles(_as_int("seqlen", seqlen), _as_int("num_q_heads", num_q_heads),
                                     _as_int("num_kv_heads", num_kv_heads), _as_int("head_dim", head_dim), seed,
                                     _knobs(knobs)))
