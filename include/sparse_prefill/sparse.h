@@ -66,8 +66,15 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params);
 
 // Sparse attention over the index: every listed block of a row's segment (token-level causal / window masks still
-// apply), plus the mean correction when index.correction is set.
+// apply), plus the mean correction when index.correction is set. CUDA inputs need the index arrays on the same GPU
+// (contiguous); their contents (segment count, ascending ids in range) are trusted there, as cu_seqlens are.
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs);
+
+// build_index + sparse_attention in one call. On CUDA the index lives in a stream-ordered temporary workspace: no
+// host synchronisation (engines that reuse an index across layers call sparse_prefill::cuda::build_index and
+// sparse_prefill::cuda::sparse_attention with their own workspace). CUDA: causal, no attention window,
+// block_size % 128 == 0, bfloat16/float16, head dim 128.
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs);
 
 // Chunked-prefill lowering: one ascending list per (sequence, KV head) holding the union of the lists of all tiles
 // of that sequence and KV head; every such segment points to the shared list.

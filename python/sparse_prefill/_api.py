@@ -388,8 +388,20 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    stream=None):
     """build_index() + sparse_attention() in one call (same arguments as the two).
 
+    Without return_index the index never leaves the device: on CUDA it lives in a stream-ordered temporary workspace
+    (no host synchronisation; CUDA-graph capturable). With return_index the index is built, copied to the host and
+    returned (build_index() + sparse_attention()).
+
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction)
+    if not _as_bool("return_index", return_index):
+        call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+        return_lse = _as_bool("return_lse", return_lse)
+        out_c, lse, out_ret = call.outputs(out, return_lse)
+        _C.sparse_prefill(inputs, *sel, out_c, lse)
+        return call.result(out_c, lse, out_ret, return_lse)
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,

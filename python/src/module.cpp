@@ -380,6 +380,25 @@ NB_MODULE(_C, m) {
         },
         nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none());
 
+  m.def("sparse_prefill",
+        [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction,
+           nb::handle out, nb::handle lse) {
+          Held held;
+          sp::AttentionInputs in = make_inputs(inputs, held);
+          sp::AttentionOutputs outs = make_outputs(out, lse, held);
+          sp::SelectionParams p;
+          p.alpha = alpha;
+          p.block_size = block_size;
+          p.sink = sink;
+          p.window = window;
+          p.last_n = last_n;
+          p.correction = correction;
+          nb::gil_scoped_release release;
+          sp::sparse_prefill(in, p, outs);
+        },
+        nb::arg("inputs"), nb::arg("alpha"), nb::arg("block_size"), nb::arg("sink"), nb::arg("window"),
+        nb::arg("last_n"), nb::arg("correction"), nb::arg("out"), nb::arg("lse").none());
+
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
   //         k_mean, v_mean, kept_blocks, visible_blocks), arrays as host numpy arrays.
   m.def("union_index",

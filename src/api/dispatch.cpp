@@ -57,9 +57,27 @@ BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params)
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs) {
   const Problem p = validate_inputs(in, &outs);
-  if (p.device != Device::kCPU) not_on_cuda("sparse_attention");
   validate_index(p, index);
-  reference::sparse_attention(in, index, outs, p);
+  if (p.device == Device::kCPU) return reference::sparse_attention(in, index, outs, p);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  cuda::sparse_attention(in, index, outs, p);
+#else
+  not_on_cuda("sparse_attention");
+#endif
+}
+
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs) {
+  check_selection_params(params);
+  const Problem p = validate_inputs(in, &outs);
+  if (p.device == Device::kCPU) {
+    BlockIndex index = reference::build_index(in, p, params);
+    return reference::sparse_attention(in, view_of(index), outs, p);
+  }
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  cuda::sparse_prefill(in, params, outs, p);
+#else
+  not_on_cuda("sparse_prefill");
+#endif
 }
 
 BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index) {

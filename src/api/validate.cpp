@@ -275,6 +275,9 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     throw ArgumentError("index", "block_size must be a positive multiple of 64, got " +
                                      std::to_string(index.block_size));
   }
+  // On CUDA the sequence lengths live on the device (p.seqs is empty): shapes that depend on them are not checked
+  // there (the segment count and pooled rows are trusted, as cu_seqlens are).
+  const bool host = p.device == Device::kCPU;
   int64_t segments = 0, total_blocks = 0;
   for (const SequenceInfo& s : p.seqs) {
     segments += p.num_kv_heads * num_tiles(s.q_len, p.group_size);
@@ -285,7 +288,7 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     check_rank(*t, 1, name);
     check_dtype(*t, DType::kInt32, name);
     if (t->device != p.device) throw ArgumentError(name, "must be on the device of q", true);
-    if (t->shape[0] != segments) {
+    if (host && t->shape[0] != segments) {
       throw ArgumentError(name, "expected " + std::to_string(segments) +
                                     " segments for these sequences (index built for other inputs?), got " +
                                     std::to_string(t->shape[0]));
@@ -307,7 +310,7 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     for (const auto& [t, name] : {std::pair{&index.k_mean, "index.k_mean"}, std::pair{&index.v_mean, "index.v_mean"}}) {
       check_rank(*t, 3, name);
       check_dtype(*t, DType::kFloat32, name);
-      if (t->shape[0] != total_blocks || t->shape[1] != p.num_kv_heads || t->shape[2] != p.head_dim) {
+      if ((host && t->shape[0] != total_blocks) || t->shape[1] != p.num_kv_heads || t->shape[2] != p.head_dim) {
         throw ArgumentError(name, "expected shape [" + std::to_string(total_blocks) + ", " +
                                       std::to_string(p.num_kv_heads) + ", " + std::to_string(p.head_dim) + "], got " +
                                       shape_string(*t));

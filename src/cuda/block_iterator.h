@@ -3,7 +3,8 @@
 // This is the seam between the dense and the block-sparse kernels: producer (TMA issue) and consumers (MMA +
 // softmax) each build the same iterator from (blockIdx, params) and walk it with the same index i = 0..count()-1,
 // so no block list ever travels between warpgroups and skipping blocks needs no extra synchronisation.
-// A block-sparse iterator (CSR list per (sequence, KV head, tile)) only has to provide the same three functions.
+// The block-sparse iterator (CSR list per (sequence, KV head, PackGQA tile), plus mean-correction steps) provides the
+// same functions; `is_corr(i)` tells a correction step (pooled means as keys) from a key block.
 #pragma once
 
 #include <cstdint>
@@ -81,11 +82,161 @@ struct DenseBlockIterator {
     lo = left >= 0 ? sp_max(0, row + diag - left) : 0;
   }
 
+  SP_HOST_DEVICE static constexpr bool is_corr(int) { return false; }
+  SP_HOST_DEVICE static constexpr int chunk(int) { return 0; }
+
   SP_HOST_DEVICE bool visible(int row, int col) const {
     if (col >= k_len) return false;
     if (right >= 0 && col > row + diag + right) return false;
     if (left >= 0 && col < row + diag - left) return false;
     return true;
+  }
+};
+
+// Steps of one block-sparse tile (causal attention, no window; DESIGN.md / docs/semantics.md):
+//   1. the listed blocks of the tile's CSR segment (ascending ids, `block_size` keys each) from the last to the first,
+//      each as block_size / kBlockN kernel steps of kBlockN keys (the diagonal block comes first, as in the dense
+//      iterator);
+//   2. with mean correction, one step per chunk of kBlockN pooled blocks that holds at least one prunable block
+//      (fully visible to every row of the tile) that is not listed. Its "keys" are the pooled means of the chunk's
+//      blocks; the consumer adds log|B_J| to the logits of the blocks to correct and masks the others.
+// Producer and consumers build it from the same segment and walk it with the same i, so chunk skipping needs no
+// extra synchronisation. Ids outside [0, nb) (a corrupted index) become fully masked steps: no wrong output
+// and no out-of-bounds load (their rows resolve past the end of K/V, which TMA zero-fills).
+template <int kBlockN>
+struct SparseBlockIterator {
+  const int32_t* ids = nullptr;  // the segment's list
+  int n_listed = 0;
+  int ratio = 1;                 // kernel steps per listed block (block_size / kBlockN)
+  int n_real = 0;                // n_listed * ratio
+  int block_size = kBlockN;
+  int p_first = 0;               // position of the tile's first row (sequence-relative)
+  int k_len = 0, diag = 0;
+  int n_prunable = 0;            // blocks [0, n_prunable) are fully visible to every row of the tile
+  int n_chunks = 0;              // correction chunks: ceil(n_prunable / kBlockN) with correction, else 0
+  int n_todo_low = 0;            // set bits of todo_low
+  uint64_t todo_low = 0;         // bit c (c < 64): chunk c holds a prunable block that is not listed
+
+  SP_HOST_DEVICE static int load_id(const int32_t* p) {
+#if defined(__CUDA_ARCH__)
+    return __ldg(p);
+#else
+    return *p;
+#endif
+  }
+
+  SP_HOST_DEVICE static SparseBlockIterator make(const int32_t* ids, int n_listed, int p_first, int q_len,
+                                                 int k_len, int block_size, bool correction) {
+    SparseBlockIterator it;
+    it.ids = ids;
+    it.n_listed = n_listed > 0 ? n_listed : 0;
+    it.block_size = block_size;
+    it.ratio = block_size / kBlockN;
+    it.n_real = it.n_listed * it.ratio;
+    it.p_first = p_first;
+    it.k_len = k_len;
+    it.diag = k_len - q_len;
+    const int nb = (k_len + block_size - 1) / block_size;
+    const int first_hi = sp_min(p_first + it.diag, k_len - 1);  // last key the tile's first row sees
+    if (first_hi < 0) it.n_prunable = 0;
+    else it.n_prunable = first_hi >= k_len - 1 ? nb : (first_hi + 1) / block_size;
+    if (!correction || it.n_prunable == 0) return it;
+    it.n_chunks = (it.n_prunable + kBlockN - 1) / kBlockN;
+    const int low = sp_min(it.n_chunks, 64);
+    it.todo_low = low == 64 ? ~uint64_t(0) : ((uint64_t(1) << low) - 1);
+    // Clear the chunks whose prunable blocks are all listed (ascending ids: one pass, counts per chunk).
+    int cur = -1, cnt = 0;
+    auto flush = [&]() {
+      if (cur >= 0 && cur < 64 && cnt == sp_min(kBlockN, it.n_prunable - cur * kBlockN))
+        it.todo_low &= ~(uint64_t(1) << cur);
+    };
+    for (int k = 0; k < it.n_listed; ++k) {
+      const int J = load_id(ids + k);
+      if (J < 0) continue;
+      if (J >= it.n_prunable) break;
+      const int c = J / kBlockN;
+      if (c != cur) {
+        flush();
+        cur = c;
+        cnt = 0;
+      }
+      ++cnt;
+    }
+    flush();
+#if defined(__CUDA_ARCH__)
+    it.n_todo_low = __popcll(it.todo_low);
+#else
+    it.n_todo_low = __builtin_popcountll(it.todo_low);
+#endif
+    return it;
+  }
+
+  SP_HOST_DEVICE int count() const { return n_real + n_todo_low + sp_max(0, n_chunks - 64); }
+  SP_HOST_DEVICE bool is_corr(int i) const { return i >= n_real; }
+
+  // Key block (kBlockN keys) of real step i; -1 for an id outside the sequence.
+  SP_HOST_DEVICE int block(int i) const {
+    const int J = load_id(ids + (n_listed - 1 - i / ratio));
+    const int n = J * ratio + (ratio - 1 - i % ratio);
+    return (J < 0 || n * kBlockN >= k_len) ? -1 : n;
+  }
+
+  // Chunk of correction step i: the k-th chunk with work, k = i - n_real.
+  SP_HOST_DEVICE int chunk(int i) const {
+    int k = i - n_real;
+    if (k >= n_todo_low) return 64 + (k - n_todo_low);
+#if defined(__CUDA_ARCH__)
+    // No loop: the producer thread runs with 24 registers (setmaxnreg), an unrolled bit scan would spill.
+    const uint32_t lo = uint32_t(todo_low), hi = uint32_t(todo_low >> 32);
+    const int n_lo = __popc(lo);
+    return k < n_lo ? int(__fns(lo, 0, k + 1)) : 32 + int(__fns(hi, 0, k - n_lo + 1));
+#else
+    uint64_t m = todo_low;
+    for (int c = 0; c < 64; ++c, m >>= 1) {
+      if (m & 1) {
+        if (k == 0) return c;
+        --k;
+      }
+    }
+    return -1;  // unreachable
+#endif
+  }
+
+  // The diagonal block, the sequence tail and out-of-range ids need the element-wise mask; correction steps always
+  // do (blocks to correct vs the rest of the chunk).
+  SP_HOST_DEVICE bool needs_mask(int i) const {
+    if (is_corr(i)) return true;
+    const int n = block(i);
+    if (n < 0) return true;
+    const int c1 = n * kBlockN + kBlockN - 1;
+    return c1 >= k_len || c1 > p_first + diag;
+  }
+
+  // Visible key columns of the row at sequence position `pos` (causal, bottom-right): [0, min(k_len-1, pos+diag)].
+  SP_HOST_DEVICE void col_range(int pos, int& lo, int& hi) const {
+    lo = 0;
+    hi = sp_min(k_len - 1, pos + diag);
+  }
+
+  // Bits of the listed blocks in chunk c (block c * kBlockN + j is bit j % 32 of word j / 32).
+  SP_HOST_DEVICE void listed_bits(int c, uint32_t (&bits)[kBlockN / 32]) const {
+    static_assert(kBlockN == 128, "four bit words");
+    for (int w = 0; w < kBlockN / 32; ++w) bits[w] = 0;
+    const int lo_id = c * kBlockN;
+    int lo = 0, hi = n_listed;  // first k with ids[k] >= lo_id
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (load_id(ids + mid) < lo_id) lo = mid + 1; else hi = mid;
+    }
+    for (int k = lo; k < n_listed; ++k) {
+      const int j = load_id(ids + k) - lo_id;
+      if (j >= kBlockN) break;
+      const uint32_t bit = 1u << (j % 32);  // selects, not bits[j / 32]: keeps the words in registers
+      bits[0] |= j < 32 ? bit : 0u;
+      bits[1] |= (j >= 32 && j < 64) ? bit : 0u;
+      bits[2] |= (j >= 64 && j < 96) ? bit : 0u;
+      bits[3] |= j >= 96 ? bit : 0u;
+    }
   }
 };
 

@@ -4,7 +4,10 @@
 #include <cstdint>
 #include <string>
 
+#include <cuda_runtime.h>
+
 #include "cuda/fwd_args.h"
+#include "cuda/index_stage.h"
 
 namespace sparse_prefill::cuda {
 namespace {
@@ -20,9 +23,7 @@ void require_aligned(const TensorView& t, const char* name, int first_dim, int l
                               " needs a 16-byte aligned base and strides that are multiples of 8 elements");
 }
 
-}  // namespace
-
-void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
+FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
     throw NotImplementedError("CUDA attention supports bfloat16 and float16 inputs only (got another dtype)");
   if (p.head_dim != 128) throw NotImplementedError("CUDA attention is built for head dim 128 only");
@@ -96,10 +97,106 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
     a.k_head_stride = a.v_head_stride = a.q_head_stride;
     a.total_k_rows = 1;
   }
+  return a;
+}
+
+void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
   if (p.dtype == DType::kBFloat16)
-    run_fwd_bf16_hdim128(a);
+    run_fwd_bf16_hdim128(a, sparse);
   else
-    run_fwd_fp16_hdim128(a);
+    run_fwd_fp16_hdim128(a, sparse);
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+
+void check_sparse_supported(const AttentionInputs& in, int block_size) {
+  if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
+    throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
+  if (block_size % 128 != 0)
+    throw NotImplementedError("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key "
+                              "kernel steps); got block_size " + std::to_string(block_size));
+}
+
+// Device memory from the stream-ordered allocator, returned on scope exit (also when a launch throws): no host
+// synchronisation, and capturable in a CUDA graph.
+struct StreamBuffer {
+  void* ptr = nullptr;
+  cudaStream_t stream;
+  StreamBuffer(size_t bytes, cudaStream_t s) : stream(s) {
+    check_cuda(cudaMallocAsync(&ptr, bytes ? bytes : 1, stream), "cudaMallocAsync");
+  }
+  ~StreamBuffer() { cudaFreeAsync(ptr, stream); }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+};
+
+const int32_t* int_ptr(const TensorView& t, const char* name) {
+  if (t.ndim != 1 || (t.shape[0] > 1 && t.stride[0] != 1))
+    throw NotImplementedError(std::string("CUDA sparse attention: ") + name + " must be contiguous");
+  return t.ptr<const int32_t>();
+}
+
+}  // namespace
+
+void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
+  run(make_fwd_args(in, outs, p), p, nullptr);
+}
+
+void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
+                      const DeviceIndex& index) {
+  check_sparse_supported(in, index.block_size);
+  const FwdArgs a = make_fwd_args(in, outs, p);
+  SparseFwdArgs s;
+  s.segment_start = index.segment_start;
+  s.segment_end = index.segment_end;
+  s.block_ids = index.block_ids;
+  s.cu_tiles = index.cu_tiles;
+  s.cu_blocks = index.cu_blocks;
+  s.k_mean = index.k_mean_lowp;
+  s.v_mean = index.v_mean_lowp;
+  s.mean_rows = index.max_blocks;
+  s.block_size = index.block_size;
+  s.correction = index.correction;
+  run(a, p, &s);
+}
+
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
+                      const Problem& p) {
+  check_sparse_supported(in, index.block_size);
+  const FwdArgs a = make_fwd_args(in, outs, p);
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
+  const size_t tiles_bytes = size_t(p.batch + 1) * 4, tiles_pad = (tiles_bytes + 255) & ~size_t(255);
+  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2, mean_pad = (mean_bytes + 255) & ~size_t(255);
+  StreamBuffer tmp(tiles_pad + 2 * mean_pad, stream);
+  char* base = static_cast<char*>(tmp.ptr);
+  int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
+  prepare_index_view(in, p, index, cu_tiles, base + tiles_pad, base + tiles_pad + mean_pad);
+  SparseFwdArgs s;
+  s.segment_start = int_ptr(index.segment_start, "index.segment_start");
+  s.segment_end = int_ptr(index.segment_end, "index.segment_end");
+  s.block_ids = int_ptr(index.block_ids, "index.block_ids");
+  s.cu_tiles = cu_tiles;
+  s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");
+  s.k_mean = base + tiles_pad;
+  s.v_mean = base + tiles_pad + mean_pad;
+  s.mean_rows = rows;
+  s.block_size = index.block_size;
+  s.correction = index.correction && rows > 0;
+  run(a, p, &s);
+}
+
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
+                    const Problem& p) {
+  check_sparse_supported(in, params.block_size);
+  make_fwd_args(in, outs, p);  // the kernel's own checks, before any launch
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  const size_t bytes = index_workspace_bytes(in, p, params);
+  StreamBuffer ws(bytes, stream);
+  const DeviceIndex index = build_index(in, p, params, ws.ptr, bytes);
+  sparse_attention(in, outs, p, index);
 }
 
 }  // namespace sparse_prefill::cuda

@@ -33,8 +33,23 @@ struct FwdArgs {
   void* stream = nullptr;                // cudaStream_t
 };
 
-// One entry point per translation unit (dtype x head dim).
-void run_fwd_bf16_hdim128(const FwdArgs& args);
-void run_fwd_fp16_hdim128(const FwdArgs& args);
+// The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
+// Hkv * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile.
+struct SparseFwdArgs {
+  const int32_t* segment_start = nullptr;
+  const int32_t* segment_end = nullptr;
+  const int32_t* block_ids = nullptr;
+  const int32_t* cu_tiles = nullptr;     // [B+1]
+  const int32_t* cu_blocks = nullptr;    // [B+1]
+  const void* k_mean = nullptr;          // [mean_rows, Hkv, D] in q's dtype (correction only)
+  const void* v_mean = nullptr;
+  int64_t mean_rows = 0;
+  int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
+  bool correction = true;
+};
+
+// One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.
+void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
+void run_fwd_fp16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
 
 }  // namespace sparse_prefill::cuda

@@ -2,5 +2,7 @@
 #include "cuda/fwd_launch.h"
 
 namespace sparse_prefill::cuda {
-void run_fwd_fp16_hdim128(const FwdArgs& args) { run_fwd<cutlass::half_t, 128>(args); }
+void run_fwd_fp16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse) {
+  run_fwd<cutlass::half_t, 128>(args, sparse);
+}
 }  // namespace sparse_prefill::cuda

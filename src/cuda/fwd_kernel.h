@@ -28,6 +28,8 @@ struct FwdParams {
   typename Config::TmaKVHalf tma_k_half;  // 64-row boxes: paged KV with page_size % 128 == 64 (else unused)
   typename Config::TmaKVHalf tma_v_half;
   int half_boxes;                         // 1: load each K/V block as two 64-row boxes (page_size % 128 == 64)
+  const void* q;                          // sparse mode gathers Q rows itself (PackGQA)
+  int64_t q_row_stride, q_head_stride;
   void* out;
   float* lse;
   int64_t o_row_stride, o_head_stride, lse_head_stride, lse_row_stride;
@@ -41,6 +43,19 @@ struct FwdParams {
   int num_tiles;  // num_q_heads * num_m_blocks * batch
   float softmax_scale, scale_log2;
   int window_left, window_right;  // right = 0 for causal; -1 = unbounded
+
+  // Block-sparse mode (fwd_kernel<Config, true>): tiles are PackGQA tiles of the CSR index, one per
+  // (sequence, KV head, tile of 128 packed rows); num_m_blocks holds the largest tile count of a sequence.
+  typename Config::TmaKV tma_k_mean;      // pooled means [mean_rows, Hkv, D] in the input dtype (correction keys)
+  typename Config::TmaKV tma_v_mean;
+  const int32_t* seg_start;
+  const int32_t* seg_end;
+  const int32_t* block_ids;
+  const int32_t* cu_tiles;                // [B+1] tiles per sequence, prefix-summed
+  const int32_t* cu_blocks;               // [B+1] pooled blocks per sequence, prefix-summed
+  int block_size, correction;
+  int mean_rows;                          // rows of the pooled-means tensors (TMA zero-fills beyond)
+  float corr_bias_full;                   // log2(block_size) / scale_log2: log|B_J| in raw logit units
 };
 
 // Issues one warpgroup-wide wgmma batch: C (+)= A * B over all k-steps of the operands. Does not wait.
@@ -90,6 +105,20 @@ __device__ __forceinline__ TileCoord tile_coord(int t, int num_q_heads, int num_
   return c;
 }
 
+// Block-sparse tile order: KV heads fastest, then tiles from the last (most blocks visible) to the first, then
+// sequences.
+struct SparseTileCoord {
+  int kv_head, tile, batch;
+};
+__device__ __forceinline__ SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int max_tiles) {
+  SparseTileCoord c;
+  c.kv_head = t % num_kv_heads;
+  const int r = t / num_kv_heads;
+  c.tile = max_tiles - 1 - r % max_tiles;
+  c.batch = r / max_tiles;
+  return c;
+}
+
 __device__ __forceinline__ SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int* seqused_k, int b) {
   SeqSpan s;
   s.q_start = cu_q[b];
@@ -104,7 +133,50 @@ __device__ __forceinline__ SeqSpan load_seq_span(const int* cu_q, const int* cu_
   return s;
 }
 
-template <class Config>
+// Everything one role needs to know about its tile, evaluated identically by producer and consumers.
+template <class Iterator>
+struct TileWork {
+  Iterator iter;
+  SeqSpan seq;
+  int batch, kv_head;
+  int q_head;    // dense: the tile's query head
+  int row0;      // sparse: first packed row (tile * 128); dense: first query row (m_block * 128)
+  bool valid;    // false: the tile lies beyond its sequence
+};
+
+template <class Config, bool kSparse, class Iterator>
+__device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const& params, int t) {
+  TileWork<Iterator> w;
+  if constexpr (kSparse) {
+    const SparseTileCoord c = sparse_tile_coord(t, params.num_kv_heads, params.num_m_blocks);
+    w.batch = c.batch;
+    w.kv_head = c.kv_head;
+    w.q_head = c.kv_head * params.group_size;
+    w.seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, c.batch);
+    const int tile_base = params.cu_tiles[c.batch];
+    const int tiles = params.cu_tiles[c.batch + 1] - tile_base;
+    w.valid = c.tile < tiles;
+    if (!w.valid) return w;
+    w.row0 = c.tile * Config::kBlockM;
+    const int seg = params.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
+    const int lo = params.seg_start[seg];
+    w.iter = Iterator::make(params.block_ids + lo, params.seg_end[seg] - lo, w.row0 / params.group_size,
+                            w.seq.q_len, w.seq.k_len, params.block_size, params.correction != 0);
+  } else {
+    const TileCoord c = tile_coord(t, params.num_q_heads, params.num_m_blocks);
+    w.batch = c.batch;
+    w.q_head = c.head;
+    w.kv_head = c.head / params.group_size;
+    w.seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, c.batch);
+    w.row0 = c.m_block * Config::kBlockM;
+    w.valid = w.row0 < w.seq.q_len;
+    if (!w.valid) return w;
+    w.iter = Iterator::make(c.m_block, w.seq, params.window_left, params.window_right);
+  }
+  return w;
+}
+
+template <class Config, bool kSparse>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
   using namespace cute;
@@ -115,7 +187,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kHeadDim = Config::kHeadDim;
-  using Iterator = DenseBlockIterator<kBlockM, kBlockN>;
+  using Iterator = std::conditional_t<kSparse, SparseBlockIterator<kBlockN>, DenseBlockIterator<kBlockM, kBlockN>>;
 
   extern __shared__ char smem_raw[];
   SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_raw);
@@ -124,7 +196,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   const int wg_idx = cutlass::canonical_warp_group_idx();
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    if constexpr (!kSparse) cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     if (params.half_boxes) {
@@ -152,33 +224,37 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     int q_loads = 0;
     SP_TILE_LOOP(t) {
       // ---- Tile metadata: evaluated identically by every role. ----
-      const TileCoord tc = tile_coord(t, params.num_q_heads, params.num_m_blocks);
-      const int head = tc.head, m_block = tc.m_block, batch = tc.batch;
-      const int kv_head = head / params.group_size;
-      const SeqSpan seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, batch);
-      if (m_block * kBlockM >= seq.q_len) continue;  // beyond this sequence
-      const Iterator iter = Iterator::make(m_block, seq, params.window_left, params.window_right);
+      const TileWork<Iterator> work = tile_work<Config, kSparse, Iterator>(params, t);
+      if (!work.valid) continue;  // beyond this sequence
+      const Iterator& iter = work.iter;
+      const SeqSpan& seq = work.seq;
+      const int batch = work.batch, kv_head = work.kv_head;
       const int n_count = iter.count();
       if (n_count == 0) continue;  // consumers write zeros without smem
-      // The Q buffer is reused as O staging: wait until both consumer warpgroups finished the previous epilogue.
-      if (q_loads > 0) storage.barrier_q_empty.wait((q_loads - 1) & 1);
-      ++q_loads;
-      Tensor mQ = params.tma_q.get_tma_tensor(make_shape(params.total_q, kHeadDim, params.num_q_heads));
       Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
       Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
-      Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
       Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
-
-      Tensor gQ = local_tile(domain_offset(make_coord(seq.q_start, _0{}), mQ(_, _, head)),
-                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      storage.barrier_q.arrive_and_expect_tx(Config::kTmaBytesQ);
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q), 0), tQgQ, tQsQ);
+      if constexpr (!kSparse) {  // sparse mode: the consumers gather the PackGQA rows of Q themselves
+        // The Q buffer is reused as O staging: wait until both consumer warpgroups finished the previous epilogue.
+        if (q_loads > 0) storage.barrier_q_empty.wait((q_loads - 1) & 1);
+        ++q_loads;
+        Tensor mQ = params.tma_q.get_tma_tensor(make_shape(params.total_q, kHeadDim, params.num_q_heads));
+        Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+        Tensor gQ = local_tile(domain_offset(make_coord(seq.q_start, _0{}), mQ(_, _, work.q_head)),
+                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.row0 / kBlockM, _0{}));
+        auto [tQgQ, tQsQ] =
+            tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        storage.barrier_q.arrive_and_expect_tx(Config::kTmaBytesQ);
+        copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q), 0), tQgQ, tQsQ);
+      }
 
       // Row of the K/V row space where key block n starts: contiguous (k_start + n*N) or paged (page % N == 0).
       auto block_row = [&](int n) -> int {
         const int tok = n * kBlockN;
+        if constexpr (kSparse) {  // an id outside the sequence (n = -1): a box past the end, zero-filled by TMA
+          if (n < 0) return params.total_k_rows;
+        }
         if (params.page_size == 0) return seq.k_start + tok;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
@@ -189,7 +265,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       constexpr int kHalfN = Config::kHalfN;
       auto half_row = [&](int n, int h) -> int {
         const int tok = n * kBlockN + h * kHalfN;
-        if (tok >= seq.k_len) return params.total_k_rows;
+        if (n < 0 || tok >= seq.k_len) return params.total_k_rows;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
@@ -229,23 +305,48 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         ++st;
       };
       // K runs one block ahead of V: the consumer issues S(i) = Q K(i)^T before O += P(i-1) V(i-1).
+      // Correction step (sparse mode): one full box of kBlockN pooled means, rows cu_blocks[b] + chunk * kBlockN.
+      auto load_means = [&](auto const& tma, auto& sX, Pipeline& pipe, PipelineState& st, int chunk) {
+        Tensor mX = tma.get_tma_tensor(make_shape(params.mean_rows, kHeadDim, params.num_kv_heads));
+        pipe.producer_acquire(st);
+        Tensor gX = local_tile(domain_offset(make_coord(params.cu_blocks[batch] + chunk * kBlockN, _0{}),
+                                             mX(_, _, kv_head)),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+        auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
+        copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
+        ++st;
+      };
       auto load_k = [&](BlockRows const& r) {
         load_block(params.tma_k, params.tma_k_half, mK, mKh, sK, pipeline_k, st_k, r);
       };
       auto load_v = [&](BlockRows const& r) {
         load_block(params.tma_v, params.tma_v_half, mV, mVh, sV, pipeline_v, st_v, r);
       };
+      // Step i of the iterator: a key block, or (sparse) a chunk of pooled means.
+      auto load_k_step = [&](int i) {
+        if constexpr (kSparse) {
+          if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
+        }
+        load_k(rows_of(iter.block(i)));
+      };
+      auto load_v_step = [&](int i) {
+        if constexpr (kSparse) {
+          if (iter.is_corr(i)) return load_means(params.tma_v_mean, sV, pipeline_v, st_v, iter.chunk(i));
+        }
+        load_v(rows_of(iter.block(i)));
+      };
 #ifndef SP_ROWS_PREFETCH
 #define SP_ROWS_PREFETCH 0
 #endif
 #if !SP_ROWS_PREFETCH
-      load_k(rows_of(iter.block(0)));
+      load_k_step(0);
       for (int i = 1; i < n_count; ++i) {
-        load_k(rows_of(iter.block(i)));
-        load_v(rows_of(iter.block(i - 1)));
+        load_k_step(i);
+        load_v_step(i - 1);
       }
-      load_v(rows_of(iter.block(n_count - 1)));
+      load_v_step(n_count - 1);
 #else
+      static_assert(!kSparse, "SP_ROWS_PREFETCH is a dense-only A/B switch");
       BlockRows cur = rows_of(iter.block(0));                                    // block i - 1 (its V is next)
       BlockRows nxt = n_count > 1 ? rows_of(iter.block(1)) : cur;                // block i
       load_k(cur);
@@ -270,26 +371,39 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   PipelineState st;  // consumer read state (same sequence for K and V), carried across tiles
   int q_phase = 0;
   SP_TILE_LOOP(t) {
-    const TileCoord tc = tile_coord(t, params.num_q_heads, params.num_m_blocks);
-    const int head = tc.head, m_block = tc.m_block, batch = tc.batch;
-    const SeqSpan seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, batch);
-    if (m_block * kBlockM >= seq.q_len) continue;
-    const Iterator iter = Iterator::make(m_block, seq, params.window_left, params.window_right);
+    const TileWork<Iterator> work = tile_work<Config, kSparse, Iterator>(params, t);
+    if (!work.valid) continue;
+    const Iterator& iter = work.iter;
+    const SeqSpan& seq = work.seq;
     const int n_count = iter.count();
-    const int64_t out_head_off = int64_t(head) * params.o_head_stride;
+
+    // Tile row -> (query row of the sequence, query head): dense, row0 + row of the tile's head; sparse (PackGQA),
+    // packed row row0 + row = position * g + head % g. Rows past the sequence are computed but never stored.
+    const int tile_rows = kSparse ? seq.q_len * params.group_size - work.row0 : seq.q_len - work.row0;
+    auto row_pos = [&](int row) -> int {
+      if constexpr (kSparse) return (work.row0 + row) / params.group_size;
+      else return work.row0 + row;
+    };
+    auto row_head = [&](int row) -> int {
+      if constexpr (kSparse) return work.q_head + (work.row0 + row) % params.group_size;
+      else return work.q_head;
+    };
+    auto out_ptr = [&](int row) -> Element* {
+      return out_base + int64_t(seq.q_start + row_pos(row)) * params.o_row_stride +
+             int64_t(row_head(row)) * params.o_head_stride;
+    };
+    auto lse_ptr = [&](int row) -> float* {
+      return params.lse + int64_t(row_head(row)) * params.lse_head_stride +
+             int64_t(seq.q_start + row_pos(row)) * params.lse_row_stride;
+    };
 
     if (n_count == 0) {  // no visible key for any row of the tile: O = 0, lse = -inf
       constexpr int kChunks = kHeadDim / 8;
       for (int idx = mma_tidx; idx < kBlockM * kChunks; idx += Config::kNumMmaThreads) {
         const int row = idx / kChunks, ch = idx % kChunks;
-        const int r = iter.m0 + row;
-        if (r < seq.q_len)
-          *reinterpret_cast<uint4*>(out_base + int64_t(seq.q_start + r) * params.o_row_stride + out_head_off + ch * 8) =
-              make_uint4(0, 0, 0, 0);
+        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(row) + ch * 8) = make_uint4(0, 0, 0, 0);
       }
-      if (params.lse != nullptr && mma_tidx < kBlockM && iter.m0 + mma_tidx < seq.q_len)
-        params.lse[int64_t(head) * params.lse_head_stride +
-                   int64_t(seq.q_start + iter.m0 + mma_tidx) * params.lse_row_stride] = -INFINITY;
+      if (params.lse != nullptr && mma_tidx < kBlockM && mma_tidx < tile_rows) *lse_ptr(mma_tidx) = -INFINITY;
       continue;
     }
 
@@ -322,7 +436,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         int lo, hi;
-        iter.col_range(iter.m0 + get<0>(cS_rc(r, 0)), lo, hi);
+        iter.col_range(row_pos(get<0>(cS_rc(r, 0))), lo, hi);
         lo -= col0;
         hi -= col0;
         CUTE_UNROLL
@@ -331,6 +445,42 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
           S_rc(r, c) = (col >= lo && col <= hi) ? S_rc(r, c) : -INFINITY;
         }
       }
+    };
+    // Correction step (sparse mode): column j of chunk c is pooled block J = c * kBlockN + j. Blocks to correct
+    // (prunable, not listed) get logit + log|B_J| (raw units: log2|B_J| / scale_log2), all other columns -inf.
+    auto apply_correction = [&](int chunk) {
+      if constexpr (kSparse) {
+        uint32_t listed[kBlockN / 32];
+        iter.listed_bits(chunk, listed);
+        const int J0 = chunk * kBlockN;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S_rc); ++c) {
+          const int j = get<1>(cS_rc(0, c));
+          const int J = J0 + j;
+          // Selects, not listed[j / 32]: j is a runtime value and a dynamically indexed array would go to local memory.
+          const uint32_t word = j < 64 ? (j < 32 ? listed[0] : listed[1]) : (j < 96 ? listed[2] : listed[3]);
+          const bool todo = J < iter.n_prunable && !((word >> (j % 32)) & 1u);
+          const int cnt = sp_min(params.block_size, seq.k_len - J * params.block_size);
+          const float bias = cnt == params.block_size ? params.corr_bias_full
+                                                      : __log2f(float(cnt)) / params.scale_log2;
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) S_rc(r, c) = todo ? S_rc(r, c) + bias : -INFINITY;
+        }
+      }
+    };
+    // Element-wise mask of step i (only called when iter.needs_mask(i)).
+    auto mask_step = [&](int i) {
+      if constexpr (kSparse) {
+        if (iter.is_corr(i)) return apply_correction(iter.chunk(i));
+      }
+      apply_mask(iter.block(i));
+    };
+    // Key block of step i for the paged V-tail check (-1 for correction steps, which hold pooled means).
+    auto v_block = [&](int i) -> int {
+      if constexpr (kSparse) {
+        if (iter.is_corr(i)) return -1;
+      }
+      return iter.block(i);
     };
     auto convert_p = [&]() {
       constexpr int N = decltype(size(tSrS))::value;
@@ -370,7 +520,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     // writes the same zeros: no cross-warpgroup barrier, so it cannot deadlock with the optional pingpong).
     const int v_tail_block = (params.page_size != 0 && (seq.k_len % kBlockN) != 0) ? seq.k_len / kBlockN : -1;
     auto sanitize_v = [&](int stage, int n_block) {
-      if (n_block != v_tail_block) return;
+      if (n_block < 0 || n_block != v_tail_block) return;
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
       constexpr int kChunks = kHeadDim / 8;
       const int valid = seq.k_len - n_block * kBlockN;
@@ -385,8 +535,40 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     OnlineSoftmax<kRows> softmax(params.scale_log2);
     float o_scale[kRows];
 
-    storage.barrier_q.wait(q_phase);
-    q_phase ^= 1;
+    if constexpr (kSparse) {
+      // PackGQA gather of Q: this warpgroup's 64 tile rows, 16-byte loads into the swizzled tile (addressed
+      // through the tensor, as in the epilogue), zeros for rows past the sequence; then make the generic-proxy
+      // stores visible to wgmma. Each warpgroup's S GEMM reads only its own 64 rows.
+      Tensor sQw = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+      constexpr int kChunks = kHeadDim / 8;
+      const Element* q_base = static_cast<const Element*>(params.q);
+      const int tq = mma_tidx % 128;
+#if SP_PERSISTENT
+      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the previous tile's epilogue read these rows
+#endif
+      uint4 vals[64 * kChunks / 128];
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int idx = tq + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        vals[k] = row < tile_rows
+                      ? __ldg(reinterpret_cast<const uint4*>(q_base + int64_t(seq.q_start + row_pos(row)) *
+                                                                          params.q_row_stride +
+                                                             int64_t(row_head(row)) * params.q_head_stride + ch * 8))
+                      : make_uint4(0, 0, 0, 0);
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int idx = tq + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        *reinterpret_cast<uint4*>(&sQw(row, ch * 8)) = vals[k];
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+    } else {
+      storage.barrier_q.wait(q_phase);
+      q_phase ^= 1;
+    }
 
     // Block 0 (descending order: the diagonal block first under causal).
     pipeline_k.consumer_wait(st);
@@ -396,7 +578,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(st);
-    if (iter.needs_mask(0)) apply_mask(iter.block(0));
+    if (iter.needs_mask(0)) mask_step(0);
     softmax.template step<true>(S_rc, o_scale);
     convert_p();
 
@@ -409,13 +591,13 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       if (i > 1) rescale_o(o_scale);
       pipeline_v.consumer_wait(st_v);
-      sanitize_v(st_v.index(), iter.block(i - 1));
+      sanitize_v(st_v.index(), v_block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
       scheduler_arrive(i == n_count - 1);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(st);
-      if (iter.needs_mask(i)) apply_mask(iter.block(i));
+      if (iter.needs_mask(i)) mask_step(i);
       softmax.template step<false>(S_rc, o_scale);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
@@ -423,7 +605,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       convert_p();
     }
     pipeline_v.consumer_wait(st);
-    sanitize_v(st.index(), iter.block(n_count - 1));
+    sanitize_v(st.index(), v_block(n_count - 1));
     if (n_count > 1) rescale_o(o_scale);
     wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);
     warpgroup_wait<0>();
@@ -441,10 +623,8 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     if (params.lse != nullptr && (mma_tidx % 4) == 0) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int row = iter.m0 + get<0>(cO_rc(r, 0));
-        if (row < seq.q_len)
-          params.lse[int64_t(head) * params.lse_head_stride + int64_t(seq.q_start + row) * params.lse_row_stride] =
-              lse[r];
+        const int row = get<0>(cO_rc(r, 0));
+        if (row < tile_rows) *lse_ptr(row) = lse[r];
       }
     }
 
@@ -467,16 +647,13 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
         const int idx = t + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-        const int r = iter.m0 + row;
         // Address through the tensor: the swizzle of a GMMA smem layout acts on byte addresses of the smem pointer,
         // so SmemLayoutQ{}(row, col) alone is not the element offset.
         const uint4 val = *reinterpret_cast<const uint4*>(&sO(row, ch * 8));
-        if (r < seq.q_len)
-          *reinterpret_cast<uint4*>(out_base + int64_t(seq.q_start + r) * params.o_row_stride + out_head_off + ch * 8) =
-              val;
+        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(row) + ch * 8) = val;
       }
     }
-    storage.barrier_q_empty.arrive();  // this thread is done with the Q/O smem buffer of this tile
+    if constexpr (!kSparse) storage.barrier_q_empty.arrive();  // done with the Q/O smem buffer of this tile
   }  // tile loop
 }
 

@@ -29,8 +29,9 @@ inline int num_sms() {
   return cache[dev];
 }
 
+// Dense (sparse == nullptr) or block-sparse launch.
 template <class Element, int kHeadDim>
-void run_fwd(const FwdArgs& a) {
+void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   using namespace cute;
   using Config = FwdConfig<Element, kHeadDim>;
   if (a.total_q == 0 || a.batch == 0) return;
@@ -59,6 +60,9 @@ void run_fwd(const FwdArgs& a) {
                                  gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
                                  typename Config::SmemLayoutKHalf{}, half_tile, _1{});
   }
+  p.q = a.q;
+  p.q_row_stride = a.q_row_stride;
+  p.q_head_stride = a.q_head_stride;
   p.out = a.out;
   p.lse = a.lse;
   p.o_row_stride = a.o_row_stride;
@@ -81,16 +85,44 @@ void run_fwd(const FwdArgs& a) {
   p.scale_log2 = a.softmax_scale * float(M_LOG2E);
   p.window_left = a.window_left;
   p.window_right = a.causal ? 0 : a.window_right;
+  int64_t num_tiles = int64_t(a.num_q_heads) * p.num_m_blocks * a.batch;
+  if (sparse != nullptr) {
+    // PackGQA tiles: ceil(Lq * g / 128) per (sequence, KV head); the grid covers the longest sequence.
+    const int g = a.num_q_heads / a.num_kv_heads;
+    p.num_m_blocks = int((int64_t(a.max_seqlen_q) * g + Config::kBlockM - 1) / Config::kBlockM);
+    num_tiles = int64_t(a.num_kv_heads) * p.num_m_blocks * a.batch;
+    const int mean_rows = int(std::max<int64_t>(sparse->mean_rows, 1));
+    auto means = [&](const void* ptr) {  // [mean_rows, Hkv, D], contiguous
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, mean_rows, a.num_kv_heads, int64_t(a.num_kv_heads) * kHeadDim,
+                                                 kHeadDim),
+                           take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
+    };
+    // Without correction no mean is ever loaded, but the descriptors need a valid domain: describe k instead.
+    const bool have_means = sparse->correction && sparse->k_mean != nullptr && sparse->mean_rows > 0;
+    p.tma_k_mean = have_means ? means(sparse->k_mean) : p.tma_k;
+    p.tma_v_mean = have_means ? means(sparse->v_mean) : p.tma_v;
+    p.mean_rows = have_means ? mean_rows : 1;
+    p.seg_start = sparse->segment_start;
+    p.seg_end = sparse->segment_end;
+    p.block_ids = sparse->block_ids;
+    p.cu_tiles = sparse->cu_tiles;
+    p.cu_blocks = sparse->cu_blocks;
+    p.block_size = sparse->block_size;
+    p.correction = have_means ? 1 : 0;
+    p.corr_bias_full = std::log2(float(sparse->block_size)) / p.scale_log2;
+  }
   if (p.num_m_blocks == 0) return;
-  const int64_t num_tiles = int64_t(a.num_q_heads) * p.num_m_blocks * a.batch;
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_tiles = int(num_tiles);
 
-  auto kernel = fwd_kernel<Config>;
+  auto kernel = sparse != nullptr ? fwd_kernel<Config, true> : fwd_kernel<Config, false>;
   static const cudaError_t attr_err =  // once per instantiation; not a stream operation
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-  if (attr_err != cudaSuccess)
-    throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
+      cudaFuncSetAttribute(fwd_kernel<Config, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  static const cudaError_t attr_err_sparse =
+      cudaFuncSetAttribute(fwd_kernel<Config, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  for (cudaError_t e : {attr_err, attr_err_sparse})
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(e));
   // One CTA per tile by default; a -DSP_PERSISTENT=1 build launches one CTA per SM that strides over the tiles.
   int grid = p.num_tiles;
   if (persistent_mode()) grid = std::min(grid, num_sms());

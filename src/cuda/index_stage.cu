@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -73,13 +74,22 @@ __device__ T from_float(float x);
 template <> __device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __half from_float<__half>(float x) { return __float2half(x); }
 
-// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys.
+// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys. Rows past the real blocks
+// (the grid covers the host-side bound) get zero low-precision means: the sparse kernel's correction steps load
+// whole chunks of 128 rows and multiply masked probabilities (0) by these values, so they must not be NaN.
 template <typename T>
 __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads, int head_dim,
-                            const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp) {
+                            const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
   const int64_t idx = blockIdx.x;
-  if (idx >= cu_blocks[seq.batch]) return;
   const int kvh = blockIdx.y;
+  if (idx >= cu_blocks[seq.batch]) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
+      k_mean_lowp[o] = from_float<T>(0.f);
+      v_mean_lowp[o] = from_float<T>(0.f);
+    }
+    return;
+  }
   const int b = find_sequence(cu_blocks, seq.batch, idx);
   const int64_t J = idx - cu_blocks[b];
   const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
@@ -105,6 +115,30 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_h
     k_mean[o] = ks * inv;
     v_mean[o] = vs * inv;
     k_mean_lowp[o] = from_float<T>(ks * inv);
+    v_mean_lowp[o] = from_float<T>(vs * inv);
+  }
+}
+
+// Prepares a caller's index view for the sparse kernel: tiles per sequence (prefix sums, from cu_seqlens_q on the
+// device) and low-precision copies of the float32 pooled means.
+template <typename T>
+__global__ void prepare_view_kernel(const int32_t* cu_q, int batch, int group_size, int32_t* cu_tiles,
+                                    const float* k_mean, const float* v_mean, int64_t k_rs, int64_t k_hs,
+                                    int64_t v_rs, int64_t v_hs, int64_t rows, int num_kv_heads, int head_dim,
+                                    T* k_lowp, T* v_lowp) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    int64_t tiles = 0;
+    cu_tiles[0] = 0;
+    for (int b = 0; b < batch; ++b) {
+      tiles += (int64_t(cu_q[b + 1] - cu_q[b]) * group_size + kTileRows - 1) / kTileRows;
+      cu_tiles[b + 1] = int32_t(tiles);
+    }
+  }
+  const int64_t n = rows * num_kv_heads * head_dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % head_dim, h = (i / head_dim) % num_kv_heads, r = i / (int64_t(head_dim) * num_kv_heads);
+    k_lowp[i] = from_float<T>(k_mean[r * k_rs + h * k_hs + d]);
+    v_lowp[i] = from_float<T>(v_mean[r * v_rs + h * v_hs + d]);
   }
 }
 
@@ -404,6 +438,7 @@ size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
   d.k_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.k_mean_lowp = take(pooled * 2);
+  d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(16));
   if (idx) *idx = d;
   return off;
@@ -482,11 +517,13 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     if (p.dtype == DType::kBFloat16) {
       pool_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads,
                                                                 p.head_dim, d.cu_blocks, d.k_mean, d.v_mean,
-                                                                static_cast<__nv_bfloat16*>(d.k_mean_lowp));
+                                                                static_cast<__nv_bfloat16*>(d.k_mean_lowp),
+                                                                static_cast<__nv_bfloat16*>(d.v_mean_lowp));
     } else {
       pool_kernel<__half><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads, p.head_dim,
                                                          d.cu_blocks, d.k_mean, d.v_mean,
-                                                         static_cast<__half*>(d.k_mean_lowp));
+                                                         static_cast<__half*>(d.k_mean_lowp),
+                                                         static_cast<__half*>(d.v_mean_lowp));
     }
     check_cuda(cudaGetLastError(), "pool_kernel launch");
   }
@@ -507,6 +544,25 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     check_cuda(cudaGetLastError(), "score_select_kernel launch");
   }
   return d;
+}
+
+void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
+                        void* k_lowp, void* v_lowp) {
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  const int64_t rows = view.correction ? view.k_mean.shape[0] : 0;
+  const int64_t n = rows * p.num_kv_heads * p.head_dim;
+  const int grid = int(std::min<int64_t>(std::max<int64_t>((n + 255) / 256, 1), 4096));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    prepare_view_kernel<T><<<grid, 256, 0, stream>>>(
+        in.cu_seqlens_q.ptr<const int32_t>(), p.batch, p.group_size, cu_tiles,
+        rows ? view.k_mean.ptr<const float>() : nullptr, rows ? view.v_mean.ptr<const float>() : nullptr,
+        view.k_mean.stride[0], view.k_mean.stride[1], view.v_mean.stride[0], view.v_mean.stride[1], rows,
+        p.num_kv_heads, p.head_dim, static_cast<T*>(k_lowp), static_cast<T*>(v_lowp));
+  };
+  if (p.dtype == DType::kBFloat16) launch(__nv_bfloat16{});
+  else launch(__half{});
+  check_cuda(cudaGetLastError(), "prepare_view_kernel launch");
 }
 
 BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {

@@ -33,7 +33,9 @@ struct DeviceIndex {
   int64_t* cu_capacity = nullptr;    // [B+1] block_ids slots per sequence, prefix-summed
   float* k_mean = nullptr;           // [max_blocks, Hkv, D]
   float* v_mean = nullptr;
-  void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype, the scorer's B operand
+  void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: the scorer's B operand, correction keys
+  void* v_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: correction values (rows past the real
+                                     // blocks are zero)
   unsigned long long* counters = nullptr;  // [2]: kept blocks, visible blocks (density = kept / visible)
 };
 
@@ -48,6 +50,11 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
 // Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
 // workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the
 // pooled means). It allocates and synchronises: engines use build_index() with their own workspace instead.
+// For sparse attention over a caller's index view (device arrays): writes cu_tiles [B+1] from cu_seqlens_q and
+// q-dtype copies of the pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]) on in.stream.
+void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
+                        void* k_lowp, void* v_lowp);
+
 BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 
 }  // namespace sparse_prefill::cuda

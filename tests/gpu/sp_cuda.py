@@ -26,10 +26,17 @@ def lib(path=None):
     path = path or lib_path()
     if path not in _LIBS:
         handle = ctypes.CDLL(path)
-        f = handle.sp_cuda_attention
-        P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        f.argtypes = [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, F, I, I, P, ctypes.c_char_p, I]
-        f.restype = I
+        P, I, F, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
+        call = [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, F, I, I, P]
+        err = [ctypes.c_char_p, I]
+        sigs = {"sp_cuda_attention": call + err,
+                "sp_cuda_index_bytes": call + [I, ctypes.POINTER(LL)] + err,
+                "sp_cuda_build_index": call + [F, I, I, I, I, I, P, LL, ctypes.POINTER(LL)] + err,
+                "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I] + err}
+        for name, argtypes in sigs.items():
+            if hasattr(handle, name):  # A/B variant libraries built from older shims lack the sparse entry points
+                getattr(handle, name).argtypes = argtypes
+                getattr(handle, name).restype = I
         _LIBS[path] = handle
     return _LIBS[path]
 
@@ -43,6 +50,20 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, c
     """Same vocabulary as flash_attn_varlen_func. q [total_q, Hq, D]; k/v [total_k, Hkv, D] or paged
     [num_pages, page_size, Hkv, D] with block_table/seqused_k."""
     total_q, hq, d = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
+    args = _call_args(q, k, v, out, lse if return_lse else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, window, block_table, seqused_k)
+    _check(lib(lib_path).sp_cuda_attention, args)
+    return (out, lse) if return_lse else out
+
+
+def _call_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,
+               softmax_scale=None, window=(-1, -1), block_table=None, seqused_k=None):
+    """The leading arguments every shim entry point shares (SP_CALL_PARAMS in sp_cuda_shim.cpp)."""
+    total_q, hq, d = q.shape
     paged = block_table is not None
     if paged:
         num_pages, page_size, hkv, _ = k.shape
@@ -51,20 +72,85 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, c
         num_pages, page_size, max_pages = 0, 0, 0
         total_k, hkv, _ = k.shape
         batch = cu_seqlens_q.numel() - 1
-    if out is None:
-        out = torch.empty_like(q)
-    if return_lse and lse is None:
-        lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
     dtype = {torch.bfloat16: 0, torch.float16: 1}[q.dtype]
+    return [_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse), _ptr(cu_seqlens_q),
+            _ptr(None if paged else cu_seqlens_k), _ptr(block_table), _ptr(seqused_k), dtype, batch, total_q, total_k,
+            num_pages, page_size, max_pages, hq, hkv, d, int(max_seqlen_q), int(max_seqlen_k), int(causal),
+            float(softmax_scale or 0.0), int(window[0]), int(window[1]),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)]
+
+
+def _check(fn, args):
     err = ctypes.create_string_buffer(512)
-    rc = lib(lib_path).sp_cuda_attention(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse if return_lse else None), _ptr(cu_seqlens_q),
-        _ptr(None if paged else cu_seqlens_k), _ptr(block_table), _ptr(seqused_k), dtype, batch, total_q, total_k,
-        num_pages, page_size, max_pages, hq, hkv, d, int(max_seqlen_q), int(max_seqlen_k), int(causal),
-        float(softmax_scale or 0.0), int(window[0]), int(window[1]),
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err, 512)
+    rc = fn(*args, err, 512)
     if rc == 1:
         raise NotImplementedByKernel(err.value.decode())
     if rc != 0:
         raise RuntimeError(err.value.decode())
+
+
+class DeviceIndex:
+    """The GPU index stage's output in a torch-owned workspace: torch views of segment_start, segment_end, block_ids,
+    cu_tiles, cu_blocks, k_mean_lowp, v_mean_lowp (q's dtype) and counters ([kept, visible] blocks)."""
+
+    def __init__(self, ws, info, batch, hkv, d, dtype, correction):
+        base = ws.data_ptr()
+
+        def view(ptr, n, dt):
+            off = ptr - base
+            nbytes = n * torch.empty((), dtype=dt).element_size()
+            return ws[off:off + nbytes].view(dt)
+        self.ws = ws
+        max_segments, capacity, max_blocks, block_size = (int(x) for x in info[8:12])
+        self.segment_start = view(info[0], max_segments, torch.int32)
+        self.segment_end = view(info[1], max_segments, torch.int32)
+        self.block_ids = view(info[2], capacity, torch.int32)
+        self.cu_tiles = view(info[3], batch + 1, torch.int32)
+        self.cu_blocks = view(info[4], batch + 1, torch.int32)
+        self.k_mean = view(info[5], max_blocks * hkv * d, dtype).view(max_blocks, hkv, d)
+        self.v_mean = view(info[6], max_blocks * hkv * d, dtype).view(max_blocks, hkv, d)
+        self.counters = view(info[7], 2, torch.int64)
+        self.block_size, self.correction, self.mean_rows = block_size, correction, max_blocks
+
+    def density(self):
+        kept, visible = (int(x) for x in self.counters.cpu())
+        return kept / visible if visible else 1.0
+
+
+def index_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size=128,
+                    block_table=None, seqused_k=None):
+    """A torch uint8 workspace large enough for the index stage on these shapes."""
+    n = ctypes.c_longlong(0)
+    args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      block_table=block_table, seqused_k=seqused_k)
+    _check(lib().sp_cuda_index_bytes, args + [int(block_size), ctypes.byref(n)])
+    return torch.empty(int(n.value), dtype=torch.uint8, device=q.device)
+
+
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ws, alpha=0.1, block_size=128,
+                sink=256, window=512, last_n=2, correction=True, block_table=None, seqused_k=None):
+    """GPU index stage into `ws` (index_workspace) on torch's current stream; no synchronisation."""
+    info = (ctypes.c_longlong * 12)()
+    args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      block_table=block_table, seqused_k=seqused_k)
+    _check(lib().sp_cuda_build_index, args + [float(alpha), int(block_size), int(sink), int(window), int(last_n),
+                                               int(bool(correction)), _ptr(ws), ws.numel(), info])
+    hkv = k.shape[-2]
+    return DeviceIndex(ws, list(info), cu_seqlens_q.numel() - 1, hkv, q.shape[2], q.dtype, bool(correction))
+
+
+def sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=None, lse=None,
+                     return_lse=False, correction=None, block_table=None, seqused_k=None):
+    """Sparse attention over a device index (DeviceIndex, or any object with the same torch attributes)."""
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    corr = index.correction if correction is None else correction
+    args = _call_args(q, k, v, out, lse if return_lse else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, block_table=block_table, seqused_k=seqused_k)
+    _check(lib().sp_cuda_sparse_attention,
+           args + [_ptr(index.segment_start), _ptr(index.segment_end), _ptr(index.block_ids), _ptr(index.cu_tiles),
+                   _ptr(index.cu_blocks), _ptr(index.k_mean), _ptr(index.v_mean), int(index.mean_rows),
+                   int(index.block_size), int(bool(corr))])
     return (out, lse) if return_lse else out

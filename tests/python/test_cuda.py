@@ -80,9 +80,102 @@ def test_build_index_on_gpu_matches_cpu():
     assert abs(got.density - ref.density) <= 0.01
 
 
-def test_sparse_attention_on_gpu_is_not_implemented_yet():
+def _structured_varlen(rng, q_lens, k_lens, hq, hkv):
+    """Structured-workload sequences (needles, sinks, stripes: selection keeps and drops blocks) packed as a varlen
+    batch; a sequence with Lq < Lk takes the last Lq queries of an Lk-token prompt (a chunk)."""
+    qs, ks, vs = [], [], []
+    for lq, lk in zip(q_lens, k_lens):
+        q, k, v = sp.workload.structured(lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                         seed=int(rng.integers(1 << 30)))
+        qs.append(q[lk - lq:] if lq <= lk else rng.standard_normal((lq, hq, 128)).astype(np.float32))
+        ks.append(k)
+        vs.append(v)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    bf = torch.bfloat16
+    cpu = [_to(np.concatenate(a), "cpu", bf) for a in (qs, ks, vs)] + [_to(cu_q, "cpu"), _to(cu_k, "cpu")]
+    return cpu, [a.cuda() for a in cpu], max(q_lens), max(k_lens)
+
+
+def _check_close(got, lse, ref, ref_lse, tol=2e-2, lse_tol=2e-3):
+    assert not torch.isnan(got).any()
+    diff = (got.float().cpu() - ref.float()).abs().max().item()
+    assert diff <= tol, diff
+    ref_lse, lse = ref_lse.numpy(), lse.cpu().numpy()
+    assert np.array_equal(np.isneginf(ref_lse), np.isneginf(lse))
+    fin = np.isfinite(ref_lse)
+    assert np.abs(lse[fin] - ref_lse[fin]).max() <= lse_tol
+
+
+@pytest.mark.parametrize("q_lens,k_lens,hq,hkv", [
+    ([1763, 129], [1763, 129], 8, 2),        # odd lengths, GQA 4, two sequences
+    ([11, 300, 1], [1000, 4100, 1], 8, 1),   # chunks (Lq < Lk), GQA 8, a 1-token sequence
+    ([2000], [2000], 4, 4),                  # GQA 1
+])
+@pytest.mark.parametrize("correction", [True, False])
+def test_sparse_attention_matches_cpu_reference(q_lens, k_lens, hq, hkv, correction):
     rng = np.random.default_rng()
-    cpu, gpu, mq, mk = _bf16_case(rng, [256], [256])
+    cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, hq, hkv)
+    index = sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2)
+    assert 0 < index.density < 1                                     # some blocks are dropped (and corrected)
+    ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
+    out = torch.full_like(gpu[0], float("nan"))                       # poisoned: every element must be written
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out
+    _check_close(out, lse, ref, ref_lse)
+
+
+def test_sparse_alpha0_equals_dense_kernel():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [3001, 700], [3001, 900], 8, 2)
+    dense, dense_lse = sp.attention(*gpu, mq, mk, return_lse=True)
+    for correction in (True, False):
+        out, lse = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, correction=correction, return_lse=True)
+        torch.cuda.synchronize()
+        assert (out.float() - dense.float()).abs().max().item() <= 1e-2   # same math, other tile shapes
+        assert (lse - dense_lse).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_sparse_paged_matches_contiguous(page_size):
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [300, 1100], [1500, 2100], 8, 2)
     index = sp.build_index(*cpu, mq, mk)
-    with pytest.raises(NotImplementedError, match="CUDA"):
-        sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk)
+    contiguous = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk)
+    kc, vc, bt, used = to_paged(rng, cpu[1].float().numpy(), cpu[2].float().numpy(), cpu[4].numpy(), page_size)
+    g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
+    paged = sp.sparse_attention(gpu[0], g(kc, torch.bfloat16), g(vc, torch.bfloat16), index, gpu[3], None, mq, mk,
+                                block_table=g(bt), seqused_k=g(used))
+    torch.cuda.synchronize()
+    assert torch.equal(contiguous, paged)
+
+
+def test_sparse_prefill_one_call_matches_two_steps():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [2500], [2500], 8, 2)
+    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, return_lse=True)
+    two, lse2, index = sp.sparse_prefill(*gpu, mq, mk, return_lse=True, return_index=True)
+    torch.cuda.synchronize()
+    assert 0 < index.density < 1
+    assert torch.equal(one, two) and torch.equal(lse1, lse2)
+
+
+def test_sparse_block_size_256_matches_cpu_reference():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1900], [1900], 8, 2)
+    index = sp.build_index(*cpu, mq, mk, block_size=256, alpha=0.2)
+    ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True)
+    torch.cuda.synchronize()
+    _check_close(got, lse, ref, ref_lse)
+
+
+def test_sparse_unsupported_on_cuda_is_a_clear_error():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [256], [256], 4, 2)
+    with pytest.raises(NotImplementedError, match="block_size"):
+        sp.sparse_prefill(*gpu, mq, mk, block_size=64)
+    index = sp.build_index(*cpu, mq, mk)
+    with pytest.raises(NotImplementedError, match="causal"):
+        sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)

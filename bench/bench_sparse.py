@@ -1,0 +1,298 @@
+"""Block-sparse prefill benchmark on the GPU machine (issue 4): ours (GPU index stage + sparse kernel, through
+tests/gpu/sp_cuda.py) vs our dense kernel, torch SDPA cuDNN, torch SDPA flash (FA2) and FlexAttention running the very
+same block mask (its BlockMask built from our CSR), all in one process.
+
+Speed rows: the "topic" workload of DESIGN.md (Hq=32, Hkv=8, D=128, bf16, batch 1, causal), default selection
+parameters (alpha 0.1, block 128, sink 256, window 512, last_n 2, correction on):
+  density, index_ms, attn_ms (correction on), attn_no_corr_ms, total_ms = index_ms + attn_ms, fused_ms (both launched
+  back to back, timed together), dense_ms (ours), cudnn_ms, fa2_ms, flex_same_mask_ms (correction off: FlexAttention
+  has no mean correction, so compare it with attn_no_corr_ms).
+Accuracy columns (same rows): rel_err / rel_err_no_correction = ||O_sparse - O_dense||_F / ||O_dense||_F on the
+  structured workload at the same L (our dense kernel as full attention), and needle_ratio_min = the smallest, over
+  the workload's retrieval needles, of cos(O_sparse, v_needle) / cos(O_dense, v_needle) averaged over the needle's
+  query rows (1.0: the needle dominates the output as in dense).
+Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal block always kept), correction off:
+  attn_ms against density * dense_ms.
+Writes bench/results/sparse_h200.json (keys of DESIGN.md) and, with matplotlib, bench/results/sparse_h200.png.
+Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy]"""
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import sp_cuda  # noqa: E402
+from bench_dense import commit, time_ms  # noqa: E402
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 128
+SEL = dict(alpha=0.1, block_size=128, sink=256, window=512, last_n=2)
+
+
+def topic(L, hq=HQ, hkv=HKV, d=D, seed=0, dev="cuda"):
+    """DESIGN.md's speed reference workload, generated on the GPU (same definition as sparse_prefill.workload.topic,
+    another random stream)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nb = L // BLOCK
+    t = torch.randn(hkv, nb, d, device=dev, generator=g)                     # topic per (KV head, block)
+    k = t.transpose(0, 1).repeat_interleave(BLOCK, 0) + torch.randn(L, hkv, d, device=dev, generator=g)
+    v = torch.randn(L, hkv, d, device=dev, generator=g)
+    p = torch.arange(nb, device=dev)
+    hi = torch.clamp(p, min=1).float()                                        # group p draws from [0, max(p, 1))
+    targets = (torch.rand(hkv, nb, 4, device=dev, generator=g) * hi[None, :, None]).long()   # [hkv, nb, 4]
+    tq = torch.gather(t, 1, targets.reshape(hkv, nb * 4)[..., None].expand(hkv, nb * 4, d)).reshape(hkv, nb, 4, d)
+    tq = tq.sum(2)                                                            # [hkv, nb, d]
+    qg = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)                       # [L, hkv, d]
+    q = qg.repeat_interleave(hq // hkv, 1) + torch.randn(L, hq, d, device=dev, generator=g)
+    bf = torch.bfloat16
+    return q.to(bf), k.to(bf), v.to(bf)
+
+
+def flex_mask_from_csr(index, L, g, dev="cuda"):
+    """A FlexAttention BlockMask with exactly our selection: query head h = kvh*g + j at position p is packed row
+    p*g + j of tile (p*g + j) // 128; with g | 128 a tile is 128/g consecutive positions of all g heads, so the mask
+    has query blocks of 128/g positions. The diagonal block is partial (causal mask_mod), the rest full."""
+    from torch.nn.attention.flex_attention import BlockMask
+    T = (L * g + 127) // 128
+    nb = (L + BLOCK - 1) // BLOCK
+    S = HKV * T
+    start = index.segment_start[:S].long()
+    lens = (index.segment_end[:S].long() - start)
+    seg = torch.repeat_interleave(torch.arange(S, device=dev), lens)
+    pos = torch.repeat_interleave(start, lens) + (torch.arange(int(lens.sum()), device=dev) -
+                                                  torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens))
+    ids = index.block_ids[pos].long()
+    mask = torch.zeros(S, nb, dtype=torch.bool, device=dev)
+    mask[seg, ids] = True
+    qb = 128 // g
+    tile = torch.arange(T, device=dev)
+    diag = (tile * qb) // BLOCK                                              # block holding the tile's positions
+    partial = torch.zeros(T, nb, dtype=torch.bool, device=dev)
+    partial[tile, diag] = True
+    mask = mask.view(HKV, T, nb)
+    full = mask & ~partial[None]
+    part = mask & partial[None]
+
+    def to_kv(m):
+        num = m.sum(-1).to(torch.int32)
+        idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        num = num.repeat_interleave(g, 0)[None]                              # [1, Hq, T]
+        idx = idx.repeat_interleave(g, 0)[None]                              # [1, Hq, T, nb]
+        return num, idx
+    kv_num, kv_idx = to_kv(part)
+    full_num, full_idx = to_kv(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qb, BLOCK),
+                                    mask_mod=lambda b, h, qi, ki: qi >= ki, seq_lengths=(L, L))
+
+
+def random_index(L, density, g, seed=0, dev="cuda"):
+    """A CSR index of fixed density over the visible blocks of each PackGQA tile: the diagonal block always, the
+    others with probability `density` (sorted ids, compact CSR)."""
+    T = (L * g + 127) // 128
+    nb = (L + BLOCK - 1) // BLOCK
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    tile = torch.arange(T, device=dev)
+    last_pos = torch.clamp((tile * 128 + 127) // g, max=L - 1)
+    diag = ((tile * 128) // g) // BLOCK
+    visible = torch.arange(nb, device=dev)[None, :] <= (last_pos // BLOCK)[:, None]           # [T, nb]
+    m = (torch.rand(HKV, T, nb, device=dev, generator=gen) < density) & visible[None]
+    m[:, tile, diag] = True
+    m = m.view(HKV * T, nb)
+    counts = m.sum(1).to(torch.int32)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+
+    class Idx:
+        pass
+    idx = Idx()
+    idx.segment_start = (ends - counts).contiguous()
+    idx.segment_end = ends.contiguous()
+    idx.block_ids = torch.nonzero(m)[:, 1].to(torch.int32).contiguous()
+    idx.cu_tiles = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    idx.cu_blocks = torch.tensor([0, nb], dtype=torch.int32, device=dev)
+    idx.k_mean = idx.v_mean = None
+    idx.mean_rows, idx.block_size, idx.correction = 0, BLOCK, False
+    kept = int(m.sum())
+    vis = int(visible.sum()) * HKV
+    return idx, kept / vis
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def accuracy(L, dev="cuda"):
+    """rel_err with / without correction and the needle ratio on the structured workload at length L."""
+    import sparse_prefill as sp
+    q, k, v = sp.workload.structured(L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, seed=1)
+    needles = sp.workload.needle_positions(L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, seed=1)
+    bf = torch.bfloat16
+    q, k, v = (torch.from_numpy(a).to(dev).to(bf) for a in (q, k, v))
+    cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+    dense = sp_cuda.attention(q, k, v, cu, cu, L, L, return_lse=False)
+    ws = sp_cuda.index_workspace(q, k, v, cu, cu, L, L)
+    idx = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, correction=True, **SEL)
+    corr = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L)
+    plain = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, correction=False)
+    torch.cuda.synchronize()
+    assert not torch.isnan(corr).any() and not torch.isnan(plain).any()
+    res = dict(rel_err=rel_err(corr, dense), rel_err_no_correction=rel_err(plain, dense),
+               accuracy_density=idx.density())
+    g = HQ // HKV
+    ratios = []
+    for n in needles:
+        val = torch.from_numpy(np.asarray(n["value"], np.float32)).to(dev)
+        heads = slice(n["kv_head"] * g, n["kv_head"] * g + g)
+        rows = slice(n["query_begin"], n["query_end"])
+
+        def cos(o):
+            x = o[rows, heads].float().reshape(-1, D)
+            return F.cosine_similarity(x, val[None], dim=1).mean().item()
+        ratios.append(cos(corr) / max(cos(dense), 1e-6))
+    res["needles"] = len(needles)
+    res["needle_ratio_min"] = min(ratios) if ratios else None
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sparse_h200.json"))
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--sweep-lengths", default="65536,131072")
+    ap.add_argument("--densities", default="0.01,0.02,0.05,0.1,0.2,0.3,0.5")
+    ap.add_argument("--no-flex", dest="flex", action="store_false")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
+    ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2 (quick runs)")
+    args = ap.parse_args()
+    dev, g = "cuda", HQ // HKV
+    flex = None
+    if args.flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention)
+    rows, sweep = [], []
+    for L in [int(x) for x in args.lengths.split(",") if x]:
+        q, k, v = topic(L)
+        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        row = dict(L=L)
+        row["dense_ms"] = time_ms(lambda: sp_cuda.attention(q, k, v, cu, cu, L, L, out=out, return_lse=False))
+        dense = out.clone()
+        ws = sp_cuda.index_workspace(q, k, v, cu, cu, L, L)
+        idx = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL)
+        torch.cuda.synchronize()
+        row["density"] = idx.density()
+        row["index_ms"] = time_ms(lambda: sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL))
+        row["attn_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
+        row["attn_no_corr_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out,
+                                                                           correction=False))
+        row["total_ms"] = row["index_ms"] + row["attn_ms"]
+
+        def fused():
+            i = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL)
+            sp_cuda.sparse_attention(q, k, v, i, cu, cu, L, L, out=out)
+        row["fused_ms"] = time_ms(fused)
+        row["topic_rel_err_vs_dense"] = rel_err(out, dense)
+        row["correction_overhead"] = row["attn_ms"] / row["attn_no_corr_ms"] - 1
+        row["attn_vs_ideal"] = row["attn_no_corr_ms"] / (row["density"] * row["dense_ms"])
+        row["index_share_of_dense"] = row["index_ms"] / row["dense_ms"]
+        qt = q.unsqueeze(0).transpose(1, 2)
+        kt = k.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
+        vt = v.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
+        if args.peers:
+            for key, backend in (("cudnn_ms", SDPBackend.CUDNN_ATTENTION), ("fa2_ms", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        row[key] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+                except Exception as e:  # noqa: BLE001
+                    row[key], row[key + "_error"] = None, repr(e)[:200]
+            if row.get("cudnn_ms"):
+                row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["total_ms"]
+        row["flex_same_mask_ms"] = None
+        if flex is not None:
+            try:
+                bm = flex_mask_from_csr(idx, L, g)
+                fo = flex(qt, kt, vt, block_mask=bm, kernel_options={"BLOCK_M": 128 // g, "BLOCK_N": BLOCK})
+                ours_nc = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, correction=False)
+                row["flex_vs_ours_no_corr_max_diff"] = (fo[0].transpose(0, 1).float() - ours_nc.float()).abs().max().item()
+                row["flex_same_mask_ms"] = time_ms(
+                    lambda: flex(qt, kt, vt, block_mask=bm, kernel_options={"BLOCK_M": 128 // g, "BLOCK_N": BLOCK}))
+                del bm, fo
+            except Exception as e:  # noqa: BLE001
+                row["flex_error"] = repr(e)[:300]
+        if args.accuracy:
+            del q, k, v, qt, kt, vt, out, dense, ws, idx
+            torch.cuda.empty_cache()
+            try:
+                row.update(accuracy(L))
+            except Exception as e:  # noqa: BLE001
+                row["rel_err"], row["rel_err_no_correction"], row["accuracy_error"] = None, None, repr(e)[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+        if args.sweep and str(L) in args.sweep_lengths.split(","):
+            q, k, v = topic(L)
+            for dens in [float(x) for x in args.densities.split(",") if x]:
+                ridx, actual = random_index(L, dens, g)
+                ms = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, ridx, cu, cu, L, L, correction=False))
+                srow = dict(L=L, target_density=dens, density=actual, attn_ms=ms, dense_ms=row["dense_ms"],
+                            ideal_ms=actual * row["dense_ms"], ratio_to_ideal=ms / (actual * row["dense_ms"]))
+                print(json.dumps(srow), flush=True)
+                sweep.append(srow)
+                del ridx
+            del q, k, v
+            torch.cuda.empty_cache()
+    res = dict(device=torch.cuda.get_device_name(), commit=commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+               workload="topic (DESIGN.md), Hq=32 Hkv=8 D=128 bf16 batch 1 causal; accuracy: structured, seed 1",
+               selection=SEL, torch=torch.__version__, rows=rows, sweep=sweep)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    try:
+        plot(res, os.path.splitext(args.out)[0] + ".png")
+    except Exception as e:  # noqa: BLE001
+        print("plot skipped:", repr(e))
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = res["rows"]
+    Ls = [r["L"] for r in rows]
+    for key, label in (("total_ms", "ours sparse (index + attn)"), ("dense_ms", "ours dense"),
+                       ("cudnn_ms", "cuDNN SDPA"), ("fa2_ms", "FA2 SDPA"), ("flex_same_mask_ms", "Flex, same mask")):
+        ys = [r.get(key) for r in rows]
+        if any(y for y in ys):
+            a.plot([L for L, y in zip(Ls, ys) if y], [y for y in ys if y], marker="o", label=label)
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("L")
+    a.set_ylabel("ms")
+    a.set_title("topic workload, Hq32 Hkv8 D128 bf16")
+    a.legend()
+    for L in sorted({s["L"] for s in res["sweep"]}):
+        s = [x for x in res["sweep"] if x["L"] == L]
+        b.plot([x["density"] for x in s], [x["ratio_to_ideal"] for x in s], marker="o", label=f"L={L}")
+    b.axhline(1.25, color="gray", ls="--", label="target 1.25")
+    b.set_xscale("log")
+    b.set_xlabel("density")
+    b.set_ylabel("sparse attn / (density x dense)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

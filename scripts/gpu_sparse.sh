@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|bench|sanitize] [bench_sparse.py args...]
+# check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
+#   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
+# bench: the full sparse benchmark (bench/bench_sparse.py, extra args passed on).
+# sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
+# CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|bench|sanitize] [args...]}"
+PHASE="${2:-check}"
+shift; shift || true
+mkdir -p "$OUT"
+cd "$ROOT"
+export SP_COMMIT="${SP_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+CUT="${SP_CUTLASS_ROOT:-$ROOT/.deps/cutlass}"
+step() { echo "== $* ($(date +%T))"; }
+
+step build
+if [[ ! -f build-gpu/libsp_cuda_test.so ]]; then
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFILL_TESTS=OFF -DSP_CUTLASS_ROOT="$CUT" \
+    -DPython_EXECUTABLE="$(command -v python3)" > "$OUT/build.log" 2>&1 &&
+    cmake --build build-gpu -j"$(nproc)" --target sp_cuda_test _C test_block_iterator >> "$OUT/build.log" 2>&1 ||
+    { tail -40 "$OUT/build.log"; exit 1; }
+fi
+mkdir -p build-cuda && cp build-gpu/libsp_cuda_test.so build-cuda/libsp_cuda_test.so
+build-gpu/test_block_iterator | tail -2
+export PYTHONPATH="$ROOT/python"
+
+case "$PHASE" in
+  check)
+    step dense smoke
+    timeout 90 python3 tests/gpu/test_dense.py --smoke > "$OUT/smoke.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/smoke.log"
+    step python CUDA suite
+    timeout 240 python3 -m pytest -q tests/python/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1; echo "rc=$?"
+    tail -25 "$OUT/pytest_cuda.log"
+    step quick sparse benchmark
+    timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_quick.json" --lengths 8192,32768,131072 --no-sweep \
+      --no-accuracy --no-flex "$@" 2>&1 | tail -8
+    ;;
+  bench)
+    step sparse benchmark
+    timeout 560 python3 bench/bench_sparse.py --out "$OUT/sparse_h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+    ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      step "$tool"
+      timeout 200 compute-sanitizer --tool "$tool" --kernel-name kns=fwd_kernel python3 -m pytest -q -x \
+        tests/python/test_cuda.py -k "sparse and not paged" > "$OUT/${tool}_sparse.log" 2>&1
+      tail -4 "$OUT/${tool}_sparse.log"
+    done
+    ;;
+esac
+step done
