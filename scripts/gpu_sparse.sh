@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
-#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|bench|sanitize] [bench_sparse.py args...]
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|sanitize] [bench_sparse.py args...]
 # check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
 #   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
+# ab: quick benchmark with SP_SPARSE_PERSISTENT=1 and =0.
 # bench: the full sparse benchmark (bench/bench_sparse.py, extra args passed on).
 # sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|bench|sanitize] [args...]}"
+OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|sanitize] [args...]}"
 PHASE="${2:-check}"
 shift; shift || true
 mkdir -p "$OUT"
@@ -21,11 +22,11 @@ step build
 if [[ ! -f build-gpu/libsp_cuda_test.so ]]; then
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFILL_TESTS=OFF -DSP_CUTLASS_ROOT="$CUT" \
     -DPython_EXECUTABLE="$(command -v python3)" > "$OUT/build.log" 2>&1 &&
-    cmake --build build-gpu -j"$(nproc)" --target sp_cuda_test _C test_block_iterator >> "$OUT/build.log" 2>&1 ||
+    cmake --build build-gpu -j"$(nproc)" --target sp_cuda_test _C >> "$OUT/build.log" 2>&1 ||
     { tail -40 "$OUT/build.log"; exit 1; }
 fi
 mkdir -p build-cuda && cp build-gpu/libsp_cuda_test.so build-cuda/libsp_cuda_test.so
-build-gpu/test_block_iterator | tail -2
+g++ -std=c++17 -O2 -Isrc tests/gpu/test_block_iterator.cpp -o build-gpu/test_block_iterator && build-gpu/test_block_iterator | tail -2
 export PYTHONPATH="$ROOT/python"
 
 case "$PHASE" in
@@ -38,6 +39,13 @@ case "$PHASE" in
     step quick sparse benchmark
     timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_quick.json" --lengths 8192,32768,131072 --no-sweep \
       --no-accuracy --no-flex "$@" 2>&1 | tail -8
+    ;;
+  ab)
+    step "A/B: sparse persistent (default) vs one CTA per tile"
+    for v in 1 0; do
+      SP_SPARSE_PERSISTENT=$v timeout 150 python3 bench/bench_sparse.py --out "$OUT/ab_persistent$v.json" \
+        --no-sweep --no-accuracy --no-flex --no-peers "$@" 2>&1 | tail -6
+    done
     ;;
   bench)
     step sparse benchmark

@@ -218,18 +218,15 @@ struct SparseBlockIterator {
     hi = sp_min(k_len - 1, pos + diag);
   }
 
-  // Bits of the listed blocks in chunk c (block c * kBlockN + j is bit j % 32 of word j / 32).
-  SP_HOST_DEVICE void listed_bits(int c, uint32_t (&bits)[kBlockN / 32]) const {
+  // Bits of the listed blocks in chunk c (block c * kBlockN + j is bit j % 32 of word j / 32). `cursor` (0 at the
+  // tile's start) walks the ascending list once over the tile's ascending chunks: independent loads, no search.
+  SP_HOST_DEVICE void listed_bits(int c, uint32_t (&bits)[kBlockN / 32], int& cursor) const {
     static_assert(kBlockN == 128, "four bit words");
     for (int w = 0; w < kBlockN / 32; ++w) bits[w] = 0;
     const int lo_id = c * kBlockN;
-    int lo = 0, hi = n_listed;  // first k with ids[k] >= lo_id
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (load_id(ids + mid) < lo_id) lo = mid + 1; else hi = mid;
-    }
-    for (int k = lo; k < n_listed; ++k) {
-      const int j = load_id(ids + k) - lo_id;
+    while (cursor < n_listed && load_id(ids + cursor) < lo_id) ++cursor;
+    for (; cursor < n_listed; ++cursor) {
+      const int j = load_id(ids + cursor) - lo_id;
       if (j >= kBlockN) break;
       const uint32_t bit = 1u << (j % 32);  // selects, not bits[j / 32]: keeps the words in registers
       bits[0] |= j < 32 ? bit : 0u;

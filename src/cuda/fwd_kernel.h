@@ -83,11 +83,10 @@ __device__ __forceinline__ void wgmma_batch(TiledMma& mma, TA const& tA, TB cons
 #ifndef SP_PERSISTENT
 #define SP_PERSISTENT 0
 #endif
-#if SP_PERSISTENT
-#define SP_TILE_LOOP(t) for (int t = blockIdx.x; t < params.num_tiles; t += gridDim.x)
-#else
-#define SP_TILE_LOOP(t) for (int t = blockIdx.x, t##_once = 0; t##_once < 1; ++t##_once)
-#endif
+// kPersistent (a template parameter, set by the build switch for dense and at run time for sparse): one CTA per SM
+// strides over the tiles; otherwise one tile per CTA and a loop of trip count 1.
+#define SP_TILE_LOOP(t)                                                                                        \
+  for (int t = blockIdx.x, t##_n = 0; kPersistent ? (t < params.num_tiles) : (t##_n < 1); t += gridDim.x, ++t##_n)
 
 // Tile order: heads fastest (the g query heads of a KV head share its K/V blocks in L2), then m-blocks from the
 // last (heaviest under causal) to the first, then sequences. A CTA processes tiles blockIdx.x, + gridDim.x, ...:
@@ -176,7 +175,7 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
   return w;
 }
 
-template <class Config, bool kSparse>
+template <class Config, bool kSparse, bool kPersistent>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
   using namespace cute;
@@ -448,10 +447,20 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     };
     // Correction step (sparse mode): column j of chunk c is pooled block J = c * kBlockN + j. Blocks to correct
     // (prunable, not listed) get logit + log|B_J| (raw units: log2|B_J| / scale_log2), all other columns -inf.
+    // The listed bits of a correction step are gathered right after its S GEMM is issued (prepare_step), so their
+    // global loads overlap the GEMM instead of delaying the softmax.
+    uint32_t listed[kBlockN / 32] = {0, 0, 0, 0};
+    int corr_chunk = 0, corr_cursor = 0;
+    auto prepare_step = [&](int i) {
+      if constexpr (kSparse) {
+        if (iter.is_corr(i)) {
+          corr_chunk = iter.chunk(i);
+          iter.listed_bits(corr_chunk, listed, corr_cursor);
+        }
+      }
+    };
     auto apply_correction = [&](int chunk) {
       if constexpr (kSparse) {
-        uint32_t listed[kBlockN / 32];
-        iter.listed_bits(chunk, listed);
         const int J0 = chunk * kBlockN;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S_rc); ++c) {
@@ -471,7 +480,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     // Element-wise mask of step i (only called when iter.needs_mask(i)).
     auto mask_step = [&](int i) {
       if constexpr (kSparse) {
-        if (iter.is_corr(i)) return apply_correction(iter.chunk(i));
+        if (iter.is_corr(i)) return apply_correction(corr_chunk);
       }
       apply_mask(iter.block(i));
     };
@@ -543,9 +552,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       constexpr int kChunks = kHeadDim / 8;
       const Element* q_base = static_cast<const Element*>(params.q);
       const int tq = mma_tidx % 128;
-#if SP_PERSISTENT
-      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // the previous tile's epilogue read these rows
-#endif
+      if constexpr (kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // previous epilogue read these rows
       uint4 vals[64 * kChunks / 128];
       CUTE_UNROLL
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
@@ -575,6 +582,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     if (cwg == 1) scheduler_sync();
     wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
     scheduler_arrive(n_count == 1);
+    prepare_step(0);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(st);
@@ -594,6 +602,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       sanitize_v(st_v.index(), v_block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
       scheduler_arrive(i == n_count - 1);
+      prepare_step(i);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(st);

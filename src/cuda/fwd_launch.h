@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -15,6 +16,13 @@
 namespace sparse_prefill::cuda {
 
 inline bool persistent_mode() { return SP_PERSISTENT != 0; }
+inline bool sparse_persistent() {
+  static const bool on = [] {
+    const char* e = std::getenv("SP_SPARSE_PERSISTENT");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
 
 // Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device.
 inline int num_sms() {
@@ -115,17 +123,27 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_tiles = int(num_tiles);
 
-  auto kernel = sparse != nullptr ? fwd_kernel<Config, true> : fwd_kernel<Config, false>;
-  static const cudaError_t attr_err =  // once per instantiation; not a stream operation
-      cudaFuncSetAttribute(fwd_kernel<Config, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-  static const cudaError_t attr_err_sparse =
-      cudaFuncSetAttribute(fwd_kernel<Config, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-  for (cudaError_t e : {attr_err, attr_err_sparse})
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(e));
-  // One CTA per tile by default; a -DSP_PERSISTENT=1 build launches one CTA per SM that strides over the tiles.
+  // Dense: one CTA per tile by default (-DSP_PERSISTENT=1 builds the persistent variant). Sparse: persistent by
+  // default (a tile holds only a few blocks, so overlapping one tile's epilogue with the next one's loads matters);
+  // SP_SPARSE_PERSISTENT=0 in the environment selects one CTA per tile (A/B runs).
+  const bool persistent = sparse != nullptr ? sparse_persistent() : persistent_mode();
+  using Kernel = void (*)(FwdParams<Config>);
+  const Kernel kernel = sparse == nullptr ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
+                        : persistent      ? fwd_kernel<Config, true, true>
+                                          : fwd_kernel<Config, true, false>;
+  static const cudaError_t attr_err = [] {  // once per instantiation; not a stream operation
+    cudaError_t e = cudaSuccess;
+    for (Kernel k : {fwd_kernel<Config, false, SP_PERSISTENT != 0>, fwd_kernel<Config, true, true>,
+                     fwd_kernel<Config, true, false>}) {
+      const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+      if (r != cudaSuccess) e = r;
+    }
+    return e;
+  }();
+  if (attr_err != cudaSuccess)
+    throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   int grid = p.num_tiles;
-  if (persistent_mode()) grid = std::min(grid, num_sms());
+  if (persistent) grid = std::min(grid, num_sms());
   kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)

@@ -47,6 +47,7 @@ long check_sparse(long& checked) {
                 if (first_hi >= 0 && last_key <= first_hi && !listed.count(J)) expect.insert(J);
               }
               std::set<int> keys_real;  // kernel blocks visited by real steps
+              int cursor = 0;
               for (int i = 0; i < it.count(); ++i) {
                 ++checked;
                 if (!it.is_corr(i)) {
@@ -66,7 +67,7 @@ long check_sparse(long& checked) {
                 } else {
                   const int c = it.chunk(i);
                   uint32_t bits[4];
-                  it.listed_bits(c, bits);
+                  it.listed_bits(c, bits, cursor);
                   int todo = 0;
                   for (int j = 0; j < N; ++j) {
                     const int J = c * N + j;

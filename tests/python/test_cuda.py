@@ -123,7 +123,9 @@ def test_sparse_attention_matches_cpu_reference(q_lens, k_lens, hq, hkv, correct
     got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
     torch.cuda.synchronize()
     assert got is out
-    _check_close(out, lse, ref, ref_lse)
+    # The kernel's correction keys are the pooled means rounded to bf16 (the CPU uses float32): their logits may
+    # move by ~1e-2, which shifts the LSE of rows dominated by corrected blocks by a few 1e-3.
+    _check_close(out, lse, ref, ref_lse, lse_tol=5e-3 if correction else 2e-3)
 
 
 def test_sparse_alpha0_equals_dense_kernel():
