@@ -36,6 +36,9 @@ case "$PHASE" in
     step python CUDA suite
     timeout 240 python3 -m pytest -q tests/python/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1; echo "rc=$?"
     tail -25 "$OUT/pytest_cuda.log"
+    step "python CUDA suite, sparse cases, one CTA per tile"
+    SP_SPARSE_PERSISTENT=0 timeout 120 python3 -m pytest -q tests/python/test_cuda.py -k sparse \
+      > "$OUT/pytest_cuda_nonpersistent.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/pytest_cuda_nonpersistent.log"
     step quick sparse benchmark
     timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_quick.json" --lengths 8192,32768,131072 --no-sweep \
       --no-accuracy --no-flex "$@" 2>&1 | tail -8

@@ -157,6 +157,7 @@ void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, c
   s.k_mean = index.k_mean_lowp;
   s.v_mean = index.v_mean_lowp;
   s.mean_rows = index.max_blocks;
+  s.tile_counter = index.tile_counter;
   s.block_size = index.block_size;
   s.correction = index.correction;
   run(a, p, &s);
@@ -170,7 +171,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
   const size_t tiles_bytes = size_t(p.batch + 1) * 4, tiles_pad = (tiles_bytes + 255) & ~size_t(255);
   const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2, mean_pad = (mean_bytes + 255) & ~size_t(255);
-  StreamBuffer tmp(tiles_pad + 2 * mean_pad, stream);
+  StreamBuffer tmp(tiles_pad + 2 * mean_pad + 256, stream);
   char* base = static_cast<char*>(tmp.ptr);
   int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
   prepare_index_view(in, p, index, cu_tiles, base + tiles_pad, base + tiles_pad + mean_pad);
@@ -183,6 +184,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.k_mean = base + tiles_pad;
   s.v_mean = base + tiles_pad + mean_pad;
   s.mean_rows = rows;
+  s.tile_counter = reinterpret_cast<int*>(base + tiles_pad + 2 * mean_pad);
   s.block_size = index.block_size;
   s.correction = index.correction && rows > 0;
   run(a, p, &s);

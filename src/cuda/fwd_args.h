@@ -44,6 +44,8 @@ struct SparseFwdArgs {
   const void* k_mean = nullptr;          // [mean_rows, Hkv, D] in q's dtype (correction only)
   const void* v_mean = nullptr;
   int64_t mean_rows = 0;
+  int* tile_counter = nullptr;           // one int of device memory for the persistent kernel's tile scheduler
+                                         // (zeroed on the stream before each launch); null: one CTA per tile
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
   bool correction = true;
 };

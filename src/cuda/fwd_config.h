@@ -83,6 +83,7 @@ struct FwdConfig {
   using TmaKVHalf = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKHalf{},
                                                  cute::Shape<cute::Int<kHalfN>, cute::Int<kHeadDim>>{}, cute::_1{}));
 
+  static constexpr int kMaxCorrChunks = 64;  // 64 x 128 pooled blocks: 1M tokens at block_size 128 (1 KiB)
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -97,6 +98,13 @@ struct FwdConfig {
     cutlass::arch::ClusterBarrier barrier_q_empty;                     // consumers done with the Q/O buffer
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
+    // Sparse mode: the listed blocks of the tile's first kMaxCorrChunks correction chunks as a bitmap (the
+    // correction mask reads 4 words per step instead of walking the list in global memory), and the dynamic tile
+    // scheduler's two slots (producer -> consumers).
+    uint32_t listed_bits[kMaxCorrChunks * kBlockN / 32];
+    int tile_ids[2];
+    cutlass::arch::ClusterBarrier tile_full[2];
+    cutlass::arch::ClusterBarrier tile_empty[2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 per-block shared memory limit");

@@ -118,6 +118,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     p.block_size = sparse->block_size;
     p.correction = have_means ? 1 : 0;
     p.corr_bias_full = std::log2(float(sparse->block_size)) / p.scale_log2;
+    p.tile_counter = sparse->tile_counter;
   }
   if (p.num_m_blocks == 0) return;
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
@@ -126,7 +127,8 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   // Dense: one CTA per tile by default (-DSP_PERSISTENT=1 builds the persistent variant). Sparse: persistent by
   // default (a tile holds only a few blocks, so overlapping one tile's epilogue with the next one's loads matters);
   // SP_SPARSE_PERSISTENT=0 in the environment selects one CTA per tile (A/B runs).
-  const bool persistent = sparse != nullptr ? sparse_persistent() : persistent_mode();
+  const bool persistent =
+      sparse != nullptr ? (sparse_persistent() && sparse->tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
   const Kernel kernel = sparse == nullptr ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
                         : persistent      ? fwd_kernel<Config, true, true>
@@ -144,6 +146,11 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   int grid = p.num_tiles;
   if (persistent) grid = std::min(grid, num_sms());
+  if (persistent && sparse != nullptr) {
+    const cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), static_cast<cudaStream_t>(a.stream));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("sparse_prefill cuda: cudaMemsetAsync: ") + cudaGetErrorString(e));
+  }
   kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)

@@ -440,6 +440,7 @@ size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
   d.k_mean_lowp = take(pooled * 2);
   d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(16));
+  d.tile_counter = reinterpret_cast<int32_t*>(take(4));
   if (idx) *idx = d;
   return off;
 }

@@ -37,6 +37,8 @@ struct DeviceIndex {
   void* v_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: correction values (rows past the real
                                      // blocks are zero)
   unsigned long long* counters = nullptr;  // [2]: kept blocks, visible blocks (density = kept / visible)
+  int32_t* tile_counter = nullptr;   // [1]: the sparse kernel's tile scheduler (so one workspace serves one launch
+                                     // at a time: launches that share it must be ordered on one stream)
 };
 
 // Workspace bytes for one call with these shapes (shape-only bound: no host read of lengths).

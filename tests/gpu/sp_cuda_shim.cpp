@@ -9,6 +9,8 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/index_stage.h"
 
+#include <cuda_runtime.h>
+
 using namespace sparse_prefill;
 
 namespace {
@@ -175,6 +177,12 @@ int sp_cuda_sparse_attention(SP_CALL_PARAMS, const int* seg_start, const int* se
     d.cu_blocks = const_cast<int32_t*>(cu_blocks);
     d.k_mean_lowp = k_mean;
     d.v_mean_lowp = v_mean;
+    static int* counter = [] {  // the tile scheduler's counter (test infrastructure: one per process)
+      int* ptr = nullptr;
+      cudaMalloc(&ptr, sizeof(int));
+      return ptr;
+    }();
+    d.tile_counter = counter;
     cuda::sparse_attention(c.in, c.outs, c.p, d);
   });
 }
