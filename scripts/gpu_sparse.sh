@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
-#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|sanitize] [bench_sparse.py args...]
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|ncu|sanitize] [bench_sparse.py args...]
 # check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
 #   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
 # ab: quick benchmark with SP_SPARSE_PERSISTENT=1 and =0.
 # bench: the full sparse benchmark (bench/bench_sparse.py, extra args passed on).
+# ncu: hardware counters of one 128K sparse launch.
 # sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|sanitize] [args...]}"
+OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|ncu|sanitize] [args...]}"
 PHASE="${2:-check}"
 shift; shift || true
 mkdir -p "$OUT"
@@ -53,6 +54,15 @@ case "$PHASE" in
   bench)
     step sparse benchmark
     timeout 560 python3 bench/bench_sparse.py --out "$OUT/sparse_h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+    ;;
+  ncu)
+    step "ncu: sparse kernel at 128K (correction off, then on)"
+    for c in nocorr corr; do
+      timeout 200 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \
+        --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
+        python3 bench/profile_sparse.py 131072 $c > "$OUT/ncu_$c.log" 2>&1
+      grep -E "gpu__time|dram__|lts__|sm__" "$OUT/ncu_$c.log"
+    done
     ;;
   sanitize)
     for tool in memcheck racecheck; do

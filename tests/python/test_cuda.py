@@ -170,7 +170,7 @@ def test_sparse_block_size_256_matches_cpu_reference():
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True)
     torch.cuda.synchronize()
-    _check_close(got, lse, ref, ref_lse)
+    _check_close(got, lse, ref, ref_lse, lse_tol=5e-3)  # correction on: bf16 pooled keys (see above)
 
 
 def test_sparse_unsupported_on_cuda_is_a_clear_error():
