@@ -12,7 +12,9 @@ Accuracy columns (same rows): rel_err / rel_err_no_correction = ||O_sparse - O_d
   the workload's retrieval needles, of cos(O_sparse, v_needle) / cos(O_dense, v_needle) averaged over the needle's
   query rows (1.0: the needle dominates the output as in dense).
 Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal block always kept), correction off:
-  attn_ms against density * dense_ms.
+  attn_ms against density * dense_ms; mask "query_block" draws per (KV head, 128 query positions) as a 128x128 block
+  mask does, mask "tile" independently per 32-position PackGQA tile (no reuse of K/V between tiles: DRAM-bound at
+  high density).
 Writes bench/results/sparse_h200.json (keys of DESIGN.md) and, with matplotlib, bench/results/sparse_h200.png.
 Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy]"""
 import argparse
@@ -94,9 +96,11 @@ def flex_mask_from_csr(index, L, g, dev="cuda"):
                                     mask_mod=lambda b, h, qi, ki: qi >= ki, seq_lengths=(L, L))
 
 
-def random_index(L, density, g, seed=0, dev="cuda"):
+def random_index(L, density, g, seed=0, dev="cuda", per_query_block=False):
     """A CSR index of fixed density over the visible blocks of each PackGQA tile: the diagonal block always, the
-    others with probability `density` (sorted ids, compact CSR)."""
+    others with probability `density` (sorted ids, compact CSR). per_query_block: one draw per (KV head, 128 query
+    positions), shared by the g tiles of those positions (the granularity of a 128x128 block mask such as
+    FlexAttention's); otherwise an independent draw per 128/g-position tile (no K/V reuse between tiles in L2)."""
     T = (L * g + 127) // 128
     nb = (L + BLOCK - 1) // BLOCK
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -104,7 +108,11 @@ def random_index(L, density, g, seed=0, dev="cuda"):
     last_pos = torch.clamp((tile * 128 + 127) // g, max=L - 1)
     diag = ((tile * 128) // g) // BLOCK
     visible = torch.arange(nb, device=dev)[None, :] <= (last_pos // BLOCK)[:, None]           # [T, nb]
-    m = (torch.rand(HKV, T, nb, device=dev, generator=gen) < density) & visible[None]
+    if per_query_block:
+        draws = torch.rand(HKV, (T + g - 1) // g, nb, device=dev, generator=gen).repeat_interleave(g, 1)[:, :T]
+    else:
+        draws = torch.rand(HKV, T, nb, device=dev, generator=gen)
+    m = (draws < density) & visible[None]
     m[:, tile, diag] = True
     m = m.view(HKV * T, nb)
     counts = m.sum(1).to(torch.int32)
@@ -240,14 +248,16 @@ def main():
         torch.cuda.empty_cache()
         if args.sweep and str(L) in args.sweep_lengths.split(","):
             q, k, v = topic(L)
-            for dens in [float(x) for x in args.densities.split(",") if x]:
-                ridx, actual = random_index(L, dens, g)
-                ms = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, ridx, cu, cu, L, L, correction=False))
-                srow = dict(L=L, target_density=dens, density=actual, attn_ms=ms, dense_ms=row["dense_ms"],
-                            ideal_ms=actual * row["dense_ms"], ratio_to_ideal=ms / (actual * row["dense_ms"]))
-                print(json.dumps(srow), flush=True)
-                sweep.append(srow)
-                del ridx
+            for mask in ("query_block", "tile"):
+                for dens in [float(x) for x in args.densities.split(",") if x]:
+                    ridx, actual = random_index(L, dens, g, per_query_block=mask == "query_block")
+                    ms = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, ridx, cu, cu, L, L, correction=False))
+                    srow = dict(L=L, mask=mask, target_density=dens, density=actual, attn_ms=ms,
+                                dense_ms=row["dense_ms"], ideal_ms=actual * row["dense_ms"],
+                                ratio_to_ideal=ms / (actual * row["dense_ms"]))
+                    print(json.dumps(srow), flush=True)
+                    sweep.append(srow)
+                    del ridx
             del q, k, v
             torch.cuda.empty_cache()
     res = dict(device=torch.cuda.get_device_name(), commit=commit(),
@@ -283,8 +293,11 @@ def plot(res, path):
     a.set_title("topic workload, Hq32 Hkv8 D128 bf16")
     a.legend()
     for L in sorted({s["L"] for s in res["sweep"]}):
-        s = [x for x in res["sweep"] if x["L"] == L]
-        b.plot([x["density"] for x in s], [x["ratio_to_ideal"] for x in s], marker="o", label=f"L={L}")
+        for mask in ("query_block", "tile"):
+            s = [x for x in res["sweep"] if x["L"] == L and x.get("mask") == mask]
+            if s:
+                b.plot([x["density"] for x in s], [x["ratio_to_ideal"] for x in s], marker="o",
+                       label=f"L={L}, random per {mask.replace('_', ' ')}")
     b.axhline(1.25, color="gray", ls="--", label="target 1.25")
     b.set_xscale("log")
     b.set_xlabel("density")

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
-#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|ncu|sanitize] [bench_sparse.py args...]
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|chunked|ncu|sanitize] [bench_sparse.py args...]
 # check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
 #   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
 # ab: quick benchmark with SP_SPARSE_PERSISTENT=1 and =0.
 # bench: the full sparse benchmark (bench/bench_sparse.py, extra args passed on).
+# chunked: the chunked-prefill benchmark (bench/bench_chunked.py, extra args passed on).
 # ncu: hardware counters of one 128K sparse launch.
 # sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|ncu|sanitize] [args...]}"
+OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|chunked|ncu|sanitize] [args...]}"
 PHASE="${2:-check}"
 shift; shift || true
 mkdir -p "$OUT"
@@ -50,6 +51,10 @@ case "$PHASE" in
       SP_SPARSE_PERSISTENT=$v timeout 150 python3 bench/bench_sparse.py --out "$OUT/ab_persistent$v.json" \
         --no-sweep --no-accuracy --no-flex --no-peers "$@" 2>&1 | tail -6
     done
+    ;;
+  chunked)
+    step chunked-prefill benchmark
+    timeout 560 python3 bench/bench_chunked.py --out "$OUT/chunked_h200.json" "$@" 2>&1 | tee "$OUT/chunked.log" | tail -30
     ;;
   bench)
     step sparse benchmark

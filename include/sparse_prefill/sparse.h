@@ -22,6 +22,12 @@ struct SelectionParams {
   int window = 512;       // the blocks meeting the `window` tokens before each query are always kept
   int last_n = 2;         // the last `last_n` query tiles of each sequence keep every visible block
   bool correction = true; // add the mean correction for the dropped, fully visible blocks
+  // Chunked prefill: whether the queries of this call end their prompts. The last_n rule (dense tail tiles) is for
+  // the prompt's final queries only, so a chunk that does not end its prompt should not pay for it: false = last_n 0.
+  bool final_chunk = true;
+  // Union mode (CompactAttention): one list per (sequence, KV head), the union of its tiles' lists (what
+  // union_index() computes), built in the same call. Suits chunks (few queries against a long cache).
+  bool union_lists = false;
 };
 
 // Segment order: for sequence b with Lq_b queries, T_b = ceil(Lq_b * g / 128) tiles; segments of b start at

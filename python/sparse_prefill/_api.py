@@ -330,15 +330,16 @@ class Index:
                 self.visible_blocks)
 
 
-def _selection_args(alpha, block_size, sink, window, last_n, correction) -> tuple:
+def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False) -> tuple:
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
-            _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction))
+            _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
+            _as_bool("final_chunk", final_chunk), _as_bool("union", union))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
                 block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None) -> Index:
+                stream=None, final_chunk: bool = True, union: bool = False) -> Index:
     """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
 
     For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
@@ -352,13 +353,19 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     for every dropped block fully visible to the whole tile, one virtual key kmean_J with value vmean_J and
     weight |B_J|.
 
+    Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
+    for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
+    `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
+    'union'), built in the same call (on the GPU for CUDA inputs).
+
     Returns:
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
-    d = _C.build_index(inputs, *_selection_args(alpha, block_size, sink, window, last_n, correction))
-    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "tile")
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
+    d = _C.build_index(inputs, *sel)
+    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union" if sel[-1] else "tile")
 
 
 def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -385,16 +392,17 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
-                   stream=None):
+                   stream=None, final_chunk: bool = True, union: bool = False):
     """build_index() + sparse_attention() in one call (same arguments as the two).
 
-    Without return_index the index never leaves the device: on CUDA it lives in a stream-ordered temporary workspace
+    final_chunk and union as in build_index() (chunked prefill). Without return_index the index never leaves the
+    device: on CUDA it lives in a stream-ordered temporary workspace
     (no host synchronisation; CUDA-graph capturable). With return_index the index is built, copied to the host and
     returned (build_index() + sparse_attention()).
 
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
@@ -405,7 +413,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
-                        stream=stream)
+                        stream=stream, final_chunk=final_chunk, union=union)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream)

@@ -349,7 +349,8 @@ NB_MODULE(_C, m) {
         nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none());
 
   m.def("build_index",
-        [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction) {
+        [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction,
+           bool final_chunk, bool union_lists) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::SelectionParams p;
@@ -359,6 +360,8 @@ NB_MODULE(_C, m) {
           p.window = window;
           p.last_n = last_n;
           p.correction = correction;
+          p.final_chunk = final_chunk;
+          p.union_lists = union_lists;
           sp::BlockIndex idx;
           {
             nb::gil_scoped_release release;
@@ -367,7 +370,7 @@ NB_MODULE(_C, m) {
           return index_to_dict(std::move(idx));
         },
         nb::arg("inputs"), nb::arg("alpha"), nb::arg("block_size"), nb::arg("sink"), nb::arg("window"),
-        nb::arg("last_n"), nb::arg("correction"));
+        nb::arg("last_n"), nb::arg("correction"), nb::arg("final_chunk"), nb::arg("union_lists"));
 
   m.def("sparse_attention",
         [](nb::tuple inputs, nb::tuple index, nb::handle out, nb::handle lse) {
@@ -382,7 +385,7 @@ NB_MODULE(_C, m) {
 
   m.def("sparse_prefill",
         [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction,
-           nb::handle out, nb::handle lse) {
+           bool final_chunk, bool union_lists, nb::handle out, nb::handle lse) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
@@ -393,11 +396,14 @@ NB_MODULE(_C, m) {
           p.window = window;
           p.last_n = last_n;
           p.correction = correction;
+          p.final_chunk = final_chunk;
+          p.union_lists = union_lists;
           nb::gil_scoped_release release;
           sp::sparse_prefill(in, p, outs);
         },
         nb::arg("inputs"), nb::arg("alpha"), nb::arg("block_size"), nb::arg("sink"), nb::arg("window"),
-        nb::arg("last_n"), nb::arg("correction"), nb::arg("out"), nb::arg("lse").none());
+        nb::arg("last_n"), nb::arg("correction"), nb::arg("final_chunk"), nb::arg("union_lists"), nb::arg("out"),
+        nb::arg("lse").none());
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
   //         k_mean, v_mean, kept_blocks, visible_blocks), arrays as host numpy arrays.

@@ -36,7 +36,8 @@ struct DeviceIndex {
   void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: the scorer's B operand, correction keys
   void* v_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: correction values (rows past the real
                                      // blocks are zero)
-  unsigned long long* counters = nullptr;  // [2]: kept blocks, visible blocks (density = kept / visible)
+  unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
+                                           // union mode the per-tile kept count before the union
   int32_t* tile_counter = nullptr;   // [1]: the sparse kernel's tile scheduler (so one workspace serves one launch
                                      // at a time: launches that share it must be ordered on one stream)
 };
@@ -44,7 +45,8 @@ struct DeviceIndex {
 // Workspace bytes for one call with these shapes (shape-only bound: no host read of lengths).
 size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 
-// Builds the index on in.stream. Supports causal attention without an attention window, bf16/fp16, D in {64, 128},
+// Builds the index on in.stream (params.union_lists: union mode, params.final_chunk: last_n only when set).
+// Supports causal attention without an attention window, bf16/fp16, D in {64, 128},
 // contiguous or paged KV; other combinations throw NotImplementedError.
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes);

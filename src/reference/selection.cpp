@@ -133,7 +133,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       energy_max = std::max(energy_max, energy[J]);
     }
     // Keep: above threshold, or always kept (not prunable, sink, window band, last tiles).
-    const bool last_tile = tile >= tiles - params.last_n;
+    const bool last_tile = tile >= tiles - (params.final_chunk ? params.last_n : 0);
     std::vector<char> band(size_t(nb), 0);
     if (params.window > 0) {
       for (int64_t pos = geo.first_pos; pos <= geo.last_pos; ++pos) {
@@ -154,7 +154,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
   });
   compact(lists, index);
   count_density(in, p, index);
-  return index;
+  return params.union_lists ? union_index(in, p, index) : index;
 }
 
 void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& index) {

@@ -31,7 +31,7 @@ def lib(path=None):
         err = [ctypes.c_char_p, I]
         sigs = {"sp_cuda_attention": call + err,
                 "sp_cuda_index_bytes": call + [I, ctypes.POINTER(LL)] + err,
-                "sp_cuda_build_index": call + [F, I, I, I, I, I, P, LL, ctypes.POINTER(LL)] + err,
+                "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL)] + err,
                 "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I] + err}
         for name, argtypes in sigs.items():
             if hasattr(handle, name):  # A/B variant libraries built from older shims lack the sparse entry points
@@ -109,12 +109,17 @@ class DeviceIndex:
         self.cu_blocks = view(info[4], batch + 1, torch.int32)
         self.k_mean = view(info[5], max_blocks * hkv * d, dtype).view(max_blocks, hkv, d)
         self.v_mean = view(info[6], max_blocks * hkv * d, dtype).view(max_blocks, hkv, d)
-        self.counters = view(info[7], 2, torch.int64)
+        self.counters = view(info[7], 3, torch.int64)
         self.block_size, self.correction, self.mean_rows = block_size, correction, max_blocks
 
     def density(self):
-        kept, visible = (int(x) for x in self.counters.cpu())
+        kept, visible, _ = (int(x) for x in self.counters.cpu())
         return kept / visible if visible else 1.0
+
+    def tile_density(self):
+        """Union mode: the density of the per-tile lists before the union."""
+        _, visible, per_tile = (int(x) for x in self.counters.cpu())
+        return per_tile / visible if visible else 1.0
 
 
 def index_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size=128,
@@ -128,13 +133,15 @@ def index_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ws, alpha=0.1, block_size=128,
-                sink=256, window=512, last_n=2, correction=True, block_table=None, seqused_k=None):
+                sink=256, window=512, last_n=2, correction=True, block_table=None, seqused_k=None, final_chunk=True,
+                union=False):
     """GPU index stage into `ws` (index_workspace) on torch's current stream; no synchronisation."""
     info = (ctypes.c_longlong * 12)()
     args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       block_table=block_table, seqused_k=seqused_k)
     _check(lib().sp_cuda_build_index, args + [float(alpha), int(block_size), int(sink), int(window), int(last_n),
-                                               int(bool(correction)), _ptr(ws), ws.numel(), info])
+                                               int(bool(correction)), int(bool(final_chunk)), int(bool(union)),
+                                               _ptr(ws), ws.numel(), info])
     hkv = k.shape[-2]
     return DeviceIndex(ws, list(info), cu_seqlens_q.numel() - 1, hkv, q.shape[2], q.dtype, bool(correction))
 

@@ -104,8 +104,11 @@ int guarded(char* err, int err_len, F&& f) {
   }
 }
 
-SelectionParams selection(float alpha, int block_size, int sink, int window, int last_n, int correction) {
+SelectionParams selection(float alpha, int block_size, int sink, int window, int last_n, int correction,
+                          int final_chunk = 1, int union_lists = 0) {
   SelectionParams s;
+  s.final_chunk = final_chunk != 0;
+  s.union_lists = union_lists != 0;
   s.alpha = alpha;
   s.block_size = block_size;
   s.sink = sink;
@@ -144,11 +147,13 @@ int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, long long* bytes, char* 
 // segment_start, segment_end, block_ids, cu_tiles, cu_blocks, k_mean_lowp, v_mean_lowp, counters (pointers), then
 // max_segments, capacity, max_blocks, block_size.
 int sp_cuda_build_index(SP_CALL_PARAMS, float alpha, int block_size, int sink, int window, int last_n, int correction,
-                        void* ws, long long ws_bytes, long long* info, char* err, int err_len) {
+                        int final_chunk, int union_lists, void* ws, long long ws_bytes, long long* info, char* err,
+                        int err_len) {
   return guarded(err, err_len, [&] {
     Call c = make_call(SP_CALL_ARGS);
-    const cuda::DeviceIndex d = cuda::build_index(c.in, c.p, selection(alpha, block_size, sink, window, last_n,
-                                                                       correction), ws, size_t(ws_bytes));
+    const cuda::DeviceIndex d = cuda::build_index(
+        c.in, c.p, selection(alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists), ws,
+        size_t(ws_bytes));
     const void* ptrs[8] = {d.segment_start, d.segment_end, d.block_ids, d.cu_tiles, d.cu_blocks, d.k_mean_lowp,
                            d.v_mean_lowp, d.counters};
     for (int i = 0; i < 8; ++i) info[i] = (long long)reinterpret_cast<uintptr_t>(ptrs[i]);

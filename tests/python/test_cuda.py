@@ -181,3 +181,43 @@ def test_sparse_unsupported_on_cuda_is_a_clear_error():
     index = sp.build_index(*cpu, mq, mk)
     with pytest.raises(NotImplementedError, match="causal"):
         sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)
+
+
+def test_union_mode_on_gpu_matches_cpu_union_of_the_gpu_index():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 300], [5000, 3000], 8, 2)   # chunks against long caches
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True)
+    ref = sp.union_index(tiles, *cpu, mq, mk)
+    assert union.mode == "union" and union.kept_blocks == ref.kept_blocks and union.density > tiles.density
+    for name in ("segment_start", "segment_end", "block_ids"):
+        np.testing.assert_array_equal(union.host[name], ref.host[name])
+    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False)
+    want = sp.sparse_attention(*cpu[:3], union, *cpu[3:], mq, mk)
+    torch.cuda.synchronize()
+    assert (got.float().cpu() - want.float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("union", [False, True])
+def test_chunked_prompt_alpha0_equals_dense(union):
+    """A 6000-token prompt in chunks of 2048 over a paged cache (page 64): each chunk's queries against the cache
+    so far; with alpha = 0 the concatenated outputs equal one-shot dense attention."""
+    rng = np.random.default_rng()
+    L, C, hq, hkv, ps = 6000, 2048, 8, 2, 64
+    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                     seed=int(rng.integers(1 << 30)))
+    bf = torch.bfloat16
+    qg, kg, vg = (_to(a, "cuda", bf) for a in (q, k, v))
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    dense = sp.attention(qg, kg, vg, cu, cu, L, L)
+    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
+    kc, vc, bt = _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda")
+    outs = []
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        cu_q = torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda")
+        used = torch.tensor([c1], dtype=torch.int32, device="cuda")
+        outs.append(sp.sparse_prefill(qg[c0:c1], kc, vc, cu_q, None, c1 - c0, c1, alpha=0.0, block_table=bt,
+                                      seqused_k=used, final_chunk=c1 == L, union=union))
+    torch.cuda.synchronize()
+    assert (torch.cat(outs).float() - dense.float()).abs().max().item() <= 1e-2

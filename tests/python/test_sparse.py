@@ -275,6 +275,31 @@ def test_union_index(batch):
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
 
 
+def test_build_index_union_mode_equals_union_index(batch):
+    index = sp.build_index(*args(batch), alpha=0.1, **SEL)
+    u = sp.build_index(*args(batch), alpha=0.1, **SEL, union=True)
+    ref = sp.union_index(index, *args(batch))
+    assert u.mode == "union" and u.density == ref.density and u.kept_blocks == ref.kept_blocks
+    for name in ("segment_start", "segment_end", "block_ids"):
+        np.testing.assert_array_equal(u.host[name], ref.host[name])
+    q, k, v, cu_q, cu_k = batch
+    out = sp.sparse_prefill(*args(batch), alpha=0.1, **SEL, union=True)
+    np.testing.assert_array_equal(out, sp.sparse_attention(q, k, v, ref, *args(batch)[3:]))
+
+
+def test_final_chunk_false_drops_the_dense_tail(batch):
+    q, k, v, cu_q, cu_k = batch
+    final = sp.build_index(*args(batch), alpha=1.0, **SEL)
+    mid = sp.build_index(*args(batch), alpha=1.0, **SEL, final_chunk=False)
+    no_tail = sp.build_index(*args(batch), alpha=1.0, **dict(SEL, last_n=0))
+    np.testing.assert_array_equal(mid.host["block_ids"], no_tail.host["block_ids"])
+    assert mid.kept_blocks < final.kept_blocks       # the last tiles of the 700-query sequence ran dense before
+    with pytest.raises(TypeError, match="final_chunk"):
+        sp.build_index(*args(batch), final_chunk="no")
+    with pytest.raises(TypeError, match="union"):
+        sp.sparse_prefill(*args(batch), union=1.5)
+
+
 def test_index_reused_across_array_libraries(batch):
     torch = pytest.importorskip("torch")
     q, k, v, cu_q, cu_k = batch

@@ -1,0 +1,164 @@
+"""Chunked-prefill benchmark on the GPU machine (issue 5): one step = C new queries per sequence (the last C positions
+of an L-token prompt, their K/V already in a paged cache, page 64) against the sequence's whole cache, causal.
+
+Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the topic workload (DESIGN.md):
+  dense_attn_ms     our dense paged kernel on the step;
+  tile_*            per-tile CSR (FlashPrefill V2 selection, correction on): select_ms (GPU index stage, pooling of
+                    the whole cache included: there is no pooled-means cache yet), attn_ms, density;
+  union_*           union lists per (sequence, KV head) (CompactAttention, correction off): select_ms (index stage +
+                    union kernel), attn_ms, density (after the union; union_tile_density before it);
+  mid_*             the same union step when the chunk does not end the prompt (final_chunk=False: no dense tail);
+  speedup_*         dense_attn_ms / (select_ms + attn_ms).
+Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
+Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
+Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8]"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import sp_cuda  # noqa: E402
+from bench_dense import commit, time_ms  # noqa: E402
+from bench_sparse import HQ, HKV, D, SEL, topic  # noqa: E402
+
+PAGE = 64
+
+
+class Cache:
+    """`batch` topic prompts of L tokens in a paged cache (pages of 64 tokens, randomly permuted)."""
+
+    def __init__(self, L, batch, dev="cuda"):
+        self.L, self.batch = L, batch
+        pages = L // PAGE
+        self.q, ks, vs = [], [], []
+        for b in range(batch):
+            q, k, v = topic(L, seed=b)
+            self.q.append(q)
+            ks.append(k.view(pages, PAGE, HKV, D))
+            vs.append(v.view(pages, PAGE, HKV, D))
+        perm = torch.randperm(batch * pages, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+        self.k = torch.empty(batch * pages, PAGE, HKV, D, dtype=torch.bfloat16, device=dev)
+        self.v = torch.empty_like(self.k)
+        self.k[perm] = torch.cat(ks)
+        self.v[perm] = torch.cat(vs)
+        self.block_table = perm.view(batch, pages).to(torch.int32).contiguous()
+        del ks, vs
+
+    def step(self, c0, c1):
+        """Inputs of the step whose queries are positions [c0, c1) of every prompt (cache filled up to c1)."""
+        dev = self.k.device
+        q = torch.cat([qb[c0:c1] for qb in self.q]).contiguous()
+        C = c1 - c0
+        cu_q = torch.arange(0, (self.batch + 1) * C, C, dtype=torch.int32, device=dev)
+        used = torch.full((self.batch,), c1, dtype=torch.int32, device=dev)
+        return q, cu_q, used, C, c1
+
+
+def measure_step(cache, c0, c1, final, modes=("tile", "union")):
+    q, cu_q, used, C, Lk = cache.step(c0, c1)
+    kw = dict(block_table=cache.block_table, seqused_k=used)
+    out = torch.empty_like(q)
+    row = dict(dense_attn_ms=time_ms(lambda: sp_cuda.attention(q, cache.k, cache.v, cu_q, None, C, Lk, out=out,
+                                                                 return_lse=False, **kw)))
+    ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw)
+    for mode in modes:
+        union = mode == "union"
+        sel = dict(SEL, correction=not union, final_chunk=final, union=union)
+        idx = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw)
+        torch.cuda.synchronize()
+        row[f"{mode}_density"] = idx.density()
+        if union:
+            row["union_tile_density"] = idx.tile_density()
+        row[f"{mode}_select_ms"] = time_ms(lambda: sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws,
+                                                                         **sel, **kw))
+        row[f"{mode}_attn_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C,
+                                                                            Lk, out=out, **kw))
+        row[f"{mode}_total_ms"] = row[f"{mode}_select_ms"] + row[f"{mode}_attn_ms"]
+        row[f"speedup_{mode}"] = row["dense_attn_ms"] / row[f"{mode}_total_ms"]
+        row[f"{mode}_select_share_of_dense"] = row[f"{mode}_select_ms"] / row["dense_attn_ms"]
+    del ws
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "chunked_h200.json"))
+    ap.add_argument("--contexts", default="32768,65536,131072")
+    ap.add_argument("--chunks", default="1024,4096,8192")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt", default="131072:8192", help="L:chunk of the whole-prompt rows ('' to skip)")
+    args = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    rows, prompts = [], []
+    for batch in ints(args.batches):
+        for L in ints(args.contexts):
+            cache = Cache(L, batch)
+            for C in ints(args.chunks):
+                row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
+                row.update(measure_step(cache, L - C, L, True))
+                mid = measure_step(cache, L - C, L, False, modes=("union",))
+                row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith("union")})
+                row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del cache
+            torch.cuda.empty_cache()
+    if args.prompt:
+        L, C = (int(x) for x in args.prompt.split(":"))
+        cache = Cache(L, 1)
+        tot = dict(L=L, chunk=C, batch=1, mode="whole prompt", dense_attn_ms=0.0, union_total_ms=0.0,
+                   union_attn_ms=0.0, tile_total_ms=0.0, tile_attn_ms=0.0, steps=0)
+        for c0 in range(0, L, C):
+            c1 = min(L, c0 + C)
+            r = measure_step(cache, c0, c1, c1 == L)
+            for key in ("dense_attn_ms", "union_total_ms", "union_attn_ms", "tile_total_ms", "tile_attn_ms"):
+                tot[key] += r[key]
+            tot["steps"] += 1
+        tot["attn_reduction_union"] = tot["dense_attn_ms"] / tot["union_attn_ms"]
+        tot["attn_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_attn_ms"]
+        tot["total_reduction_union"] = tot["dense_attn_ms"] / tot["union_total_ms"]
+        tot["total_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_total_ms"]
+        print(json.dumps(tot), flush=True)
+        prompts.append(tot)
+    res = dict(device=torch.cuda.get_device_name(), commit=commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+               workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
+               selection=SEL, torch=torch.__version__, rows=rows, prompts=prompts)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    try:
+        plot(res, os.path.splitext(args.out)[0] + ".png")
+    except Exception as e:  # noqa: BLE001
+        print("plot skipped:", repr(e))
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for batch in sorted({r["batch"] for r in res["rows"]}):
+        for mode in ("tile", "union"):
+            for C in sorted({r["chunk"] for r in res["rows"]}):
+                rs = [r for r in res["rows"] if r["batch"] == batch and r["chunk"] == C]
+                ax.plot([r["L"] for r in rs], [r[f"speedup_{mode}"] for r in rs], marker="o",
+                        ls="-" if mode == "union" else "--", label=f"{mode}, chunk {C}, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context L")
+    ax.set_ylabel("dense paged step / (select + sparse attn)")
+    ax.set_title("last chunk of an L-token prompt, topic workload")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
