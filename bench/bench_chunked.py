@@ -96,6 +96,17 @@ def main():
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     rows, prompts = [], []
+
+    def save():  # after every row: a run cut short by the 10-minute limit still leaves its rows
+        res = dict(device=torch.cuda.get_device_name(), commit=commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                   workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
+                   selection=SEL, torch=torch.__version__, rows=rows, prompts=prompts)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return res
     for batch in ints(args.batches):
         for L in ints(args.contexts):
             cache = Cache(L, batch)
@@ -107,6 +118,7 @@ def main():
                 row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                save()
             del cache
             torch.cuda.empty_cache()
     if args.prompt:
@@ -126,14 +138,7 @@ def main():
         tot["total_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_total_ms"]
         print(json.dumps(tot), flush=True)
         prompts.append(tot)
-    res = dict(device=torch.cuda.get_device_name(), commit=commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
-               selection=SEL, torch=torch.__version__, rows=rows, prompts=prompts)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    res = save()
     try:
         plot(res, os.path.splitext(args.out)[0] + ".png")
     except Exception as e:  # noqa: BLE001
