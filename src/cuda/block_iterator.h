@@ -116,6 +116,7 @@ struct SparseBlockIterator {
   int n_chunks = 0;              // correction chunks: ceil(n_prunable / kBlockN) with correction, else 0
   int n_todo_low = 0;            // set bits of todo_low
   uint64_t todo_low = 0;         // bit c (c < 64): chunk c holds a prunable block that is not listed
+  int i_begin = 0, n_steps = -1; // split-KV: this work unit runs steps [i_begin, i_begin + n_steps) (-1: all)
 
   SP_HOST_DEVICE static int load_id(const int32_t* p) {
 #if defined(__CUDA_ARCH__)
@@ -171,11 +172,20 @@ struct SparseBlockIterator {
     return it;
   }
 
-  SP_HOST_DEVICE int count() const { return n_real + n_todo_low + sp_max(0, n_chunks - 64); }
-  SP_HOST_DEVICE bool is_corr(int i) const { return i >= n_real; }
+  // Every step of the tile; count() is this work unit's share (split-KV: a contiguous range, see split()).
+  SP_HOST_DEVICE int total() const { return n_real + n_todo_low + sp_max(0, n_chunks - 64); }
+  SP_HOST_DEVICE int count() const { return n_steps < 0 ? total() : n_steps; }
+  SP_HOST_DEVICE void split(int s, int num_splits) {
+    const int n = total();
+    i_begin = int(int64_t(n) * s / num_splits);
+    n_steps = int(int64_t(n) * (s + 1) / num_splits) - i_begin;
+  }
+  // Local step i of this unit -> step of the tile.
+  SP_HOST_DEVICE bool is_corr(int i) const { return i + i_begin >= n_real; }
 
   // Key block (kBlockN keys) of real step i; -1 for an id outside the sequence.
   SP_HOST_DEVICE int block(int i) const {
+    i += i_begin;
     const int J = load_id(ids + (n_listed - 1 - i / ratio));
     const int n = J * ratio + (ratio - 1 - i % ratio);
     return (J < 0 || n * kBlockN >= k_len) ? -1 : n;
@@ -183,7 +193,7 @@ struct SparseBlockIterator {
 
   // Chunk of correction step i: the k-th chunk with work, k = i - n_real.
   SP_HOST_DEVICE int chunk(int i) const {
-    int k = i - n_real;
+    int k = i + i_begin - n_real;
     if (k >= n_todo_low) return 64 + (k - n_todo_low);
 #if defined(__CUDA_ARCH__)
     // No loop: the producer thread runs with 24 registers (setmaxnreg), an unrolled bit scan would spill.

@@ -48,7 +48,14 @@ struct SparseFwdArgs {
                                          // (zeroed on the stream before each launch); null: one CTA per tile
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
   bool correction = true;
+  // Split-KV: each tile's steps in num_splits contiguous parts, float32 partials combined by run_split_combine.
+  int num_splits = 1;
+  float* o_partial = nullptr;            // [num_splits, total_q, Hq, D]
+  float* lse_partial = nullptr;          // [num_splits, Hq, total_q]
 };
+
+// out (and lse) from the split partials of a sparse launch (split_combine.cu).
+void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf16);
 
 // One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.
 void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);

@@ -54,6 +54,12 @@ struct FwdParams {
   const int32_t* cu_tiles;                // [B+1] tiles per sequence, prefix-summed
   const int32_t* cu_blocks;               // [B+1] pooled blocks per sequence, prefix-summed
   int* tile_counter;                      // sparse persistent: dynamic scheduler counter, zero at launch
+  // Split-KV (num_splits > 1): work unit u = tile u / num_splits, split u % num_splits (a contiguous range of the
+  // tile's steps); it writes its normalised O (float32 [num_splits, total_q, Hq, D]) and LSE ([num_splits, Hq,
+  // total_q]) for split_combine instead of out / lse.
+  int num_splits;
+  float* o_partial;
+  float* lse_partial;
   int block_size, correction;
   int mean_rows;                          // rows of the pooled-means tensors (TMA zero-fills beyond)
   float corr_bias_full;                   // log2(block_size) / scale_log2: log|B_J| in raw logit units
@@ -141,6 +147,7 @@ struct TileWork {
   Iterator iter;
   SeqSpan seq;
   int batch, kv_head;
+  int split;     // sparse split-KV: which part of the tile's steps this unit runs
   int q_head;    // dense: the tile's query head
   int row0;      // sparse: first packed row (tile * 128); dense: first query row (m_block * 128)
   bool valid;    // false: the tile lies beyond its sequence
@@ -150,7 +157,8 @@ template <class Config, bool kSparse, class Iterator>
 __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const& params, int t) {
   TileWork<Iterator> w;
   if constexpr (kSparse) {
-    const SparseTileCoord c = sparse_tile_coord(t, params.num_kv_heads, params.num_m_blocks);
+    w.split = t % params.num_splits;
+    const SparseTileCoord c = sparse_tile_coord(t / params.num_splits, params.num_kv_heads, params.num_m_blocks);
     w.batch = c.batch;
     w.kv_head = c.kv_head;
     w.q_head = c.kv_head * params.group_size;
@@ -164,6 +172,7 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     const int lo = params.seg_start[seg];
     w.iter = Iterator::make(params.block_ids + lo, params.seg_end[seg] - lo, w.row0 / params.group_size,
                             w.seq.q_len, w.seq.k_len, params.block_size, params.correction != 0);
+    if (params.num_splits > 1) w.iter.split(w.split, params.num_splits);
   } else {
     const TileCoord c = tile_coord(t, params.num_q_heads, params.num_m_blocks);
     w.batch = c.batch;
@@ -433,6 +442,25 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
              int64_t(seq.q_start + row_pos(row)) * params.lse_row_stride;
     };
 
+    // Split-KV partial outputs of this unit's rows.
+    auto partial_o = [&](int row) -> float* {
+      return params.o_partial + ((int64_t(work.split) * params.total_q + seq.q_start + row_pos(row)) *
+                                     params.num_q_heads + row_head(row)) * kHeadDim;
+    };
+    auto partial_lse = [&](int row) -> float* {
+      return params.lse_partial + (int64_t(work.split) * params.num_q_heads + row_head(row)) * params.total_q +
+             seq.q_start + row_pos(row);
+    };
+    const bool split_out = kSparse && params.o_partial != nullptr;
+
+    if (n_count == 0 && split_out) {  // an empty share of the tile's steps: O = 0, lse = -inf
+      for (int idx = mma_tidx; idx < kBlockM * (kHeadDim / 4); idx += Config::kNumMmaThreads) {
+        const int row = idx / (kHeadDim / 4), ch = idx % (kHeadDim / 4);
+        if (row < tile_rows) *reinterpret_cast<float4*>(partial_o(row) + ch * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      if (mma_tidx < kBlockM && mma_tidx < tile_rows) *partial_lse(mma_tidx) = -INFINITY;
+      continue;
+    }
     if (n_count == 0) {  // no visible key for any row of the tile: O = 0, lse = -inf
       constexpr int kChunks = kHeadDim / 8;
       for (int idx = mma_tidx; idx < kBlockM * kChunks; idx += Config::kNumMmaThreads) {
@@ -684,6 +712,19 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
 
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+    if (split_out) {  // float32 partial O and LSE straight from registers (column pairs are adjacent: 8-byte stores)
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cO_rc(r, 0));
+        if (row >= tile_rows) continue;
+        float* dst = partial_o(row);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(O_rc); c += 2)
+          *reinterpret_cast<float2*>(dst + get<1>(cO_rc(r, c))) = make_float2(O_rc(r, c), O_rc(r, c + 1));
+        if ((mma_tidx % 4) == 0) *partial_lse(row) = lse[r];
+      }
+      continue;
+    }
     if (params.lse != nullptr && (mma_tidx % 4) == 0) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {

@@ -89,6 +89,8 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.group_size = a.num_q_heads / a.num_kv_heads;
   p.page_size = a.page_size;
   p.num_m_blocks = (a.max_seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+  p.num_splits = 1;
+  p.o_partial = p.lse_partial = nullptr;
   p.softmax_scale = a.softmax_scale;
   p.scale_log2 = a.softmax_scale * float(M_LOG2E);
   p.window_left = a.window_left;
@@ -119,6 +121,10 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     p.correction = have_means ? 1 : 0;
     p.corr_bias_full = std::log2(float(sparse->block_size)) / p.scale_log2;
     p.tile_counter = sparse->tile_counter;
+    p.num_splits = std::max(1, sparse->num_splits);
+    p.o_partial = p.num_splits > 1 ? sparse->o_partial : nullptr;
+    p.lse_partial = sparse->lse_partial;
+    num_tiles *= p.num_splits;
   }
   if (p.num_m_blocks == 0) return;
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "api/validate.h"
 #include "cuda/index_stage.h"
@@ -116,6 +117,77 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_h
     v_mean[o] = vs * inv;
     k_mean_lowp[o] = from_float<T>(ks * inv);
     v_mean_lowp[o] = from_float<T>(vs * inv);
+  }
+}
+
+// The same pooling with 16-byte loads (K/V rows 16-byte aligned): thread (v, g) of 128 sums dims [8v, 8v + 8) over
+// the keys j = g, g + G, ... of the block (G = 128 / (D / 8) key groups), so each thread has 2 * block/G independent
+// 16-byte loads in flight instead of 2 * block dependent 2-byte ones; the G partial sums meet in shared memory.
+// Measured need: chunked prefill re-pools the whole cache every step (4.3 GB for 8 x 128K at Hkv 8), where the
+// scalar kernel reached ~1 TB/s.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads,
+                                                       const int32_t* cu_blocks, float* k_mean, float* v_mean,
+                                                       T* k_mean_lowp, T* v_mean_lowp) {
+  constexpr int kVec = D / 8, kGroups = 128 / kVec;
+  __shared__ float part[2][kGroups][D];
+  const int64_t idx = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;
+  if (idx >= cu_blocks[seq.batch]) {
+    for (int d = threadIdx.x; d < D; d += 128) {
+      const int64_t o = (idx * num_kv_heads + kvh) * D + d;
+      k_mean_lowp[o] = from_float<T>(0.f);
+      v_mean_lowp[o] = from_float<T>(0.f);
+    }
+    return;
+  }
+  const int b = find_sequence(cu_blocks, seq.batch, idx);
+  const int64_t J = idx - cu_blocks[b];
+  const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
+  const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
+  float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int64_t j = lo + grp; j < hi; j += kGroups) {
+    int64_t ko, vo;
+    if (kv.block_table) {
+      const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+      const int64_t slot = j % kv.page_size;
+      ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
+      vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
+    } else {
+      ko = (k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
+      vo = (k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
+    }
+    const uint4 kr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.k) + ko + v * 8));
+    const uint4 vr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.v) + vo + v * 8));
+    const T* ke = reinterpret_cast<const T*>(&kr);
+    const T* ve = reinterpret_cast<const T*>(&vr);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      ks[e] += to_float(ke[e]);
+      vs[e] += to_float(ve[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    part[0][grp][v * 8 + e] = ks[e];
+    part[1][grp][v * 8 + e] = vs[e];
+  }
+  __syncthreads();
+  const float inv = 1.f / float(hi - lo);
+  for (int d = threadIdx.x; d < D; d += 128) {
+    float kt = 0.f, vt = 0.f;
+#pragma unroll
+    for (int g2 = 0; g2 < kGroups; ++g2) {
+      kt += part[0][g2][d];
+      vt += part[1][g2][d];
+    }
+    const int64_t o = (idx * num_kv_heads + kvh) * D + d;
+    k_mean[o] = kt * inv;
+    v_mean[o] = vt * inv;
+    k_mean_lowp[o] = from_float<T>(kt * inv);
+    v_mean_lowp[o] = from_float<T>(vt * inv);
   }
 }
 
@@ -595,7 +667,26 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     kv.bt_stride1 = in.block_table->stride[1];
     kv.page_size = p.page_size;
   }
-  if (bd.max_blocks > 0) {
+  // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
+  bool vec_ok = (reinterpret_cast<uintptr_t>(in.k.data) % 16 == 0) && (reinterpret_cast<uintptr_t>(in.v.data) % 16 == 0);
+  for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && in.k.stride[i] % 8 == 0 && in.v.stride[i] % 8 == 0;
+  if (bd.max_blocks > 0 && vec_ok) {
+    const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
+    auto launch = [&](auto tag, auto dim) {
+      using T = decltype(tag);
+      pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(
+          seq, kv, params.block_size, p.num_kv_heads, d.cu_blocks, d.k_mean, d.v_mean,
+          static_cast<T*>(d.k_mean_lowp), static_cast<T*>(d.v_mean_lowp));
+    };
+    using D64 = std::integral_constant<int, 64>;
+    using D128 = std::integral_constant<int, 128>;
+    if (p.dtype == DType::kBFloat16) {
+      p.head_dim == 128 ? launch(__nv_bfloat16{}, D128{}) : launch(__nv_bfloat16{}, D64{});
+    } else {
+      p.head_dim == 128 ? launch(__half{}, D128{}) : launch(__half{}, D64{});
+    }
+    check_cuda(cudaGetLastError(), "pool_vec_kernel launch");
+  } else if (bd.max_blocks > 0) {
     const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
     const int threads = std::min(p.head_dim, kPoolThreadsMax);
     if (p.dtype == DType::kBFloat16) {

@@ -47,6 +47,22 @@ long check_sparse(long& checked) {
                 if (first_hi >= 0 && last_key <= first_hi && !listed.count(J)) expect.insert(J);
               }
               std::set<int> keys_real;  // kernel blocks visited by real steps
+              // Split-KV: the units' ranges tile [0, total) in order.
+              for (int S : {1, 3, 8}) {
+                int next = 0;
+                for (int sp = 0; sp < S; ++sp) {
+                  It u = it;
+                  u.split(sp, S);
+                  if (u.i_begin != next || u.count() < 0) ++failures;
+                  next = u.i_begin + u.count();
+                  for (int i = 0; i < u.count(); ++i)
+                    if (u.is_corr(i) != it.is_corr(u.i_begin + i) ||
+                        (!u.is_corr(i) && u.block(i) != it.block(u.i_begin + i)) ||
+                        (u.is_corr(i) && u.chunk(i) != it.chunk(u.i_begin + i)))
+                      ++failures;
+                }
+                if (next != it.total()) ++failures;
+              }
               int cursor = 0;
               for (int i = 0; i < it.count(); ++i) {
                 ++checked;
