@@ -7,7 +7,8 @@ Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the top
                     the whole cache included: there is no pooled-means cache yet), attn_ms, density;
   union_*           union lists per (sequence, KV head) (CompactAttention, correction off): select_ms (index stage +
                     union kernel), attn_ms, density (after the union; union_tile_density before it);
-  mid_*             the same union step when the chunk does not end the prompt (final_chunk=False: no dense tail);
+  mid_*             the same step when the chunk does not end the prompt (final_chunk=False: no dense tail), both
+                    modes;
   speedup_*         dense_attn_ms / (select_ms + attn_ms).
 Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
 Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
@@ -113,8 +114,8 @@ def main():
             for C in ints(args.chunks):
                 row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
                 row.update(measure_step(cache, L - C, L, True))
-                mid = measure_step(cache, L - C, L, False, modes=("union",))
-                row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith("union")})
+                mid = measure_step(cache, L - C, L, False)
+                row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith(("union", "tile", "speedup"))})
                 row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
-#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|ab|bench|chunked|ncu|sanitize] [bench_sparse.py args...]
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|final|ab|bench|chunked|ncu|sanitize] [bench_sparse.py args...]
 # check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
 #   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
+# final: the Python CUDA suite, both benchmarks and the sanitizers (one call).
 # ab: quick benchmark with SP_SPARSE_PERSISTENT=1 and =0.
 # bench: the full sparse benchmark (bench/bench_sparse.py, extra args passed on).
 # chunked: the chunked-prefill benchmark (bench/bench_chunked.py, extra args passed on).
@@ -11,7 +12,7 @@
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|ab|bench|chunked|ncu|sanitize] [args...]}"
+OUT="${1:?usage: gpu_sparse.sh OUT_DIR [check|final|ab|bench|chunked|ncu|sanitize] [args...]}"
 PHASE="${2:-check}"
 shift; shift || true
 mkdir -p "$OUT"
@@ -47,6 +48,21 @@ case "$PHASE" in
     step quick sparse benchmark
     timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_quick.json" --lengths 8192,32768,131072 --no-sweep \
       --no-accuracy --no-flex "$@" 2>&1 | tail -8
+    ;;
+  final)
+    step python CUDA suite
+    timeout 200 python3 -m pytest -q tests/python/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1; echo "rc=$?"
+    tail -n 3 "$OUT/pytest_cuda.log"
+    step sparse benchmark
+    timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_h200.json" > "$OUT/bench.log" 2>&1; echo "rc=$?"
+    step chunked-prefill benchmark
+    timeout 250 python3 bench/bench_chunked.py --out "$OUT/chunked_h200.json" > "$OUT/chunked.log" 2>&1; echo "rc=$?"
+    for tool in memcheck racecheck; do
+      step "$tool"
+      timeout 60 compute-sanitizer --tool "$tool" --kernel-name kns=fwd_kernel python3 -m pytest -q -x \
+        tests/python/test_cuda.py -k "sparse and not paged" > "$OUT/${tool}_sparse.log" 2>&1
+      tail -n 2 "$OUT/${tool}_sparse.log"
+    done
     ;;
   ab)
     step "A/B: sparse persistent (default) vs one CTA per tile"

@@ -144,7 +144,8 @@ def test_sparse_alpha0_equals_dense_kernel():
     for correction in (True, False):
         out, lse = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, correction=correction, return_lse=True)
         torch.cuda.synchronize()
-        assert (out.float() - dense.float()).abs().max().item() <= 1e-2   # same math, other tile shapes
+        # Same math, other tile shapes and (split-KV) a float32 combine before the one rounding: 2 bf16 ulps.
+        torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
         assert (lse - dense_lse).abs().max().item() <= 1e-3
 
 
