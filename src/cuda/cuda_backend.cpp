@@ -152,17 +152,19 @@ int sm_count() {
   return n;
 }
 
-// Split-KV factor of a sparse launch. Few tiles (chunked prefill: C queries x g heads / 128 per KV head) with very
-// uneven work (the final chunk's last_n tiles see every block) leave most SMs idle, so each tile's steps are cut into
-// S parts when the grid has fewer than 8 units per SM: S = ceil(8 * SMs / tiles), at most 16. Measured before
-// splitting, 128K, chunk 1024, batch 1: 2.46 ms of attention, of which the 16 dense tail tiles were the critical
-// path. SP_SPARSE_SPLITS=<n> in the environment forces n (A/B runs).
+// Split-KV factor of a sparse launch. A chunk against a long cache (max_seqlen_k >= 4 * max_seqlen_q) has few tiles
+// (C queries x g heads / 128 per KV head) with very uneven work (the final chunk's last_n tiles see every block),
+// so each tile's steps are cut into S = ceil(8 * SMs / tiles) parts (at most 16) when that is above 1. Measured on
+// the H200 (bench/NOTES_sparse.md), 128K: chunk 1024 batch 1 attention 2.46 ms -> 0.94 ms (S = 5), chunk 4096
+// 2.47 -> 1.80 ms (S = 2). One-shot prefill is not split: at 4K (1024 tiles, S = 2) the float32 partials and the
+// combine doubled the attention time (0.26 -> 0.55 ms). SP_SPARSE_SPLITS=<n> in the environment forces n.
 int choose_splits(const AttentionInputs& in, const Problem& p) {
   static const int forced = [] {
     const char* e = std::getenv("SP_SPARSE_SPLITS");
     return e ? std::atoi(e) : 0;
   }();
   if (forced > 0) return std::min(forced, 32);
+  if (in.max_seqlen_k < 4 * in.max_seqlen_q) return 1;
   const int64_t tiles =
       int64_t(p.num_kv_heads) * p.batch * ((int64_t(in.max_seqlen_q) * p.group_size + kTileRows - 1) / kTileRows);
   if (tiles <= 0) return 1;

@@ -230,4 +230,5 @@ def test_chunked_prompt_alpha0_equals_dense(union):
         outs.append(sp.sparse_prefill(qg[c0:c1], kc, vc, cu_q, None, c1 - c0, c1, alpha=0.0, block_table=bt,
                                       seqused_k=used, final_chunk=c1 == L, union=union))
     torch.cuda.synchronize()
-    assert (torch.cat(outs).float() - dense.float()).abs().max().item() <= 1e-2
+    # Chunks are split-KV launches (float32 combine, one rounding): within 2 bf16 ulps of the dense kernel.
+    torch.testing.assert_close(torch.cat(outs).float(), dense.float(), atol=1e-2, rtol=2 ** -7)
