@@ -149,11 +149,14 @@ def paged_rows(hq, hkv, d, dev, g, paged_lengths):
 
 
 def commit():
+    """SP_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001
-        return os.environ.get("SP_COMMIT", "unknown")
+        return "unknown"
 
 
 def main():
