@@ -10,6 +10,8 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
                            alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=True)
     out = sp.sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
+    out = sp.chunked_prefill(q_chunk, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk,
+                             max_cache, final_chunk=False)                              # one chunked-prefill step
     q, k, v = sp.workload.topic(8192, num_q_heads=32, num_kv_heads=8, head_dim=128, seed=0)
 
 CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
@@ -17,7 +19,8 @@ NotImplementedError). See sparse_prefill._api for shapes, masking and error conv
 """
 
 from . import _C
-from ._api import Index, attention, build_index, pool_kv, sparse_attention, sparse_prefill, union_index
+from ._api import (Index, attention, build_index, chunked_prefill, pool_kv, sparse_attention, sparse_prefill,
+                   union_index)
 from . import workload
 
 with_cuda: bool = bool(_C.with_cuda)
@@ -25,5 +28,5 @@ with_cuda: bool = bool(_C.with_cuda)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "union_index", "pool_kv", "Index",
-           "workload", "with_cuda", "__version__"]
+__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "union_index", "pool_kv",
+           "Index", "workload", "with_cuda", "__version__"]

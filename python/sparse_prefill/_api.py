@@ -33,7 +33,8 @@ import numpy as np
 from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
 
-__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "union_index", "pool_kv", "Index"]
+__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "union_index",
+           "pool_kv", "Index"]
 
 _TILE_ROWS = int(_C.tile_rows)
 
@@ -420,6 +421,50 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     if not _as_bool("return_index", return_index):
         return res
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
+
+
+def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+                    *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
+                    sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
+                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None):
+    """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
+    be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
+
+    final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles run
+    dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. union: one block list per
+    (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
+    measured faster or equal on every shape of bench/results/chunked_h200.json, hence the default). correction
+    defaults to True for per-tile lists and False for unions. Everything else is sparse_prefill()'s.
+
+    Checks beyond attention()'s: for host arrays, every chunk fits in its cache (chunk length <= seqused_k[b]) and
+    max_seqlen_k bounds the cache lengths. Device arrays are trusted, as cu_seqlens are (reading them would
+    synchronise).
+    """
+    final_chunk = _as_bool("final_chunk", final_chunk)
+    union = _as_bool("union", union)
+    correction = (not union) if correction is None else _as_bool("correction", correction)
+    if block_table is None or seqused_k is None:
+        raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
+    call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k), out)
+    if not call.lib.cuda:
+        cu = to_numpy(cu_seqlens_q).astype(np.int64).reshape(-1)
+        used = to_numpy(seqused_k).astype(np.int64).reshape(-1)
+        if cu.shape[0] == used.shape[0] + 1:
+            chunk = np.diff(cu)
+            short = np.nonzero(chunk > used)[0]
+            if short.size:
+                b = int(short[0])
+                raise ValueError(f"seqused_k: sequence {b} holds {int(used[b])} tokens, fewer than its chunk of "
+                                 f"{int(chunk[b])} queries (append the chunk's K/V to the cache first)")
+            if used.size and int(used.max()) > _as_int("max_seqlen_k", max_seqlen_k):
+                raise ValueError(f"max_seqlen_k: {int(max_seqlen_k)} is below the longest cache "
+                                 f"(seqused_k has {int(used.max())})")
+    return sparse_prefill(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha=alpha,
+                          block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
+                          causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
+                          block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
+                          union=union)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -300,6 +300,44 @@ def test_final_chunk_false_drops_the_dense_tail(batch):
         sp.sparse_prefill(*args(batch), union=1.5)
 
 
+def _paged_chunk(rng, L=900, C=300, page=64):
+    """The last C queries of an L-token topic prompt and its whole K/V in a paged cache (pages shuffled)."""
+    q, k, v, cu_q, cu_k = topic_batch([C], [L])
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, page)
+    return q, kc, vc, cu_q, bt, used, C, L
+
+
+def test_chunked_prefill_step(rng):
+    q, kc, vc, cu_q, bt, used, C, L = _paged_chunk(rng)
+    for final in (True, False):
+        for union in (False, True):
+            got = sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L, final_chunk=final, union=union, **SEL)
+            want = sp.sparse_prefill(q, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used, final_chunk=final,
+                                     union=union, correction=not union, **SEL)
+            np.testing.assert_array_equal(got, want)
+    dense = sp.attention(q, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used)
+    np.testing.assert_allclose(sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L, final_chunk=False, alpha=0.0,
+                                                  **SEL), dense, atol=2e-5, rtol=0)
+
+
+def test_chunked_prefill_bad_input(rng):
+    q, kc, vc, cu_q, bt, used, C, L = _paged_chunk(rng)
+    with pytest.raises(TypeError, match="final_chunk"):
+        sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L)   # final_chunk is required
+    with pytest.raises(ValueError, match="^seqused_k: sequence 0 holds 200 tokens, fewer than its chunk of 300"):
+        sp.chunked_prefill(q, kc, vc, cu_q, bt, np.array([200], np.int32), C, L, final_chunk=True)
+    with pytest.raises(ValueError, match="^max_seqlen_k"):
+        sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L - 1, final_chunk=True)
+    with pytest.raises(ValueError, match="^block_table"):
+        sp.chunked_prefill(q, kc, vc, cu_q, None, used, C, L, final_chunk=True)
+    bad = bt.copy()
+    bad[0, 0] = kc.shape[0] + 5                                  # a page id past the cache
+    with pytest.raises(ValueError, match="^block_table"):
+        sp.chunked_prefill(q, kc, vc, cu_q, bad, used, C, L, final_chunk=True)
+    with pytest.raises(ValueError, match="^cu_seqlens_q"):      # lengths that do not match q
+        sp.chunked_prefill(q, kc, vc, np.array([0, C - 1], np.int32), bt, used, C, L, final_chunk=True)
+
+
 def test_index_reused_across_array_libraries(batch):
     torch = pytest.importorskip("torch")
     q, k, v, cu_q, cu_k = batch
