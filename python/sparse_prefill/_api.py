@@ -365,7 +365,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
-    d = _C.build_index(inputs, *sel)
+    d = _C.build_index(inputs, sel)
     return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union" if sel[-1] else "tile")
 
 
@@ -409,7 +409,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
-        _C.sparse_prefill(inputs, *sel, out_c, lse)
+        _C.sparse_prefill(inputs, sel, out_c, lse)
         return call.result(out_c, lse, out_ret, return_lse)
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,

@@ -178,6 +178,21 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
   return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape, owner));
 }
 
+// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists), checked by _api._selection_args.
+sp::SelectionParams selection_params(nb::tuple t) {
+  if (nb::len(t) != 8) throw nb::value_error("internal: the selection tuple must have 8 entries");
+  sp::SelectionParams p;
+  p.alpha = nb::cast<float>(t[0]);
+  p.block_size = nb::cast<int>(t[1]);
+  p.sink = nb::cast<int>(t[2]);
+  p.window = nb::cast<int>(t[3]);
+  p.last_n = nb::cast<int>(t[4]);
+  p.correction = nb::cast<bool>(t[5]);
+  p.final_chunk = nb::cast<bool>(t[6]);
+  p.union_lists = nb::cast<bool>(t[7]);
+  return p;
+}
+
 nb::dict index_to_dict(sp::BlockIndex&& idx) {
   const int64_t head_dim = idx.head_dim;
   nb::dict d;
@@ -349,19 +364,10 @@ NB_MODULE(_C, m) {
         nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none());
 
   m.def("build_index",
-        [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction,
-           bool final_chunk, bool union_lists) {
+        [](nb::tuple inputs, nb::tuple selection) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
-          sp::SelectionParams p;
-          p.alpha = alpha;
-          p.block_size = block_size;
-          p.sink = sink;
-          p.window = window;
-          p.last_n = last_n;
-          p.correction = correction;
-          p.final_chunk = final_chunk;
-          p.union_lists = union_lists;
+          const sp::SelectionParams p = selection_params(selection);
           sp::BlockIndex idx;
           {
             nb::gil_scoped_release release;
@@ -369,8 +375,7 @@ NB_MODULE(_C, m) {
           }
           return index_to_dict(std::move(idx));
         },
-        nb::arg("inputs"), nb::arg("alpha"), nb::arg("block_size"), nb::arg("sink"), nb::arg("window"),
-        nb::arg("last_n"), nb::arg("correction"), nb::arg("final_chunk"), nb::arg("union_lists"));
+        nb::arg("inputs"), nb::arg("selection"));
 
   m.def("sparse_attention",
         [](nb::tuple inputs, nb::tuple index, nb::handle out, nb::handle lse) {
@@ -384,26 +389,15 @@ NB_MODULE(_C, m) {
         nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none());
 
   m.def("sparse_prefill",
-        [](nb::tuple inputs, float alpha, int block_size, int sink, int window, int last_n, bool correction,
-           bool final_chunk, bool union_lists, nb::handle out, nb::handle lse) {
+        [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
-          sp::SelectionParams p;
-          p.alpha = alpha;
-          p.block_size = block_size;
-          p.sink = sink;
-          p.window = window;
-          p.last_n = last_n;
-          p.correction = correction;
-          p.final_chunk = final_chunk;
-          p.union_lists = union_lists;
+          const sp::SelectionParams p = selection_params(selection);
           nb::gil_scoped_release release;
           sp::sparse_prefill(in, p, outs);
         },
-        nb::arg("inputs"), nb::arg("alpha"), nb::arg("block_size"), nb::arg("sink"), nb::arg("window"),
-        nb::arg("last_n"), nb::arg("correction"), nb::arg("final_chunk"), nb::arg("union_lists"), nb::arg("out"),
-        nb::arg("lse").none());
+        nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none());
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
   //         k_mean, v_mean, kept_blocks, visible_blocks), arrays as host numpy arrays.
