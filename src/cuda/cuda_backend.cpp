@@ -141,17 +141,6 @@ const int32_t* int_ptr(const TensorView& t, const char* name) {
   return t.ptr<const int32_t>();
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, count = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) !=
-                                                   cudaSuccess)
-      return 132;
-    return count > 0 ? count : 132;
-  }();
-  return n;
-}
-
 // Split-KV factor of a sparse launch. A chunk against a long cache (max_seqlen_k >= 4 * max_seqlen_q) has few tiles
 // (C queries x g heads / 128 per KV head) with very uneven work (the final chunk's last_n tiles see every block),
 // so each tile's steps are cut into S = ceil(8 * SMs / tiles) parts (at most 16) when that is above 1. Measured on
@@ -168,7 +157,7 @@ int choose_splits(const AttentionInputs& in, const Problem& p) {
   const int64_t tiles =
       int64_t(p.num_kv_heads) * p.batch * ((int64_t(in.max_seqlen_q) * p.group_size + kTileRows - 1) / kTileRows);
   if (tiles <= 0) return 1;
-  const int64_t want = (int64_t(8) * sm_count() + tiles - 1) / tiles;
+  const int64_t want = (int64_t(8) * num_sms() + tiles - 1) / tiles;
   return int(std::max<int64_t>(1, std::min<int64_t>(16, want)));
 }
 
@@ -186,16 +175,8 @@ void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, S
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
 }
 
-}  // namespace
-
-void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  run(make_fwd_args(in, outs, p), p, nullptr);
-}
-
-void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
-                      const DeviceIndex& index) {
-  check_sparse_supported(in, index.block_size);
-  const FwdArgs a = make_fwd_args(in, outs, p);
+// The kernel's view of an index built on the GPU.
+SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   SparseFwdArgs s;
   s.segment_start = index.segment_start;
   s.segment_end = index.segment_end;
@@ -208,7 +189,31 @@ void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, c
   s.tile_counter = index.tile_counter;
   s.block_size = index.block_size;
   s.correction = index.correction;
-  run_sparse(in, a, p, s);
+  return s;
+}
+
+}  // namespace
+
+int num_sms() {
+  static int cache[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cache[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = n > 0 ? n : 132;
+  }
+  return cache[dev];
+}
+
+void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
+  run(make_fwd_args(in, outs, p), p, nullptr);
+}
+
+void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
+                      const DeviceIndex& index) {
+  check_sparse_supported(in, index.block_size);
+  run_sparse(in, make_fwd_args(in, outs, p), p, sparse_args_of(index));
 }
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
@@ -241,12 +246,11 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const Problem& p) {
   check_sparse_supported(in, params.block_size);
-  make_fwd_args(in, outs, p);  // the kernel's own checks, before any launch
+  const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   const size_t bytes = index_workspace_bytes(in, p, params);
   StreamBuffer ws(bytes, stream);
-  const DeviceIndex index = build_index(in, p, params, ws.ptr, bytes);
-  sparse_attention(in, outs, p, index);
+  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes)));
 }
 
 }  // namespace sparse_prefill::cuda

@@ -54,6 +54,10 @@ struct SparseFwdArgs {
   float* lse_partial = nullptr;          // [num_splits, Hq, total_q]
 };
 
+// Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device
+// (cuda_backend.cpp).
+int num_sms();
+
 // out (and lse) from the split partials of a sparse launch (split_combine.cu).
 void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf16);
 

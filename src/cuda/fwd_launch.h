@@ -24,18 +24,6 @@ inline bool sparse_persistent() {
   return on;
 }
 
-// Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device.
-inline int num_sms() {
-  static int cache[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  if (cache[dev] == 0) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cache[dev] = n > 0 ? n : 132;
-  }
-  return cache[dev];
-}
 
 // Dense (sparse == nullptr) or block-sparse launch.
 template <class Element, int kHeadDim>
@@ -130,9 +118,9 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_tiles = int(num_tiles);
 
-  // Dense: one CTA per tile by default (-DSP_PERSISTENT=1 builds the persistent variant). Sparse: persistent by
-  // default (a tile holds only a few blocks, so overlapping one tile's epilogue with the next one's loads matters);
-  // SP_SPARSE_PERSISTENT=0 in the environment selects one CTA per tile (A/B runs).
+  // Dense: one CTA per tile by default (-DSP_PERSISTENT=1 builds the persistent variant). Sparse: persistent with
+  // the dynamic scheduler by default; it ties one CTA per tile on the H200 (128K: 6.64 vs 6.49 ms, NOTES_sparse.md)
+  // and is the base for overlapping tile switches. SP_SPARSE_PERSISTENT=0 selects one CTA per tile (A/B runs).
   const bool persistent =
       sparse != nullptr ? (sparse_persistent() && sparse->tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
