@@ -4,12 +4,13 @@ of an L-token prompt, their K/V already in a paged cache, page 64) against the s
 Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the topic workload (DESIGN.md):
   dense_attn_ms     our dense paged kernel on the step;
   tile_*            per-tile CSR (FlashPrefill V2 selection, correction on): select_ms (GPU index stage, pooling of
-                    the whole cache included: there is no pooled-means cache yet), attn_ms, density;
+                    the whole cache included), select_cached_ms (with the pooled-means cache holding the blocks before
+                    the chunk, as earlier steps left it: only the chunk's blocks are pooled), attn_ms, density;
   union_*           union lists per (sequence, KV head) (CompactAttention, correction off): select_ms (index stage +
                     union kernel), attn_ms, density (after the union; union_tile_density before it);
   mid_*             the same step when the chunk does not end the prompt (final_chunk=False: no dense tail), both
                     modes;
-  speedup_*         dense_attn_ms / (select_ms + attn_ms).
+  speedup_*         dense_attn_ms / (select_ms + attn_ms); speedup_*_cached with select_cached_ms.
 Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
 Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
 Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8]"""
@@ -51,6 +52,27 @@ class Cache:
         self.block_table = perm.view(batch, pages).to(torch.int32).contiguous()
         del ks, vs
 
+    def mean_cache(self, upto):
+        """A pooled-means cache (sparse_prefill.mean_cache layout) holding the complete blocks of positions [0, upto)
+        of every prompt, as the steps of the earlier chunks leave it (computed here with torch: float32 means)."""
+        bs = SEL["block_size"]
+        slots = self.k.shape[0] * max(1, PAGE // bs)
+        km = torch.zeros(slots, HKV, D, dtype=torch.float32, device=self.k.device)
+        vm = torch.zeros_like(km)
+        nb = upto // bs
+        if nb == 0:
+            return km, vm
+        for b in range(self.batch):
+            pages = self.block_table[b, :nb * bs // PAGE].long()
+            kb = self.k[pages].float().reshape(nb, bs, HKV, D).mean(1)
+            vb = self.v[pages].float().reshape(nb, bs, HKV, D).mean(1)
+            last = torch.arange(nb, device=self.k.device) * bs + bs - 1          # each block's last key
+            page = self.block_table[b, last // PAGE].long()
+            slot = page * (PAGE // bs) + (last % PAGE) // bs if PAGE >= bs else page
+            km[slot] = kb
+            vm[slot] = vb
+        return km, vm
+
     def step(self, c0, c1):
         """Inputs of the step whose queries are positions [c0, c1) of every prompt (cache filled up to c1)."""
         dev = self.k.device
@@ -61,7 +83,8 @@ class Cache:
         return q, cu_q, used, C, c1
 
 
-def measure_step(cache, c0, c1, final, modes=("tile", "union")):
+def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None):
+    """One step; `means`: the pooled-means cache as the earlier steps left it (cache.mean_cache(c0)), or None."""
     q, cu_q, used, C, Lk = cache.step(c0, c1)
     kw = dict(block_table=cache.block_table, seqused_k=used)
     out = torch.empty_like(q)
@@ -83,6 +106,15 @@ def measure_step(cache, c0, c1, final, modes=("tile", "union")):
         row[f"{mode}_total_ms"] = row[f"{mode}_select_ms"] + row[f"{mode}_attn_ms"]
         row[f"speedup_{mode}"] = row["dense_attn_ms"] / row[f"{mode}_total_ms"]
         row[f"{mode}_select_share_of_dense"] = row[f"{mode}_select_ms"] / row["dense_attn_ms"]
+        if means is not None:
+            idx_c = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw, mean_cache=means)
+            torch.cuda.synchronize()
+            row[f"{mode}_density_cached"] = idx_c.density()   # equal up to float32 rounding of the means
+            row[f"{mode}_select_cached_ms"] = time_ms(lambda: sp_cuda.build_index(
+                q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw, mean_cache=means))
+            row[f"{mode}_total_cached_ms"] = row[f"{mode}_select_cached_ms"] + row[f"{mode}_attn_ms"]
+            row[f"speedup_{mode}_cached"] = row["dense_attn_ms"] / row[f"{mode}_total_cached_ms"]
+            row[f"{mode}_select_cached_share_of_dense"] = row[f"{mode}_select_cached_ms"] / row["dense_attn_ms"]
     del ws
     return row
 
@@ -113,8 +145,10 @@ def main():
             cache = Cache(L, batch)
             for C in ints(args.chunks):
                 row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
-                row.update(measure_step(cache, L - C, L, True))
-                mid = measure_step(cache, L - C, L, False)
+                means = cache.mean_cache(L - C)
+                row.update(measure_step(cache, L - C, L, True, means=means))
+                mid = measure_step(cache, L - C, L, False, means=means)
+                del means
                 row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith(("union", "tile", "speedup"))})
                 row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
                 print(json.dumps(row), flush=True)
@@ -125,18 +159,24 @@ def main():
     if args.prompt:
         L, C = (int(x) for x in args.prompt.split(":"))
         cache = Cache(L, 1)
-        tot = dict(L=L, chunk=C, batch=1, mode="whole prompt", dense_attn_ms=0.0, union_total_ms=0.0,
-                   union_attn_ms=0.0, tile_total_ms=0.0, tile_attn_ms=0.0, steps=0)
+        keys = ("dense_attn_ms", "union_total_ms", "union_attn_ms", "tile_total_ms", "tile_attn_ms",
+                "union_total_cached_ms", "tile_total_cached_ms")
+        tot = dict(L=L, chunk=C, batch=1, mode="whole prompt", steps=0, **{k: 0.0 for k in keys})
+        # One pooled-means cache through the whole prompt, from its first chunk (as an engine would run it): each
+        # step's untimed first build_index call writes the blocks its chunk completes.
+        means = cache.mean_cache(0)
         for c0 in range(0, L, C):
             c1 = min(L, c0 + C)
-            r = measure_step(cache, c0, c1, c1 == L)
-            for key in ("dense_attn_ms", "union_total_ms", "union_attn_ms", "tile_total_ms", "tile_attn_ms"):
+            r = measure_step(cache, c0, c1, c1 == L, means=means)
+            for key in keys:
                 tot[key] += r[key]
             tot["steps"] += 1
         tot["attn_reduction_union"] = tot["dense_attn_ms"] / tot["union_attn_ms"]
         tot["attn_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_attn_ms"]
         tot["total_reduction_union"] = tot["dense_attn_ms"] / tot["union_total_ms"]
         tot["total_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_total_ms"]
+        tot["total_reduction_union_cached"] = tot["dense_attn_ms"] / tot["union_total_cached_ms"]
+        tot["total_reduction_tile_cached"] = tot["dense_attn_ms"] / tot["tile_total_cached_ms"]
         print(json.dumps(tot), flush=True)
         prompts.append(tot)
     res = save()
@@ -155,11 +195,12 @@ def plot(res, path):
         for mode in ("tile", "union"):
             for C in sorted({r["chunk"] for r in res["rows"]}):
                 rs = [r for r in res["rows"] if r["batch"] == batch and r["chunk"] == C]
-                ax.plot([r["L"] for r in rs], [r[f"speedup_{mode}"] for r in rs], marker="o",
+                ax.plot([r["L"] for r in rs], [r.get(f"speedup_{mode}_cached", r[f"speedup_{mode}"]) for r in rs],
+                        marker="o",
                         ls="-" if mode == "union" else "--", label=f"{mode}, chunk {C}, batch {batch}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context L")
-    ax.set_ylabel("dense paged step / (select + sparse attn)")
+    ax.set_ylabel("dense paged step / (select with mean cache + sparse attn)")
     ax.set_title("last chunk of an L-token prompt, topic workload")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()

@@ -43,7 +43,7 @@ case "$PHASE" in
     SP_SPARSE_PERSISTENT=0 timeout 120 python3 -m pytest -q tests/python/test_cuda.py -k sparse \
       > "$OUT/pytest_cuda_nonpersistent.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/pytest_cuda_nonpersistent.log"
     step "python CUDA suite, sparse cases, no split-KV"
-    SP_SPARSE_SPLITS=1 timeout 120 python3 -m pytest -q tests/python/test_cuda.py -k "sparse or union or chunked" \
+    SP_SPARSE_SPLIT=0 timeout 120 python3 -m pytest -q tests/python/test_cuda.py -k "sparse or union or chunked" \
       > "$OUT/pytest_cuda_nosplit.log" 2>&1; echo "rc=$?"; tail -3 "$OUT/pytest_cuda_nosplit.log"
     step quick sparse benchmark
     timeout 200 python3 bench/bench_sparse.py --out "$OUT/sparse_quick.json" --lengths 8192,32768,131072 --no-sweep \

@@ -82,6 +82,27 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 // block_size % 128 == 0, bfloat16/float16, head dim 128.
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs);
 
+// Pooled-means cache beside a paged KV cache (chunked prefill): the means of complete key blocks, written once and
+// reused by the prompt's later chunks, so a step's selection pools only the blocks its chunk completes and the
+// sequence's tail block: O(chunk + L / block_size) instead of re-pooling the whole cache every step.
+//   k_mean, v_mean: float32 [mean_cache_slots(num_pages, page_size, block_size), Hkv, D], contiguous, on q's device,
+//   written in place. Needs page_size % block_size == 0 or block_size % page_size == 0.
+//   Complete block J of sequence b (keys [J B, J B + B), B = block_size) lives in the slot of the page holding its
+//   last key j = J B + B - 1: page * (page_size / B) + (j % page_size) / B when page_size >= B, else page. Keyed by the
+//   last page, a slot is shared by two sequences exactly when they share the whole block (prefix-shared pages).
+// Contract: a call reads the means of the blocks that end before its chunk (last key < seqused_k[b] - chunk length)
+// from the cache, so every earlier chunk of the prompt must have gone through a call with the same cache (the first
+// chunk finds nothing to read); it pools and writes the blocks its own chunk completes. The CPU backend recomputes
+// every mean (the reference) and writes the cache the same way.
+struct MeanCache {
+  TensorView k_mean, v_mean;
+};
+int64_t mean_cache_slots(int64_t num_pages, int64_t page_size, int block_size);
+
+// sparse_prefill with a pooled-means cache (paged KV only).
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
+                    const MeanCache& cache);
+
 // Chunked-prefill lowering: one ascending list per (sequence, KV head) holding the union of the lists of all tiles
 // of that sequence and KV head; every such segment points to the shared list.
 BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index);

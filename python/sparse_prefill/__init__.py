@@ -12,6 +12,7 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
     out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
     out = sp.chunked_prefill(q_chunk, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk,
                              max_cache, final_chunk=False)                              # one chunked-prefill step
+    means = sp.mean_cache(k_cache, block_size=128)      # pooled-means cache: pass mean_cache=means to every step
     q, k, v = sp.workload.topic(8192, num_q_heads=32, num_kv_heads=8, head_dim=128, seed=0)
 
 CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
@@ -19,8 +20,8 @@ NotImplementedError). See sparse_prefill._api for shapes, masking and error conv
 """
 
 from . import _C
-from ._api import (Index, attention, build_index, chunked_prefill, pool_kv, sparse_attention, sparse_prefill,
-                   union_index)
+from ._api import (Index, attention, build_index, chunked_prefill, mean_cache, pool_kv, sparse_attention,
+                   sparse_prefill, union_index)
 from . import workload
 
 with_cuda: bool = bool(_C.with_cuda)

@@ -33,8 +33,8 @@ import numpy as np
 from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
 
-__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "union_index",
-           "pool_kv", "Index"]
+__all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
+           "union_index", "pool_kv", "Index"]
 
 _TILE_ROWS = int(_C.tile_rows)
 
@@ -393,10 +393,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
-                   stream=None, final_chunk: bool = True, union: bool = False):
+                   stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None):
     """build_index() + sparse_attention() in one call (same arguments as the two).
 
-    final_chunk and union as in build_index() (chunked prefill). Without return_index the index never leaves the
+    final_chunk and union as in build_index() (chunked prefill). mean_cache: the pooled-means cache of a paged KV
+    cache (see mean_cache() and chunked_prefill()), read for the blocks before each chunk and written for the blocks
+    the chunk completes. Without return_index the index never leaves the
     device: on CUDA it lives in a stream-ordered temporary workspace
     (no host synchronisation; CUDA-graph capturable). With return_index the index is built, copied to the host and
     returned (build_index() + sparse_attention()).
@@ -404,12 +406,21 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
+    mean_k, mean_v = _mean_cache_arrays(mean_cache)
+    if mean_cache is not None and _as_bool("return_index", return_index):
+        raise ValueError("mean_cache: not supported with return_index=True (that path builds the index on the host)")
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+        for name, x in (("mean_cache.k_mean", mean_k), ("mean_cache.v_mean", mean_v)):
+            if x is not None and library_of(x) != call.lib.name:
+                raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
+                                "array; pass every array of a call from one array library")
+            if x is not None and call.lib.name == "jax":
+                raise TypeError(f"{name}: jax arrays are immutable; the mean cache is written in place")
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
-        _C.sparse_prefill(inputs, sel, out_c, lse)
+        _C.sparse_prefill(inputs, sel, out_c, lse, mean_k, mean_v)
         return call.result(out_c, lse, out_ret, return_lse)
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
@@ -423,10 +434,49 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
 
 
+def _mean_cache_arrays(mean_cache) -> tuple:
+    if mean_cache is None:
+        return None, None
+    if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
+        raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
+                        f"{type(mean_cache).__name__}")
+    return mean_cache[0], mean_cache[1]
+
+
+def mean_cache(k_cache, block_size: int = 128):
+    """A pooled-means cache for the paged KV cache `k_cache` [num_pages, page_size, Hkv, D]: the pair
+    (k_mean, v_mean) of zeroed float32 arrays [mean_cache_slots, Hkv, D] in k_cache's library, on its device.
+
+    Pass it to every chunked_prefill() step of the prompts that use these pages (from their first chunk on): each
+    step then reads the means of the blocks earlier chunks completed and pools only the blocks its own chunk completes
+    plus each sequence's tail block, instead of re-pooling the whole cache. A complete block's means live in the slot
+    of the page holding its last key (page * (page_size // block_size) + offset when pages hold whole blocks), so
+    pages shared between sequences (prefix caching) share their slots, and a page reused for new tokens has its slot
+    rewritten by the step that completes its block. page_size and block_size must divide one another.
+    """
+    if library_of(k_cache) is None:
+        raise TypeError(f"k_cache: expected an array, got {type(k_cache).__name__}")
+    if library_of(k_cache) == "jax":
+        raise TypeError("k_cache: jax arrays are immutable; the mean cache is written in place (use torch or cupy)")
+    shape = tuple(int(s) for s in k_cache.shape)
+    if len(shape) != 4:
+        raise ValueError(f"k_cache: expected a paged cache [num_pages, page_size, Hkv, D], got shape {shape}")
+    block_size = _as_int("block_size", block_size)
+    num_pages, page_size, hkv, d = shape
+    if block_size <= 0 or block_size % 64 != 0:
+        raise ValueError(f"block_size: must be a positive multiple of 64, got {block_size}")
+    if page_size % block_size != 0 and block_size % page_size != 0:
+        raise ValueError(f"block_size: page_size ({page_size}) and block_size ({block_size}) must divide one another")
+    lib = ArrayLib(library_of(k_cache), k_cache)
+    slots = int(_C.mean_cache_slots(num_pages, page_size, block_size))
+    return lib.zeros((slots, hkv, d), "float32"), lib.zeros((slots, hkv, d), "float32")
+
+
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
                     *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
                     sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
-                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None):
+                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
+                    mean_cache=None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -436,6 +486,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
     measured faster or equal on every shape of bench/results/chunked_h200.json, hence the default). correction
     defaults to True for per-tile lists and False for unions. Everything else is sparse_prefill()'s.
+
+    mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
+    chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
+    completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
 
     Checks beyond attention()'s: for host arrays, every chunk fits in its cache (chunk length <= seqused_k[b]) and
     max_seqlen_k bounds the cache lengths. Device arrays are trusted, as cu_seqlens are (reading them would
@@ -464,7 +518,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
-                          union=union)
+                          union=union, mean_cache=mean_cache)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

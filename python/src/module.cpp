@@ -388,16 +388,31 @@ NB_MODULE(_C, m) {
         },
         nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none());
 
+  // mean_k / mean_v: the pooled-means cache (both or neither).
   m.def("sparse_prefill",
-        [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse) {
+        [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse, nb::handle mean_k,
+           nb::handle mean_v) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
           const sp::SelectionParams p = selection_params(selection);
+          if (mean_k.is_none() != mean_v.is_none())
+            throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
+          if (mean_k.is_none()) {
+            nb::gil_scoped_release release;
+            sp::sparse_prefill(in, p, outs);
+            return;
+          }
+          sp::MeanCache cache{to_writable_view(mean_k, "mean_cache.k_mean", held),
+                              to_writable_view(mean_v, "mean_cache.v_mean", held)};
           nb::gil_scoped_release release;
-          sp::sparse_prefill(in, p, outs);
+          sp::sparse_prefill(in, p, outs, cache);
         },
-        nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none());
+        nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none());
+
+  m.def("mean_cache_slots", &sp::mean_cache_slots, nb::arg("num_pages"), nb::arg("page_size"),
+        nb::arg("block_size"));
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
   //         k_mean, v_mean, kept_blocks, visible_blocks), arrays as host numpy arrays.

@@ -1,4 +1,6 @@
 // The public entry points: validate once, then dispatch by device (CPU reference or CUDA backend).
+#include <algorithm>
+
 #include "api/problem.h"
 #include "api/validate.h"
 #include "reference/reference.h"
@@ -66,18 +68,56 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 #endif
 }
 
-void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs) {
+namespace {
+
+// CPU backend of the pooled-means cache: the reference pools every block; the complete ones are stored in their
+// slots (MeanCache, sparse.h), as the CUDA index stage stores the blocks a chunk completes.
+void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIndex& index, const MeanCache& cache) {
+  const int B = index.block_size;
+  const int64_t row = int64_t(p.num_kv_heads) * p.head_dim;
+  const int32_t* bt = in.block_table->ptr<const int32_t>();
+  const int64_t bt0 = in.block_table->stride[0], bt1 = in.block_table->stride[1];
+  float* kc = cache.k_mean.ptr<float>();
+  float* vc = cache.v_mean.ptr<float>();
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t k_len = p.seqs[b].k_len;
+    for (int64_t J = 0; (J + 1) * B <= k_len; ++J) {
+      const int64_t j = (J + 1) * B - 1;
+      const int64_t page = bt[b * bt0 + (j / p.page_size) * bt1];
+      const int64_t slot = p.page_size >= B ? page * (p.page_size / B) + (j % p.page_size) / B : page;
+      const int64_t src = (int64_t(index.cu_blocks[b]) + J) * row;
+      std::copy(index.k_mean.begin() + src, index.k_mean.begin() + src + row, kc + slot * row);
+      std::copy(index.v_mean.begin() + src, index.v_mean.begin() + src + row, vc + slot * row);
+    }
+  }
+}
+
+void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
+                         const MeanCache* cache) {
   check_selection_params(params);
   const Problem p = validate_inputs(in, &outs);
+  if (cache) validate_mean_cache(in, p, params.block_size, *cache);
   if (p.device == Device::kCPU) {
     BlockIndex index = reference::build_index(in, p, params);
+    if (cache) write_mean_cache(p, in, index, *cache);
     return reference::sparse_attention(in, view_of(index), outs, p);
   }
 #ifdef SPARSE_PREFILL_WITH_CUDA
-  cuda::sparse_prefill(in, params, outs, p);
+  cuda::sparse_prefill(in, params, outs, p, cache);
 #else
   not_on_cuda("sparse_prefill");
 #endif
+}
+
+}  // namespace
+
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs) {
+  sparse_prefill_impl(in, params, outs, nullptr);
+}
+
+void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
+                    const MeanCache& cache) {
+  sparse_prefill_impl(in, params, outs, &cache);
 }
 
 BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index) {

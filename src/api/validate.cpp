@@ -354,4 +354,35 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
   }
 }
 
+int64_t mean_cache_slots(int64_t num_pages, int64_t page_size, int block_size) {
+  if (num_pages < 0 || page_size <= 0 || block_size <= 0) return 0;
+  return num_pages * (page_size >= block_size ? page_size / block_size : 1);
+}
+
+void validate_mean_cache(const AttentionInputs& in, const Problem& p, int block_size, const MeanCache& cache) {
+  if (!in.paged())
+    throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k): its slots follow the pages");
+  if (p.page_size % block_size != 0 && block_size % p.page_size != 0) {
+    throw ArgumentError("mean_cache", "needs page_size % block_size == 0 or block_size % page_size == 0, got "
+                                      "page_size " + std::to_string(p.page_size) + " and block_size " +
+                                      std::to_string(block_size));
+  }
+  const int64_t slots = mean_cache_slots(p.num_pages, p.page_size, block_size);
+  for (const auto& [t, name] : {std::pair{&cache.k_mean, "mean_cache.k_mean"},
+                                std::pair{&cache.v_mean, "mean_cache.v_mean"}}) {
+    check_rank(*t, 3, name);
+    check_dtype(*t, DType::kFloat32, name);
+    check_same_device(*t, in.q, name, "q");
+    if (t->shape[0] != slots || t->shape[1] != p.num_kv_heads || t->shape[2] != p.head_dim) {
+      throw ArgumentError(name, "expected shape [" + std::to_string(slots) + ", " + std::to_string(p.num_kv_heads) +
+                                    ", " + std::to_string(p.head_dim) + "] (mean_cache_slots(num_pages, page_size, "
+                                    "block_size), Hkv, D), got " + shape_string(*t));
+    }
+    if (t->stride[2] != 1 || t->stride[1] != p.head_dim || t->stride[0] != int64_t(p.num_kv_heads) * p.head_dim)
+      throw ArgumentError(name, "must be contiguous");
+  }
+  if (cache.k_mean.data == cache.v_mean.data && slots > 0)
+    throw ArgumentError("mean_cache.v_mean", "must not share memory with mean_cache.k_mean");
+}
+
 }  // namespace sparse_prefill

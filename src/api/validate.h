@@ -25,4 +25,8 @@ inline int64_t num_blocks(int64_t k_len, int block_size) { return (k_len + block
 // each sequence's block count, pooled-mean shapes.
 void validate_index(const Problem& p, const BlockIndexView& index);
 
+// Checks a pooled-means cache against a resolved problem (paged KV, float32 [slots, Hkv, D] contiguous on q's
+// device, page size and block size dividing one another).
+void validate_mean_cache(const AttentionInputs& in, const Problem& p, int block_size, const MeanCache& cache);
+
 }  // namespace sparse_prefill

@@ -27,6 +27,54 @@ struct SeqSpan {
   int q_start, q_len, k_start, k_len;
 };
 
+SP_HOST_DEVICE SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int* seqused_k, int b) {
+  SeqSpan s;
+  s.q_start = cu_q[b];
+  s.q_len = cu_q[b + 1] - s.q_start;
+  if (seqused_k != nullptr) {  // paged KV
+    s.k_start = 0;
+    s.k_len = seqused_k[b];
+  } else {
+    s.k_start = cu_k[b];
+    s.k_len = cu_k[b + 1] - s.k_start;
+  }
+  return s;
+}
+
+// Block-sparse work order: index t -> (KV head, sequence, tile). KV heads fastest (the tiles of one KV head group
+// share nothing, but neighbours in time spread over heads), then sequences, then tiles from the last (most blocks
+// visible under causal, and the dense last_n tiles) to the first: the heaviest tiles of every sequence first.
+// Tiles beyond a shorter sequence's count are empty work (skipped).
+struct SparseTileCoord {
+  int kv_head, tile, batch;
+};
+SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int batch, int max_tiles) {
+  SparseTileCoord c;
+  c.kv_head = t % num_kv_heads;
+  const int r = t / num_kv_heads;
+  c.batch = r % batch;
+  c.tile = max_tiles - 1 - r / batch;
+  return c;
+}
+
+// The split-KV rule (split_kv.cu; sizes in SparseLaunchWorkspace, fwd_args.h): a tile with more planned steps than
+// cap = max(kMinCap, ceil(total / (4 * SMs))) runs as nsplit = min(32, ceil(steps / cap)) units. As steps > cap,
+// nsplit < 2 * steps / cap: all split units sum to < 2 * total / cap <= 8 * SMs, split tiles number < 4 * SMs.
+struct SplitRule {
+  static constexpr int kMinCap = 32;     // steps; below this a unit's fixed cost (Q gather, epilogue) dominates
+  static constexpr int kMaxSplits = 32;  // one combine lane per split
+  SP_HOST_DEVICE static int cap(unsigned long long total_steps, int num_sms) {
+    const unsigned long long share = (total_steps + 4ull * num_sms - 1) / (4ull * num_sms);
+    const unsigned long long c = share > (unsigned long long)kMinCap ? share : (unsigned long long)kMinCap;
+    return c < 0x7fffffffull ? int(c) : 0x7fffffff;
+  }
+  SP_HOST_DEVICE static int nsplit(int steps, int cap) {
+    if (steps <= cap) return 1;
+    const int want = int((int64_t(steps) + cap - 1) / cap);
+    return want < kMaxSplits ? want : kMaxSplits;
+  }
+};
+
 // Dense key range [n_begin, n_end) of a 128-row query tile, visited from the last block to the first (the block on
 // the causal diagonal comes first, so its mask is applied while the pipeline is filling).
 // Visibility (bottom-right aligned, diag = Lk - Lq): row r sees col c iff c < Lk, and
@@ -126,6 +174,23 @@ struct SparseBlockIterator {
 #endif
   }
 
+  // Blocks [0, n) fully visible to every row of a tile whose first row is at position p_first.
+  SP_HOST_DEVICE static int prunable_blocks(int p_first, int q_len, int k_len, int block_size) {
+    const int nb = (k_len + block_size - 1) / block_size;
+    const int first_hi = sp_min(p_first + k_len - q_len, k_len - 1);  // last key the tile's first row sees
+    if (first_hi < 0) return 0;
+    return first_hi >= k_len - 1 ? nb : (first_hi + 1) / block_size;
+  }
+
+  // Upper bound of total() from the list length and the geometry alone (no scan of the list): the split-KV plan
+  // (split_kv.cu) and the kernel's tile lookup both decide from it, so they agree without sharing state.
+  SP_HOST_DEVICE static int planned_steps(int n_listed, int p_first, int q_len, int k_len, int block_size,
+                                          bool correction) {
+    const int real = sp_max(n_listed, 0) * (block_size / kBlockN);
+    if (!correction) return real;
+    return real + (prunable_blocks(p_first, q_len, k_len, block_size) + kBlockN - 1) / kBlockN;
+  }
+
   SP_HOST_DEVICE static SparseBlockIterator make(const int32_t* ids, int n_listed, int p_first, int q_len,
                                                  int k_len, int block_size, bool correction) {
     SparseBlockIterator it;
@@ -137,10 +202,7 @@ struct SparseBlockIterator {
     it.p_first = p_first;
     it.k_len = k_len;
     it.diag = k_len - q_len;
-    const int nb = (k_len + block_size - 1) / block_size;
-    const int first_hi = sp_min(p_first + it.diag, k_len - 1);  // last key the tile's first row sees
-    if (first_hi < 0) it.n_prunable = 0;
-    else it.n_prunable = first_hi >= k_len - 1 ? nb : (first_hi + 1) / block_size;
+    it.n_prunable = prunable_blocks(p_first, q_len, k_len, block_size);
     if (!correction || it.n_prunable == 0) return it;
     it.n_chunks = (it.n_prunable + kBlockN - 1) / kBlockN;
     const int low = sp_min(it.n_chunks, 64);

@@ -141,36 +141,19 @@ const int32_t* int_ptr(const TensorView& t, const char* name) {
   return t.ptr<const int32_t>();
 }
 
-// Split-KV factor of a sparse launch. A chunk against a long cache (max_seqlen_k >= 4 * max_seqlen_q) has few tiles
-// (C queries x g heads / 128 per KV head) with very uneven work (the final chunk's last_n tiles see every block),
-// so each tile's steps are cut into S = ceil(8 * SMs / tiles) parts (at most 16) when that is above 1. Measured on
-// the H200 (bench/NOTES_sparse.md), 128K: chunk 1024 batch 1 attention 2.46 ms -> 0.94 ms (S = 5), chunk 4096
-// 2.47 -> 1.80 ms (S = 2). One-shot prefill is not split: at 4K (1024 tiles, S = 2) the float32 partials and the
-// combine doubled the attention time (0.26 -> 0.55 ms). SP_SPARSE_SPLITS=<n> in the environment forces n.
-int choose_splits(const AttentionInputs& in, const Problem& p) {
-  static const int forced = [] {
-    const char* e = std::getenv("SP_SPARSE_SPLITS");
-    return e ? std::atoi(e) : 0;
+bool split_plan_enabled() {
+  static const bool on = [] {  // SP_SPARSE_SPLIT=0: never split (A/B runs of the split plan)
+    const char* e = std::getenv("SP_SPARSE_SPLIT");
+    return e == nullptr || e[0] != '0';
   }();
-  if (forced > 0) return std::min(forced, 32);
-  if (in.max_seqlen_k < 4 * in.max_seqlen_q) return 1;
-  const int64_t tiles =
-      int64_t(p.num_kv_heads) * p.batch * ((int64_t(in.max_seqlen_q) * p.group_size + kTileRows - 1) / kTileRows);
-  if (tiles <= 0) return 1;
-  const int64_t want = (int64_t(8) * num_sms() + tiles - 1) / tiles;
-  return int(std::max<int64_t>(1, std::min<int64_t>(16, want)));
+  return on;
 }
 
-// Runs the sparse kernel, through float32 partials and the combine kernel when the launch is split.
+// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu).
 void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s) {
-  s.num_splits = choose_splits(in, p);
-  if (s.num_splits == 1) return run(a, p, &s);
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  const size_t o_bytes = size_t(s.num_splits) * a.total_q * a.num_q_heads * a.head_dim * 4;
-  const size_t o_pad = (o_bytes + 255) & ~size_t(255);
-  StreamBuffer partials(o_pad + size_t(s.num_splits) * a.total_q * a.num_q_heads * 4, stream);
-  s.o_partial = static_cast<float*>(partials.ptr);
-  s.lse_partial = reinterpret_cast<float*>(static_cast<char*>(partials.ptr) + o_pad);
+  (void)in;
+  s.launch.plan = split_plan_enabled();
+  run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
 }
@@ -186,7 +169,7 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.k_mean = index.k_mean_lowp;
   s.v_mean = index.v_mean_lowp;
   s.mean_rows = index.max_blocks;
-  s.tile_counter = index.tile_counter;
+  s.launch = index.launch;
   s.block_size = index.block_size;
   s.correction = index.correction;
   return s;
@@ -224,7 +207,8 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
   const size_t tiles_bytes = size_t(p.batch + 1) * 4, tiles_pad = (tiles_bytes + 255) & ~size_t(255);
   const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2, mean_pad = (mean_bytes + 255) & ~size_t(255);
-  StreamBuffer tmp(tiles_pad + 2 * mean_pad + 256, stream);
+  const size_t launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim);
+  StreamBuffer tmp(tiles_pad + 2 * mean_pad + launch_bytes, stream);
   char* base = static_cast<char*>(tmp.ptr);
   int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
   prepare_index_view(in, p, index, cu_tiles, base + tiles_pad, base + tiles_pad + mean_pad);
@@ -237,20 +221,20 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.k_mean = base + tiles_pad;
   s.v_mean = base + tiles_pad + mean_pad;
   s.mean_rows = rows;
-  s.tile_counter = reinterpret_cast<int*>(base + tiles_pad + 2 * mean_pad);
+  s.launch = carve_sparse_launch_workspace(base + tiles_pad + 2 * mean_pad, num_sms(), p.head_dim);
   s.block_size = index.block_size;
   s.correction = index.correction && rows > 0;
   run_sparse(in, a, p, s);
 }
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
-                    const Problem& p) {
+                    const Problem& p, const MeanCache* cache) {
   check_sparse_supported(in, params.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   const size_t bytes = index_workspace_bytes(in, p, params);
   StreamBuffer ws(bytes, stream);
-  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes)));
+  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)));
 }
 
 }  // namespace sparse_prefill::cuda

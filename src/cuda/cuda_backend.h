@@ -28,7 +28,8 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
                       const Problem& p);
 
 // Index stage + sparse attention in one call, with a stream-ordered workspace (no host synchronisation).
+// cache: the pooled-means cache (validated by the API layer), or null.
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
-                    const Problem& p);
+                    const Problem& p, const MeanCache* cache = nullptr);
 
 }  // namespace sparse_prefill::cuda

@@ -33,6 +33,23 @@ struct FwdArgs {
   void* stream = nullptr;                // cudaStream_t
 };
 
+// Per-launch device state of the sparse kernel, carved from caller memory (sparse_launch_workspace_bytes):
+//   counters [kCounters]: the persistent scheduler's tile counter and the split-KV plan (zeroed before each launch);
+//   split_tiles [max_split_tiles]: {tile, first partial slot, nsplit, 0} of every tile run as nsplit > 1 units;
+//   slot_tile [max_split_units]: partial slot -> entry of split_tiles;
+//   o_partial [max_split_units, 128, D] / lse_partial [max_split_units, 128]: float32 partials, one slot per unit.
+// Split plan (SplitRule, block_iterator.h): fewer than 4 * SMs split tiles and 8 * SMs split units, always.
+struct SparseLaunchWorkspace {
+  enum : int { kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kCounters = 8 };
+  int* counters = nullptr;
+  int32_t* split_tiles = nullptr;       // [max_split_tiles][4]
+  int32_t* slot_tile = nullptr;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+  int max_split_tiles = 0, max_split_units = 0;
+  bool plan = true;                      // false: never split (SP_SPARSE_SPLIT=0, A/B runs)
+};
+
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
 // Hkv * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile.
 struct SparseFwdArgs {
@@ -44,21 +61,28 @@ struct SparseFwdArgs {
   const void* k_mean = nullptr;          // [mean_rows, Hkv, D] in q's dtype (correction only)
   const void* v_mean = nullptr;
   int64_t mean_rows = 0;
-  int* tile_counter = nullptr;           // one int of device memory for the persistent kernel's tile scheduler
-                                         // (zeroed on the stream before each launch); null: one CTA per tile
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
   bool correction = true;
-  // Split-KV: each tile's steps in num_splits contiguous parts, float32 partials combined by run_split_combine.
-  int num_splits = 1;
-  float* o_partial = nullptr;            // [num_splits, total_q, Hq, D]
-  float* lse_partial = nullptr;          // [num_splits, Hq, total_q]
+  // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
+  // (The backend always provides it; the kernel tolerates its absence.)
+  SparseLaunchWorkspace launch;
 };
+
+// The kernel runs correction steps only with means to load; the split plan counts steps the same way.
+inline bool sparse_correction_on(const SparseFwdArgs& s) {
+  return s.correction && s.k_mean != nullptr && s.mean_rows > 0;
+}
+
+size_t sparse_launch_workspace_bytes(int num_sms, int head_dim);
+SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim);
 
 // Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device
 // (cuda_backend.cpp).
 int num_sms();
 
-// out (and lse) from the split partials of a sparse launch (split_combine.cu).
+// Split-KV around a sparse launch (split_kv.cu): zero the counters and build the plan before it, combine the
+// partials into out / lse after it. All stream-ordered, no host synchronisation.
+void run_split_plan(const FwdArgs& args, const SparseFwdArgs& sparse);
 void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf16);
 
 // One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.

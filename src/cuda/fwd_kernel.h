@@ -53,13 +53,15 @@ struct FwdParams {
   const int32_t* block_ids;
   const int32_t* cu_tiles;                // [B+1] tiles per sequence, prefix-summed
   const int32_t* cu_blocks;               // [B+1] pooled blocks per sequence, prefix-summed
+  // Scheduler counter and split-KV plan (SparseLaunchWorkspace, fwd_args.h). num_tiles = max_split_units +
+  // num_coord_tiles bounds the work units; the real count is plan[kSplitUnits] + num_coord_tiles.
   int* tile_counter;                      // sparse persistent: dynamic scheduler counter, zero at launch
-  // Split-KV (num_splits > 1): work unit u = tile u / num_splits, split u % num_splits (a contiguous range of the
-  // tile's steps); it writes its normalised O (float32 [num_splits, total_q, Hq, D]) and LSE ([num_splits, Hq,
-  // total_q]) for split_combine instead of out / lse.
-  int num_splits;
-  float* o_partial;
-  float* lse_partial;
+  const int* plan;                        // counters (null: no split)
+  const int32_t* split_tiles;             // [.][4] {tile, first slot, nsplit, 0}
+  const int32_t* slot_tile;
+  float* o_partial;                       // [slot, 128, D]
+  float* lse_partial;                     // [slot, 128]
+  int num_coord_tiles, batch;
   int block_size, correction;
   int mean_rows;                          // rows of the pooled-means tensors (TMA zero-fills beyond)
   float corr_bias_full;                   // log2(block_size) / scale_log2: log|B_J| in raw logit units
@@ -113,33 +115,8 @@ __device__ __forceinline__ TileCoord tile_coord(int t, int num_q_heads, int num_
   return c;
 }
 
-// Block-sparse tile order: KV heads fastest, then tiles from the last (most blocks visible) to the first, then
-// sequences.
-struct SparseTileCoord {
-  int kv_head, tile, batch;
-};
-__device__ __forceinline__ SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int max_tiles) {
-  SparseTileCoord c;
-  c.kv_head = t % num_kv_heads;
-  const int r = t / num_kv_heads;
-  c.tile = max_tiles - 1 - r % max_tiles;
-  c.batch = r / max_tiles;
-  return c;
-}
-
-__device__ __forceinline__ SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int* seqused_k, int b) {
-  SeqSpan s;
-  s.q_start = cu_q[b];
-  s.q_len = cu_q[b + 1] - s.q_start;
-  if (seqused_k != nullptr) {  // paged KV
-    s.k_start = 0;
-    s.k_len = seqused_k[b];
-  } else {
-    s.k_start = cu_k[b];
-    s.k_len = cu_k[b + 1] - s.k_start;
-  }
-  return s;
-}
+// Block-sparse tile order (SparseTileCoord, block_iterator.h): KV heads fastest, then sequences, then tiles from the
+// last (most blocks visible) to the first, so the heavy tiles of every sequence come first.
 
 // Everything one role needs to know about its tile, evaluated identically by producer and consumers.
 template <class Iterator>
@@ -147,18 +124,32 @@ struct TileWork {
   Iterator iter;
   SeqSpan seq;
   int batch, kv_head;
-  int split;     // sparse split-KV: which part of the tile's steps this unit runs
+  int slot;      // sparse split-KV: float32 partial slot of this unit (-1: the unit is the whole tile, writes out)
   int q_head;    // dense: the tile's query head
   int row0;      // sparse: first packed row (tile * 128); dense: first query row (m_block * 128)
-  bool valid;    // false: the tile lies beyond its sequence
+  bool valid;    // false: the tile lies beyond its sequence (or, sparse, is run as split units elsewhere)
 };
 
+// Sparse work unit u (the split-KV plan of split_kv.cu, read from its counters): units [0, n_split_units) are the
+// parts of the split tiles (unit u = partial slot u), then unit n_split_units + t is tile t of the work order, unless
+// that tile has more planned steps than the plan's cap (its parts are the split units).
 template <class Config, bool kSparse, class Iterator>
-__device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const& params, int t) {
+__device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const& params, int u) {
   TileWork<Iterator> w;
   if constexpr (kSparse) {
-    w.split = t % params.num_splits;
-    const SparseTileCoord c = sparse_tile_coord(t / params.num_splits, params.num_kv_heads, params.num_m_blocks);
+    const int n_split_units = params.plan != nullptr ? params.plan[SparseLaunchWorkspace::kSplitUnits] : 0;
+    int t = u - n_split_units, split = 0, nsplit = 1;
+    w.slot = -1;
+    if (u < n_split_units) {
+      const int4 e = reinterpret_cast<const int4*>(params.split_tiles)[params.slot_tile[u]];
+      t = e.x;
+      split = u - e.y;
+      nsplit = e.z;
+      w.slot = u;
+    }
+    w.valid = t < params.num_coord_tiles;
+    if (!w.valid) return w;
+    const SparseTileCoord c = sparse_tile_coord(t, params.num_kv_heads, params.batch, params.num_m_blocks);
     w.batch = c.batch;
     w.kv_head = c.kv_head;
     w.q_head = c.kv_head * params.group_size;
@@ -170,11 +161,21 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     w.row0 = c.tile * Config::kBlockM;
     const int seg = params.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
     const int lo = params.seg_start[seg];
-    w.iter = Iterator::make(params.block_ids + lo, params.seg_end[seg] - lo, w.row0 / params.group_size,
-                            w.seq.q_len, w.seq.k_len, params.block_size, params.correction != 0);
-    if (params.num_splits > 1) w.iter.split(w.split, params.num_splits);
+    const int n_listed = params.seg_end[seg] - lo;
+    const int p_first = w.row0 / params.group_size;
+    const bool corr = params.correction != 0;
+    if (nsplit == 1 && params.plan != nullptr &&
+        SplitRule::nsplit(
+            Iterator::planned_steps(n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size, corr),
+            params.plan[SparseLaunchWorkspace::kCap]) > 1) {
+      w.valid = false;  // a split tile: its parts are units [0, n_split_units)
+      return w;
+    }
+    w.iter = Iterator::make(params.block_ids + lo, n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size,
+                            corr);
+    if (nsplit > 1) w.iter.split(split, nsplit);
   } else {
-    const TileCoord c = tile_coord(t, params.num_q_heads, params.num_m_blocks);
+    const TileCoord c = tile_coord(u, params.num_q_heads, params.num_m_blocks);
     w.batch = c.batch;
     w.q_head = c.head;
     w.kv_head = c.head / params.group_size;
@@ -243,8 +244,13 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     PipelineState st_v = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
     int published = 0, pending = 0;
+    // Units past the plan's real count (num_tiles is the host's bound) end the loop at once: publish the sentinel.
+    const int n_units = kDynamic && params.plan != nullptr
+                            ? params.plan[SparseLaunchWorkspace::kSplitUnits] + params.num_coord_tiles
+                            : params.num_tiles;
     auto publish = [&](int t) {
       if constexpr (kDynamic) {
+        if (t >= n_units) t = params.num_tiles;
         const int s = published & 1;
         if (published >= 2) storage.tile_empty[s].wait(((published >> 1) - 1) & 1);
         storage.tile_ids[s] = t;
@@ -444,14 +450,10 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
 
     // Split-KV partial outputs of this unit's rows.
     auto partial_o = [&](int row) -> float* {
-      return params.o_partial + ((int64_t(work.split) * params.total_q + seq.q_start + row_pos(row)) *
-                                     params.num_q_heads + row_head(row)) * kHeadDim;
+      return params.o_partial + (int64_t(work.slot) * kBlockM + row) * kHeadDim;
     };
-    auto partial_lse = [&](int row) -> float* {
-      return params.lse_partial + (int64_t(work.split) * params.num_q_heads + row_head(row)) * params.total_q +
-             seq.q_start + row_pos(row);
-    };
-    const bool split_out = kSparse && params.o_partial != nullptr;
+    auto partial_lse = [&](int row) -> float* { return params.lse_partial + int64_t(work.slot) * kBlockM + row; };
+    const bool split_out = kSparse && work.slot >= 0;
 
     if (n_count == 0 && split_out) {  // an empty share of the tile's steps: O = 0, lse = -inf
       for (int idx = mma_tidx; idx < kBlockM * (kHeadDim / 4); idx += Config::kNumMmaThreads) {

@@ -77,8 +77,12 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.group_size = a.num_q_heads / a.num_kv_heads;
   p.page_size = a.page_size;
   p.num_m_blocks = (a.max_seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
-  p.num_splits = 1;
+  p.tile_counter = nullptr;
+  p.plan = nullptr;
+  p.split_tiles = p.slot_tile = nullptr;
   p.o_partial = p.lse_partial = nullptr;
+  p.num_coord_tiles = 0;
+  p.batch = a.batch;
   p.softmax_scale = a.softmax_scale;
   p.scale_log2 = a.softmax_scale * float(M_LOG2E);
   p.window_left = a.window_left;
@@ -96,7 +100,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
                            take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
     };
     // Without correction no mean is ever loaded, but the descriptors need a valid domain: describe k instead.
-    const bool have_means = sparse->correction && sparse->k_mean != nullptr && sparse->mean_rows > 0;
+    const bool have_means = sparse_correction_on(*sparse);
     p.tma_k_mean = have_means ? means(sparse->k_mean) : p.tma_k;
     p.tma_v_mean = have_means ? means(sparse->v_mean) : p.tma_v;
     p.mean_rows = have_means ? mean_rows : 1;
@@ -108,11 +112,15 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     p.block_size = sparse->block_size;
     p.correction = have_means ? 1 : 0;
     p.corr_bias_full = std::log2(float(sparse->block_size)) / p.scale_log2;
-    p.tile_counter = sparse->tile_counter;
-    p.num_splits = std::max(1, sparse->num_splits);
-    p.o_partial = p.num_splits > 1 ? sparse->o_partial : nullptr;
-    p.lse_partial = sparse->lse_partial;
-    num_tiles *= p.num_splits;
+    const SparseLaunchWorkspace& w = sparse->launch;
+    p.tile_counter = w.counters != nullptr ? w.counters + SparseLaunchWorkspace::kTileCounter : nullptr;
+    p.plan = w.counters != nullptr && w.plan ? w.counters : nullptr;
+    p.split_tiles = w.split_tiles;
+    p.slot_tile = w.slot_tile;
+    p.o_partial = w.o_partial;
+    p.lse_partial = w.lse_partial;
+    p.num_coord_tiles = int(std::min<int64_t>(num_tiles, INT32_MAX));
+    if (p.plan != nullptr) num_tiles += w.max_split_units;
   }
   if (p.num_m_blocks == 0) return;
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
@@ -122,7 +130,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   // the dynamic scheduler by default; it ties one CTA per tile on the H200 (128K: 6.64 vs 6.49 ms, NOTES_sparse.md)
   // and is the base for overlapping tile switches. SP_SPARSE_PERSISTENT=0 selects one CTA per tile (A/B runs).
   const bool persistent =
-      sparse != nullptr ? (sparse_persistent() && sparse->tile_counter != nullptr) : persistent_mode();
+      sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
   const Kernel kernel = sparse == nullptr ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
                         : persistent      ? fwd_kernel<Config, true, true>
@@ -140,11 +148,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   int grid = p.num_tiles;
   if (persistent) grid = std::min(grid, num_sms());
-  if (persistent && sparse != nullptr) {
-    const cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), static_cast<cudaStream_t>(a.stream));
-    if (e != cudaSuccess)
-      throw std::runtime_error(std::string("sparse_prefill cuda: cudaMemsetAsync: ") + cudaGetErrorString(e));
-  }
+  // Sparse: the counters (tile counter, plan) were zeroed and the plan built on the stream by run_split_plan.
   kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "api/validate.h"
+#include "cuda/fwd_args.h"
 #include "cuda/index_stage.h"
 
 namespace sparse_prefill::cuda {
@@ -66,6 +67,30 @@ struct KVArgs {
   int64_t page_size;
 };
 
+// Pooled-means cache (MeanCache, sparse.h); k == nullptr: none.
+struct MeanCacheArgs {
+  float* k = nullptr;
+  float* v = nullptr;
+  int slots_per_page = 1;  // page_size / block_size when pages hold whole blocks, else 1 (slot = the last page)
+
+  // Cache slot of complete block J of sequence b (paged KV): the page of its last key.
+  __device__ int64_t slot(const KVArgs& kv, int b, int64_t J, int block_size) const {
+    const int64_t j = (J + 1) * block_size - 1;
+    const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+    return page * slots_per_page + (slots_per_page > 1 ? (j % kv.page_size) / block_size : 0);
+  }
+};
+
+// What the pooling does with block J of sequence b: read it from the cache (complete, and ends before the call's
+// chunk: written by an earlier chunk's call), or pool it (and store it when complete).
+enum class PoolAction { kRead, kPoolStore, kPool };
+__device__ PoolAction pool_action(const MeanCacheArgs& cache, const SeqArgs& seq, int b, int64_t J, int block_size) {
+  if (cache.k == nullptr) return PoolAction::kPool;
+  const int64_t end = (J + 1) * block_size, k_len = seq.k_len(b);
+  if (end <= k_len - seq.q_len(b)) return PoolAction::kRead;
+  return end <= k_len ? PoolAction::kPoolStore : PoolAction::kPool;
+}
+
 template <typename T>
 __device__ float to_float(T x);
 template <> __device__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -79,8 +104,9 @@ template <> __device__ __half from_float<__half>(float x) { return __float2half(
 // (the grid covers the host-side bound) get zero low-precision means: the sparse kernel's correction steps load
 // whole chunks of 128 rows and multiply masked probabilities (0) by these values, so they must not be NaN.
 template <typename T>
-__global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads, int head_dim,
-                            const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
+__global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size, int num_kv_heads,
+                            int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp,
+                            T* v_mean_lowp) {
   const int64_t idx = blockIdx.x;
   const int kvh = blockIdx.y;
   if (idx >= cu_blocks[seq.batch]) {
@@ -95,6 +121,19 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_h
   const int64_t J = idx - cu_blocks[b];
   const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
   const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
+  const PoolAction act = pool_action(cache, seq, b, J, block_size);
+  const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
+  if (act == PoolAction::kRead) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
+      const float km = cache.k[cache_row * head_dim + d], vm = cache.v[cache_row * head_dim + d];
+      k_mean[o] = km;
+      v_mean[o] = vm;
+      k_mean_lowp[o] = from_float<T>(km);
+      v_mean_lowp[o] = from_float<T>(vm);
+    }
+    return;
+  }
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float ks = 0.f, vs = 0.f;
     for (int64_t j = lo; j < hi; ++j) {
@@ -117,6 +156,10 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_h
     v_mean[o] = vs * inv;
     k_mean_lowp[o] = from_float<T>(ks * inv);
     v_mean_lowp[o] = from_float<T>(vs * inv);
+    if (act == PoolAction::kPoolStore) {
+      cache.k[cache_row * head_dim + d] = ks * inv;
+      cache.v[cache_row * head_dim + d] = vs * inv;
+    }
   }
 }
 
@@ -126,7 +169,8 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_h
 // Measured need: chunked prefill re-pools the whole cache every step (4.3 GB for 8 x 128K at Hkv 8), where the
 // scalar kernel reached ~1 TB/s.
 template <typename T, int D>
-__global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads,
+__global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size,
+                                                       int num_kv_heads,
                                                        const int32_t* cu_blocks, float* k_mean, float* v_mean,
                                                        T* k_mean_lowp, T* v_mean_lowp) {
   constexpr int kVec = D / 8, kGroups = 128 / kVec;
@@ -146,6 +190,19 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, i
   const int64_t J = idx - cu_blocks[b];
   const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
   const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
+  const PoolAction act = pool_action(cache, seq, b, J, block_size);
+  const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
+  if (act == PoolAction::kRead) {  // a block an earlier chunk completed: 2 x D floats instead of 2 x block x D
+    for (int d = threadIdx.x; d < D; d += 128) {
+      const int64_t o = (idx * num_kv_heads + kvh) * D + d;
+      const float km = cache.k[cache_row * D + d], vm = cache.v[cache_row * D + d];
+      k_mean[o] = km;
+      v_mean[o] = vm;
+      k_mean_lowp[o] = from_float<T>(km);
+      v_mean_lowp[o] = from_float<T>(vm);
+    }
+    return;
+  }
   float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
   for (int64_t j = lo + grp; j < hi; j += kGroups) {
@@ -188,6 +245,10 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, i
     v_mean[o] = vt * inv;
     k_mean_lowp[o] = from_float<T>(kt * inv);
     v_mean_lowp[o] = from_float<T>(vt * inv);
+    if (act == PoolAction::kPoolStore) {
+      cache.k[cache_row * D + d] = kt * inv;
+      cache.v[cache_row * D + d] = vt * inv;
+    }
   }
 }
 
@@ -595,7 +656,9 @@ size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
   d.k_mean_lowp = take(pooled * 2);
   d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(32));
-  d.tile_counter = reinterpret_cast<int32_t*>(take(4));
+  const int sms = num_sms();
+  char* launch = take(sparse_launch_workspace_bytes(sms, p.head_dim));
+  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, p.head_dim);
   if (idx) *idx = d;
   return off;
 }
@@ -619,7 +682,7 @@ size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const 
 }
 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
-                        size_t workspace_bytes) {
+                        size_t workspace_bytes, const MeanCache* mean_cache) {
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
   }
@@ -667,6 +730,13 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     kv.bt_stride1 = in.block_table->stride[1];
     kv.page_size = p.page_size;
   }
+  MeanCacheArgs cache;
+  if (mean_cache != nullptr) {
+    if (!p.paged) throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k)");
+    cache.k = mean_cache->k_mean.ptr<float>();
+    cache.v = mean_cache->v_mean.ptr<float>();
+    cache.slots_per_page = p.page_size >= params.block_size ? int(p.page_size / params.block_size) : 1;
+  }
   // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
   bool vec_ok = (reinterpret_cast<uintptr_t>(in.k.data) % 16 == 0) && (reinterpret_cast<uintptr_t>(in.v.data) % 16 == 0);
   for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && in.k.stride[i] % 8 == 0 && in.v.stride[i] % 8 == 0;
@@ -675,7 +745,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     auto launch = [&](auto tag, auto dim) {
       using T = decltype(tag);
       pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(
-          seq, kv, params.block_size, p.num_kv_heads, d.cu_blocks, d.k_mean, d.v_mean,
+          seq, kv, cache, params.block_size, p.num_kv_heads, d.cu_blocks, d.k_mean, d.v_mean,
           static_cast<T*>(d.k_mean_lowp), static_cast<T*>(d.v_mean_lowp));
     };
     using D64 = std::integral_constant<int, 64>;
@@ -690,12 +760,12 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
     const int threads = std::min(p.head_dim, kPoolThreadsMax);
     if (p.dtype == DType::kBFloat16) {
-      pool_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads,
+      pool_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(seq, kv, cache, params.block_size, p.num_kv_heads,
                                                                 p.head_dim, d.cu_blocks, d.k_mean, d.v_mean,
                                                                 static_cast<__nv_bfloat16*>(d.k_mean_lowp),
                                                                 static_cast<__nv_bfloat16*>(d.v_mean_lowp));
     } else {
-      pool_kernel<__half><<<grid, threads, 0, stream>>>(seq, kv, params.block_size, p.num_kv_heads, p.head_dim,
+      pool_kernel<__half><<<grid, threads, 0, stream>>>(seq, kv, cache, params.block_size, p.num_kv_heads, p.head_dim,
                                                          d.cu_blocks, d.k_mean, d.v_mean,
                                                          static_cast<__half*>(d.k_mean_lowp),
                                                          static_cast<__half*>(d.v_mean_lowp));

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "api/problem.h"
+#include "cuda/fwd_args.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill::cuda {
@@ -38,8 +39,10 @@ struct DeviceIndex {
                                      // blocks are zero)
   unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
                                            // union mode the per-tile kept count before the union
-  int32_t* tile_counter = nullptr;   // [1]: the sparse kernel's tile scheduler (so one workspace serves one launch
-                                     // at a time: launches that share it must be ordered on one stream)
+  // The sparse kernel's scheduler counter and split-KV plan and partials (SparseLaunchWorkspace, fwd_args.h; about
+  // 70 MB on 132 SMs): one workspace serves one launch at a time, so launches that share it must be ordered on one
+  // stream.
+  SparseLaunchWorkspace launch;
 };
 
 // Workspace bytes for one call with these shapes (shape-only bound: no host read of lengths).
@@ -48,8 +51,10 @@ size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const 
 // Builds the index on in.stream (params.union_lists: union mode, params.final_chunk: last_n only when set).
 // Supports causal attention without an attention window, bf16/fp16, D in {64, 128},
 // contiguous or paged KV; other combinations throw NotImplementedError.
+// mean_cache (paged KV, validated by the caller: validate_mean_cache): the blocks that end before each sequence's
+// chunk are read from it, the blocks the chunk completes are pooled and written to it (MeanCache, sparse.h).
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
-                        size_t workspace_bytes);
+                        size_t workspace_bytes, const MeanCache* mean_cache = nullptr);
 
 // Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
 // workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the

@@ -31,7 +31,7 @@ def lib(path=None):
         err = [ctypes.c_char_p, I]
         sigs = {"sp_cuda_attention": call + err,
                 "sp_cuda_index_bytes": call + [I, ctypes.POINTER(LL)] + err,
-                "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL)] + err,
+                "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL), P, P] + err,
                 "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I] + err}
         for name, argtypes in sigs.items():
             if hasattr(handle, name):  # A/B variant libraries built from older shims lack the sparse entry points
@@ -134,14 +134,17 @@ def index_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ws, alpha=0.1, block_size=128,
                 sink=256, window=512, last_n=2, correction=True, block_table=None, seqused_k=None, final_chunk=True,
-                union=False):
-    """GPU index stage into `ws` (index_workspace) on torch's current stream; no synchronisation."""
+                union=False, mean_cache=None):
+    """GPU index stage into `ws` (index_workspace) on torch's current stream; no synchronisation.
+    mean_cache: (k_mean, v_mean) float32 [slots, Hkv, D] (sparse_prefill.mean_cache), paged KV only."""
     info = (ctypes.c_longlong * 12)()
     args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       block_table=block_table, seqused_k=seqused_k)
     _check(lib().sp_cuda_build_index, args + [float(alpha), int(block_size), int(sink), int(window), int(last_n),
                                                int(bool(correction)), int(bool(final_chunk)), int(bool(union)),
-                                               _ptr(ws), ws.numel(), info])
+                                               _ptr(ws), ws.numel(), info,
+                                               _ptr(mean_cache[0] if mean_cache else None),
+                                               _ptr(mean_cache[1] if mean_cache else None)])
     hkv = k.shape[-2]
     return DeviceIndex(ws, list(info), cu_seqlens_q.numel() - 1, hkv, q.shape[2], q.dtype, bool(correction))
 

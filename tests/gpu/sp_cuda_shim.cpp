@@ -145,15 +145,19 @@ int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, long long* bytes, char* 
 
 // Builds the index in `ws` on the stream. info[12] receives the device pointers and bounds of the index:
 // segment_start, segment_end, block_ids, cu_tiles, cu_blocks, k_mean_lowp, v_mean_lowp, counters (pointers), then
-// max_segments, capacity, max_blocks, block_size.
+// max_segments, capacity, max_blocks, block_size. mean_k / mean_v: a pooled-means cache (float32 [slots, Hkv, D],
+// MeanCache in sparse.h) or null.
 int sp_cuda_build_index(SP_CALL_PARAMS, float alpha, int block_size, int sink, int window, int last_n, int correction,
-                        int final_chunk, int union_lists, void* ws, long long ws_bytes, long long* info, char* err,
-                        int err_len) {
+                        int final_chunk, int union_lists, void* ws, long long ws_bytes, long long* info, void* mean_k,
+                        void* mean_v, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     Call c = make_call(SP_CALL_ARGS);
+    MeanCache cache;
+    cache.k_mean.data = mean_k;
+    cache.v_mean.data = mean_v;
     const cuda::DeviceIndex d = cuda::build_index(
         c.in, c.p, selection(alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists), ws,
-        size_t(ws_bytes));
+        size_t(ws_bytes), mean_k != nullptr ? &cache : nullptr);
     const void* ptrs[8] = {d.segment_start, d.segment_end, d.block_ids, d.cu_tiles, d.cu_blocks, d.k_mean_lowp,
                            d.v_mean_lowp, d.counters};
     for (int i = 0; i < 8; ++i) info[i] = (long long)reinterpret_cast<uintptr_t>(ptrs[i]);
@@ -182,12 +186,12 @@ int sp_cuda_sparse_attention(SP_CALL_PARAMS, const int* seg_start, const int* se
     d.cu_blocks = const_cast<int32_t*>(cu_blocks);
     d.k_mean_lowp = k_mean;
     d.v_mean_lowp = v_mean;
-    static int* counter = [] {  // the tile scheduler's counter (test infrastructure: one per process)
-      int* ptr = nullptr;
-      cudaMalloc(&ptr, sizeof(int));
+    static void* launch_ws = [] {  // the kernel's scheduler and split workspace (test infrastructure: one per process)
+      void* ptr = nullptr;
+      cudaMalloc(&ptr, cuda::sparse_launch_workspace_bytes(cuda::num_sms(), 128));
       return ptr;
     }();
-    d.tile_counter = counter;
+    d.launch = cuda::carve_sparse_launch_workspace(launch_ws, cuda::num_sms(), 128);
     cuda::sparse_attention(c.in, c.outs, c.p, d);
   });
 }

@@ -46,6 +46,10 @@ long check_sparse(long& checked) {
                 const int last_key = std::min(J * bs + bs, lk) - 1;
                 if (first_hi >= 0 && last_key <= first_hi && !listed.count(J)) expect.insert(J);
               }
+              // The split plan sizes tiles from planned_steps without scanning the list: an upper bound.
+              if (It::planned_steps(int(ids.size()), p_first, lq, lk, bs, corr) != it.n_real + it.n_chunks ||
+                  it.total() > it.n_real + it.n_chunks)
+                ++failures;
               std::set<int> keys_real;  // kernel blocks visited by real steps
               // Split-KV: the units' ranges tile [0, total) in order.
               for (int S : {1, 3, 8}) {
@@ -118,6 +122,43 @@ long check_sparse(long& checked) {
   return failures;
 }
 
+// The split plan's workspace bounds (fewer than 4 * SMs split tiles and 8 * SMs split units) for step
+// distributions from uniform to one huge tile among many tiny ones, and tiny totals (cap = kMinCap).
+long check_split_rule() {
+  using sparse_prefill::cuda::SplitRule;
+  std::mt19937 rng(11);
+  long failures = 0;
+  for (int sms : {1, 8, 132})
+    for (int trial = 0; trial < 400; ++trial) {
+      const int tiles = 1 + int(rng() % 5000);
+      std::vector<int> steps(tiles);
+      const int kind = trial % 4;
+      for (int& s : steps) {
+        if (kind == 0) s = int(rng() % 64);
+        else if (kind == 1) s = (rng() % 50 == 0) ? 1032 : int(rng() % 20);
+        else if (kind == 2) s = int(rng() % 3000);
+        else s = (rng() % 2 == 0) ? 0 : 40;
+      }
+      unsigned long long total = 0;
+      for (int s : steps) total += s;
+      const int cap = SplitRule::cap(total, sms);
+      long units = 0, split_tiles = 0;
+      for (int s : steps) {
+        const int n = SplitRule::nsplit(s, cap);
+        if (n < 1 || n > SplitRule::kMaxSplits || (s <= cap) != (n == 1)) ++failures;
+        if (n > 1) {
+          units += n;
+          ++split_tiles;
+        }
+      }
+      if (units >= 8L * sms || split_tiles >= 4L * sms) {
+        if (failures < 5) std::printf("FAIL split bound: %ld units, %ld tiles, %d SMs\n", units, split_tiles, sms);
+        ++failures;
+      }
+    }
+  return failures;
+}
+
 int main() {
   constexpr int M = 128, N = 128;
   using It = DenseBlockIterator<M, N>;
@@ -159,5 +200,8 @@ int main() {
   const long sparse_failures = check_sparse(sparse_checked);
   std::printf("sparse block iterator: %ld steps checked, %ld failures\n", sparse_checked, sparse_failures);
   failures += sparse_failures;
+  const long plan_failures = check_split_rule();
+  std::printf("split rule: %ld failures\n", plan_failures);
+  failures += plan_failures;
   return failures == 0 ? 0 : 1;
 }

@@ -183,6 +183,21 @@ def test_sparse_block_size_256_matches_cpu_reference():
     _check_close(got, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("correction", [True, False])
+def test_sparse_split_heavy_tiles_matches_cpu_reference(correction):
+    """Final chunks against long caches: the dense last_n tiles (94 blocks) are far above the split plan's cap (its
+    minimum, 32 steps, for a problem this small), so they run as 3 split units with float32 partials while the other
+    tiles write out directly; varlen batch, GQA 4, poisoned out, LSE."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2))
+    ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
+    out = torch.full_like(gpu[0], float("nan"))
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    _check_close(out, lse, ref, ref_lse)
+
+
 def test_sparse_unsupported_on_cuda_is_a_clear_error():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [256], [256], 4, 2)
@@ -232,3 +247,34 @@ def test_chunked_prompt_alpha0_equals_dense(union):
     torch.cuda.synchronize()
     # Chunks are split-KV launches (float32 combine, one rounding): within 2 bf16 ulps of the dense kernel.
     torch.testing.assert_close(torch.cat(outs).float(), dense.float(), atol=1e-2, rtol=2 ** -7)
+
+
+def test_chunked_prompt_mean_cache_on_gpu():
+    """A 6000-token prompt in 1500-token chunks over a paged cache with the pooled-means cache: every step reads the
+    blocks earlier steps wrote and pools only its own, so its outputs equal the steps that re-pool the whole cache
+    bit for bit (the same kernel computes every mean); afterwards each complete block's slot holds the CPU
+    reference's means."""
+    rng = np.random.default_rng()
+    L, C, hq, hkv, ps = 6000, 1500, 8, 2, 64
+    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                     seed=int(rng.integers(1 << 30)))
+    bf = torch.bfloat16
+    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
+    qg, kc, vc, bt = _to(q, "cuda", bf), _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda")
+    means = sp.mean_cache(kc)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        step = (qg[c0:c1], kc, vc, torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda"), bt,
+                torch.tensor([c1], dtype=torch.int32, device="cuda"), c1 - c0, c1)
+        got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.2)
+        want = sp.chunked_prefill(*step, final_chunk=c1 == L, alpha=0.2)
+        torch.cuda.synchronize()
+        assert not torch.isnan(got).any() and torch.equal(got, want)
+    kb = torch.from_numpy(k).to(bf).float().numpy()     # the bf16 keys the GPU pooled, in float
+    vb = torch.from_numpy(v).to(bf).float().numpy()
+    k_mean, v_mean, _ = sp.pool_kv(kb, vb, np.array([0, L], np.int32), block_size=128)
+    km, vm, table = means[0].cpu().numpy(), means[1].cpu().numpy(), bt.cpu().numpy()
+    for J in range(L // 128):
+        slot = table[0, (J * 128 + 127) // ps]
+        np.testing.assert_allclose(km[slot], k_mean[J], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(vm[slot], v_mean[J], rtol=1e-5, atol=1e-5)

@@ -338,6 +338,53 @@ def test_chunked_prefill_bad_input(rng):
         sp.chunked_prefill(q, kc, vc, np.array([0, C - 1], np.int32), bt, used, C, L, final_chunk=True)
 
 
+@pytest.mark.parametrize("page,block", [(64, 128), (256, 128), (64, 64)])
+def test_chunked_prefill_mean_cache(rng, page, block):
+    """A 1000-token prompt in chunks of 300 over one paged cache, with a pooled-means cache passed to every step:
+    outputs equal the steps without it, and afterwards every complete block's slot holds pool_kv's means."""
+    L, C = 1000, 300
+    q, k, v, cu_q, cu_k = topic_batch([L], [L])
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, page)
+    sel = dict(SEL, block_size=block)
+    means = sp.mean_cache(kc, block_size=block)
+    assert means[0].shape == (kc.shape[0] * max(1, page // block), kc.shape[2], kc.shape[3])
+    assert means[0].dtype == np.float32 and not means[0].any()
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        args_ = (q[c0:c1], kc, vc, np.array([0, c1 - c0], np.int32), bt, np.array([c1], np.int32), c1 - c0, c1)
+        got = sp.chunked_prefill(*args_, final_chunk=c1 == L, mean_cache=means, **sel)
+        want = sp.chunked_prefill(*args_, final_chunk=c1 == L, **sel)
+        np.testing.assert_array_equal(got, want)
+    k_mean, v_mean, _ = sp.pool_kv(k, v, cu_k, block_size=block)
+    for J in range(L // block):                                  # complete blocks only
+        last = (J + 1) * block - 1
+        pg = bt[0, last // page]
+        slot = pg * (page // block) + (last % page) // block if page >= block else pg
+        np.testing.assert_allclose(means[0][slot], k_mean[J], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(means[1][slot], v_mean[J], rtol=1e-6, atol=1e-6)
+
+
+def test_mean_cache_bad_input(rng):
+    q, kc, vc, cu_q, bt, used, C, L = _paged_chunk(rng)
+    means = sp.mean_cache(kc)
+    step = (q, kc, vc, cu_q, bt, used, C, L)
+    with pytest.raises(ValueError, match="^mean_cache.k_mean"):
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=(means[0][:-1], means[1]))
+    with pytest.raises(TypeError, match="^mean_cache.v_mean"):
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=(means[0], means[1].astype(np.float64)))
+    with pytest.raises(TypeError, match="^mean_cache"):
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=means[0])
+    with pytest.raises(ValueError, match="^mean_cache.v_mean"):
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=(means[0], means[0]))
+    qc, k, v, cu_q2, cu_k = topic_batch([C], [L])
+    with pytest.raises(ValueError, match="^mean_cache"):            # contiguous KV: no pages to key the slots by
+        sp.sparse_prefill(qc, k, v, cu_q2, cu_k, C, L, mean_cache=means)
+    with pytest.raises(ValueError, match="^block_size"):
+        sp.mean_cache(kc[:, :48], block_size=128)                   # 48-token pages and 128-token blocks
+    with pytest.raises(ValueError, match="^k_cache"):
+        sp.mean_cache(kc[0])
+
+
 def test_index_reused_across_array_libraries(batch):
     torch = pytest.importorskip("torch")
     q, k, v, cu_q, cu_k = batch

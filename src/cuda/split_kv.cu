@@ -1,0 +1,259 @@
+// Split-KV for the block-sparse kernel, all on the device (no host synchronisation, graph-capturable):
+//   plan (before the launch): total planned steps of all tiles, then cap = max(kMinCap, ceil(total / (4 * SMs)));
+//     every tile with more planned steps than cap becomes nsplit = ceil(steps / cap) units (at most 32), each a
+//     contiguous share of the tile's steps writing float32 partials (SparseLaunchWorkspace, fwd_args.h). Why: one
+//     heavy tile (the final chunk's dense last_n tiles see every block: 1032 steps at 128K against ~15 for the
+//     others) otherwise runs alone on one SM long after the rest finished. Tiles no heavier than cap keep one unit
+//     and write out directly, so balanced shapes pay nothing for the split.
+//   combine (after the launch): out = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s), one warp per row of
+//     a split tile, one lane per split.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/block_iterator.h"
+#include "cuda/fwd_args.h"
+
+namespace sparse_prefill::cuda {
+namespace {
+
+using LW = SparseLaunchWorkspace;
+constexpr int kRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
+constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
+
+struct PlanArgs {
+  const int* cu_q;
+  const int* cu_k;
+  const int* seqused_k;
+  const int32_t* cu_tiles;
+  const int32_t* seg_start;
+  const int32_t* seg_end;
+  int num_kv_heads, batch, max_tiles, group_size, block_size, correction, num_coord_tiles, num_sms;
+  int* counters;
+  int32_t* split_tiles;
+  int32_t* slot_tile;
+};
+
+// Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's tile_work() decides from the
+// same SparseBlockIterator::planned_steps.
+__device__ int tile_steps(const PlanArgs& a, int t) {
+  const SparseTileCoord c = sparse_tile_coord(t, a.num_kv_heads, a.batch, a.max_tiles);
+  const int tile_base = a.cu_tiles[c.batch];
+  const int tiles = a.cu_tiles[c.batch + 1] - tile_base;
+  if (c.tile >= tiles) return 0;
+  const SeqSpan s = load_seq_span(a.cu_q, a.cu_k, a.seqused_k, c.batch);
+  const int seg = a.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
+  const int n_listed = a.seg_end[seg] - a.seg_start[seg];
+  return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.group_size, s.q_len, s.k_len,
+                                                       a.block_size, a.correction != 0);
+}
+
+__global__ void __launch_bounds__(256) plan_total_kernel(PlanArgs a) {
+  const int t = blockIdx.x * 256 + threadIdx.x;
+  unsigned long long v = t < a.num_coord_tiles ? (unsigned long long)tile_steps(a, t) : 0ull;
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __shared__ unsigned long long warp_sum[8];
+  if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long sum = 0;
+    for (int w = 0; w < 8; ++w) sum += warp_sum[w];
+    if (sum) atomicAdd(reinterpret_cast<unsigned long long*>(a.counters + LW::kTotalLo), sum);
+  }
+}
+
+__device__ int plan_cap(const PlanArgs& a) {
+  return SplitRule::cap(*reinterpret_cast<const unsigned long long*>(a.counters + LW::kTotalLo), a.num_sms);
+}
+
+__global__ void __launch_bounds__(256) plan_split_kernel(PlanArgs a) {
+  const int cap = plan_cap(a);
+  const int t = blockIdx.x * 256 + threadIdx.x;
+  if (t == 0) a.counters[LW::kCap] = cap;
+  if (t >= a.num_coord_tiles) return;
+  const int steps = tile_steps(a, t);
+  const int nsplit = SplitRule::nsplit(steps, cap);  // the bounds of the workspace arrays hold (SplitRule)
+  if (nsplit == 1) return;
+  const int idx = atomicAdd(a.counters + LW::kSplitTiles, 1);
+  const int base = atomicAdd(a.counters + LW::kSplitUnits, nsplit);
+  reinterpret_cast<int4*>(a.split_tiles)[idx] = make_int4(t, base, nsplit, 0);
+  for (int s = 0; s < nsplit; ++s) a.slot_tile[base + s] = idx;
+}
+
+template <typename T>
+__device__ void store4(T* dst, float4 v);
+template <>
+__device__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float4 v) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&lo);
+  u.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+template <>
+__device__ void store4<__half>(__half* dst, float4 v) {
+  __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&lo);
+  u.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
+struct CombineArgs {
+  const int* cu_q;
+  const int* counters;
+  const int32_t* split_tiles;
+  const float* o_partial;
+  const float* lse_partial;
+  void* out;
+  float* lse;
+  int64_t o_rs, o_hs, l_hs, l_rs;
+  int num_kv_heads, batch, max_tiles, group_size;
+};
+
+// One CTA per split tile (grid = max_split_tiles; CTAs past the plan's count return), one warp per row.
+template <typename T, int D>
+__global__ void __launch_bounds__(128) split_combine_kernel(CombineArgs a) {
+  if (int(blockIdx.x) >= a.counters[LW::kSplitTiles]) return;
+  const int4 e = reinterpret_cast<const int4*>(a.split_tiles)[blockIdx.x];
+  const SparseTileCoord c = sparse_tile_coord(e.x, a.num_kv_heads, a.batch, a.max_tiles);
+  const int q_start = a.cu_q[c.batch], q_len = a.cu_q[c.batch + 1] - q_start;
+  const int row0 = c.tile * kRows;
+  const int rows_left = q_len * a.group_size - row0;
+  const int tile_rows = rows_left < kRows ? rows_left : int(kRows);
+  const int lane = threadIdx.x % 32, nsplit = e.z;
+  constexpr int kPer = D / 32;
+  static_assert(kPer == 4, "one float4 per lane");
+  for (int r = threadIdx.x / 32; r < tile_rows; r += 4) {
+    const float l = lane < nsplit ? a.lse_partial[int64_t(e.y + lane) * kRows + r] : -INFINITY;
+    float m = l;
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float w = m == -INFINITY ? 0.f : expf(l - m);
+    float sum = w;
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    w = sum > 0.f ? w / sum : 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < nsplit; ++s) {
+      const float ws = __shfl_sync(0xffffffffu, w, s);
+      if (ws == 0.f) continue;  // also skips the partials of empty shares
+      const float4 v = *reinterpret_cast<const float4*>(a.o_partial + (int64_t(e.y + s) * kRows + r) * D + lane * kPer);
+      acc.x += ws * v.x;
+      acc.y += ws * v.y;
+      acc.z += ws * v.z;
+      acc.w += ws * v.w;
+    }
+    const int pos = (row0 + r) / a.group_size;
+    const int head = c.kv_head * a.group_size + (row0 + r) % a.group_size;
+    T* dst = static_cast<T*>(a.out) + int64_t(q_start + pos) * a.o_rs + int64_t(head) * a.o_hs + lane * kPer;
+    store4<T>(dst, acc);
+    if (a.lse != nullptr && lane == 0)
+      a.lse[int64_t(head) * a.l_hs + int64_t(q_start + pos) * a.l_rs] =
+          (m == -INFINITY || !(sum > 0.f)) ? -INFINITY : m + logf(sum);
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("sparse_prefill cuda: ") + what + ": " + cudaGetErrorString(e));
+}
+
+int max_tiles_of(const FwdArgs& a) {
+  const int g = a.num_q_heads / a.num_kv_heads;
+  return int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows);
+}
+
+size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
+
+}  // namespace
+
+size_t sparse_launch_workspace_bytes(int num_sms, int head_dim) {
+  const size_t units = size_t(8) * num_sms, tiles = size_t(4) * num_sms;
+  return pad256(LW::kCounters * 4) + pad256(tiles * 16) + pad256(units * 4) + pad256(units * kRows * head_dim * 4) +
+         pad256(units * kRows * 4);
+}
+
+SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim) {
+  SparseLaunchWorkspace w;
+  w.max_split_units = 8 * num_sms;
+  w.max_split_tiles = 4 * num_sms;
+  char* p = static_cast<char*>(base);
+  auto take = [&](size_t bytes) {
+    char* r = p;
+    p += pad256(bytes);
+    return r;
+  };
+  w.counters = reinterpret_cast<int*>(take(LW::kCounters * 4));
+  w.split_tiles = reinterpret_cast<int32_t*>(take(size_t(w.max_split_tiles) * 16));
+  w.slot_tile = reinterpret_cast<int32_t*>(take(size_t(w.max_split_units) * 4));
+  w.o_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * head_dim * 4));
+  w.lse_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * 4));
+  return w;
+}
+
+void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
+  const SparseLaunchWorkspace& w = s.launch;
+  if (w.counters == nullptr) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  check(cudaMemsetAsync(w.counters, 0, LW::kCounters * sizeof(int), stream), "cudaMemsetAsync (sparse counters)");
+  if (!w.plan || a.total_q == 0 || a.batch == 0) return;
+  PlanArgs p;
+  p.cu_q = a.cu_seqlens_q;
+  p.cu_k = a.cu_seqlens_k;
+  p.seqused_k = a.page_size > 0 ? a.seqused_k : nullptr;
+  p.cu_tiles = s.cu_tiles;
+  p.seg_start = s.segment_start;
+  p.seg_end = s.segment_end;
+  p.num_kv_heads = a.num_kv_heads;
+  p.batch = a.batch;
+  p.max_tiles = max_tiles_of(a);
+  p.group_size = a.num_q_heads / a.num_kv_heads;
+  p.block_size = s.block_size;
+  p.correction = sparse_correction_on(s) ? 1 : 0;
+  const int64_t coord = int64_t(a.num_kv_heads) * p.max_tiles * a.batch;
+  if (coord == 0) return;
+  if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
+  p.num_coord_tiles = int(coord);
+  p.num_sms = w.max_split_units / 8;
+  p.counters = w.counters;
+  p.split_tiles = w.split_tiles;
+  p.slot_tile = w.slot_tile;
+  const unsigned grid = unsigned((coord + 255) / 256);
+  plan_total_kernel<<<grid, 256, 0, stream>>>(p);
+  check(cudaGetLastError(), "split plan launch");
+  plan_split_kernel<<<grid, 256, 0, stream>>>(p);
+  check(cudaGetLastError(), "split plan launch");
+}
+
+void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
+  const SparseLaunchWorkspace& w = s.launch;
+  if (w.counters == nullptr || !w.plan || a.total_q == 0 || a.batch == 0) return;
+  if (a.head_dim != 128) throw std::runtime_error("sparse_prefill cuda: split combine is built for head dim 128");
+  CombineArgs c;
+  c.cu_q = a.cu_seqlens_q;
+  c.counters = w.counters;
+  c.split_tiles = w.split_tiles;
+  c.o_partial = w.o_partial;
+  c.lse_partial = w.lse_partial;
+  c.out = a.out;
+  c.lse = a.lse;
+  c.o_rs = a.o_row_stride;
+  c.o_hs = a.o_head_stride;
+  c.l_hs = a.lse_head_stride;
+  c.l_rs = a.lse_row_stride;
+  c.num_kv_heads = a.num_kv_heads;
+  c.batch = a.batch;
+  c.max_tiles = max_tiles_of(a);
+  c.group_size = a.num_q_heads / a.num_kv_heads;
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  if (bf16)
+    split_combine_kernel<__nv_bfloat16, 128><<<w.max_split_tiles, 128, 0, stream>>>(c);
+  else
+    split_combine_kernel<__half, 128><<<w.max_split_tiles, 128, 0, stream>>>(c);
+  check(cudaGetLastError(), "combine launch");
+}
+
+}  // namespace sparse_prefill::cuda
