@@ -35,12 +35,18 @@ struct FwdArgs {
 
 // Per-launch device state of the sparse kernel, carved from caller memory (sparse_launch_workspace_bytes):
 //   counters [kCounters]: the persistent scheduler's tile counter and the split-KV plan (zeroed before each launch);
-//   split_tiles [max_split_tiles]: {tile, first partial slot, nsplit, 0} of every tile run as nsplit > 1 units;
-//   slot_tile [max_split_units]: partial slot -> entry of split_tiles;
+//   split_tiles [max_split_tiles]: {tile, nsplit, 0, 0} of every tile run as nsplit > 1 units, sorted by nsplit
+//     (descending) then tile;
+//   slot_tile [max_split_units]: unit u (= its partial slot) -> entry | split << 16. Units are ordered split-major
+//     (split 0 of every split tile, then split 1, ...): split s of entry e is unit counters[kSplitBase + s] + e, so
+//     the tiles that read the same key range at the same time (the g-head tiles of one KV head) share it in L2;
 //   o_partial [max_split_units, 128, D] / lse_partial [max_split_units, 128]: float32 partials, one slot per unit.
 // Split plan (SplitRule, block_iterator.h): fewer than 4 * SMs split tiles and 8 * SMs split units, always.
 struct SparseLaunchWorkspace {
-  enum : int { kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kCounters = 8 };
+  enum : int {
+    kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kSplitBase = 8,
+    kCounters = 8 + 32
+  };
   int* counters = nullptr;
   int32_t* split_tiles = nullptr;       // [max_split_tiles][4]
   int32_t* slot_tile = nullptr;

@@ -141,10 +141,11 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     int t = u - n_split_units, split = 0, nsplit = 1;
     w.slot = -1;
     if (u < n_split_units) {
-      const int4 e = reinterpret_cast<const int4*>(params.split_tiles)[params.slot_tile[u]];
+      const int v = params.slot_tile[u];
+      const int4 e = reinterpret_cast<const int4*>(params.split_tiles)[v & 0xffff];
       t = e.x;
-      split = u - e.y;
-      nsplit = e.z;
+      split = v >> 16;
+      nsplit = e.y;
       w.slot = u;
     }
     w.valid = t < params.num_coord_tiles;

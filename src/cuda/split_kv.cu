@@ -5,6 +5,7 @@
 //     heavy tile (the final chunk's dense last_n tiles see every block: 1032 steps at 128K against ~15 for the
 //     others) otherwise runs alone on one SM long after the rest finished. Tiles no heavier than cap keep one unit
 //     and write out directly, so balanced shapes pay nothing for the split.
+//   order: the split tiles sorted, their units numbered split-major (plan_order_kernel);
 //   combine (after the launch): out = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s), one warp per row of
 //     a split tile, one lane per split.
 #include <cuda_bf16.h>
@@ -79,10 +80,69 @@ __global__ void __launch_bounds__(256) plan_split_kernel(PlanArgs a) {
   const int steps = tile_steps(a, t);
   const int nsplit = SplitRule::nsplit(steps, cap);  // the bounds of the workspace arrays hold (SplitRule)
   if (nsplit == 1) return;
-  const int idx = atomicAdd(a.counters + LW::kSplitTiles, 1);
-  const int base = atomicAdd(a.counters + LW::kSplitUnits, nsplit);
-  reinterpret_cast<int4*>(a.split_tiles)[idx] = make_int4(t, base, nsplit, 0);
-  for (int s = 0; s < nsplit; ++s) a.slot_tile[base + s] = idx;
+  const int idx = atomicAdd(a.counters + LW::kSplitTiles, 1);  // arbitrary order: plan_order_kernel sorts
+  atomicAdd(a.counters + LW::kSplitUnits, nsplit);
+  reinterpret_cast<int4*>(a.split_tiles)[idx] = make_int4(t, nsplit, 0, 0);
+}
+
+// One CTA: sorts the split tiles by (nsplit descending, tile) and numbers their units split-major (split 0 of every
+// tile, then split 1, ...; the tiles with nsplit > s are a prefix of the sorted list, so split s of entry e is unit
+// base_s + e). Deterministic, and the units running together read the same key ranges: the g-head tiles of one KV
+// head (neighbours in the tile order) share them in L2 instead of each streaming the whole cache from DRAM.
+constexpr int kOrderThreads = 1024, kOrderMax = 2048;  // max_split_tiles = 4 * SMs <= 2048 (checked on the host)
+__global__ void __launch_bounds__(kOrderThreads) plan_order_kernel(PlanArgs a) {
+  __shared__ unsigned long long key[kOrderMax];
+  __shared__ int count_gt[SplitRule::kMaxSplits + 1];  // count_gt[s]: entries with nsplit > s
+  const int n = a.counters[LW::kSplitTiles];
+  if (n == 0) return;
+  int4* entries = reinterpret_cast<int4*>(a.split_tiles);
+  int len = 1;
+  while (len < n) len *= 2;
+  for (int i = threadIdx.x; i < len; i += kOrderThreads) {
+    if (i < n) {
+      const int4 e = entries[i];
+      key[i] = (static_cast<unsigned long long>(SplitRule::kMaxSplits - e.y) << 32) | static_cast<unsigned>(e.x);
+    } else {
+      key[i] = ~0ull;
+    }
+  }
+  if (threadIdx.x <= SplitRule::kMaxSplits) count_gt[threadIdx.x] = 0;
+  __syncthreads();
+  for (int k = 2; k <= len; k *= 2) {  // bitonic sort, ascending
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int i = threadIdx.x; i < len; i += kOrderThreads) {
+        const int partner = i ^ j;
+        if (partner > i) {
+          const bool up = (i & k) == 0;
+          const unsigned long long x = key[i], y = key[partner];
+          if ((x > y) == up) {
+            key[i] = y;
+            key[partner] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = threadIdx.x; i < n; i += kOrderThreads) {
+    const int nsplit = SplitRule::kMaxSplits - int(key[i] >> 32);
+    const int next = i + 1 < n ? SplitRule::kMaxSplits - int(key[i + 1] >> 32) : 0;
+    for (int s = next; s < nsplit; ++s) count_gt[s] = i + 1;  // the last entry with nsplit > s is i
+    entries[i] = make_int4(int(key[i] & 0xffffffffu), nsplit, 0, 0);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int base = 0;
+    for (int s = 0; s < SplitRule::kMaxSplits; ++s) {
+      a.counters[LW::kSplitBase + s] = base;
+      base += count_gt[s];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += kOrderThreads) {
+    const int nsplit = entries[i].y;
+    for (int s = 0; s < nsplit; ++s) a.slot_tile[a.counters[LW::kSplitBase + s] + i] = i | (s << 16);
+  }
 }
 
 template <typename T>
@@ -116,21 +176,25 @@ struct CombineArgs {
   int num_kv_heads, batch, max_tiles, group_size;
 };
 
-// One CTA per split tile (grid = max_split_tiles; CTAs past the plan's count return), one warp per row.
+// One warp per row of a split tile (grid-stride over n_split_tiles x 128 rows), one lane per split: the rows of a
+// few heavy tiles spread over the whole GPU (one CTA per tile left 16 SMs doing 28 splits x 32 rows each: ~0.8 ms).
+constexpr int kCombineWarps = 8;
 template <typename T, int D>
-__global__ void __launch_bounds__(128) split_combine_kernel(CombineArgs a) {
-  if (int(blockIdx.x) >= a.counters[LW::kSplitTiles]) return;
-  const int4 e = reinterpret_cast<const int4*>(a.split_tiles)[blockIdx.x];
-  const SparseTileCoord c = sparse_tile_coord(e.x, a.num_kv_heads, a.batch, a.max_tiles);
-  const int q_start = a.cu_q[c.batch], q_len = a.cu_q[c.batch + 1] - q_start;
-  const int row0 = c.tile * kRows;
-  const int rows_left = q_len * a.group_size - row0;
-  const int tile_rows = rows_left < kRows ? rows_left : int(kRows);
-  const int lane = threadIdx.x % 32, nsplit = e.z;
+__global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(CombineArgs a) {
+  const int n_rows = a.counters[LW::kSplitTiles] * kRows;
+  const int lane = threadIdx.x % 32;
   constexpr int kPer = D / 32;
   static_assert(kPer == 4, "one float4 per lane");
-  for (int r = threadIdx.x / 32; r < tile_rows; r += 4) {
-    const float l = lane < nsplit ? a.lse_partial[int64_t(e.y + lane) * kRows + r] : -INFINITY;
+  for (int item = blockIdx.x * kCombineWarps + threadIdx.x / 32; item < n_rows; item += gridDim.x * kCombineWarps) {
+    const int idx = item / kRows, r = item % kRows;
+    const int4 e = reinterpret_cast<const int4*>(a.split_tiles)[idx];
+    const int nsplit = e.y;
+    const SparseTileCoord c = sparse_tile_coord(e.x, a.num_kv_heads, a.batch, a.max_tiles);
+    const int q_start = a.cu_q[c.batch], q_len = a.cu_q[c.batch + 1] - q_start;
+    const int row0 = c.tile * kRows;
+    if (r >= q_len * a.group_size - row0) continue;  // rows past the sequence
+    const int my_slot = lane < nsplit ? a.counters[LW::kSplitBase + lane] + idx : 0;
+    const float l = lane < nsplit ? a.lse_partial[int64_t(my_slot) * kRows + r] : -INFINITY;
     float m = l;
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float w = m == -INFINITY ? 0.f : expf(l - m);
@@ -138,14 +202,17 @@ __global__ void __launch_bounds__(128) split_combine_kernel(CombineArgs a) {
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     w = sum > 0.f ? w / sum : 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
     for (int s = 0; s < nsplit; ++s) {
       const float ws = __shfl_sync(0xffffffffu, w, s);
-      if (ws == 0.f) continue;  // also skips the partials of empty shares
-      const float4 v = *reinterpret_cast<const float4*>(a.o_partial + (int64_t(e.y + s) * kRows + r) * D + lane * kPer);
-      acc.x += ws * v.x;
-      acc.y += ws * v.y;
-      acc.z += ws * v.z;
-      acc.w += ws * v.w;
+      const int slot = __shfl_sync(0xffffffffu, my_slot, s);
+      const float4 v = *reinterpret_cast<const float4*>(a.o_partial + (int64_t(slot) * kRows + r) * D + lane * kPer);
+      if (ws != 0.f) {  // an empty share (lse = -inf) has weight 0 (its partial holds zeros)
+        acc.x += ws * v.x;
+        acc.y += ws * v.y;
+        acc.z += ws * v.z;
+        acc.w += ws * v.w;
+      }
     }
     const int pos = (row0 + r) / a.group_size;
     const int head = c.kv_head * a.group_size + (row0 + r) % a.group_size;
@@ -177,6 +244,7 @@ size_t sparse_launch_workspace_bytes(int num_sms, int head_dim) {
 }
 
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim) {
+  if (4 * num_sms > kOrderMax) throw std::runtime_error("sparse_prefill cuda: split plan built for at most 512 SMs");
   SparseLaunchWorkspace w;
   w.max_split_units = 8 * num_sms;
   w.max_split_tiles = 4 * num_sms;
@@ -226,6 +294,8 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   check(cudaGetLastError(), "split plan launch");
   plan_split_kernel<<<grid, 256, 0, stream>>>(p);
   check(cudaGetLastError(), "split plan launch");
+  plan_order_kernel<<<1, kOrderThreads, 0, stream>>>(p);
+  check(cudaGetLastError(), "split plan launch");
 }
 
 void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
@@ -249,10 +319,11 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   c.max_tiles = max_tiles_of(a);
   c.group_size = a.num_q_heads / a.num_kv_heads;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const int grid = w.max_split_units / 2;  // 4 CTAs of 8 warps per SM: at most 32 rows per warp
   if (bf16)
-    split_combine_kernel<__nv_bfloat16, 128><<<w.max_split_tiles, 128, 0, stream>>>(c);
+    split_combine_kernel<__nv_bfloat16, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
   else
-    split_combine_kernel<__half, 128><<<w.max_split_tiles, 128, 0, stream>>>(c);
+    split_combine_kernel<__half, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
   check(cudaGetLastError(), "combine launch");
 }
 
