@@ -63,8 +63,10 @@ SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int ba
 struct SplitRule {
   static constexpr int kMinCap = 32;     // steps; below this a unit's fixed cost (Q gather, epilogue) dominates
   static constexpr int kMaxSplits = 32;  // one combine lane per split
-  SP_HOST_DEVICE static int cap(unsigned long long total_steps, int num_sms) {
-    const unsigned long long share = (total_steps + 4ull * num_sms - 1) / (4ull * num_sms);
+  static constexpr int kMaxUnitsPerSm = 4;  // the workspace bound above; cap() may use fewer (a coarser split)
+  SP_HOST_DEVICE static int cap(unsigned long long total_steps, int num_sms, int units_per_sm = kMaxUnitsPerSm) {
+    const unsigned long long parts = (unsigned long long)num_sms * (unsigned long long)units_per_sm;
+    const unsigned long long share = (total_steps + parts - 1) / parts;
     const unsigned long long c = share > (unsigned long long)kMinCap ? share : (unsigned long long)kMinCap;
     return c < 0x7fffffffull ? int(c) : 0x7fffffff;
   }

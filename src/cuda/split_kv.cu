@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,7 @@ struct PlanArgs {
   const int32_t* seg_start;
   const int32_t* seg_end;
   int num_kv_heads, batch, max_tiles, group_size, block_size, correction, num_coord_tiles, num_sms;
+  int units_per_sm;  // SplitRule::cap's divisor, 1..kMaxUnitsPerSm
   int* counters;
   int32_t* split_tiles;
   int32_t* slot_tile;
@@ -69,7 +71,8 @@ __global__ void __launch_bounds__(256) plan_total_kernel(PlanArgs a) {
 }
 
 __device__ int plan_cap(const PlanArgs& a) {
-  return SplitRule::cap(*reinterpret_cast<const unsigned long long*>(a.counters + LW::kTotalLo), a.num_sms);
+  return SplitRule::cap(*reinterpret_cast<const unsigned long long*>(a.counters + LW::kTotalLo), a.num_sms,
+                        a.units_per_sm);
 }
 
 __global__ void __launch_bounds__(256) plan_split_kernel(PlanArgs a) {
@@ -286,6 +289,12 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_coord_tiles = int(coord);
   p.num_sms = w.max_split_units / 8;
+  static const int units_per_sm = [] {  // SP_SPLIT_UNITS_PER_SM=1..4 (A/B runs of the split granularity)
+    const char* e = std::getenv("SP_SPLIT_UNITS_PER_SM");
+    const int v = e ? std::atoi(e) : SplitRule::kMaxUnitsPerSm;
+    return v < 1 ? 1 : (v > SplitRule::kMaxUnitsPerSm ? SplitRule::kMaxUnitsPerSm : v);
+  }();
+  p.units_per_sm = units_per_sm;
   p.counters = w.counters;
   p.split_tiles = w.split_tiles;
   p.slot_tile = w.slot_tile;
