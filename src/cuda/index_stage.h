@@ -40,7 +40,7 @@ struct DeviceIndex {
   unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
                                            // union mode the per-tile kept count before the union
   // The sparse kernel's scheduler counter and split-KV plan and partials (SparseLaunchWorkspace, fwd_args.h; about
-  // 70 MB on 132 SMs): one workspace serves one launch at a time, so launches that share it must be ordered on one
+  // 35 MB on 132 SMs): one workspace serves one launch at a time, so launches that share it must be ordered on one
   // stream.
   SparseLaunchWorkspace launch;
 };

@@ -1,6 +1,6 @@
 // Split-KV for the block-sparse kernel, all on the device (no host synchronisation, graph-capturable):
-//   plan (before the launch): total planned steps of all tiles, then cap = max(kMinCap, ceil(total / (4 * SMs)));
-//     every tile with more planned steps than cap becomes nsplit = ceil(steps / cap) units (at most 32), each a
+//   plan (before the launch): total planned steps of all tiles, then cap = max(kMinCap, ceil(total / SMs))
+//     (SplitRule); every tile with more planned steps than cap becomes nsplit = ceil(steps / cap) units (at most 32), each a
 //     contiguous share of the tile's steps writing float32 partials (SparseLaunchWorkspace, fwd_args.h). Why: one
 //     heavy tile (the final chunk's dense last_n tiles see every block: 1032 steps at 128K against ~15 for the
 //     others) otherwise runs alone on one SM long after the rest finished. Tiles no heavier than cap keep one unit
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(256) plan_split_kernel(PlanArgs a) {
 // tile, then split 1, ...; the tiles with nsplit > s are a prefix of the sorted list, so split s of entry e is unit
 // base_s + e). Deterministic, and the units running together read the same key ranges: the g-head tiles of one KV
 // head (neighbours in the tile order) share them in L2 instead of each streaming the whole cache from DRAM.
-constexpr int kOrderThreads = 1024, kOrderMax = 2048;  // max_split_tiles = 4 * SMs <= 2048 (checked on the host)
+constexpr int kOrderThreads = 1024, kOrderMax = 2048;  // max_split_tiles <= 2048 (checked on the host)
 __global__ void __launch_bounds__(kOrderThreads) plan_order_kernel(PlanArgs a) {
   __shared__ unsigned long long key[kOrderMax];
   __shared__ int count_gt[SplitRule::kMaxSplits + 1];  // count_gt[s]: entries with nsplit > s
@@ -241,16 +241,17 @@ size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
 }  // namespace
 
 size_t sparse_launch_workspace_bytes(int num_sms, int head_dim) {
-  const size_t units = size_t(8) * num_sms, tiles = size_t(4) * num_sms;
+  const size_t units = size_t(2 * SplitRule::kMaxUnitsPerSm) * num_sms, tiles = size_t(SplitRule::kMaxUnitsPerSm) * num_sms;
   return pad256(LW::kCounters * 4) + pad256(tiles * 16) + pad256(units * 4) + pad256(units * kRows * head_dim * 4) +
          pad256(units * kRows * 4);
 }
 
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim) {
-  if (4 * num_sms > kOrderMax) throw std::runtime_error("sparse_prefill cuda: split plan built for at most 512 SMs");
+  if (SplitRule::kMaxUnitsPerSm * num_sms > kOrderMax)
+    throw std::runtime_error("sparse_prefill cuda: the split plan is built for at most 1024 SMs");
   SparseLaunchWorkspace w;
-  w.max_split_units = 8 * num_sms;
-  w.max_split_tiles = 4 * num_sms;
+  w.max_split_units = 2 * SplitRule::kMaxUnitsPerSm * num_sms;
+  w.max_split_tiles = SplitRule::kMaxUnitsPerSm * num_sms;
   char* p = static_cast<char*>(base);
   auto take = [&](size_t bytes) {
     char* r = p;
@@ -288,10 +289,10 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   if (coord == 0) return;
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_coord_tiles = int(coord);
-  p.num_sms = w.max_split_units / 8;
-  static const int units_per_sm = [] {  // SP_SPLIT_UNITS_PER_SM=1..4 (A/B runs of the split granularity)
+  p.num_sms = w.max_split_units / (2 * SplitRule::kMaxUnitsPerSm);
+  static const int units_per_sm = [] {  // SP_SPLIT_UNITS_PER_SM=1..kMaxUnitsPerSm (A/B runs)
     const char* e = std::getenv("SP_SPLIT_UNITS_PER_SM");
-    const int v = e ? std::atoi(e) : SplitRule::kMaxUnitsPerSm;
+    const int v = e ? std::atoi(e) : SplitRule::kDefaultUnitsPerSm;
     return v < 1 ? 1 : (v > SplitRule::kMaxUnitsPerSm ? SplitRule::kMaxUnitsPerSm : v);
   }();
   p.units_per_sm = units_per_sm;
@@ -328,7 +329,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   c.max_tiles = max_tiles_of(a);
   c.group_size = a.num_q_heads / a.num_kv_heads;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  const int grid = w.max_split_units / 2;  // 4 CTAs of 8 warps per SM: at most 32 rows per warp
+  const int grid = w.max_split_units;  // 2 * kMaxUnitsPerSm CTAs of 8 warps per SM
   if (bf16)
     split_combine_kernel<__nv_bfloat16, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
   else

@@ -122,7 +122,8 @@ long check_sparse(long& checked) {
   return failures;
 }
 
-// The split plan's workspace bounds (fewer than 4 * SMs split tiles and 8 * SMs split units) for step
+// The split plan's workspace bounds (fewer than U * SMs split tiles and 2 U * SMs split units, for every U up to
+// kMaxUnitsPerSm) for step
 // distributions from uniform to one huge tile among many tiny ones, and tiny totals (cap = kMinCap).
 long check_split_rule() {
   using sparse_prefill::cuda::SplitRule;
@@ -141,7 +142,8 @@ long check_split_rule() {
       }
       unsigned long long total = 0;
       for (int s : steps) total += s;
-      const int cap = SplitRule::cap(total, sms);
+      const int per_sm = 1 + trial % SplitRule::kMaxUnitsPerSm;
+      const int cap = SplitRule::cap(total, sms, per_sm);
       long units = 0, split_tiles = 0;
       for (int s : steps) {
         const int n = SplitRule::nsplit(s, cap);
@@ -151,7 +153,7 @@ long check_split_rule() {
           ++split_tiles;
         }
       }
-      if (units >= 8L * sms || split_tiles >= 4L * sms) {
+      if ((units > 0 && units >= 2L * per_sm * sms) || (split_tiles > 0 && split_tiles >= long(per_sm) * sms)) {
         if (failures < 5) std::printf("FAIL split bound: %ld units, %ld tiles, %d SMs\n", units, split_tiles, sms);
         ++failures;
       }
