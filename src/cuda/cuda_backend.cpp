@@ -155,7 +155,7 @@ bool split_plan_enabled() {
 // (128K: 1032 steps against ~3500 per SM) and the heaviest-first order balances the SMs; the plan and combine
 // launches would only add ~20 us (8K: 0.548 -> 0.567 ms, bench/NOTES_sparse.md).
 void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s) {
-  s.launch.plan = split_plan_enabled() && in.max_seqlen_k > in.max_seqlen_q;
+  s.launch.plan = split_plan_enabled() && sparse_persistent() && in.max_seqlen_k > in.max_seqlen_q;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
@@ -179,6 +179,14 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
 }
 
 }  // namespace
+
+bool sparse_persistent() {
+  static const bool on = [] {
+    const char* e = std::getenv("SP_SPARSE_PERSISTENT");
+    return e == nullptr || e[0] != '0';
+  }();
+  return on;
+}
 
 int num_sms() {
   static int cache[64] = {0};

@@ -83,6 +83,10 @@ inline bool sparse_correction_on(const SparseFwdArgs& s) {
 size_t sparse_launch_workspace_bytes(int num_sms, int head_dim);
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim);
 
+// Whether sparse launches use the persistent kernel with its dynamic scheduler (default; SP_SPARSE_PERSISTENT=0 runs
+// one CTA per tile, for A/B runs). The split-KV plan needs it. Defined in cuda_backend.cpp.
+bool sparse_persistent();
+
 // Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device
 // (cuda_backend.cpp).
 int num_sms();

@@ -133,14 +133,14 @@ struct TileWork {
 // Sparse work unit u (the split-KV plan of split_kv.cu, read from its counters): units [0, n_split_units) are the
 // parts of the split tiles (unit u = partial slot u), then unit n_split_units + t is tile t of the work order, unless
 // that tile has more planned steps than the plan's cap (its parts are the split units).
-template <class Config, bool kSparse, class Iterator>
+template <class Config, bool kSparse, bool kSplit, class Iterator>
 __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const& params, int u) {
   TileWork<Iterator> w;
   if constexpr (kSparse) {
-    const int n_split_units = params.plan != nullptr ? params.plan[SparseLaunchWorkspace::kSplitUnits] : 0;
+    const int n_split_units = kSplit ? params.plan[SparseLaunchWorkspace::kSplitUnits] : 0;
     int t = u - n_split_units, split = 0, nsplit = 1;
     w.slot = -1;
-    if (u < n_split_units) {
+    if (kSplit && u < n_split_units) {
       const int v = params.slot_tile[u];
       const int4 e = reinterpret_cast<const int4*>(params.split_tiles)[v & 0xffff];
       t = e.x;
@@ -165,7 +165,7 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     const int n_listed = params.seg_end[seg] - lo;
     const int p_first = w.row0 / params.group_size;
     const bool corr = params.correction != 0;
-    if (nsplit == 1 && params.plan != nullptr &&
+    if (kSplit && nsplit == 1 &&
         SplitRule::nsplit(
             Iterator::planned_steps(n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size, corr),
             params.plan[SparseLaunchWorkspace::kCap]) > 1) {
@@ -174,7 +174,7 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     }
     w.iter = Iterator::make(params.block_ids + lo, n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size,
                             corr);
-    if (nsplit > 1) w.iter.split(split, nsplit);
+    if (kSplit && nsplit > 1) w.iter.split(split, nsplit);
   } else {
     const TileCoord c = tile_coord(u, params.num_q_heads, params.num_m_blocks);
     w.batch = c.batch;
@@ -189,7 +189,10 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
   return w;
 }
 
-template <class Config, bool kSparse, bool kPersistent>
+// kSplit (sparse, persistent): the launch runs the split-KV plan's units (split_kv.cu). A separate instantiation
+// because the split branch costs the consumers ~3 registers and with them 3 spill reloads per step in the mainloop
+// (ptxas + SASS: 414 vs 286 bytes of spill stores); one-shot launches, which are never planned, do without it.
+template <class Config, bool kSparse, bool kPersistent, bool kSplit = false>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
   using namespace cute;
@@ -245,13 +248,12 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     PipelineState st_v = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
     int published = 0, pending = 0;
-    // Units past the plan's real count (num_tiles is the host's bound) end the loop at once: publish the sentinel.
-    const int n_units = kDynamic && params.plan != nullptr
-                            ? params.plan[SparseLaunchWorkspace::kSplitUnits] + params.num_coord_tiles
-                            : params.num_tiles;
     auto publish = [&](int t) {
       if constexpr (kDynamic) {
-        if (t >= n_units) t = params.num_tiles;
+        // Units past the plan's real count (num_tiles is the host's bound) end the loop at once: publish the
+        // sentinel. Read per tile, not held: the producer thread runs with 24 registers.
+        if (kSplit && t >= params.plan[SparseLaunchWorkspace::kSplitUnits] + params.num_coord_tiles)
+          t = params.num_tiles;
         const int s = published & 1;
         if (published >= 2) storage.tile_empty[s].wait(((published >> 1) - 1) & 1);
         storage.tile_ids[s] = t;
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     auto tile_next = [&](int t) { return kDynamic ? publish(int(gridDim.x) + pending) : t + int(gridDim.x); };
     SP_TILE_LOOP(t) {
       // ---- Tile metadata: evaluated identically by every role. ----
-      const TileWork<Iterator> work = tile_work<Config, kSparse, Iterator>(params, t);
+      const TileWork<Iterator> work = tile_work<Config, kSparse, kSplit, Iterator>(params, t);
       if (!work.valid) continue;  // beyond this sequence
       const Iterator& iter = work.iter;
       const SeqSpan& seq = work.seq;
@@ -423,7 +425,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   auto tile_first = [&]() { return kDynamic ? take() : int(blockIdx.x); };
   auto tile_next = [&](int t) { return kDynamic ? take() : t + int(gridDim.x); };
   SP_TILE_LOOP(t) {
-    const TileWork<Iterator> work = tile_work<Config, kSparse, Iterator>(params, t);
+    const TileWork<Iterator> work = tile_work<Config, kSparse, kSplit, Iterator>(params, t);
     if (!work.valid) continue;
     const Iterator& iter = work.iter;
     const SeqSpan& seq = work.seq;
@@ -454,7 +456,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       return params.o_partial + (int64_t(work.slot) * kBlockM + row) * kHeadDim;
     };
     auto partial_lse = [&](int row) -> float* { return params.lse_partial + int64_t(work.slot) * kBlockM + row; };
-    const bool split_out = kSparse && work.slot >= 0;
+    const bool split_out = kSparse && kSplit && work.slot >= 0;
 
     if (n_count == 0 && split_out) {  // an empty share of the tile's steps: O = 0, lse = -inf
       for (int idx = mma_tidx; idx < kBlockM * (kHeadDim / 4); idx += Config::kNumMmaThreads) {

@@ -16,15 +16,6 @@
 namespace sparse_prefill::cuda {
 
 inline bool persistent_mode() { return SP_PERSISTENT != 0; }
-inline bool sparse_persistent() {
-  static const bool on = [] {
-    const char* e = std::getenv("SP_SPARSE_PERSISTENT");
-    return e == nullptr || e[0] != '0';
-  }();
-  return on;
-}
-
-
 // Dense (sparse == nullptr) or block-sparse launch.
 template <class Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
@@ -132,13 +123,15 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   const bool persistent =
       sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
-  const Kernel kernel = sparse == nullptr ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
-                        : persistent      ? fwd_kernel<Config, true, true>
-                                          : fwd_kernel<Config, true, false>;
+  if (!persistent) p.plan = nullptr;  // never planned then (run_sparse checks sparse_persistent() too)
+  const Kernel kernel = sparse == nullptr   ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
+                        : p.plan != nullptr ? fwd_kernel<Config, true, true, true>
+                        : persistent        ? fwd_kernel<Config, true, true>
+                                            : fwd_kernel<Config, true, false>;
   static const cudaError_t attr_err = [] {  // once per instantiation; not a stream operation
     cudaError_t e = cudaSuccess;
     for (Kernel k : {fwd_kernel<Config, false, SP_PERSISTENT != 0>, fwd_kernel<Config, true, true>,
-                     fwd_kernel<Config, true, false>}) {
+                     fwd_kernel<Config, true, true, true>, fwd_kernel<Config, true, false>}) {
       const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
       if (r != cudaSuccess) e = r;
     }
