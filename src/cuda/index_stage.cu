@@ -100,6 +100,19 @@ __device__ T from_float(float x);
 template <> __device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __half from_float<__half>(float x) { return __float2half(x); }
 
+// A cached block's means (cache row `cache_row`) into the index's float32 and low-precision rows at `out`.
+template <typename T>
+__device__ void copy_cached_means(const MeanCacheArgs& cache, int64_t cache_row, int64_t out, int head_dim,
+                                  float* k_mean, float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    const float km = cache.k[cache_row * head_dim + d], vm = cache.v[cache_row * head_dim + d];
+    k_mean[out + d] = km;
+    v_mean[out + d] = vm;
+    k_mean_lowp[out + d] = from_float<T>(km);
+    v_mean_lowp[out + d] = from_float<T>(vm);
+  }
+}
+
 // One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys. Rows past the real blocks
 // (the grid covers the host-side bound) get zero low-precision means: the sparse kernel's correction steps load
 // whole chunks of 128 rows and multiply masked probabilities (0) by these values, so they must not be NaN.
@@ -124,14 +137,8 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
   const PoolAction act = pool_action(cache, seq, b, J, block_size);
   const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
   if (act == PoolAction::kRead) {
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
-      const float km = cache.k[cache_row * head_dim + d], vm = cache.v[cache_row * head_dim + d];
-      k_mean[o] = km;
-      v_mean[o] = vm;
-      k_mean_lowp[o] = from_float<T>(km);
-      v_mean_lowp[o] = from_float<T>(vm);
-    }
+    copy_cached_means(cache, cache_row, (idx * num_kv_heads + kvh) * head_dim, head_dim, k_mean, v_mean, k_mean_lowp,
+                      v_mean_lowp);
     return;
   }
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -193,14 +200,7 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, M
   const PoolAction act = pool_action(cache, seq, b, J, block_size);
   const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
   if (act == PoolAction::kRead) {  // a block an earlier chunk completed: 2 x D floats instead of 2 x block x D
-    for (int d = threadIdx.x; d < D; d += 128) {
-      const int64_t o = (idx * num_kv_heads + kvh) * D + d;
-      const float km = cache.k[cache_row * D + d], vm = cache.v[cache_row * D + d];
-      k_mean[o] = km;
-      v_mean[o] = vm;
-      k_mean_lowp[o] = from_float<T>(km);
-      v_mean_lowp[o] = from_float<T>(vm);
-    }
+    copy_cached_means(cache, cache_row, (idx * num_kv_heads + kvh) * D, D, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
     return;
   }
   float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
