@@ -28,7 +28,8 @@ void require_aligned(const TensorView& t, const char* name, int first_dim, int l
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
     throw NotImplementedError("CUDA attention supports bfloat16 and float16 inputs only (got another dtype)");
-  if (p.head_dim != 128) throw NotImplementedError("CUDA attention is built for head dim 128 only");
+  if (p.head_dim != 128 && p.head_dim != 64)
+    throw NotImplementedError("CUDA attention is built for head dims 64 and 128, got " + std::to_string(p.head_dim));
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
     throw NotImplementedError("CUDA attention: more than 2^31 - 1 rows");
 
@@ -103,10 +104,11 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
 }
 
 void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
-  if (p.dtype == DType::kBFloat16)
-    run_fwd_bf16_hdim128(a, sparse);
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.head_dim == 64)
+    bf16 ? run_fwd_bf16_hdim64(a, sparse) : run_fwd_fp16_hdim64(a, sparse);
   else
-    run_fwd_fp16_hdim128(a, sparse);
+    bf16 ? run_fwd_bf16_hdim128(a, sparse) : run_fwd_fp16_hdim128(a, sparse);
 }
 
 
@@ -114,7 +116,9 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
 }
 
-void check_sparse_supported(const AttentionInputs& in, int block_size) {
+void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
+  if (p.head_dim != 128)
+    throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
     throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
   if (block_size % 128 != 0)
@@ -206,13 +210,13 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
                       const DeviceIndex& index) {
-  check_sparse_supported(in, index.block_size);
+  check_sparse_supported(in, p, index.block_size);
   run_sparse(in, make_fwd_args(in, outs, p), p, sparse_args_of(index));
 }
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
-  check_sparse_supported(in, index.block_size);
+  check_sparse_supported(in, p, index.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
@@ -240,7 +244,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const Problem& p, const MeanCache* cache) {
-  check_sparse_supported(in, params.block_size);
+  check_sparse_supported(in, p, params.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   const size_t bytes = index_workspace_bytes(in, p, params);

@@ -99,5 +99,7 @@ void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf
 // One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.
 void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
 void run_fwd_fp16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
+void run_fwd_bf16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
+void run_fwd_fp16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
 
 }  // namespace sparse_prefill::cuda

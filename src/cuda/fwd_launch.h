@@ -17,10 +17,13 @@ namespace sparse_prefill::cuda {
 
 inline bool persistent_mode() { return SP_PERSISTENT != 0; }
 // Dense (sparse == nullptr) or block-sparse launch.
-template <class Element, int kHeadDim>
+// kWithSparse = false instantiates the dense kernel only (head dim 64: the block-sparse path is built for 128).
+template <class Element, int kHeadDim, bool kWithSparse = true>
 void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   using namespace cute;
   using Config = FwdConfig<Element, kHeadDim>;
+  if (!kWithSparse && sparse != nullptr)
+    throw std::runtime_error("sparse_prefill cuda: no block-sparse kernel for head dim " + std::to_string(kHeadDim));
   if (a.total_q == 0 || a.batch == 0) return;
 
   auto gmem = [](const void* ptr, int rows, int heads, int64_t row_stride, int64_t head_stride) {
@@ -124,16 +127,22 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
       sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
   if (!persistent) p.plan = nullptr;  // never planned then (run_sparse checks sparse_persistent() too)
-  const Kernel kernel = sparse == nullptr   ? fwd_kernel<Config, false, SP_PERSISTENT != 0>
-                        : p.plan != nullptr ? fwd_kernel<Config, true, true, true>
-                        : persistent        ? fwd_kernel<Config, true, true>
-                                            : fwd_kernel<Config, true, false>;
+  Kernel kernel = fwd_kernel<Config, false, SP_PERSISTENT != 0>;
+  if constexpr (kWithSparse) {
+    if (sparse != nullptr)
+      kernel = p.plan != nullptr ? fwd_kernel<Config, true, true, true>
+               : persistent      ? fwd_kernel<Config, true, true>
+                                 : fwd_kernel<Config, true, false>;
+  }
   static const cudaError_t attr_err = [] {  // once per instantiation; not a stream operation
-    cudaError_t e = cudaSuccess;
-    for (Kernel k : {fwd_kernel<Config, false, SP_PERSISTENT != 0>, fwd_kernel<Config, true, true>,
-                     fwd_kernel<Config, true, true, true>, fwd_kernel<Config, true, false>}) {
-      const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-      if (r != cudaSuccess) e = r;
+    cudaError_t e = cudaFuncSetAttribute(fwd_kernel<Config, false, SP_PERSISTENT != 0>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    if constexpr (kWithSparse) {
+      for (Kernel k : {fwd_kernel<Config, true, true>, fwd_kernel<Config, true, true, true>,
+                       fwd_kernel<Config, true, false>}) {
+        const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+        if (r != cudaSuccess) e = r;
+      }
     }
     return e;
   }();

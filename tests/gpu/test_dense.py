@@ -195,6 +195,15 @@ def main():
          dict(paged=64, vs_contiguous=True)),
         ("paged ps=64 == contiguous (L=4096 Llama)", [4096], [4096], 32, 8, dict(paged=64, vs_contiguous=True)),
         ("llama shape causal L=4096 g=4", [4096], [4096], 32, 8, dict()),
+        # Head dim 64 (its own instantiation, dense only).
+        ("D=64 causal L=1763 g=4", [1763], [1763], 8, 2, dict(d=64)),
+        ("D=64 varlen causal mixed g=8", [1, 300, 1763, 129], [5, 300, 2000, 129], 16, 2, dict(d=64)),
+        ("D=64 fp16 noncausal window (300,40) 1000/1200", [1000], [1200], 8, 2,
+         dict(d=64, dtype=torch.float16, causal=False, window=(300, 40))),
+        ("D=64 paged ps=64 causal chunk 129/3000 NaN-filled", [129], [3000], 8, 2, dict(d=64, paged=64,
+                                                                                       nan_fill=True)),
+        ("D=64 paged ps=128 == contiguous (varlen causal)", [300, 1763], [700, 1763], 8, 2,
+         dict(d=64, paged=128, vs_contiguous=True)),
     ]
     if args.smoke:
         cases = [c for c in cases if c[0] in ("causal L=129 g=4", "varlen causal mixed g=4",

@@ -30,9 +30,10 @@ def _bf16_case(rng, q_lens, k_lens, hq=8, hkv=2, d=128):
     ([11, 300], [1000, 4100], 1),            # chunks (Lq < Lk), GQA 8
     ([257], [100], 8),                       # Lq > Lk: rows that see no key
 ])
-def test_dense_matches_cpu_reference(q_lens, k_lens, hkv):
+@pytest.mark.parametrize("d", [128, 64])
+def test_dense_matches_cpu_reference(q_lens, k_lens, hkv, d):
     rng = np.random.default_rng()
-    cpu, gpu, mq, mk = _bf16_case(rng, q_lens, k_lens, hkv=hkv)
+    cpu, gpu, mq, mk = _bf16_case(rng, q_lens, k_lens, hkv=hkv, d=d)
     ref, ref_lse = sp.attention(*cpu, mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))                     # poisoned: every element must be written
     got, lse = sp.attention(*gpu, mq, mk, out=out, return_lse=True)
@@ -203,6 +204,9 @@ def test_sparse_unsupported_on_cuda_is_a_clear_error():
     cpu, gpu, mq, mk = _structured_varlen(rng, [256], [256], 4, 2)
     with pytest.raises(NotImplementedError, match="block_size"):
         sp.sparse_prefill(*gpu, mq, mk, block_size=64)
+    q64, k64, v64 = (t[..., :64].contiguous() for t in gpu[:3])    # dense runs at head dim 64, sparse does not
+    with pytest.raises(NotImplementedError, match="head dim"):
+        sp.sparse_prefill(q64, k64, v64, *gpu[3:], mq, mk)
     index = sp.build_index(*cpu, mq, mk)
     with pytest.raises(NotImplementedError, match="causal"):
         sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)

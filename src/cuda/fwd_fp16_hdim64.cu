@@ -1,0 +1,8 @@
+// Forward kernel instantiation: float16, head dim 64 (dense only; the block-sparse kernel is built for 128).
+#include "cuda/fwd_launch.h"
+
+namespace sparse_prefill::cuda {
+void run_fwd_fp16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse) {
+  run_fwd<cutlass::half_t, 64, false>(args, sparse);
+}
+}  // namespace sparse_prefill::cuda
