@@ -545,5 +545,34 @@ TEST_F(Errors, SparseAttentionValidatesInputsAndOutputs) {
   EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(idx), o), "out");
 }
 
+// ---- pooled-means cache (chunked prefill) --------------------------------------------------------------------------
+TEST_F(Errors, MeanCache) {
+  SelectionParams p;
+  p.block_size = 64;  // P: page_size 16, Hkv 2, D 64: one slot per page (the block's last page)
+  const int64_t slots = mean_cache_slots(P->num_pages, 16, 64);
+  ASSERT_EQ(slots, P->num_pages);
+  EXPECT_EQ(mean_cache_slots(10, 256, 128), 20);  // pages holding two blocks: two slots each
+  std::vector<float> km(size_t(slots) * 2 * 64, 0.f), vm(km.size(), 0.f);
+  const MeanCache cache{make_view(km.data(), F32, {slots, 2, 64}), make_view(vm.data(), F32, {slots, 2, 64})};
+  EXPECT_NO_THROW(::sparse_prefill::sparse_prefill(P->in, p, po, cache));
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(C->in, p, co, cache), "mean_cache");  // contiguous KV: no pages to key slots by
+  MeanCache bad = cache;
+  bad.k_mean = make_view(km.data(), F32, {slots - 1, 2, 64});
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, bad), "mean_cache.k_mean");
+  bad = cache;
+  bad.v_mean = make_view(vm.data(), F32, {slots, 2, 32});
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, bad), "mean_cache.v_mean");
+  std::vector<uint16_t> half(km.size());
+  bad = cache;
+  bad.v_mean = make_view(half.data(), DType::kFloat16, {slots, 2, 64});
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, bad), "mean_cache.v_mean");
+  bad = cache;
+  bad.v_mean = cache.k_mean;
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, bad), "mean_cache.v_mean");
+  bad = cache;
+  bad.k_mean.stride[0] = 2 * 64 + 1;  // not contiguous
+  EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, bad), "mean_cache.k_mean");
+}
+
 }  // namespace
 }  // namespace sptest
