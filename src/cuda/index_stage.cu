@@ -445,7 +445,10 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
     asm volatile("cp.async.commit_group;\n" ::);
   };
 
-  const int64_t nchunks = (nvis + kChunk - 1) / kChunk;
+  // The last last_n tiles keep every visible block whatever their scores: no GEMM for them (2 of the 32 tiles of a
+  // final 1024-token chunk per KV head).
+  const bool last_tile = t >= tiles - sel.last_n;
+  const int64_t nchunks = last_tile ? 0 : (nvis + kChunk - 1) / kChunk;
   if (nchunks > 0) stage_chunk(0, 0);
 
   // A fragments of this thread's 4 rows (2 m-tiles x 2 halves), all of D, loaded once; and the last block each row
@@ -571,7 +574,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   float tile_max = -INFINITY;
   for (int64_t c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
   float local_emax = 0.f;
-  for (int64_t J = threadIdx.x; J < nvis; J += kScoreThreads) {
+  for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
     const float cm = chunk_max[J / kChunk];
     const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
     energy[J] = e;
@@ -585,8 +588,8 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   for (int w = 1; w < kScoreThreads / 32; ++w) emax = fmaxf(emax, red[w]);
   const float threshold = sel.alpha * emax;
 
-  // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles.
-  const bool last_tile = t >= tiles - sel.last_n;
+  // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
+  // energies were never computed: `last_tile ||` comes first).
   const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
   const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
   const bool has_band = sel.window > 0 && diag_last >= 0;
