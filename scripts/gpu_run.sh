@@ -28,7 +28,7 @@ if [[ ! -f build-cuda/libsp_cuda_test.so || -n "${SP_REBUILD:-}" ]]; then
   tests/gpu/build.sh "$ROOT/build-cuda" "$(nproc)" > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -50 "$OUT/build.log"; exit 1; }
 fi
 if command -v cuobjdump > /dev/null; then
-  for o in build-cuda/fwd_*.cu.o; do
+  for o in build-gpu/CMakeFiles/sparse_prefill.dir/src/cuda/fwd_*.cu.o; do
     cuobjdump --dump-sass "$o" > "$OUT/$(basename "$o").sass" 2>&1
     echo "$o: HGMMA=$(grep -c HGMMA "$OUT/$(basename "$o").sass") local-mem=$(grep -c 'LDL\|STL' "$OUT/$(basename "$o").sass")"
   done > "$OUT/sass_summary.txt"

@@ -1,38 +1,25 @@
 #!/usr/bin/env bash
-# Builds build-cuda/libsp_cuda_test.so: the CUDA backend (src/cuda) + the ctypes shim, straight with nvcc (no CMake,
-# no Python package), so the GPU tests and the benchmark only need torch. Usage: tests/gpu/build.sh [build_dir] [jobs]
-# A/B variants: SP_VARIANT=pingpong SP_VARIANT_FLAGS="-DSP_PINGPONG" builds build_dir/libsp_cuda_test_<name>.so.
+# Builds build_dir/libsp_cuda_test[_<variant>].so: the library with its CUDA backend + the ctypes shim of the GPU
+# tests and benchmarks (tests/gpu/sp_cuda.py), through the project's CMake (target sp_cuda_test).
+# Usage: tests/gpu/build.sh [build_dir (default build-cuda)] [jobs]
+# A/B variants: SP_VARIANT=pingpong SP_VARIANT_FLAGS="-DSP_PINGPONG" builds build_dir/libsp_cuda_test_pingpong.so
+# in its own CMake tree (build-gpu-<variant>) with the flags added to every nvcc call.
+# (Until 2026-11-29 this compiled fwd_*.cu + cuda_backend.cpp + the shim straight with nvcc; since the index stage and
+# the split-KV kernels the backend needs the whole library, so that library no longer loaded.)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 BUILD="${1:-$ROOT/build-cuda}"
 JOBS="${2:-2}"
-mkdir -p "$BUILD"
 if [[ -n "${SP_CUTLASS_ROOT:-}" ]]; then CUT="$SP_CUTLASS_ROOT"
 elif [[ -d "$ROOT/.deps/cutlass/include/cute" ]]; then CUT="$ROOT/.deps/cutlass"
 else CUT="$(python3 -c 'import cutlass_library,os;print(os.path.join(os.path.dirname(cutlass_library.__file__),"source"))')"
 fi
-NVCC="${NVCC:-nvcc}"
-FLAGS=(-std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr --expt-extended-lambda -O3 -lineinfo
-       -Xptxas=-v -DNDEBUG -I"$ROOT/include" -I"$ROOT/src" -I"$CUT/include" -I"$CUT/tools/util/include"
-       -Xcompiler -fPIC ${SP_VARIANT_FLAGS:-})
-LIBNAME="libsp_cuda_test${SP_VARIANT:+_$SP_VARIANT}.so"
-OBJDIR="$BUILD${SP_VARIANT:+/variant_$SP_VARIANT}"
-mkdir -p "$OBJDIR"
-SRCS=("$ROOT"/src/cuda/fwd_*.cu "$ROOT/src/cuda/cuda_backend.cpp" "$ROOT/tests/gpu/sp_cuda_shim.cpp")
-OBJS=()
-pids=()
-for s in "${SRCS[@]}"; do
-  o="$OBJDIR/$(basename "$s").o"
-  OBJS+=("$o")
-  if [[ ! -f "$o" || "$s" -nt "$o" || -n "$(find "$ROOT/src/cuda" -name '*.h' -newer "$o" 2>/dev/null)" ]]; then
-    ( "$NVCC" "${FLAGS[@]}" -c "$s" -o "$o" > "$o.log" 2>&1 || { cat "$o.log"; exit 1; } ) &
-    pids+=($!)
-    while (( $(jobs -rp | wc -l) >= JOBS )); do sleep 0.5; done
-  fi
-done
-for p in "${pids[@]}"; do wait "$p"; done
-"$NVCC" -shared -o "$BUILD/$LIBNAME" "${OBJS[@]}" -cudart static
+WORK="$ROOT/build-gpu${SP_VARIANT:+-$SP_VARIANT}"
+cmake -S "$ROOT" -B "$WORK" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFILL_TESTS=OFF -DSP_CUTLASS_ROOT="$CUT" \
+  -DCMAKE_CUDA_FLAGS="${SP_VARIANT_FLAGS:-}" -DPython_EXECUTABLE="$(command -v python3)" > /dev/null
+cmake --build "$WORK" -j"$JOBS" --target sp_cuda_test
+mkdir -p "$BUILD"
+cp "$WORK/libsp_cuda_test.so" "$BUILD/libsp_cuda_test${SP_VARIANT:+_$SP_VARIANT}.so"
 # Host-only exhaustive check of the block iterator (the producer/consumer seam); no GPU needed.
 g++ -std=c++17 -O2 -I"$ROOT/src" "$ROOT/tests/gpu/test_block_iterator.cpp" -o "$BUILD/test_block_iterator"
-grep -h "registers\|spill" "$OBJDIR"/*.o.log 2>/dev/null | sort | uniq -c || true
-echo "built $BUILD/$LIBNAME"
+echo "built $BUILD/libsp_cuda_test${SP_VARIANT:+_$SP_VARIANT}.so"
