@@ -145,21 +145,10 @@ const int32_t* int_ptr(const TensorView& t, const char* name) {
   return t.ptr<const int32_t>();
 }
 
-bool split_plan_enabled() {
-  static const bool on = [] {  // SP_SPARSE_SPLIT=0: never split (A/B runs of the split plan)
-    const char* e = std::getenv("SP_SPARSE_SPLIT");
-    return e == nullptr || e[0] != '0';
-  }();
-  return on;
-}
-
-// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu). Only chunk
-// shapes (fewer queries than keys) are planned: there a few tiles (the final chunk's dense last_n tiles) can each
-// outweigh an SM's share of the work. In one-shot prefill (Lq = Lk) the heaviest tile is far below that share
-// (128K: 1032 steps against ~3500 per SM) and the heaviest-first order balances the SMs; the plan and combine
-// launches would only add ~20 us (8K: 0.548 -> 0.567 ms, bench/NOTES_sparse.md).
+// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu), when the
+// launch is planned (split_planned) and its workspace has the split arrays.
 void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s) {
-  s.launch.plan = split_plan_enabled() && sparse_persistent() && in.max_seqlen_k > in.max_seqlen_q;
+  s.launch.plan = split_planned(in.max_seqlen_q, in.max_seqlen_k) && s.launch.max_split_units > 0;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
@@ -183,6 +172,19 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
 }
 
 }  // namespace
+
+// Only chunk shapes (fewer queries than keys) are planned: there a few tiles (the final chunk's dense last_n tiles)
+// can each outweigh an SM's share of the work. In one-shot prefill (Lq = Lk) the heaviest tile is far below that
+// share (128K: 1032 steps against ~3500 per SM) and the heaviest-first order balances the SMs; the plan and combine
+// launches would only add ~20 us (8K: 0.548 -> 0.567 ms, bench/NOTES_sparse.md). The plan needs the persistent
+// kernel's scheduler.
+bool split_planned(int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  static const bool enabled = [] {  // SP_SPARSE_SPLIT=0: never split (A/B runs of the split plan)
+    const char* e = std::getenv("SP_SPARSE_SPLIT");
+    return e == nullptr || e[0] != '0';
+  }();
+  return enabled && sparse_persistent() && max_seqlen_k > max_seqlen_q;
+}
 
 bool sparse_persistent() {
   static const bool on = [] {
@@ -222,7 +224,8 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
   const size_t tiles_bytes = size_t(p.batch + 1) * 4, tiles_pad = (tiles_bytes + 255) & ~size_t(255);
   const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2, mean_pad = (mean_bytes + 255) & ~size_t(255);
-  const size_t launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim);
+  const bool split = split_planned(in.max_seqlen_q, in.max_seqlen_k);
+  const size_t launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim, split);
   StreamBuffer tmp(tiles_pad + 2 * mean_pad + launch_bytes, stream);
   char* base = static_cast<char*>(tmp.ptr);
   int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
@@ -236,7 +239,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.k_mean = base + tiles_pad;
   s.v_mean = base + tiles_pad + mean_pad;
   s.mean_rows = rows;
-  s.launch = carve_sparse_launch_workspace(base + tiles_pad + 2 * mean_pad, num_sms(), p.head_dim);
+  s.launch = carve_sparse_launch_workspace(base + tiles_pad + 2 * mean_pad, num_sms(), p.head_dim, split);
   s.block_size = index.block_size;
   s.correction = index.correction && rows > 0;
   run_sparse(in, a, p, s);

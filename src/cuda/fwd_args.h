@@ -53,8 +53,9 @@ struct SparseLaunchWorkspace {
   int32_t* slot_tile = nullptr;
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
-  int max_split_tiles = 0, max_split_units = 0;
-  bool plan = true;                      // false: never split (SP_SPARSE_SPLIT=0, A/B runs)
+  int num_sms = 0;
+  int max_split_tiles = 0, max_split_units = 0;  // 0: carved without the split arrays (counters only)
+  bool plan = true;                      // set per launch by run_sparse (split_planned and room for it)
 };
 
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
@@ -71,7 +72,6 @@ struct SparseFwdArgs {
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
   bool correction = true;
   // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
-  // (The backend always provides it; the kernel tolerates its absence.)
   SparseLaunchWorkspace launch;
 };
 
@@ -80,8 +80,13 @@ inline bool sparse_correction_on(const SparseFwdArgs& s) {
   return s.correction && s.k_mean != nullptr && s.mean_rows > 0;
 }
 
-size_t sparse_launch_workspace_bytes(int num_sms, int head_dim);
-SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim);
+// with_split = false: the counters only (launches that are never planned: split_planned() is false).
+size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split);
+SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split);
+
+// Whether a sparse launch with these bounds runs the split-KV plan: chunk shapes (max_seqlen_k > max_seqlen_q) with
+// the persistent kernel, unless SP_SPARSE_SPLIT=0. Sizes the launch workspace and gates the plan (cuda_backend.cpp).
+bool split_planned(int64_t max_seqlen_q, int64_t max_seqlen_k);
 
 // Whether sparse launches use the persistent kernel with its dynamic scheduler (default; SP_SPARSE_PERSISTENT=0 runs
 // one CTA per tile, for A/B runs). The split-KV plan needs it. Defined in cuda_backend.cpp.

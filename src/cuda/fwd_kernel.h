@@ -57,7 +57,7 @@ struct FwdParams {
   // num_coord_tiles bounds the work units; the real count is plan[kSplitUnits] + num_coord_tiles.
   int* tile_counter;                      // sparse persistent: dynamic scheduler counter, zero at launch
   const int* plan;                        // counters (null: no split)
-  const int32_t* split_tiles;             // [.][4] {tile, first slot, nsplit, 0}
+  const int32_t* split_tiles;             // [.][4] {tile, nsplit, 0, 0}
   const int32_t* slot_tile;
   float* o_partial;                       // [slot, 128, D]
   float* lse_partial;                     // [slot, 128]
@@ -191,7 +191,7 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
 
 // kSplit (sparse, persistent): the launch runs the split-KV plan's units (split_kv.cu). A separate instantiation
 // because the split branch costs the consumers ~3 registers and with them 3 spill reloads per step in the mainloop
-// (ptxas + SASS: 414 vs 286 bytes of spill stores); one-shot launches, which are never planned, do without it.
+// (ptxas + SASS: 414 vs 260 bytes of spill stores); one-shot launches, which are never planned, do without it.
 template <class Config, bool kSparse, bool kPersistent, bool kSplit = false>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {

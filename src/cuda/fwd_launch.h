@@ -108,7 +108,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     p.corr_bias_full = std::log2(float(sparse->block_size)) / p.scale_log2;
     const SparseLaunchWorkspace& w = sparse->launch;
     p.tile_counter = w.counters != nullptr ? w.counters + SparseLaunchWorkspace::kTileCounter : nullptr;
-    p.plan = w.counters != nullptr && w.plan ? w.counters : nullptr;
+    p.plan = w.counters != nullptr && w.plan ? w.counters : nullptr;  // planned implies persistent (split_planned)
     p.split_tiles = w.split_tiles;
     p.slot_tile = w.slot_tile;
     p.o_partial = w.o_partial;
@@ -126,7 +126,6 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   const bool persistent =
       sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
-  if (!persistent) p.plan = nullptr;  // never planned then (run_sparse checks sparse_persistent() too)
   Kernel kernel = fwd_kernel<Config, false, SP_PERSISTENT != 0>;
   if constexpr (kWithSparse) {
     if (sparse != nullptr)

@@ -100,73 +100,102 @@ __device__ T from_float(float x);
 template <> __device__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __half from_float<__half>(float x) { return __float2half(x); }
 
-// A cached block's means (cache row `cache_row`) into the index's float32 and low-precision rows at `out`.
+// Where one pooling CTA (pooled row idx, KV head kvh) reads and writes; shared by both pooling kernels.
+struct PoolBlock {
+  int b;                      // sequence
+  int64_t k_start, lo, hi;    // the block's keys [lo, hi) of the sequence (rows from k_start, contiguous KV)
+  int64_t out;                // first element of its row in the index's means
+  int64_t cache_row;          // row of the mean cache (-1: not cached)
+  PoolAction act;
+};
+
+// Output elements of this row, and what to do. Returns false when the CTA is done: a row past the real blocks (the
+// grid covers the host-side bound) gets zero low-precision means (the sparse kernel's correction steps load whole
+// chunks of 128 rows and multiply masked probabilities (0) by them, so they must not be NaN); a block an earlier
+// chunk completed is copied from the mean cache (2 x D floats instead of 2 x block x D).
 template <typename T>
-__device__ void copy_cached_means(const MeanCacheArgs& cache, int64_t cache_row, int64_t out, int head_dim,
-                                  float* k_mean, float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
+__device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache, int block_size,
+                           int num_kv_heads, int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean,
+                           T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
+  const int64_t idx = blockIdx.x;
+  const int kvh = blockIdx.y;
+  pb.out = (idx * num_kv_heads + kvh) * head_dim;
+  if (idx >= cu_blocks[seq.batch]) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      k_mean_lowp[pb.out + d] = from_float<T>(0.f);
+      v_mean_lowp[pb.out + d] = from_float<T>(0.f);
+    }
+    return false;
+  }
+  pb.b = find_sequence(cu_blocks, seq.batch, idx);
+  const int64_t J = idx - cu_blocks[pb.b];
+  pb.k_start = seq.k_start(pb.b);
+  pb.lo = J * block_size;
+  pb.hi = min(pb.lo + block_size, seq.k_len(pb.b));
+  pb.act = pool_action(cache, seq, pb.b, J, block_size);
+  pb.cache_row = pb.act == PoolAction::kPool ? -1 : cache.slot(kv, pb.b, J, block_size) * num_kv_heads + kvh;
+  if (pb.act != PoolAction::kRead) return true;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    const float km = cache.k[cache_row * head_dim + d], vm = cache.v[cache_row * head_dim + d];
-    k_mean[out + d] = km;
-    v_mean[out + d] = vm;
-    k_mean_lowp[out + d] = from_float<T>(km);
-    v_mean_lowp[out + d] = from_float<T>(vm);
+    const float km = cache.k[pb.cache_row * head_dim + d], vm = cache.v[pb.cache_row * head_dim + d];
+    k_mean[pb.out + d] = km;
+    v_mean[pb.out + d] = vm;
+    k_mean_lowp[pb.out + d] = from_float<T>(km);
+    v_mean_lowp[pb.out + d] = from_float<T>(vm);
+  }
+  return false;
+}
+
+// Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged.
+__device__ __forceinline__ void kv_offsets(const KVArgs& kv, const PoolBlock& pb, int kvh, int64_t j, int64_t& ko,
+                                           int64_t& vo) {
+  if (kv.block_table) {
+    const int64_t page = kv.block_table[pb.b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+    const int64_t slot = j % kv.page_size;
+    ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
+    vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
+  } else {
+    ko = (pb.k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
+    vo = (pb.k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
   }
 }
 
-// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys. Rows past the real blocks
-// (the grid covers the host-side bound) get zero low-precision means: the sparse kernel's correction steps load
-// whole chunks of 128 rows and multiply masked probabilities (0) by these values, so they must not be NaN.
+// Dimension d of the block's means from the key sums: the index's float32 and low-precision rows, and the cache
+// row when the block is complete.
+template <typename T>
+__device__ __forceinline__ void store_means(const PoolBlock& pb, const MeanCacheArgs& cache, int head_dim, int d,
+                                            float ksum, float vsum, float* k_mean, float* v_mean, T* k_mean_lowp,
+                                            T* v_mean_lowp) {
+  const float inv = 1.f / float(pb.hi - pb.lo);
+  const float km = ksum * inv, vm = vsum * inv;
+  k_mean[pb.out + d] = km;
+  v_mean[pb.out + d] = vm;
+  k_mean_lowp[pb.out + d] = from_float<T>(km);
+  v_mean_lowp[pb.out + d] = from_float<T>(vm);
+  if (pb.act == PoolAction::kPoolStore) {
+    cache.k[pb.cache_row * head_dim + d] = km;
+    cache.v[pb.cache_row * head_dim + d] = vm;
+  }
+}
+
+// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys.
 template <typename T>
 __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size, int num_kv_heads,
                             int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp,
                             T* v_mean_lowp) {
-  const int64_t idx = blockIdx.x;
+  PoolBlock pb;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, k_mean, v_mean, k_mean_lowp,
+                  v_mean_lowp, pb))
+    return;
   const int kvh = blockIdx.y;
-  if (idx >= cu_blocks[seq.batch]) {
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
-      k_mean_lowp[o] = from_float<T>(0.f);
-      v_mean_lowp[o] = from_float<T>(0.f);
-    }
-    return;
-  }
-  const int b = find_sequence(cu_blocks, seq.batch, idx);
-  const int64_t J = idx - cu_blocks[b];
-  const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
-  const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
-  const PoolAction act = pool_action(cache, seq, b, J, block_size);
-  const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
-  if (act == PoolAction::kRead) {
-    copy_cached_means(cache, cache_row, (idx * num_kv_heads + kvh) * head_dim, head_dim, k_mean, v_mean, k_mean_lowp,
-                      v_mean_lowp);
-    return;
-  }
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float ks = 0.f, vs = 0.f;
-    for (int64_t j = lo; j < hi; ++j) {
+    for (int64_t j = pb.lo; j < pb.hi; ++j) {
       int64_t ko, vo;
-      if (kv.block_table) {
-        const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
-        const int64_t slot = j % kv.page_size;
-        ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
-        vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
-      } else {
-        ko = (k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
-        vo = (k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
-      }
+      kv_offsets(kv, pb, kvh, j, ko, vo);
       ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
       vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
     }
-    const float inv = 1.f / float(hi - lo);
-    const int64_t o = (idx * num_kv_heads + kvh) * head_dim + d;
-    k_mean[o] = ks * inv;
-    v_mean[o] = vs * inv;
-    k_mean_lowp[o] = from_float<T>(ks * inv);
-    v_mean_lowp[o] = from_float<T>(vs * inv);
-    if (act == PoolAction::kPoolStore) {
-      cache.k[cache_row * head_dim + d] = ks * inv;
-      cache.v[cache_row * head_dim + d] = vs * inv;
-    }
+    store_means(pb, cache, head_dim, d, ks, vs, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
   }
 }
 
@@ -177,45 +206,21 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
 // scalar kernel reached ~1 TB/s.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size,
-                                                       int num_kv_heads,
-                                                       const int32_t* cu_blocks, float* k_mean, float* v_mean,
-                                                       T* k_mean_lowp, T* v_mean_lowp) {
+                                                       int num_kv_heads, const int32_t* cu_blocks, float* k_mean,
+                                                       float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
   constexpr int kVec = D / 8, kGroups = 128 / kVec;
   __shared__ float part[2][kGroups][D];
-  const int64_t idx = blockIdx.x;
+  PoolBlock pb;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, k_mean, v_mean, k_mean_lowp, v_mean_lowp,
+                  pb))
+    return;
   const int kvh = blockIdx.y;
   const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;
-  if (idx >= cu_blocks[seq.batch]) {
-    for (int d = threadIdx.x; d < D; d += 128) {
-      const int64_t o = (idx * num_kv_heads + kvh) * D + d;
-      k_mean_lowp[o] = from_float<T>(0.f);
-      v_mean_lowp[o] = from_float<T>(0.f);
-    }
-    return;
-  }
-  const int b = find_sequence(cu_blocks, seq.batch, idx);
-  const int64_t J = idx - cu_blocks[b];
-  const int64_t k_len = seq.k_len(b), k_start = seq.k_start(b);
-  const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
-  const PoolAction act = pool_action(cache, seq, b, J, block_size);
-  const int64_t cache_row = act == PoolAction::kPool ? -1 : cache.slot(kv, b, J, block_size) * num_kv_heads + kvh;
-  if (act == PoolAction::kRead) {  // a block an earlier chunk completed: 2 x D floats instead of 2 x block x D
-    copy_cached_means(cache, cache_row, (idx * num_kv_heads + kvh) * D, D, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
-    return;
-  }
   float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
-  for (int64_t j = lo + grp; j < hi; j += kGroups) {
+  for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
     int64_t ko, vo;
-    if (kv.block_table) {
-      const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
-      const int64_t slot = j % kv.page_size;
-      ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
-      vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
-    } else {
-      ko = (k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
-      vo = (k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
-    }
+    kv_offsets(kv, pb, kvh, j, ko, vo);
     const uint4 kr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.k) + ko + v * 8));
     const uint4 vr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.v) + vo + v * 8));
     const T* ke = reinterpret_cast<const T*>(&kr);
@@ -232,7 +237,6 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, M
     part[1][grp][v * 8 + e] = vs[e];
   }
   __syncthreads();
-  const float inv = 1.f / float(hi - lo);
   for (int d = threadIdx.x; d < D; d += 128) {
     float kt = 0.f, vt = 0.f;
 #pragma unroll
@@ -240,15 +244,7 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, M
       kt += part[0][g2][d];
       vt += part[1][g2][d];
     }
-    const int64_t o = (idx * num_kv_heads + kvh) * D + d;
-    k_mean[o] = kt * inv;
-    v_mean[o] = vt * inv;
-    k_mean_lowp[o] = from_float<T>(kt * inv);
-    v_mean_lowp[o] = from_float<T>(vt * inv);
-    if (act == PoolAction::kPoolStore) {
-      cache.k[cache_row * D + d] = kt * inv;
-      cache.v[cache_row * D + d] = vt * inv;
-    }
+    store_means(pb, cache, D, d, kt, vt, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
   }
 }
 
@@ -623,6 +619,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
 
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
+  bool split;  // the attention launch over this index may be split (split_planned): carve the split arrays
 };
 
 Bounds bounds_of(const AttentionInputs& in, const Problem& p, int block_size) {
@@ -633,6 +630,7 @@ Bounds bounds_of(const AttentionInputs& in, const Problem& p, int block_size) {
   if (!p.paged) bd.max_blocks = std::min(bd.max_blocks, p.total_k / block_size + p.batch);
   bd.max_segments = int64_t(p.num_kv_heads) * bd.max_tiles;
   bd.capacity = bd.max_segments * bd.nb_max;
+  bd.split = split_planned(in.max_seqlen_q, in.max_seqlen_k);
   return bd;
 }
 
@@ -660,8 +658,8 @@ size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
   d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(32));
   const int sms = num_sms();
-  char* launch = take(sparse_launch_workspace_bytes(sms, p.head_dim));
-  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, p.head_dim);
+  char* launch = take(sparse_launch_workspace_bytes(sms, p.head_dim, bd.split));
+  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, p.head_dim, bd.split);
   if (idx) *idx = d;
   return off;
 }

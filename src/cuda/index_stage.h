@@ -39,9 +39,9 @@ struct DeviceIndex {
                                      // blocks are zero)
   unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
                                            // union mode the per-tile kept count before the union
-  // The sparse kernel's scheduler counter and split-KV plan and partials (SparseLaunchWorkspace, fwd_args.h; about
-  // 35 MB on 132 SMs): one workspace serves one launch at a time, so launches that share it must be ordered on one
-  // stream.
+  // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
+  // (SparseLaunchWorkspace, fwd_args.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so
+  // launches that share it must be ordered on one stream.
   SparseLaunchWorkspace launch;
 };
 

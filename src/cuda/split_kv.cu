@@ -28,14 +28,26 @@ using LW = SparseLaunchWorkspace;
 constexpr int kRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
 constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 
+// The sparse kernel's work order (sparse_tile_coord) as the plan and the combine see it.
+struct TileOrder {
+  int num_kv_heads, batch, max_tiles, group_size;
+  static TileOrder of(const FwdArgs& a) {
+    const int g = a.num_q_heads / a.num_kv_heads;
+    return {a.num_kv_heads, a.batch, int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows), g};
+  }
+  __device__ SparseTileCoord coord(int t) const { return sparse_tile_coord(t, num_kv_heads, batch, max_tiles); }
+  int64_t tiles() const { return int64_t(num_kv_heads) * max_tiles * batch; }
+};
+
 struct PlanArgs {
+  TileOrder order;
   const int* cu_q;
   const int* cu_k;
   const int* seqused_k;
   const int32_t* cu_tiles;
   const int32_t* seg_start;
   const int32_t* seg_end;
-  int num_kv_heads, batch, max_tiles, group_size, block_size, correction, num_coord_tiles, num_sms;
+  int block_size, correction, num_coord_tiles, num_sms;
   int units_per_sm;  // SplitRule::cap's divisor, 1..kMaxUnitsPerSm
   int* counters;
   int32_t* split_tiles;
@@ -45,14 +57,14 @@ struct PlanArgs {
 // Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's tile_work() decides from the
 // same SparseBlockIterator::planned_steps.
 __device__ int tile_steps(const PlanArgs& a, int t) {
-  const SparseTileCoord c = sparse_tile_coord(t, a.num_kv_heads, a.batch, a.max_tiles);
+  const SparseTileCoord c = a.order.coord(t);
   const int tile_base = a.cu_tiles[c.batch];
   const int tiles = a.cu_tiles[c.batch + 1] - tile_base;
   if (c.tile >= tiles) return 0;
   const SeqSpan s = load_seq_span(a.cu_q, a.cu_k, a.seqused_k, c.batch);
-  const int seg = a.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
+  const int seg = a.order.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
   const int n_listed = a.seg_end[seg] - a.seg_start[seg];
-  return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.group_size, s.q_len, s.k_len,
+  return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.order.group_size, s.q_len, s.k_len,
                                                        a.block_size, a.correction != 0);
 }
 
@@ -168,6 +180,7 @@ __device__ void store4<__half>(__half* dst, float4 v) {
 }
 
 struct CombineArgs {
+  TileOrder order;
   const int* cu_q;
   const int* counters;
   const int32_t* split_tiles;
@@ -176,7 +189,6 @@ struct CombineArgs {
   void* out;
   float* lse;
   int64_t o_rs, o_hs, l_hs, l_rs;
-  int num_kv_heads, batch, max_tiles, group_size;
 };
 
 // One warp per row of a split tile (grid-stride over n_split_tiles x 128 rows), one lane per split: the rows of a
@@ -192,10 +204,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(Combi
     const int idx = item / kRows, r = item % kRows;
     const int4 e = reinterpret_cast<const int4*>(a.split_tiles)[idx];
     const int nsplit = e.y;
-    const SparseTileCoord c = sparse_tile_coord(e.x, a.num_kv_heads, a.batch, a.max_tiles);
+    const SparseTileCoord c = a.order.coord(e.x);
+    const int g = a.order.group_size;
     const int q_start = a.cu_q[c.batch], q_len = a.cu_q[c.batch + 1] - q_start;
     const int row0 = c.tile * kRows;
-    if (r >= q_len * a.group_size - row0) continue;  // rows past the sequence
+    if (r >= q_len * g - row0) continue;  // rows past the sequence
     const int my_slot = lane < nsplit ? a.counters[LW::kSplitBase + lane] + idx : 0;
     const float l = lane < nsplit ? a.lse_partial[int64_t(my_slot) * kRows + r] : -INFINITY;
     float m = l;
@@ -217,8 +230,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(Combi
         acc.w += ws * v.w;
       }
     }
-    const int pos = (row0 + r) / a.group_size;
-    const int head = c.kv_head * a.group_size + (row0 + r) % a.group_size;
+    const int pos = (row0 + r) / g;
+    const int head = c.kv_head * g + (row0 + r) % g;
     T* dst = static_cast<T*>(a.out) + int64_t(q_start + pos) * a.o_rs + int64_t(head) * a.o_hs + lane * kPer;
     store4<T>(dst, acc);
     if (a.lse != nullptr && lane == 0)
@@ -231,27 +244,22 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("sparse_prefill cuda: ") + what + ": " + cudaGetErrorString(e));
 }
 
-int max_tiles_of(const FwdArgs& a) {
-  const int g = a.num_q_heads / a.num_kv_heads;
-  return int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows);
-}
-
 size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
 
 }  // namespace
 
-size_t sparse_launch_workspace_bytes(int num_sms, int head_dim) {
+size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split) {
+  if (!with_split) return pad256(LW::kCounters * 4);
   const size_t units = size_t(2 * SplitRule::kMaxUnitsPerSm) * num_sms, tiles = size_t(SplitRule::kMaxUnitsPerSm) * num_sms;
   return pad256(LW::kCounters * 4) + pad256(tiles * 16) + pad256(units * 4) + pad256(units * kRows * head_dim * 4) +
          pad256(units * kRows * 4);
 }
 
-SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim) {
+SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split) {
   if (SplitRule::kMaxUnitsPerSm * num_sms > kOrderMax)
     throw std::runtime_error("sparse_prefill cuda: the split plan is built for at most 1024 SMs");
   SparseLaunchWorkspace w;
-  w.max_split_units = 2 * SplitRule::kMaxUnitsPerSm * num_sms;
-  w.max_split_tiles = SplitRule::kMaxUnitsPerSm * num_sms;
+  w.num_sms = num_sms;
   char* p = static_cast<char*>(base);
   auto take = [&](size_t bytes) {
     char* r = p;
@@ -259,6 +267,9 @@ SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int
     return r;
   };
   w.counters = reinterpret_cast<int*>(take(LW::kCounters * 4));
+  if (!with_split) return w;
+  w.max_split_units = 2 * SplitRule::kMaxUnitsPerSm * num_sms;
+  w.max_split_tiles = SplitRule::kMaxUnitsPerSm * num_sms;
   w.split_tiles = reinterpret_cast<int32_t*>(take(size_t(w.max_split_tiles) * 16));
   w.slot_tile = reinterpret_cast<int32_t*>(take(size_t(w.max_split_units) * 4));
   w.o_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * head_dim * 4));
@@ -279,17 +290,14 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.cu_tiles = s.cu_tiles;
   p.seg_start = s.segment_start;
   p.seg_end = s.segment_end;
-  p.num_kv_heads = a.num_kv_heads;
-  p.batch = a.batch;
-  p.max_tiles = max_tiles_of(a);
-  p.group_size = a.num_q_heads / a.num_kv_heads;
+  p.order = TileOrder::of(a);
   p.block_size = s.block_size;
   p.correction = sparse_correction_on(s) ? 1 : 0;
-  const int64_t coord = int64_t(a.num_kv_heads) * p.max_tiles * a.batch;
+  const int64_t coord = p.order.tiles();
   if (coord == 0) return;
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_coord_tiles = int(coord);
-  p.num_sms = w.max_split_units / (2 * SplitRule::kMaxUnitsPerSm);
+  p.num_sms = w.num_sms;
   static const int units_per_sm = [] {  // SP_SPLIT_UNITS_PER_SM=1..kMaxUnitsPerSm (A/B runs)
     const char* e = std::getenv("SP_SPLIT_UNITS_PER_SM");
     const int v = e ? std::atoi(e) : SplitRule::kDefaultUnitsPerSm;
@@ -313,6 +321,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   if (w.counters == nullptr || !w.plan || a.total_q == 0 || a.batch == 0) return;
   if (a.head_dim != 128) throw std::runtime_error("sparse_prefill cuda: split combine is built for head dim 128");
   CombineArgs c;
+  c.order = TileOrder::of(a);
   c.cu_q = a.cu_seqlens_q;
   c.counters = w.counters;
   c.split_tiles = w.split_tiles;
@@ -324,10 +333,6 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   c.o_hs = a.o_head_stride;
   c.l_hs = a.lse_head_stride;
   c.l_rs = a.lse_row_stride;
-  c.num_kv_heads = a.num_kv_heads;
-  c.batch = a.batch;
-  c.max_tiles = max_tiles_of(a);
-  c.group_size = a.num_q_heads / a.num_kv_heads;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int grid = w.max_split_units;  // 2 * kMaxUnitsPerSm CTAs of 8 warps per SM
   if (bf16)

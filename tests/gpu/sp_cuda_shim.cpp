@@ -188,10 +188,10 @@ int sp_cuda_sparse_attention(SP_CALL_PARAMS, const int* seg_start, const int* se
     d.v_mean_lowp = v_mean;
     static void* launch_ws = [] {  // the kernel's scheduler and split workspace (test infrastructure: one per process)
       void* ptr = nullptr;
-      cudaMalloc(&ptr, cuda::sparse_launch_workspace_bytes(cuda::num_sms(), 128));
+      cudaMalloc(&ptr, cuda::sparse_launch_workspace_bytes(cuda::num_sms(), 128, true));
       return ptr;
     }();
-    d.launch = cuda::carve_sparse_launch_workspace(launch_ws, cuda::num_sms(), 128);
+    d.launch = cuda::carve_sparse_launch_workspace(launch_ws, cuda::num_sms(), 128, true);
     cuda::sparse_attention(c.in, c.outs, c.p, d);
   });
 }
