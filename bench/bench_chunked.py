@@ -11,6 +11,11 @@ Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the top
   mid_*             the same step when the chunk does not end the prompt (final_chunk=False: no dense tail), both
                     modes;
   speedup_*         dense_attn_ms / (select_ms + attn_ms); speedup_*_cached with select_cached_ms.
+  *_graph_ms        the same work timed as CUDA-graph replays (bench_dense.time_graph_ms): GPU time without the
+                    host's enqueue gaps, which per-call events count when a call's GPU work is shorter than its Python
+                    and launch overhead (a ~0.1 ms selection at chunk 1024 x batch 1); dense step, per-tile selection
+                    with the cache and per-tile attention; speedup_tile_cached_graph and
+                    tile_select_cached_graph_share_of_dense from them.
 Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
 Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
 Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8]"""
@@ -26,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import sp_cuda  # noqa: E402
-from bench_dense import commit, time_ms  # noqa: E402
+from bench_dense import commit, time_graph_ms, time_ms  # noqa: E402
 from bench_sparse import HQ, HKV, D, SEL, topic  # noqa: E402
 
 PAGE = 64
@@ -83,13 +88,16 @@ class Cache:
         return q, cu_q, used, C, c1
 
 
-def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None):
-    """One step; `means`: the pooled-means cache as the earlier steps left it (cache.mean_cache(c0)), or None."""
+def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None, graph=False):
+    """One step; `means`: the pooled-means cache as the earlier steps left it (cache.mean_cache(c0)), or None.
+    graph: also the CUDA-graph timings (*_graph_ms) of the dense step and the per-tile mode with the cache."""
     q, cu_q, used, C, Lk = cache.step(c0, c1)
     kw = dict(block_table=cache.block_table, seqused_k=used)
     out = torch.empty_like(q)
-    row = dict(dense_attn_ms=time_ms(lambda: sp_cuda.attention(q, cache.k, cache.v, cu_q, None, C, Lk, out=out,
-                                                                 return_lse=False, **kw)))
+    dense = lambda: sp_cuda.attention(q, cache.k, cache.v, cu_q, None, C, Lk, out=out, return_lse=False, **kw)  # noqa
+    row = dict(dense_attn_ms=time_ms(dense))
+    if graph:
+        row["dense_attn_graph_ms"] = time_graph_ms(dense)
     ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw)
     for mode in modes:
         union = mode == "union"
@@ -115,6 +123,16 @@ def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None):
             row[f"{mode}_total_cached_ms"] = row[f"{mode}_select_cached_ms"] + row[f"{mode}_attn_ms"]
             row[f"speedup_{mode}_cached"] = row["dense_attn_ms"] / row[f"{mode}_total_cached_ms"]
             row[f"{mode}_select_cached_share_of_dense"] = row[f"{mode}_select_cached_ms"] / row["dense_attn_ms"]
+            if graph and mode == "tile" and row.get("dense_attn_graph_ms"):
+                sel_g = time_graph_ms(lambda: sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel,
+                                                                  **kw, mean_cache=means))
+                attn_g = time_graph_ms(lambda: sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C, Lk,
+                                                                        out=out, **kw))
+                if sel_g and attn_g:
+                    dense_g = row["dense_attn_graph_ms"]
+                    row.update(tile_select_cached_graph_ms=sel_g, tile_attn_graph_ms=attn_g,
+                               speedup_tile_cached_graph=dense_g / (sel_g + attn_g),
+                               tile_select_cached_graph_share_of_dense=sel_g / dense_g)
     del ws
     return row
 
@@ -146,10 +164,12 @@ def main():
             for C in ints(args.chunks):
                 row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
                 means = cache.mean_cache(L - C)
-                row.update(measure_step(cache, L - C, L, True, means=means))
-                mid = measure_step(cache, L - C, L, False, means=means)
+                row.update(measure_step(cache, L - C, L, True, means=means, graph=True))
+                mid = measure_step(cache, L - C, L, False, means=means, graph=True)
                 del means
                 row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith(("union", "tile", "speedup"))})
+                if "dense_attn_graph_ms" in mid:
+                    row["mid_dense_attn_graph_ms"] = mid["dense_attn_graph_ms"]
                 row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
                 print(json.dumps(row), flush=True)
                 rows.append(row)
