@@ -10,13 +10,16 @@
 
 #include "api/validate.h"
 #include "cuda/fwd_args.h"
+#include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index_stage.h"
+#include "cuda/softmax.h"     // acc_rowcol, fast_exp2
 
 namespace sparse_prefill::cuda {
 namespace {
 
-constexpr int kChunk = 64;           // pooled blocks scored per step: S chunk is 128 rows x 64 blocks
-constexpr int kScoreThreads = 128;   // 4 warps x 32 packed rows
+constexpr int kScoreChunk = 128;     // pooled blocks scored per step: S chunk is 128 rows x 128 blocks
+constexpr int kScoreThreads = 256;   // 2 warpgroups x 64 packed rows
+constexpr int kScoreWarps = kScoreThreads / 32;
 constexpr int kPoolThreadsMax = 128;
 
 void check_cuda(cudaError_t e, const char* what) {
@@ -354,24 +357,6 @@ __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int g
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 struct SelectArgs {
   float alpha;
   int block_size, sink, window, last_n;
@@ -383,23 +368,84 @@ struct QArgs {
   int64_t stride_row, stride_head;
 };
 
-// One CTA per (tile, KV head). Warp w owns packed rows [32w, 32w + 32) of the tile as two m16 MMA tiles; the pooled
-// keys stream through shared memory 64 blocks at a time.
+// The scorer's tensor-core GEMM S = Q_tile . K_mean^T: the attention kernel's S GEMM shapes (two consumer
+// warpgroups of 64 rows, SS wgmma 64 x 128 x 16 atoms, 128-byte-swizzled K-major tiles), with 128 pooled blocks per
+// step in place of 128 keys. Q (32 KiB at D = 128) and two stages of pooled keys (2 x 32 KiB) in shared memory: ~100
+// KiB per CTA, so 2 CTAs (16 warps) share an SM and one CTA's exp2 epilogue runs under the other's wgmma.
 template <typename T, int D>
-__global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
+struct ScoreConfig {
+  using Element = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
+  static constexpr int kN = kScoreChunk;
+  using TileShape = cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>;
+  using TiledMma = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileShape>(),
+                                                 cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  template <int kRows>
+  using Atom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element,
+                                                                            cute::Int<kRows>, cute::Int<D>>());
+  using SmemLayoutQ =
+      decltype(cute::tile_to_shape(Atom<kTileRows>{}, cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
+  using SmemLayoutK =
+      decltype(cute::tile_to_shape(Atom<kN>{}, cute::Shape<cute::Int<kN>, cute::Int<D>, cute::_2>{}));
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;  // double buffer: chunk c+1 loads under c
+    float partial[kScoreWarps][kN];  // each warp's column sums of a chunk, relative to its own maximum
+    float warp_max[kScoreWarps];     // log2 domain; -inf: the warp saw no visible score in the chunk
+    float red[kScoreWarps];
+    int warp_count[kScoreWarps];
+  };
+  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], then chunk_max[nb_max / kN + 1].
+  static size_t smem_bytes(int64_t nb_max) {
+    return sizeof(Smem) + (size_t((nb_max + 3) & ~int64_t(3)) + size_t(nb_max / kN + 1)) * sizeof(float);
+  }
+};
+
+// S (+)= A * B over all k-steps of one warpgroup's operands (SS wgmma, zero-initialised). Does not wait.
+template <class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void score_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  using namespace cute;
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tC);
+}
+
+// One step of the column-sum butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32
+// apart for 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is
+// set, and add the partner's copy of that half.
+template <int kBit>
+__device__ __forceinline__ void butterfly_step(float (&v)[32], int lane) {
+  const bool upper = lane & kBit;
+#pragma unroll
+  for (int k = 0; k < kBit; ++k) {
+    const float keep = upper ? v[k + kBit] : v[k], give = upper ? v[k] : v[k + kBit];
+    v[k] = keep + __shfl_xor_sync(0xffffffffu, give, kBit);
+  }
+}
+
+// One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
+// thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
+// groups of the warp (28 shuffles) leaves each lane 4 column sums; 128 threads combine the 8 warps after the
+// chunk's barrier. The last tiles (last_n), which keep every visible block, skip the GEMM.
+template <typename T, int D>
+__global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, const int32_t* cu_tiles,
     const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp, int32_t* segment_start,
     int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
-  constexpr int kPitch = D + 8;  // +16 B per row: the 8 rows a B-fragment load touches fall in distinct banks
-  constexpr int kWarps = kScoreThreads / 32;
-  __shared__ __align__(16) T kchunk[2][kChunk * kPitch];  // double buffer: chunk c+1 loads while c is scored
-  __shared__ float red[kWarps];
-  __shared__ float warp_max[kWarps];
-  // Per-warp, per-row-group column sums of a chunk (+8 floats per row: the 8 row groups' 8-byte stores spread over
-  // the banks); reduced by 64 threads after the chunk's barrier instead of 48 shuffles per thread.
-  __shared__ __align__(16) float partial[kWarps][8][kChunk + 8];
-  __shared__ int warp_count[kWarps];
-  extern __shared__ float dyn[];  // energy[nb_max] then chunk_max[nb_max / 64 + 1]
+  using namespace cute;
+  using Cfg = ScoreConfig<T, D>;
+  using Element = typename Cfg::Element;
+  constexpr int kN = Cfg::kN;
+  constexpr int kWarps = kScoreWarps;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  float* energy = reinterpret_cast<float*>(smem_raw + sizeof(typename Cfg::Smem));
 
   const int64_t tile_idx = blockIdx.x;
   if (tile_idx >= cu_tiles[seq.batch]) return;
@@ -416,151 +462,138 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
   const int64_t base = cu_capacity[b] + (kvh * tiles + t) * nb;
   const int B = sel.block_size;
   const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
-  float* energy = dyn;
-  float* chunk_max = dyn + ((nb + 3) & ~int64_t(3));
+  float* chunk_max = energy + ((nb + 3) & ~int64_t(3));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
-  const T* pooled = k_mean_lowp + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename Cfg::SmemLayoutK{});
 
-  // Stages 64 pooled keys of chunk c into buffer `buf` with cp.async (16 B each; zero-fill past the last block).
-  // 32-bit index math: this runs every chunk, and 64-bit multiplies here cost as many issue slots as the MMAs.
+  // Stages the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past the last
+  // block). 32-bit index math: this runs every chunk.
+  const Element* pooled =
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
   const int pooled_row_stride = num_kv_heads * D;  // elements between consecutive blocks' means of one KV head
   const int nb32 = int(nb);
-  auto stage_chunk = [&](int64_t c, int buf) {
-    constexpr int kVecPerRow = D * int(sizeof(T)) / 16;
-    constexpr int kRowsPerPass = kScoreThreads / kVecPerRow;
-    const int v = threadIdx.x % kVecPerRow;
-    const uint32_t dst0 = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][v * 8]));
-#pragma unroll
-    for (int n = threadIdx.x / kVecPerRow; n < kChunk; n += kRowsPerPass) {
-      const int J = int(c) * kChunk + n;
-      const T* src = J < nb32 ? pooled + J * pooled_row_stride + v * 8 : pooled;
-      const uint32_t dst = dst0 + uint32_t(n * kPitch * int(sizeof(T)));
+  auto stage_chunk = [&](int c, int buf) {
+    constexpr int kVec = D / 8;
+    CUTE_UNROLL
+    for (int i = threadIdx.x; i < kN * kVec; i += kScoreThreads) {
+      const int n = i / kVec, v = i % kVec, J = c * kN + n;
+      const Element* src = J < nb32 ? pooled + J * pooled_row_stride + v * 8 : pooled;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sK(n, v * 8, buf)));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(J < nb32 ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
 
-  // The last last_n tiles keep every visible block whatever their scores: no GEMM for them (2 of the 32 tiles of a
-  // final 1024-token chunk per KV head).
   const bool last_tile = t >= tiles - sel.last_n;
-  const int64_t nchunks = last_tile ? 0 : (nvis + kChunk - 1) / kChunk;
-  if (nchunks > 0) stage_chunk(0, 0);
-
-  // A fragments of this thread's 4 rows (2 m-tiles x 2 halves), all of D, loaded once; and the last block each row
-  // sees (int32: the mask below runs per score element, where 64-bit index math cost 5x the MMA issue slots).
-  uint32_t a[2][D / 16][4];
-  int row_last_block[2][2];  // -1: the row sees no key (or is past the tile's rows)
-  const int tile_rows = int(rows);
-  const int64_t q_start = seq.q_start(b);
-  for (int mt = 0; mt < 2; ++mt) {
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r_local = warp * 32 + mt * 16 + hf * 8 + group;
-      const bool valid = r_local < tile_rows;
-      const int r = int(t) * kTileRows + r_local;  // packed row within the sequence (32-bit: Lq * g < 2^31)
-      const int pos = valid ? r / group_size : 0;
-      const int head = kvh * group_size + (valid ? r % group_size : 0);
-      const int64_t hi = valid ? min(k_len - 1, int64_t(pos) + off) : -1;
-      row_last_block[mt][hf] = hi >= 0 ? int(hi / B) : -1;
-      const T* qrow = static_cast<const T*>(qa.q) + (q_start + pos) * qa.stride_row + head * qa.stride_head;
-      for (int ks = 0; ks < D / 16; ++ks) {
-        for (int kh = 0; kh < 2; ++kh) {
-          const int col = ks * 16 + kh * 8 + quad * 2;
-          a[mt][ks][kh * 2 + hf] = valid ? *reinterpret_cast<const uint32_t*>(qrow + col) : 0u;
-        }
+  const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
+  if (nchunks > 0) {
+    stage_chunk(0, 0);
+    // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile, 4-byte
+    // loads (build_index needs only even q strides); zeros past the tile's rows.
+    const int64_t q_start = seq.q_start(b);
+    constexpr int kWords = D / 2;
+    for (int i = threadIdx.x; i < kTileRows * kWords; i += kScoreThreads) {
+      const int r = i / kWords, w = i % kWords;
+      uint32_t val = 0u;
+      if (r < rows) {
+        const int pr = int(t) * kTileRows + r;  // packed row within the sequence (Lq * g < 2^31)
+        const T* qrow = static_cast<const T*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
+                        (kvh * group_size + pr % group_size) * qa.stride_head;
+        val = *reinterpret_cast<const uint32_t*>(qrow + 2 * w);
       }
+      *reinterpret_cast<uint32_t*>(&sQ(r, 2 * w)) = val;
     }
   }
-  // Chunks whose every block every row of the tile sees skip the mask (causal: all but the last one or two).
+
+  typename Cfg::TiledMma mma;
+  auto wg_mma = mma.get_slice((threadIdx.x / 128) * 128);
+  auto thr_mma = mma.get_slice(threadIdx.x);
+  Tensor tSrQ = wg_mma.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
+  Tensor tSrK = wg_mma.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kTileRows>, Int<kN>>{});
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (2 rows, kN / 4 columns) of this thread
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kCols = decltype(size<1>(S))::value;  // 32: column c is tile column 8 (c / 2) + 2 (lane % 4) + c % 2
+  static_assert(decltype(size<0>(S))::value == 2 && kCols == 32, "accumulator layout assumed by the butterfly");
+
+  // The last block each of this thread's 2 rows sees (-1: none, or past the tile's rows); chunks that every row
+  // of the tile sees whole skip the mask (causal: all but the last one or two).
+  int row_last_block[2];
+  for (int i = 0; i < 2; ++i) {
+    const int r = get<0>(cS_rc(i, 0));
+    const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+    row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
+  }
   const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int buf = int(c & 1);
+  for (int c = 0; c < nchunks; ++c) {
+    const int buf = c & 1;
     if (c + 1 < nchunks) {
-      stage_chunk(c + 1, buf ^ 1);  // its buffer was last read in chunk c-1, before that chunk's barrier
+      stage_chunk(c + 1, buf ^ 1);  // its stage was last read by chunk c-1's wgmma, finished before its barrier
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
-    __syncthreads();  // chunk c is visible to every warp
+    cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
+    __syncthreads();
 
-    float acc[2][kChunk / 8][4];
-    for (int mt = 0; mt < 2; ++mt)
-      for (int nt = 0; nt < kChunk / 8; ++nt)
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-    // B fragments with ldmatrix.x4: matrices (nt, k 0-7), (nt, k 8-15), (nt+1, k 0-7), (nt+1, k 8-15).
-    const uint32_t chunk_smem = static_cast<uint32_t>(__cvta_generic_to_shared(&kchunk[buf][0]));
-    const int ld_row = (lane >> 4) * 8 + (lane & 7), ld_col = ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-#pragma unroll
-      for (int nt = 0; nt < kChunk / 8; nt += 2) {
-        uint32_t b[4];
-        const uint32_t addr = chunk_smem + uint32_t(((nt * 8 + ld_row) * kPitch + ks * 16 + ld_col) * int(sizeof(T)));
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
-                     : "r"(addr));
-        mma_16816<T>(acc[0][nt], a[0][ks], b[0], b[1]);
-        mma_16816<T>(acc[1][nt], a[1][ks], b[0], b[1]);
-        mma_16816<T>(acc[0][nt + 1], a[0][ks], b[2], b[3]);
-        mma_16816<T>(acc[1][nt + 1], a[1][ks], b[2], b[3]);
-      }
-    }
-    // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max, so the
-    // scale is folded into the exp2 argument below: one FFMA per element instead of FMUL + FADD).
+    score_gemm(mma, tSrQ, tSrK(_, _, _, buf), tSrS);
+    warpgroup_wait<0>();
+
+    // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max; the scale
+    // is folded into the exp2 argument: one FFMA per element).
     float m = -INFINITY;
-    const int chunk_first = int(c) * kChunk;
-    if (chunk_first + kChunk - 1 <= tile_min_last_block) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) m = fmaxf(m, acc[mt][nt][e]);
+    const int chunk_first = c * kN;
+    if (chunk_first + kN - 1 <= tile_min_last_block) {
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i)
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) m = fmaxf(m, S(i, k));
     } else {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int J = chunk_first + nt * 8 + quad * 2 + (e & 1);
-            if (J > row_last_block[mt][e >> 1]) acc[mt][nt][e] = -INFINITY;
-            m = fmaxf(m, acc[mt][nt][e]);
-          }
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i)
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) {
+          const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+          if (J > row_last_block[i]) S(i, k) = -INFINITY;
+          m = fmaxf(m, S(i, k));
+        }
     }
     for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float m_log2 = m * sel.scale_log2;  // this warp's maximum in the log2 domain
-    // This warp's block energies relative to its own maximum, summed over the thread's 4 rows.
-    if (m != -INFINITY) {
-#pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt) {
-        float2 s = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {  // exp2(-inf) = 0 for masked scores
-            s.x += exp2f(fmaf(acc[mt][nt][hf * 2], sel.scale_log2, -m_log2));
-            s.y += exp2f(fmaf(acc[mt][nt][hf * 2 + 1], sel.scale_log2, -m_log2));
-          }
-        *reinterpret_cast<float2*>(&partial[warp][group][nt * 8 + quad * 2]) = s;
-      }
+    const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // exp2(-inf - 0) = 0 for masked scores
+    float v[kCols];
+    CUTE_UNROLL
+    for (int k = 0; k < kCols; ++k)
+      v[k] = fast_exp2(fmaf(S(0, k), sel.scale_log2, -m_log2)) + fast_exp2(fmaf(S(1, k), sel.scale_log2, -m_log2));
+    // Butterfly over the row groups (lane bits 4, 3, 2): each step keeps half of the columns and adds the partner's
+    // half, so after 16 + 8 + 4 shuffles lane holds columns c0 .. c0+3 (c0 = 16 h4 + 8 h3 + 4 h2) summed over the
+    // warp's 16 rows.
+    butterfly_step<16>(v, lane);
+    butterfly_step<8>(v, lane);
+    butterfly_step<4>(v, lane);
+    {
+      const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
+      const int col = 8 * (c0 / 2) + 2 * (lane % 4);  // columns of c0, c0+1; c0+2, c0+3 are 8 further
+      *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
+      *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
     }
-    if (lane == 0) warp_max[warp] = m_log2;
+    if (lane == 0) sm.warp_max[warp] = m == -INFINITY ? -INFINITY : m_log2;
     __syncthreads();
-    // Combine the warps and row groups: chunk maximum and energies relative to it.
-    if (threadIdx.x < kChunk) {
-      float cm = warp_max[0];
-      for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, warp_max[w]);
+    // Combine the warps: chunk maximum and energies relative to it.
+    if (threadIdx.x < kN) {
+      float cm = sm.warp_max[0];
+      for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.warp_max[w]);
       float e = 0.f;
-      for (int w = 0; w < kWarps; ++w) {
-        if (warp_max[w] == -INFINITY) continue;  // that warp wrote no partial sums for this chunk
-        float col = 0.f;
-        for (int g = 0; g < 8; ++g) col += partial[w][g][threadIdx.x];
-        e += col * exp2f(warp_max[w] - cm);
+      if (cm != -INFINITY) {
+        for (int w = 0; w < kWarps; ++w) {
+          if (sm.warp_max[w] != -INFINITY) e += sm.partial[w][threadIdx.x] * fast_exp2(sm.warp_max[w] - cm);
+        }
       }
-      const int64_t J = c * kChunk + threadIdx.x;
-      if (J < nb) energy[J] = e;
+      const int J = chunk_first + threadIdx.x;
+      if (J < nb32) energy[J] = e;
       if (threadIdx.x == 0) chunk_max[c] = cm;
     }
   }
@@ -568,20 +601,20 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
 
   // Rescale every chunk's energies to the tile maximum M; E_max.
   float tile_max = -INFINITY;
-  for (int64_t c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
+  for (int c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
   float local_emax = 0.f;
   for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
-    const float cm = chunk_max[J / kChunk];
+    const float cm = chunk_max[J / kN];
     const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
     energy[J] = e;
     local_emax = fmaxf(local_emax, e);
   }
   for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
   __syncthreads();
-  if (lane == 0) red[warp] = local_emax;
+  if (lane == 0) sm.red[warp] = local_emax;
   __syncthreads();
-  float emax = red[0];
-  for (int w = 1; w < kScoreThreads / 32; ++w) emax = fmaxf(emax, red[w]);
+  float emax = sm.red[0];
+  for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
   const float threshold = sel.alpha * emax;
 
   // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
@@ -601,13 +634,13 @@ __global__ void __launch_bounds__(kScoreThreads) score_select_kernel(
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
     __syncthreads();
-    if (lane == 0) warp_count[warp] = __popc(ballot);
+    if (lane == 0) sm.warp_count[warp] = __popc(ballot);
     __syncthreads();
     int64_t offset = kept;
-    for (int w = 0; w < warp; ++w) offset += warp_count[w];
+    for (int w = 0; w < warp; ++w) offset += sm.warp_count[w];
     offset += __popc(ballot & ((1u << lane) - 1u));
     if (keep) block_ids[base + offset] = int32_t(J);
-    for (int w = 0; w < kScoreThreads / 32; ++w) kept += warp_count[w];
+    for (int w = 0; w < kWarps; ++w) kept += sm.warp_count[w];
   }
   if (threadIdx.x == 0) {
     segment_start[seg] = int32_t(base);
@@ -668,7 +701,7 @@ template <typename T, int D>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const Problem& p, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D>;
-  // Static (~44 KB at D=128) plus dynamic shared memory may pass the 48 KB default: opt in every time (no sync).
+  // ~100 KB of dynamic shared memory, past the 48 KB default: opt in every time (no sync).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
              "cudaFuncSetAttribute(score_select_kernel)");
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, p.group_size, p.num_kv_heads, d.cu_tiles,
@@ -778,15 +811,24 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                          params.final_chunk ? params.last_n : 0,
                          float(p.softmax_scale * 1.4426950408889634)};
-    const size_t dyn_smem = (size_t((bd.nb_max + 3) & ~int64_t(3)) + size_t(bd.nb_max / kChunk + 1)) * 4;
     const dim3 grid(unsigned(bd.max_tiles), unsigned(p.num_kv_heads));
     const bool bf16 = p.dtype == DType::kBFloat16;
+    auto launch = [&](auto tag, auto dim) {
+      using T = decltype(tag);
+      constexpr int kD = decltype(dim)::value;
+      const size_t dyn_smem = ScoreConfig<T, kD>::smem_bytes(bd.nb_max);
+      if (dyn_smem > 227 * 1024) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
+        throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
+                                  " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
+      }
+      launch_score<T, kD>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+    };
+    using D64 = std::integral_constant<int, 64>;
+    using D128 = std::integral_constant<int, 128>;
     if (p.head_dim == 128) {
-      bf16 ? launch_score<__nv_bfloat16, 128>(grid, dyn_smem, stream, seq, qa, sel, p, d)
-           : launch_score<__half, 128>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+      bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
     } else {
-      bf16 ? launch_score<__nv_bfloat16, 64>(grid, dyn_smem, stream, seq, qa, sel, p, d)
-           : launch_score<__half, 64>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+      bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
     }
     check_cuda(cudaGetLastError(), "score_select_kernel launch");
   }
