@@ -366,6 +366,7 @@ struct SelectArgs {
 struct QArgs {
   const void* q;
   int64_t stride_row, stride_head;
+  bool vec16;  // 16-byte aligned base and strides that are multiples of 8 elements: 16-byte copies of Q rows
 };
 
 // The scorer's tensor-core GEMM S = Q_tile . K_mean^T: the attention kernel's S GEMM shapes (two consumer
@@ -489,22 +490,26 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const bool last_tile = t >= tiles - sel.last_n;
   const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
   if (nchunks > 0) {
-    stage_chunk(0, 0);
-    // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile, 4-byte
-    // loads (build_index needs only even q strides); zeros past the tile's rows.
+    // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile with cp.async,
+    // in the same group as chunk 0, so every load is in flight at once (a load-then-store loop serialised 32 global
+    // round trips per thread: ~2x slower index stage). 16-byte copies when q allows them, else 4-byte ones
+    // (build_index needs only even q strides); zero-fill past the tile's rows.
     const int64_t q_start = seq.q_start(b);
-    constexpr int kWords = D / 2;
-    for (int i = threadIdx.x; i < kTileRows * kWords; i += kScoreThreads) {
-      const int r = i / kWords, w = i % kWords;
-      uint32_t val = 0u;
-      if (r < rows) {
-        const int pr = int(t) * kTileRows + r;  // packed row within the sequence (Lq * g < 2^31)
-        const T* qrow = static_cast<const T*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
-                        (kvh * group_size + pr % group_size) * qa.stride_head;
-        val = *reinterpret_cast<const uint32_t*>(qrow + 2 * w);
+    const int elems = qa.vec16 ? 8 : 2;
+    const int per_row = D / elems;
+    for (int i = threadIdx.x; i < kTileRows * per_row; i += kScoreThreads) {
+      const int r = i / per_row, col = (i % per_row) * elems;
+      const int pr = int(t) * kTileRows + min(r, int(rows) - 1);  // packed row within the sequence (Lq * g < 2^31)
+      const T* src = static_cast<const T*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
+                     (kvh * group_size + pr % group_size) * qa.stride_head + col;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sQ(r, col)));
+      if (qa.vec16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 16 : 0));
+      } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 4 : 0));
       }
-      *reinterpret_cast<uint32_t*>(&sQ(r, 2 * w)) = val;
     }
+    stage_chunk(0, 0);  // commits Q and chunk 0 as one group
   }
 
   typename Cfg::TiledMma mma;
@@ -704,6 +709,10 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   // ~100 KB of dynamic shared memory, past the 48 KB default: opt in every time (no sync).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
              "cudaFuncSetAttribute(score_select_kernel)");
+  // All of the unified L1 as shared memory, so that two ~100 KB CTAs fit on an SM (the default carve-out may
+  // leave room for one).
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+             "cudaFuncSetAttribute(score_select_kernel carveout)");
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, p.group_size, p.num_kv_heads, d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
                                                     d.segment_start, d.segment_end, d.block_ids, d.counters);
@@ -807,7 +816,9 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     check_cuda(cudaGetLastError(), "pool_kernel launch");
   }
   if (bd.max_tiles > 0) {
-    const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1]};
+    const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % 8 == 0 &&
+                         in.q.stride[1] % 8 == 0;
+    const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
     const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                          params.final_chunk ? params.last_n : 0,
                          float(p.softmax_scale * 1.4426950408889634)};

@@ -119,6 +119,24 @@ def _check_close(got, lse, ref, ref_lse, tol=2e-2, lse_tol=2e-3):
     assert np.abs(lse[fin] - ref_lse[fin]).max() <= lse_tol
 
 
+def test_build_index_q_without_16_byte_alignment_equals_aligned():
+    # The scorer copies Q rows with 16-byte cp.async when q allows it, else 4-byte ones: same index either way.
+    rng = np.random.default_rng()
+    L, hq, hkv, d = 1500, 8, 2, 128
+    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=int(rng.integers(1 << 30)))
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    qg, kg, vg = (_to(a, "cuda", torch.bfloat16) for a in (q, k, v))
+    wide = torch.full((L, hq, d + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[:, :, 2:2 + d] = qg
+    q_view = wide[:, :, 2:2 + d]  # base 4 bytes past a 16-byte boundary
+    assert q_view.data_ptr() % 16 != 0
+    a = sp.build_index(qg, kg, vg, cu, cu, L, L, alpha=0.2)
+    b = sp.build_index(q_view, kg, vg, cu, cu, L, L, alpha=0.2)
+    for key in ("segment_start", "segment_end", "block_ids"):
+        assert np.array_equal(a.host[key], b.host[key]), key
+    assert a.kept_blocks == b.kept_blocks
+
+
 @pytest.mark.parametrize("q_lens,k_lens,hq,hkv", [
     ([1763, 129], [1763, 129], 8, 2),        # odd lengths, GQA 4, two sequences
     ([11, 300, 1], [1000, 4100, 1], 8, 1),   # chunks (Lq < Lk), GQA 8, a 1-token sequence
