@@ -32,8 +32,9 @@ def kernel_times(fn, iters=20):
     per = defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name.split("<")[0].split("(")[0][:60]] += ev.device_time_total if hasattr(ev, "device_time_total") \
-                else ev.cuda_time_total
+            name = ev.name.replace("(anonymous namespace)::", "").replace("sparse_prefill::cuda::", "")
+            name = name.replace("void ", "").split("<")[0].split("(")[0][:60]
+            per[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
     return {k: v / iters for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
 
 
