@@ -469,20 +469,32 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename Cfg::SmemLayoutK{});
 
-  // Stages the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past the last
-  // block). 32-bit index math: this runs every chunk.
+  // stage_chunk(c, buf): the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past
+  // the last block).
   const Element* pooled =
       reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
   const int pooled_row_stride = num_kv_heads * D;  // elements between consecutive blocks' means of one KV head
   const int nb32 = int(nb);
+  // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
+  // addresses are fixed per stage, and the passes of the swizzled tile lie a fixed byte distance apart (whole 8-row
+  // swizzle atoms), so a chunk costs kPasses copies and adds (index math per copy was ~1/3 of the loop's issue
+  // slots).
+  constexpr int kVec = D / 8, kRowsPerPass = kScoreThreads / kVec, kPasses = kN / kRowsPerPass;
+  const int v = threadIdx.x % kVec, n0 = threadIdx.x / kVec;
+  const auto smem_addr = [](const Element& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
+  const uint32_t dst0 = smem_addr(sK(n0, v * 8, 0));
+  const uint32_t pass_bytes = smem_addr(sK(n0 + kRowsPerPass, v * 8, 0)) - dst0;
+  const uint32_t stage_bytes = smem_addr(sK(n0, v * 8, 1)) - dst0;
+  const Element* src0 = pooled + int64_t(n0) * pooled_row_stride + v * 8;
+  const int64_t pass_stride = int64_t(kRowsPerPass) * pooled_row_stride;
   auto stage_chunk = [&](int c, int buf) {
-    constexpr int kVec = D / 8;
+    const Element* src = src0 + int64_t(c) * kN * pooled_row_stride;
+    const uint32_t dst = dst0 + uint32_t(buf) * stage_bytes;
     CUTE_UNROLL
-    for (int i = threadIdx.x; i < kN * kVec; i += kScoreThreads) {
-      const int n = i / kVec, v = i % kVec, J = c * kN + n;
-      const Element* src = J < nb32 ? pooled + J * pooled_row_stride + v * 8 : pooled;
-      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sK(n, v * 8, buf)));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(J < nb32 ? 16 : 0));
+    for (int p = 0; p < kPasses; ++p) {
+      const bool ok = c * kN + n0 + p * kRowsPerPass < nb32;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + p * pass_bytes),
+                   "l"(ok ? src + p * pass_stride : pooled), "r"(ok ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
