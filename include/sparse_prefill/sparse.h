@@ -28,6 +28,10 @@ struct SelectionParams {
   // Union mode (CompactAttention): one list per (sequence, KV head), the union of its tiles' lists (what
   // union_index() computes), built in the same call. Suits chunks (few queries against a long cache).
   bool union_lists = false;
+  // Sub-groups of a GQA group (CompactAttention's option for large groups): the g = Hq / Hkv query heads of each KV
+  // head are split into head_subgroups groups of g / head_subgroups heads, each selected (and, with union_lists,
+  // unioned) on its own. Must divide g. The index is then over Hkv * head_subgroups virtual KV heads (BlockIndex).
+  int head_subgroups = 1;
 };
 
 // Segment order: for sequence b with Lq_b queries, T_b = ceil(Lq_b * g / 128) tiles; segments of b start at
@@ -37,10 +41,14 @@ struct SelectionParams {
 //
 // Pooled means: k_mean, v_mean [total_blocks, Hkv, D] float32, where sequence b owns rows
 // cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
+// Head sub-groups (SelectionParams::head_subgroups = S): the index is over Hkv * S virtual KV heads. Virtual head v
+// holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads, group_size, the segment
+// order above and the pooled means' head axis are all in virtual heads (the means of v are those of K/V head v / S).
 struct BlockIndex {
   int block_size = 128;
-  int group_size = 1;     // g = Hq / Hkv
-  int num_kv_heads = 0;
+  int group_size = 1;     // query heads per (virtual) KV head: g / head_subgroups
+  int num_kv_heads = 0;   // (virtual) KV heads: Hkv * head_subgroups
+  int head_subgroups = 1;
   int head_dim = 0;
   bool correction = true;
   std::vector<int32_t> segment_start, segment_end, block_ids;
@@ -55,6 +63,7 @@ struct BlockIndex {
 struct BlockIndexView {
   int block_size = 128;
   bool correction = true;
+  int head_subgroups = 1;                            // see BlockIndex: segments and means over Hkv * S heads
   TensorView segment_start, segment_end, block_ids;  // int32 [S], [S], [N]
   TensorView cu_blocks;                              // int32 [B+1]
   TensorView k_mean, v_mean;                         // float32 [total_blocks, Hkv, D]
