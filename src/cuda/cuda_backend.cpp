@@ -168,6 +168,7 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.launch = index.launch;
   s.block_size = index.block_size;
   s.correction = index.correction;
+  s.head_subgroups = index.head_subgroups;
   return s;
 }
 
@@ -242,6 +243,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.launch = carve_sparse_launch_workspace(base + tiles_pad + 2 * mean_pad, num_sms(), p.head_dim, split);
   s.block_size = index.block_size;
   s.correction = index.correction && rows > 0;
+  s.head_subgroups = index.head_subgroups;
   run_sparse(in, a, p, s);
 }
 

@@ -59,7 +59,7 @@ struct SparseLaunchWorkspace {
 };
 
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
-// Hkv * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile.
+// H * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile, H = Hkv * head_subgroups (virtual KV heads).
 struct SparseFwdArgs {
   const int32_t* segment_start = nullptr;
   const int32_t* segment_end = nullptr;
@@ -71,6 +71,9 @@ struct SparseFwdArgs {
   int64_t mean_rows = 0;
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)
   bool correction = true;
+  // Head sub-groups (SelectionParams::head_subgroups): the index's tiles and segments are over Hkv * S virtual KV
+  // heads of g / S query heads each; virtual head v reads K/V (and the pooled means, [mean_rows, Hkv, D]) of head v / S.
+  int head_subgroups = 1;
   // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
   SparseLaunchWorkspace launch;
 };

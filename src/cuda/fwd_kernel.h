@@ -38,7 +38,10 @@ struct FwdParams {
   const int* block_table;
   const int* seqused_k;
   int64_t block_table_stride;
+  // Sparse mode with head sub-groups: num_kv_heads and group_size count virtual KV heads (tiles, segments), K/V and
+  // the pooled means are read from head kv_head / kv_split of the num_kv_heads_mem heads in memory.
   int total_q, total_k_rows, num_q_heads, num_kv_heads, group_size, page_size;
+  int num_kv_heads_mem, kv_split;
   int num_m_blocks;
   int num_tiles;  // num_q_heads * num_m_blocks * batch
   float softmax_scale, scale_log2;
@@ -271,11 +274,11 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       if (!work.valid) continue;  // beyond this sequence
       const Iterator& iter = work.iter;
       const SeqSpan& seq = work.seq;
-      const int batch = work.batch, kv_head = work.kv_head;
+      const int batch = work.batch, kv_head = kSparse ? work.kv_head / params.kv_split : work.kv_head;  // in memory
       const int n_count = iter.count();
       if (n_count == 0) continue;  // consumers write zeros without smem
-      Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
-      Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
+      Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
       if constexpr (!kSparse) {  // sparse mode: the consumers gather the PackGQA rows of Q themselves
@@ -312,8 +315,8 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
-      Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads));
+      Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
+      Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
       // loads). Default: computed at each K and at each V issue. -DSP_ROWS_PREFETCH=1 computes them once per block
       // and one block ahead (loads in flight while the producer waits for a free stage); measured on the H200 at
@@ -350,7 +353,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       // K runs one block ahead of V: the consumer issues S(i) = Q K(i)^T before O += P(i-1) V(i-1).
       // Correction step (sparse mode): one full box of kBlockN pooled means, rows cu_blocks[b] + chunk * kBlockN.
       auto load_means = [&](auto const& tma, auto& sX, Pipeline& pipe, PipelineState& st, int chunk) {
-        Tensor mX = tma.get_tma_tensor(make_shape(params.mean_rows, kHeadDim, params.num_kv_heads));
+        Tensor mX = tma.get_tma_tensor(make_shape(params.mean_rows, kHeadDim, params.num_kv_heads_mem));
         pipe.producer_acquire(st);
         Tensor gX = local_tile(domain_offset(make_coord(params.cu_blocks[batch] + chunk * kBlockN, _0{}),
                                              mX(_, _, kv_head)),

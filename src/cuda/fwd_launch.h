@@ -67,8 +67,9 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.total_q = a.total_q;
   p.total_k_rows = a.total_k_rows;
   p.num_q_heads = a.num_q_heads;
-  p.num_kv_heads = a.num_kv_heads;
+  p.num_kv_heads = p.num_kv_heads_mem = a.num_kv_heads;
   p.group_size = a.num_q_heads / a.num_kv_heads;
+  p.kv_split = 1;
   p.page_size = a.page_size;
   p.num_m_blocks = (a.max_seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
   p.tile_counter = nullptr;
@@ -83,10 +84,14 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.window_right = a.causal ? 0 : a.window_right;
   int64_t num_tiles = int64_t(a.num_q_heads) * p.num_m_blocks * a.batch;
   if (sparse != nullptr) {
-    // PackGQA tiles: ceil(Lq * g / 128) per (sequence, KV head); the grid covers the longest sequence.
-    const int g = a.num_q_heads / a.num_kv_heads;
+    // PackGQA tiles: ceil(Lq * g / 128) per (sequence, virtual KV head: g = Hq / Hkv / head_subgroups query heads);
+    // the grid covers the longest sequence.
+    p.kv_split = sparse->head_subgroups;
+    p.num_kv_heads = a.num_kv_heads * p.kv_split;
+    p.group_size = a.num_q_heads / p.num_kv_heads;
+    const int g = p.group_size;
     p.num_m_blocks = int((int64_t(a.max_seqlen_q) * g + Config::kBlockM - 1) / Config::kBlockM);
-    num_tiles = int64_t(a.num_kv_heads) * p.num_m_blocks * a.batch;
+    num_tiles = int64_t(p.num_kv_heads) * p.num_m_blocks * a.batch;
     const int mean_rows = int(std::max<int64_t>(sparse->mean_rows, 1));
     auto means = [&](const void* ptr) {  // [mean_rows, Hkv, D], contiguous
       return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, mean_rows, a.num_kv_heads, int64_t(a.num_kv_heads) * kHeadDim,

@@ -436,8 +436,9 @@ __device__ __forceinline__ void butterfly_step(float (&v)[32], int lane) {
 // chunk's barrier. The last tiles (last_n), which keep every visible block, skip the GEMM.
 template <typename T, int D>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
-    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, const int32_t* cu_tiles,
-    const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp, int32_t* segment_start,
+    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int kv_split, int kv_heads_mem,
+    const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
+    int32_t* segment_start,
     int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
   using namespace cute;
   using Cfg = ScoreConfig<T, D>;
@@ -471,9 +472,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 
   // stage_chunk(c, buf): the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past
   // the last block).
+  // (num_kv_heads, group_size: virtual KV heads with head sub-groups; the pooled means are per KV head in memory.)
   const Element* pooled =
-      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * num_kv_heads + kvh) * D;
-  const int pooled_row_stride = num_kv_heads * D;  // elements between consecutive blocks' means of one KV head
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / kv_split) * D;
+  const int pooled_row_stride = kv_heads_mem * D;  // elements between consecutive blocks' means of one KV head
   const int nb32 = int(nb);
   // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
   // addresses are fixed per stage, and the passes of the swizzled tile lie a fixed byte distance apart (whole 8-row
@@ -672,13 +674,26 @@ struct Bounds {
   bool split;  // the attention launch over this index may be split (split_planned): carve the split arrays
 };
 
-Bounds bounds_of(const AttentionInputs& in, const Problem& p, int block_size) {
+// The index's heads: with head sub-groups S, tiles and segments are over Hkv * S virtual KV heads of g / S query
+// heads each (sparse.h); pooling and the pooled means stay per KV head in memory (virtual head v reads head v / S).
+struct IndexHeads {
+  int kv;     // virtual KV heads: Hkv * S
+  int group;  // query heads per virtual KV head: g / S
+  int split;  // S
+};
+IndexHeads index_heads(const Problem& p, int head_subgroups) {
+  return {p.num_kv_heads * head_subgroups, p.group_size / head_subgroups, head_subgroups};
+}
+
+Bounds bounds_of(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  const IndexHeads h = index_heads(p, params.head_subgroups);
+  const int block_size = params.block_size;
   Bounds bd;
-  bd.max_tiles = p.total_q * p.group_size / kTileRows + p.batch;
+  bd.max_tiles = p.total_q * h.group / kTileRows + p.batch;
   bd.nb_max = (in.max_seqlen_k + block_size - 1) / block_size;
   bd.max_blocks = int64_t(p.batch) * bd.nb_max;
   if (!p.paged) bd.max_blocks = std::min(bd.max_blocks, p.total_k / block_size + p.batch);
-  bd.max_segments = int64_t(p.num_kv_heads) * bd.max_tiles;
+  bd.max_segments = int64_t(h.kv) * bd.max_tiles;
   bd.capacity = bd.max_segments * bd.nb_max;
   bd.split = split_planned(in.max_seqlen_q, in.max_seqlen_k);
   return bd;
@@ -716,7 +731,7 @@ size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
 
 template <typename T, int D>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
-                  const SelectArgs& sel, const Problem& p, const DeviceIndex& d) {
+                  const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D>;
   // ~100 KB of dynamic shared memory, past the 48 KB default: opt in every time (no sync).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
@@ -725,7 +740,8 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   // leave room for one).
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
              "cudaFuncSetAttribute(score_select_kernel carveout)");
-  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, p.group_size, p.num_kv_heads, d.cu_tiles,
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.split, kv_heads_mem,
+                                                    d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
                                                     d.segment_start, d.segment_end, d.block_ids, d.counters);
 }
@@ -733,7 +749,7 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
 }  // namespace
 
 size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
-  return carve(p, bounds_of(in, p, params.block_size), nullptr, nullptr);
+  return carve(p, bounds_of(in, p, params), nullptr, nullptr);
 }
 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
@@ -748,7 +764,12 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
     throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
   }
-  const Bounds bd = bounds_of(in, p, params.block_size);
+  if (params.head_subgroups < 1 || p.group_size % params.head_subgroups != 0) {
+    throw ArgumentError("head_subgroups", "must be a divisor of the GQA group size " + std::to_string(p.group_size) +
+                                              ", got " + std::to_string(params.head_subgroups));
+  }
+  const IndexHeads heads = index_heads(p, params.head_subgroups);
+  const Bounds bd = bounds_of(in, p, params);
   if (bd.capacity >= (int64_t(1) << 31)) {
     throw NotImplementedError("build_index on CUDA: index capacity exceeds 2^31 block ids for these shapes");
   }
@@ -764,11 +785,12 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   d.max_segments = bd.max_segments;
   d.max_blocks = bd.max_blocks;
   d.capacity = bd.capacity;
+  d.head_subgroups = heads.split;
 
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   SeqArgs seq{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
               p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
-  plan_kernel<<<1, 1, 0, stream>>>(seq, p.group_size, params.block_size, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
+  plan_kernel<<<1, 1, 0, stream>>>(seq, heads.group, params.block_size, heads.kv, d.cu_tiles, d.cu_blocks,
                                    d.cu_capacity, d.counters);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 
@@ -834,7 +856,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                          params.final_chunk ? params.last_n : 0,
                          float(p.softmax_scale * 1.4426950408889634)};
-    const dim3 grid(unsigned(bd.max_tiles), unsigned(p.num_kv_heads));
+    const dim3 grid(unsigned(bd.max_tiles), unsigned(heads.kv));
     const bool bf16 = p.dtype == DType::kBFloat16;
     auto launch = [&](auto tag, auto dim) {
       using T = decltype(tag);
@@ -844,7 +866,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
         throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                   " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
       }
-      launch_score<T, kD>(grid, dyn_smem, stream, seq, qa, sel, p, d);
+      launch_score<T, kD>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
     };
     using D64 = std::integral_constant<int, 64>;
     using D128 = std::integral_constant<int, 128>;
@@ -858,8 +880,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if (params.union_lists && bd.max_tiles > 0) {
     const size_t dyn = size_t(2 * ((bd.nb_max + 31) / 32) + 1) * 4;
     if (dyn > 48 * 1024) throw NotImplementedError("build_index on CUDA: union mode supports up to 393216 blocks");
-    union_kernel<<<dim3(unsigned(p.batch), unsigned(p.num_kv_heads)), kUnionThreads, dyn, stream>>>(
-        seq, p.group_size, params.block_size, p.num_kv_heads, d.cu_tiles, d.cu_blocks, d.cu_capacity,
+    union_kernel<<<dim3(unsigned(p.batch), unsigned(heads.kv)), kUnionThreads, dyn, stream>>>(
+        seq, heads.group, params.block_size, heads.kv, d.cu_tiles, d.cu_blocks, d.cu_capacity,
         d.segment_start, d.segment_end, d.block_ids, d.counters);
     check_cuda(cudaGetLastError(), "union_kernel launch");
   }
@@ -872,12 +894,15 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
   const int64_t rows = view.correction ? view.k_mean.shape[0] : 0;
   const int64_t n = rows * p.num_kv_heads * p.head_dim;
   const int grid = int(std::min<int64_t>(std::max<int64_t>((n + 255) / 256, 1), 4096));
+  // With head sub-groups S the view's means are over Hkv * S virtual heads (virtual head h * S + s holds the means of
+  // KV head h): the kernel's copies are per KV head, read from virtual head h * S (head stride x S).
+  const int S = view.head_subgroups;
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     prepare_view_kernel<T><<<grid, 256, 0, stream>>>(
-        in.cu_seqlens_q.ptr<const int32_t>(), p.batch, p.group_size, cu_tiles,
+        in.cu_seqlens_q.ptr<const int32_t>(), p.batch, p.group_size / S, cu_tiles,
         rows ? view.k_mean.ptr<const float>() : nullptr, rows ? view.v_mean.ptr<const float>() : nullptr,
-        view.k_mean.stride[0], view.k_mean.stride[1], view.v_mean.stride[0], view.v_mean.stride[1], rows,
+        view.k_mean.stride[0], view.k_mean.stride[1] * S, view.v_mean.stride[0], view.v_mean.stride[1] * S, rows,
         p.num_kv_heads, p.head_dim, static_cast<T*>(k_lowp), static_cast<T*>(v_lowp));
   };
   if (p.dtype == DType::kBFloat16) launch(__nv_bfloat16{});
@@ -904,9 +929,11 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
   std::vector<int64_t> cu_capacity(p.batch + 1);
   unsigned long long counters[2] = {0, 0};
   BlockIndex idx;
+  const IndexHeads heads = index_heads(p, params.head_subgroups);
   idx.block_size = params.block_size;
-  idx.group_size = p.group_size;
-  idx.num_kv_heads = p.num_kv_heads;
+  idx.group_size = heads.group;
+  idx.num_kv_heads = heads.kv;
+  idx.head_subgroups = heads.split;
   idx.head_dim = p.head_dim;
   idx.correction = params.correction;
   idx.cu_blocks.resize(p.batch + 1);
@@ -914,7 +941,7 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
   download(d.cu_capacity, cu_capacity.size() * 8, cu_capacity.data());
   download(d.cu_blocks, idx.cu_blocks.size() * 4, idx.cu_blocks.data());
   download(d.counters, sizeof(counters), counters);
-  const size_t segments = size_t(cu_tiles[p.batch]) * p.num_kv_heads;
+  const size_t segments = size_t(cu_tiles[p.batch]) * heads.kv;
   std::vector<int32_t> start(segments), end(segments), ids(static_cast<size_t>(cu_capacity[p.batch]));
   download(d.segment_start, segments * 4, start.data());
   download(d.segment_end, segments * 4, end.data());
@@ -932,10 +959,23 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
     idx.segment_end[s] = int32_t(idx.block_ids.size());
   }
   const size_t pooled = size_t(idx.cu_blocks[p.batch]) * p.num_kv_heads * p.head_dim;
-  idx.k_mean.resize(pooled);
-  idx.v_mean.resize(pooled);
-  download(d.k_mean, pooled * 4, idx.k_mean.data());
-  download(d.v_mean, pooled * 4, idx.v_mean.data());
+  std::vector<float> km(pooled), vm(pooled);
+  download(d.k_mean, pooled * 4, km.data());
+  download(d.v_mean, pooled * 4, vm.data());
+  if (heads.split == 1) {
+    idx.k_mean = std::move(km);
+    idx.v_mean = std::move(vm);
+  } else {  // the index's means are over virtual heads: head h * S + s repeats KV head h
+    const size_t rows = size_t(idx.cu_blocks[p.batch]), D = size_t(p.head_dim);
+    idx.k_mean.resize(pooled * heads.split);
+    idx.v_mean.resize(pooled * heads.split);
+    for (size_t r = 0; r < rows; ++r)
+      for (int v = 0; v < heads.kv; ++v) {
+        const size_t src = (r * p.num_kv_heads + v / heads.split) * D, dst = (r * heads.kv + v) * D;
+        std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
+        std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
+      }
+  }
   idx.kept_blocks = int64_t(counters[0]);
   idx.visible_blocks = int64_t(counters[1]);
   return idx;

@@ -24,7 +24,8 @@ namespace sparse_prefill::cuda {
 struct DeviceIndex {
   int block_size = 128;
   bool correction = true;
-  int64_t max_segments = 0;      // >= Hkv * sum_b T_b
+  int head_subgroups = 1;        // S: tiles and segments over Hkv * S virtual KV heads; pooled means per KV head
+  int64_t max_segments = 0;      // >= Hkv * S * sum_b T_b
   int64_t max_blocks = 0;        // >= sum_b nb_b (pooled rows)
   int64_t capacity = 0;          // block_ids slots
   int32_t* segment_start = nullptr;  // [max_segments]; entries beyond the real count are unused

@@ -31,9 +31,9 @@ constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 // The sparse kernel's work order (sparse_tile_coord) as the plan and the combine see it.
 struct TileOrder {
   int num_kv_heads, batch, max_tiles, group_size;
-  static TileOrder of(const FwdArgs& a) {
-    const int g = a.num_q_heads / a.num_kv_heads;
-    return {a.num_kv_heads, a.batch, int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows), g};
+  static TileOrder of(const FwdArgs& a, const SparseFwdArgs& s) {  // virtual KV heads with head sub-groups
+    const int heads = a.num_kv_heads * s.head_subgroups, g = a.num_q_heads / heads;
+    return {heads, a.batch, int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows), g};
   }
   __device__ SparseTileCoord coord(int t) const { return sparse_tile_coord(t, num_kv_heads, batch, max_tiles); }
   int64_t tiles() const { return int64_t(num_kv_heads) * max_tiles * batch; }
@@ -290,7 +290,7 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.cu_tiles = s.cu_tiles;
   p.seg_start = s.segment_start;
   p.seg_end = s.segment_end;
-  p.order = TileOrder::of(a);
+  p.order = TileOrder::of(a, s);
   p.block_size = s.block_size;
   p.correction = sparse_correction_on(s) ? 1 : 0;
   const int64_t coord = p.order.tiles();
@@ -321,7 +321,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   if (w.counters == nullptr || !w.plan || a.total_q == 0 || a.batch == 0) return;
   if (a.head_dim != 128) throw std::runtime_error("sparse_prefill cuda: split combine is built for head dim 128");
   CombineArgs c;
-  c.order = TileOrder::of(a);
+  c.order = TileOrder::of(a, s);
   c.cu_q = a.cu_seqlens_q;
   c.counters = w.counters;
   c.split_tiles = w.split_tiles;

@@ -300,3 +300,85 @@ def test_chunked_prompt_mean_cache_on_gpu():
         slot = table[0, (J * 128 + 127) // ps]
         np.testing.assert_allclose(km[slot], k_mean[J], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(vm[slot], v_mean[J], rtol=1e-5, atol=1e-5)
+
+
+# Head sub-groups (head_subgroups = S): the index is over Hkv * S virtual KV heads of g / S query heads each, which
+# read K/V head v / S; the GPU index stage and kernel do it by index math, with K/V and the pooled means in place.
+
+def test_head_subgroups_index_on_gpu_matches_cpu():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1500, 400], [1500, 3000], 8, 2)   # g = 4
+    for S in (2, 4):
+        ref = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=S)
+        got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S)
+        assert got.head_subgroups == S and got.num_segments == ref.num_segments
+        assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
+        differ = sum(len(set(ref.segment(b, h, t)) ^ set(got.segment(b, h, t)))
+                     for b in range(2) for h in range(2 * S) for t in range(int(ref.tiles[b])))
+        assert differ <= max(2, ref.kept_blocks // 200), differ     # near-threshold ties only
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_head_subgroups_sparse_attention_matches_cpu_reference(correction):
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 129], [1763, 3000], 8, 1)   # g = 8, S = 4: 2 heads per tile
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, head_subgroups=4))
+    assert 0 < index.density < 1
+    ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
+    out = torch.full_like(gpu[0], float("nan"))
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    _check_close(out, lse, ref, ref_lse)
+
+
+def test_head_subgroups_union_and_chunks_on_gpu():
+    """Union per sub-group on the GPU equals the CPU union of the GPU per-tile index; its output (split-KV chunk
+    launches over a paged cache, with the mean cache) matches the CPU reference on that index; alpha = 0 = dense."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 300], [5000, 3000], 8, 2)
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=2)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True, head_subgroups=2)
+    ref = sp.union_index(tiles, *cpu, mq, mk)
+    assert union.kept_blocks == ref.kept_blocks
+    for name in ("segment_start", "segment_end", "block_ids"):
+        np.testing.assert_array_equal(union.host[name], ref.host[name])
+    whole = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True)            # one list per whole group of 4 heads
+    for b in range(2):
+        for h in range(2):
+            sub = [set(union.segment(b, 2 * h + s, 0)) for s in range(2)]
+            assert sub[0] | sub[1] == set(whole.segment(b, h, 0))          # each sub-group's union is part of it
+    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False, head_subgroups=2)
+    want = sp.sparse_attention(*cpu[:3], union, *cpu[3:], mq, mk)
+    dense = sp.attention(*gpu, mq, mk)
+    alpha0 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, union=True, head_subgroups=2)
+    torch.cuda.synchronize()
+    assert (got.float().cpu() - want.float()).abs().max().item() <= 2e-2
+    torch.testing.assert_close(alpha0.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
+
+
+def test_head_subgroups_chunked_mean_cache_on_gpu():
+    rng = np.random.default_rng()
+    L, C, hq, hkv, ps = 4000, 1024, 8, 2, 64
+    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                     seed=int(rng.integers(1 << 30)))
+    bf = torch.bfloat16
+    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
+    qg, kc, vc, bt = _to(q, "cuda", bf), _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda")
+    means = sp.mean_cache(kc)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        step = (qg[c0:c1], kc, vc, torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda"), bt,
+                torch.tensor([c1], dtype=torch.int32, device="cuda"), c1 - c0, c1)
+        for union in (False, True):
+            got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means, alpha=0.2,
+                                     head_subgroups=2)
+            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.2, head_subgroups=2)
+            torch.cuda.synchronize()
+            assert not torch.isnan(got).any() and torch.equal(got, want)
+
+
+def test_head_subgroups_not_dividing_the_group_is_a_clear_error_on_gpu():
+    rng = np.random.default_rng()
+    _, gpu, mq, mk = _structured_varlen(rng, [300], [300], 8, 2)
+    with pytest.raises(ValueError, match="head_subgroups"):
+        sp.sparse_prefill(*gpu, mq, mk, head_subgroups=3)
