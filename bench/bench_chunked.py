@@ -8,6 +8,8 @@ Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the top
                     the chunk, as earlier steps left it: only the chunk's blocks are pooled), attn_ms, density;
   union_*           union lists per (sequence, KV head) (CompactAttention, correction off): select_ms (index stage +
                     union kernel), attn_ms, density (after the union; union_tile_density before it);
+  union_s{S}_*      with --union-subgroups: union mode with head_subgroups = S (one list per sub-group of g / S
+                    query heads of each KV head), same keys as union_*;
   mid_*             the same step when the chunk does not end the prompt (final_chunk=False: no dense tail), both
                     modes;
   speedup_*         dense_attn_ms / (select_ms + attn_ms); speedup_*_cached with select_cached_ms.
@@ -88,7 +90,7 @@ class Cache:
         return q, cu_q, used, C, c1
 
 
-def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None, graph=False):
+def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None, graph=False, subgroups=()):
     """One step; `means`: the pooled-means cache as the earlier steps left it (cache.mean_cache(c0)), or None.
     graph: also the CUDA-graph timings (*_graph_ms) of the dense step and the per-tile mode with the cache."""
     q, cu_q, used, C, Lk = cache.step(c0, c1)
@@ -99,14 +101,20 @@ def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None, grap
     if graph:
         row["dense_attn_graph_ms"] = time_graph_ms(dense)
     ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw)
+    modes = list(modes) + [f"union_s{S}" for S in subgroups]
     for mode in modes:
-        union = mode == "union"
+        union = mode.startswith("union")
+        S = int(mode[len("union_s"):]) if mode.startswith("union_s") else 1
         sel = dict(SEL, correction=not union, final_chunk=final, union=union)
+        if S > 1:
+            sel["head_subgroups"] = S
+        if S > 1:  # more (smaller) tiles: its own workspace
+            ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw, head_subgroups=S)
         idx = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw)
         torch.cuda.synchronize()
         row[f"{mode}_density"] = idx.density()
         if union:
-            row["union_tile_density"] = idx.tile_density()
+            row[f"{mode}_tile_density"] = idx.tile_density()
         row[f"{mode}_select_ms"] = time_ms(lambda: sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws,
                                                                          **sel, **kw))
         row[f"{mode}_attn_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C,
@@ -144,6 +152,7 @@ def main():
     ap.add_argument("--chunks", default="1024,4096,8192")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt", default="131072:8192", help="L:chunk of the whole-prompt rows ('' to skip)")
+    ap.add_argument("--union-subgroups", default="", help="head_subgroups values S > 1: union rows union_s{S}_*")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     rows, prompts = [], []
@@ -164,8 +173,9 @@ def main():
             for C in ints(args.chunks):
                 row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
                 means = cache.mean_cache(L - C)
-                row.update(measure_step(cache, L - C, L, True, means=means, graph=True))
-                mid = measure_step(cache, L - C, L, False, means=means, graph=True)
+                sub = ints(args.union_subgroups)
+                row.update(measure_step(cache, L - C, L, True, means=means, graph=True, subgroups=sub))
+                mid = measure_step(cache, L - C, L, False, means=means, graph=True, subgroups=sub)
                 del means
                 row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith(("union", "tile", "speedup"))})
                 if "dense_attn_graph_ms" in mid:

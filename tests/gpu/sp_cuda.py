@@ -30,9 +30,9 @@ def lib(path=None):
         call = [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, F, I, I, P]
         err = [ctypes.c_char_p, I]
         sigs = {"sp_cuda_attention": call + err,
-                "sp_cuda_index_bytes": call + [I, ctypes.POINTER(LL)] + err,
-                "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL), P, P] + err,
-                "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I] + err}
+                "sp_cuda_index_bytes": call + [I, I, ctypes.POINTER(LL)] + err,
+                "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL), P, P] + err,
+                "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I, I] + err}
         for name, argtypes in sigs.items():
             if hasattr(handle, name):  # A/B variant libraries built from older shims lack the sparse entry points
                 getattr(handle, name).argtypes = argtypes
@@ -93,7 +93,7 @@ class DeviceIndex:
     """The GPU index stage's output in a torch-owned workspace: torch views of segment_start, segment_end, block_ids,
     cu_tiles, cu_blocks, k_mean_lowp, v_mean_lowp (q's dtype) and counters ([kept, visible] blocks)."""
 
-    def __init__(self, ws, info, batch, hkv, d, dtype, correction):
+    def __init__(self, ws, info, batch, hkv, d, dtype, correction, head_subgroups=1):
         base = ws.data_ptr()
 
         def view(ptr, n, dt):
@@ -111,6 +111,7 @@ class DeviceIndex:
         self.v_mean = view(info[6], max_blocks * hkv * d, dtype).view(max_blocks, hkv, d)
         self.counters = view(info[7], 3, torch.int64)
         self.block_size, self.correction, self.mean_rows = block_size, correction, max_blocks
+        self.head_subgroups = head_subgroups
 
     def density(self):
         kept, visible, _ = (int(x) for x in self.counters.cpu())
@@ -123,18 +124,18 @@ class DeviceIndex:
 
 
 def index_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size=128,
-                    block_table=None, seqused_k=None):
-    """A torch uint8 workspace large enough for the index stage on these shapes."""
+                    block_table=None, seqused_k=None, head_subgroups=1):
+    """A torch uint8 workspace large enough for the index stage on these shapes (and head_subgroups)."""
     n = ctypes.c_longlong(0)
     args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       block_table=block_table, seqused_k=seqused_k)
-    _check(lib().sp_cuda_index_bytes, args + [int(block_size), ctypes.byref(n)])
+    _check(lib().sp_cuda_index_bytes, args + [int(block_size), int(head_subgroups), ctypes.byref(n)])
     return torch.empty(int(n.value), dtype=torch.uint8, device=q.device)
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ws, alpha=0.1, block_size=128,
                 sink=256, window=512, last_n=2, correction=True, block_table=None, seqused_k=None, final_chunk=True,
-                union=False, mean_cache=None):
+                union=False, mean_cache=None, head_subgroups=1):
     """GPU index stage into `ws` (index_workspace) on torch's current stream; no synchronisation.
     mean_cache: (k_mean, v_mean) float32 [slots, Hkv, D] (sparse_prefill.mean_cache), paged KV only."""
     info = (ctypes.c_longlong * 12)()
@@ -142,11 +143,12 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       block_table=block_table, seqused_k=seqused_k)
     _check(lib().sp_cuda_build_index, args + [float(alpha), int(block_size), int(sink), int(window), int(last_n),
                                                int(bool(correction)), int(bool(final_chunk)), int(bool(union)),
-                                               _ptr(ws), ws.numel(), info,
+                                               int(head_subgroups), _ptr(ws), ws.numel(), info,
                                                _ptr(mean_cache[0] if mean_cache else None),
                                                _ptr(mean_cache[1] if mean_cache else None)])
     hkv = k.shape[-2]
-    return DeviceIndex(ws, list(info), cu_seqlens_q.numel() - 1, hkv, q.shape[2], q.dtype, bool(correction))
+    return DeviceIndex(ws, list(info), cu_seqlens_q.numel() - 1, hkv, q.shape[2], q.dtype, bool(correction),
+                       int(head_subgroups))
 
 
 def sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out=None, lse=None,
@@ -162,5 +164,5 @@ def sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     _check(lib().sp_cuda_sparse_attention,
            args + [_ptr(index.segment_start), _ptr(index.segment_end), _ptr(index.block_ids), _ptr(index.cu_tiles),
                    _ptr(index.cu_blocks), _ptr(index.k_mean), _ptr(index.v_mean), int(index.mean_rows),
-                   int(index.block_size), int(bool(corr))])
+                   int(index.block_size), int(bool(corr)), int(getattr(index, "head_subgroups", 1))])
     return (out, lse) if return_lse else out

@@ -105,8 +105,9 @@ int guarded(char* err, int err_len, F&& f) {
 }
 
 SelectionParams selection(float alpha, int block_size, int sink, int window, int last_n, int correction,
-                          int final_chunk = 1, int union_lists = 0) {
+                          int final_chunk = 1, int union_lists = 0, int head_subgroups = 1) {
   SelectionParams s;
+  s.head_subgroups = head_subgroups;
   s.final_chunk = final_chunk != 0;
   s.union_lists = union_lists != 0;
   s.alpha = alpha;
@@ -136,10 +137,12 @@ int sp_cuda_attention(SP_CALL_PARAMS, char* err, int err_len) {
 }
 
 // Workspace bytes of the GPU index stage for these shapes.
-int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, long long* bytes, char* err, int err_len) {
+int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, int head_subgroups, long long* bytes, char* err,
+                        int err_len) {
   return guarded(err, err_len, [&] {
     Call c = make_call(SP_CALL_ARGS);
-    *bytes = (long long)cuda::index_workspace_bytes(c.in, c.p, selection(0.1f, block_size, 0, 0, 0, 1));
+    *bytes = (long long)cuda::index_workspace_bytes(c.in, c.p,
+                                                    selection(0.1f, block_size, 0, 0, 0, 1, 1, 0, head_subgroups));
   });
 }
 
@@ -148,15 +151,16 @@ int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, long long* bytes, char* 
 // max_segments, capacity, max_blocks, block_size. mean_k / mean_v: a pooled-means cache (float32 [slots, Hkv, D],
 // MeanCache in sparse.h) or null.
 int sp_cuda_build_index(SP_CALL_PARAMS, float alpha, int block_size, int sink, int window, int last_n, int correction,
-                        int final_chunk, int union_lists, void* ws, long long ws_bytes, long long* info, void* mean_k,
-                        void* mean_v, char* err, int err_len) {
+                        int final_chunk, int union_lists, int head_subgroups, void* ws, long long ws_bytes,
+                        long long* info, void* mean_k, void* mean_v, char* err, int err_len) {
   return guarded(err, err_len, [&] {
     Call c = make_call(SP_CALL_ARGS);
     MeanCache cache;
     cache.k_mean.data = mean_k;
     cache.v_mean.data = mean_v;
     const cuda::DeviceIndex d = cuda::build_index(
-        c.in, c.p, selection(alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists), ws,
+        c.in, c.p,
+        selection(alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups), ws,
         size_t(ws_bytes), mean_k != nullptr ? &cache : nullptr);
     const void* ptrs[8] = {d.segment_start, d.segment_end, d.block_ids, d.cu_tiles, d.cu_blocks, d.k_mean_lowp,
                            d.v_mean_lowp, d.counters};
@@ -172,12 +176,14 @@ int sp_cuda_build_index(SP_CALL_PARAMS, float alpha, int block_size, int sink, i
 // path of the library (cuda::sparse_attention with a DeviceIndex). k_mean / v_mean: [mean_rows, Hkv, D] in q's dtype.
 int sp_cuda_sparse_attention(SP_CALL_PARAMS, const int* seg_start, const int* seg_end, const int* block_ids,
                              const int* cu_tiles, const int* cu_blocks, void* k_mean, void* v_mean,
-                             long long mean_rows, int block_size, int correction, char* err, int err_len) {
+                             long long mean_rows, int block_size, int correction, int head_subgroups, char* err,
+                             int err_len) {
   return guarded(err, err_len, [&] {
     Call c = make_call(SP_CALL_ARGS);
     cuda::DeviceIndex d;
     d.block_size = block_size;
     d.correction = correction != 0;
+    d.head_subgroups = head_subgroups;
     d.max_blocks = mean_rows;
     d.segment_start = const_cast<int32_t*>(seg_start);
     d.segment_end = const_cast<int32_t*>(seg_end);
