@@ -49,6 +49,7 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
   check_selection_params(params);
   const Problem p = validate_inputs(in, nullptr);
+  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
   if (p.device == Device::kCPU) return reference::build_index(in, p, params);
 #ifdef SPARSE_PREFILL_WITH_CUDA
   return cuda::build_index_to_host(in, p, params);
@@ -71,10 +72,11 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 namespace {
 
 // CPU backend of the pooled-means cache: the reference pools every block; the complete ones are stored in their
-// slots (MeanCache, sparse.h), as the CUDA index stage stores the blocks a chunk completes.
+// slots (MeanCache, sparse.h), as the CUDA index stage stores the blocks a chunk completes. The cache holds the real
+// KV heads: with head sub-groups (S), real head h is the index's virtual head h * S (all S copies are equal).
 void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIndex& index, const MeanCache& cache) {
-  const int B = index.block_size;
-  const int64_t row = int64_t(p.num_kv_heads) * p.head_dim;
+  const int B = index.block_size, S = index.head_subgroups, D = p.head_dim;
+  const int64_t row = int64_t(p.num_kv_heads) * D;  // one slot of the cache; the index's rows hold row * S floats
   const int32_t* bt = in.block_table->ptr<const int32_t>();
   const int64_t bt0 = in.block_table->stride[0], bt1 = in.block_table->stride[1];
   float* kc = cache.k_mean.ptr<float>();
@@ -85,9 +87,12 @@ void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIn
       const int64_t j = (J + 1) * B - 1;
       const int64_t page = bt[b * bt0 + (j / p.page_size) * bt1];
       const int64_t slot = p.page_size >= B ? page * (p.page_size / B) + (j % p.page_size) / B : page;
-      const int64_t src = (int64_t(index.cu_blocks[b]) + J) * row;
-      std::copy(index.k_mean.begin() + src, index.k_mean.begin() + src + row, kc + slot * row);
-      std::copy(index.v_mean.begin() + src, index.v_mean.begin() + src + row, vc + slot * row);
+      for (int h = 0; h < p.num_kv_heads; ++h) {
+        const int64_t src = ((int64_t(index.cu_blocks[b]) + J) * p.num_kv_heads * S + int64_t(h) * S) * D;
+        const int64_t dst = slot * row + int64_t(h) * D;
+        std::copy(index.k_mean.begin() + src, index.k_mean.begin() + src + D, kc + dst);
+        std::copy(index.v_mean.begin() + src, index.v_mean.begin() + src + D, vc + dst);
+      }
     }
   }
 }
@@ -96,6 +101,7 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& param
                          const MeanCache* cache) {
   check_selection_params(params);
   const Problem p = validate_inputs(in, &outs);
+  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, p, params.block_size, *cache);
   if (p.device == Device::kCPU) {
     BlockIndex index = reference::build_index(in, p, params);
@@ -131,12 +137,13 @@ BlockIndexView view_of(BlockIndex& index) {
   BlockIndexView v;
   v.block_size = index.block_size;
   v.correction = index.correction;
+  v.head_subgroups = index.head_subgroups;
   v.segment_start = make_view(index.segment_start.data(), DType::kInt32, {int64_t(index.segment_start.size())});
   v.segment_end = make_view(index.segment_end.data(), DType::kInt32, {int64_t(index.segment_end.size())});
   v.block_ids = make_view(index.block_ids.data(), DType::kInt32, {int64_t(index.block_ids.size())});
   v.cu_blocks = make_view(index.cu_blocks.data(), DType::kInt32, {int64_t(index.cu_blocks.size())});
   // Pooled-mean views take their extent from the vectors themselves, so a mismatched index fails validation
-  // instead of being read out of bounds.
+  // instead of being read out of bounds. num_kv_heads is the index's (virtual, Hkv * head_subgroups) head count.
   const int64_t row = int64_t(index.num_kv_heads) * index.head_dim;
   auto pooled_view = [&](std::vector<float>& m, const char* name) {
     if (row <= 0 || int64_t(m.size()) % row != 0) {

@@ -54,6 +54,17 @@ void check_selection_params(const SelectionParams& params) {
   if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
   if (params.window < 0) throw ArgumentError("window", "must be >= 0");
   if (params.last_n < 0) throw ArgumentError("last_n", "must be >= 0");
+  if (params.head_subgroups < 1) {
+    throw ArgumentError("head_subgroups", "must be >= 1, got " + std::to_string(params.head_subgroups));
+  }
+}
+
+void check_head_subgroups(int subgroups, int group_size, const char* name) {
+  if (subgroups < 1) throw ArgumentError(name, "must be >= 1, got " + std::to_string(subgroups));
+  if (group_size % subgroups != 0) {
+    throw ArgumentError(name, "must divide the GQA group size g = Hq / Hkv = " + std::to_string(group_size) +
+                                  ", got " + std::to_string(subgroups));
+  }
 }
 
 namespace {
@@ -275,12 +286,20 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     throw ArgumentError("index", "block_size must be a positive multiple of 64, got " +
                                      std::to_string(index.block_size));
   }
+  // Head sub-groups: segments and pooled means are over heads = Hkv * S virtual KV heads of g' = g / S query heads
+  // each (sparse.h); `g` below is g'.
+  check_head_subgroups(index.head_subgroups, p.group_size, "index.head_subgroups");
+  const int S = index.head_subgroups, heads = p.num_kv_heads * S, g = p.group_size / S;
+  const std::string heads_note =
+      S == 1 ? std::string()
+             : " (head_subgroups = " + std::to_string(S) + ": " + std::to_string(heads) + " virtual KV heads of " +
+                   std::to_string(g) + " query heads)";
   // On CUDA the sequence lengths live on the device (p.seqs is empty): shapes that depend on them are not checked
   // there (the segment count and pooled rows are trusted, as cu_seqlens are).
   const bool host = p.device == Device::kCPU;
   int64_t segments = 0, total_blocks = 0;
   for (const SequenceInfo& s : p.seqs) {
-    segments += p.num_kv_heads * num_tiles(s.q_len, p.group_size);
+    segments += heads * num_tiles(s.q_len, g);
     total_blocks += num_blocks(s.k_len, index.block_size);
   }
   for (const auto& [t, name] : {std::pair{&index.segment_start, "index.segment_start"},
@@ -289,9 +308,9 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     check_dtype(*t, DType::kInt32, name);
     if (t->device != p.device) throw ArgumentError(name, "must be on the device of q", true);
     if (host && t->shape[0] != segments) {
-      throw ArgumentError(name, "expected " + std::to_string(segments) +
-                                    " segments for these sequences (index built for other inputs?), got " +
-                                    std::to_string(t->shape[0]));
+      throw ArgumentError(name, "expected " + std::to_string(segments) + " segments for these sequences" +
+                                    heads_note + ", got " + std::to_string(t->shape[0]) +
+                                    " (index built for other inputs or another head_subgroups?)");
     }
   }
   check_rank(index.block_ids, 1, "index.block_ids");
@@ -310,9 +329,9 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     for (const auto& [t, name] : {std::pair{&index.k_mean, "index.k_mean"}, std::pair{&index.v_mean, "index.v_mean"}}) {
       check_rank(*t, 3, name);
       check_dtype(*t, DType::kFloat32, name);
-      if ((host && t->shape[0] != total_blocks) || t->shape[1] != p.num_kv_heads || t->shape[2] != p.head_dim) {
-        throw ArgumentError(name, "expected shape [" + std::to_string(total_blocks) + ", " +
-                                      std::to_string(p.num_kv_heads) + ", " + std::to_string(p.head_dim) + "], got " +
+      if ((host && t->shape[0] != total_blocks) || t->shape[1] != heads || t->shape[2] != p.head_dim) {
+        throw ArgumentError(name, "expected shape [" + std::to_string(total_blocks) + ", " + std::to_string(heads) +
+                                      ", " + std::to_string(p.head_dim) + "]" + heads_note + ", got " +
                                       shape_string(*t));
       }
       check_last_dim_contiguous(*t, name);
@@ -332,9 +351,9 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
   const int64_t n = index.block_ids.shape[0];
   int64_t seg = 0;
   for (int b = 0; b < p.batch; ++b) {
-    const int64_t tiles = num_tiles(p.seqs[b].q_len, p.group_size);
+    const int64_t tiles = num_tiles(p.seqs[b].q_len, g);
     const int64_t nb = num_blocks(p.seqs[b].k_len, index.block_size);
-    for (int64_t i = 0; i < p.num_kv_heads * tiles; ++i, ++seg) {
+    for (int64_t i = 0; i < heads * tiles; ++i, ++seg) {
       const int64_t lo = at1(index.segment_start, seg), hi = at1(index.segment_end, seg);
       if (lo < 0 || hi < lo || hi > n) {
         throw ArgumentError("index.segment_start", "segment " + std::to_string(seg) + " range [" +

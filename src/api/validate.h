@@ -14,6 +14,9 @@ void check_dtype(const TensorView& t, DType dtype, const char* name);
 void check_last_dim_contiguous(const TensorView& t, const char* name);
 void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name);
 void check_selection_params(const SelectionParams& params);
+// Head sub-groups (SelectionParams::head_subgroups, BlockIndex::head_subgroups): S >= 1 dividing the GQA group size
+// g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.head_subgroups").
+void check_head_subgroups(int subgroups, int group_size, const char* name);
 
 // Number of selection tiles of a sequence with `q_len` queries and group size g.
 inline int64_t num_tiles(int64_t q_len, int group_size) {
@@ -21,8 +24,8 @@ inline int64_t num_tiles(int64_t q_len, int group_size) {
 }
 inline int64_t num_blocks(int64_t k_len, int block_size) { return (k_len + block_size - 1) / block_size; }
 
-// Checks an index view against a resolved (host-readable) problem: segment count, ranges, ascending block ids within
-// each sequence's block count, pooled-mean shapes.
+// Checks an index view against a resolved (host-readable) problem: head sub-groups, segment count, ranges, ascending
+// block ids within each sequence's block count, pooled-mean shapes (segments and means over Hkv * S virtual heads).
 void validate_index(const Problem& p, const BlockIndexView& index);
 
 // Checks a pooled-means cache against a resolved problem (paged KV, float32 [slots, Hkv, D] contiguous on q's

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -46,15 +47,33 @@ TileGeometry tile_geometry(int64_t tile, int64_t q_len, int group_size);
 bool block_fully_visible(const AttentionInputs& in, const SequenceInfo& s, const TileGeometry& tile, int64_t block,
                          int block_size);
 
+// Head sub-groups (S = SelectionParams/BlockIndex::head_subgroups > 1, sparse.h): the reference runs its S = 1 code
+// on the equivalent model with Hkv * S KV heads, whose virtual head v holds query heads [v g', (v + 1) g'),
+// g' = g / S, and is a copy of K/V head v / S. virtual_problem() is that model's Problem; virtual_heads() also
+// materialises its K/V (each head repeated S times along the head axis, contiguous or paged like the input, any
+// dtype), with `in` pointing at the copies (block_table and the rest unchanged). Copies: this is the oracle.
+Problem virtual_problem(const Problem& p, int subgroups);
+struct VirtualHeads {
+  VirtualHeads() = default;
+  VirtualHeads(const VirtualHeads&) = delete;  // `in` points into k and v
+  VirtualHeads(VirtualHeads&&) = default;
+  std::vector<uint8_t> k, v;
+  AttentionInputs in;
+  Problem p;
+};
+VirtualHeads virtual_heads(const AttentionInputs& in, const Problem& p, int subgroups);
+
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
 void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
              std::vector<float>& k_mean, std::vector<float>& v_mean);
+// `p` is the caller's problem (real KV heads); head sub-groups are taken from params / the index (virtual_heads).
 BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p);
 BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index);
 
-// kept / visible counts of an index (listed blocks that the segment's tile can see, and all it can see).
+// kept / visible counts of an index (listed blocks that the segment's tile can see, and all it can see); `p` has the
+// index's (virtual) KV heads.
 void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& index);
 
 }  // namespace sparse_prefill::reference

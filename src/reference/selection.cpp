@@ -75,6 +75,14 @@ void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size
 }
 
 BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  if (params.head_subgroups > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
+    const VirtualHeads virt = virtual_heads(in, p, params.head_subgroups);
+    SelectionParams one = params;
+    one.head_subgroups = 1;
+    BlockIndex index = build_index(virt.in, virt.p, one);
+    index.head_subgroups = params.head_subgroups;
+    return index;
+  }
   BlockIndex index;
   index.block_size = params.block_size;
   index.group_size = p.group_size;
@@ -179,8 +187,11 @@ void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& inde
   }
 }
 
-BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
-  BlockIndex u = index;  // metadata and pooled means carry over
+namespace {
+
+// The union lowering of an index over p.num_kv_heads (virtual) KV heads.
+BlockIndex union_of_tiles(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
+  BlockIndex u = index;  // metadata (head_subgroups included) and pooled means carry over
   const std::vector<int64_t> seg_offset = segment_offsets(p);
   u.block_ids.clear();
   for (int b = 0; b < p.batch; ++b) {
@@ -205,6 +216,15 @@ BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockI
   }
   count_density(in, p, u);
   return u;
+}
+
+}  // namespace
+
+BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
+  // Head sub-groups: one list per (sequence, virtual KV head), i.e. per sub-group. The union reads no K/V, so the
+  // virtual problem is enough (count_density reads only the masks of `in`).
+  if (index.head_subgroups > 1) return union_of_tiles(in, virtual_problem(p, index.head_subgroups), index);
+  return union_of_tiles(in, p, index);
 }
 
 }  // namespace sparse_prefill::reference

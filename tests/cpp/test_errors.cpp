@@ -545,6 +545,83 @@ TEST_F(Errors, SparseAttentionValidatesInputsAndOutputs) {
   EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(idx), o), "out");
 }
 
+// ---- head sub-groups ----------------------------------------------------------------------------------------------
+// Fixture: Hq 4, Hkv 2 (g = 2); lq {5, 70}: 1 + 2 tiles per KV head (6 segments) with S = 1, 1 + 1 tiles per virtual
+// head (8 segments) with S = 2.
+TEST_F(Errors, HeadSubgroups) {
+  for (int S : {0, -1, 3, 4}) {
+    SelectionParams p;
+    p.block_size = 64;
+    p.head_subgroups = S;
+    EXPECT_ARG_ERROR(build_index(C->in, p), "head_subgroups") << " S " << S;
+    EXPECT_ARG_ERROR(build_index(P->in, p), "head_subgroups") << " S " << S;
+    EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(C->in, p, co), "head_subgroups") << " S " << S;
+    const int64_t slots = mean_cache_slots(P->num_pages, 16, 64);
+    std::vector<float> km(size_t(slots) * 2 * 64, 0.f), vm(km.size(), 0.f);
+    const MeanCache cache{make_view(km.data(), F32, {slots, 2, 64}), make_view(vm.data(), F32, {slots, 2, 64})};
+    EXPECT_ARG_ERROR(::sparse_prefill::sparse_prefill(P->in, p, po, cache), "head_subgroups") << " S " << S;
+  }
+  try {
+    SelectionParams p;
+    p.head_subgroups = 3;
+    build_index(C->in, p);
+    ADD_FAILURE() << "S = 3 with g = 2 did not throw";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("divide"), std::string::npos) << e.what();
+  }
+  SelectionParams p;
+  p.block_size = 64;
+  p.head_subgroups = 2;
+  EXPECT_NO_THROW(build_index(C->in, p));
+  EXPECT_NO_THROW(::sparse_prefill::sparse_prefill(C->in, p, co));
+}
+TEST_F(Errors, IndexHeadSubgroups) {
+  BlockIndex one = index_for(*C);  // S = 1
+  SelectionParams p;
+  p.block_size = 64;
+  p.head_subgroups = 2;
+  BlockIndex two = build_index(C->in, p);
+  ASSERT_EQ(one.segment_start.size(), 6u);
+  ASSERT_EQ(two.segment_start.size(), 8u);
+  EXPECT_NO_THROW(sparse_attention(C->in, view_of(two), co));
+  EXPECT_NO_THROW(union_index(C->in, two));
+  for (int S : {0, -2, 3}) {  // < 1, or not dividing g = 2
+    BlockIndexView v = view_of(two);
+    v.head_subgroups = S;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.head_subgroups") << " S " << S;
+    BlockIndex bad = two;
+    bad.head_subgroups = S;
+    EXPECT_ARG_ERROR(union_index(C->in, bad), "index.head_subgroups") << " S " << S;
+  }
+  {  // head_subgroups that does not match the segment count
+    BlockIndexView v = view_of(one);
+    v.head_subgroups = 2;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.segment_start");
+    v = view_of(two);
+    v.head_subgroups = 1;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.segment_start");
+    BlockIndex bad = one;
+    bad.head_subgroups = 2;
+    EXPECT_ARG_ERROR(union_index(C->in, bad), "index.segment_start");
+  }
+  {  // segments of S = 2 but the pooled means of the real KV heads (Hkv, not Hkv * S)
+    BlockIndexView v = view_of(two);
+    v.k_mean = make_view(one.k_mean.data(), F32, {int64_t(one.cu_blocks.back()), 2, 64});
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.k_mean");
+    v = view_of(two);
+    v.v_mean = make_view(one.v_mean.data(), F32, {int64_t(one.cu_blocks.back()), 2, 64});
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.v_mean");
+    v.correction = false;  // without correction the means are not read, hence not checked
+    EXPECT_NO_THROW(sparse_attention(C->in, v, co));
+  }
+  {  // an index of S = 1 whose declared head count is virtual: view_of sizes the means by num_kv_heads
+    BlockIndex bad = one;
+    bad.num_kv_heads = 4;
+    bad.head_subgroups = 2;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(bad), co), "index*");
+  }
+}
+
 // ---- pooled-means cache (chunked prefill) --------------------------------------------------------------------------
 TEST_F(Errors, MeanCache) {
   SelectionParams p;
