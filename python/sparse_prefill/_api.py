@@ -220,16 +220,22 @@ class Index:
     """A block-sparse selection (CSR over segments), produced by build_index() or union_index().
 
     A segment is one (sequence b, KV head, query tile); a tile is 128 PackGQA rows (row r <-> position r // g of query
-    head kv_head * g + r % g, g = Hq // Hkv). Segments are ordered by sequence, then KV head, then tile:
+    head kv_head * g + r % g, g = group_size). Segments are ordered by sequence, then KV head, then tile:
     id = segment_offsets[b] + kv_head * tiles[b] + tile. Segment s lists the kept block ids (per sequence, ascending)
     block_ids[segment_start[s]:segment_end[s]]; in union mode all tiles of a (sequence, KV head) share one list.
+
+    Head sub-groups (head_subgroups = S > 1): the KV heads of the index are Hkv * S virtual heads; virtual head v holds
+    query heads [v * g, (v + 1) * g) with g = group_size = (Hq // Hkv) // S and reads K/V head v // S, so
+    num_kv_heads, group_size, kv_head in segment()/segment_id() and the head axis of k_mean/v_mean are all virtual
+    (the means of virtual head v are those of K/V head v // S).
 
     Attributes:
         density: kept_blocks / visible_blocks (1.0 when nothing is visible).
         kept_blocks, visible_blocks: summed over segments, counting only blocks the segment's tile can see.
-        block_size, group_size, num_kv_heads, head_dim, correction, mode ('tile' or 'union').
+        block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union').
         segment_start, segment_end: [S] int32.   block_ids: [N] int32.   cu_blocks: [B+1] int32 (block offsets).
-        k_mean, v_mean: [total_blocks, Hkv, D] float32 pooled block means (a tail block averages its valid keys).
+        k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block averages its valid
+        keys).
         The arrays live in the array library and on the device of the inputs the index was built from (numpy for
         CPU numpy and jax inputs; cupy for CUDA jax inputs). `host` holds numpy copies.
 
@@ -243,6 +249,7 @@ class Index:
         self.block_size = int(d["block_size"])
         self.group_size = int(d["group_size"])
         self.num_kv_heads = int(d["num_kv_heads"])
+        self.head_subgroups = int(d["head_subgroups"])
         self.correction = bool(d["correction"])
         self.kept_blocks = int(d["kept_blocks"])
         self.visible_blocks = int(d["visible_blocks"])
@@ -302,7 +309,8 @@ class Index:
     def __repr__(self) -> str:
         return (f"Index(mode={self.mode!r}, density={self.density:.4f}, kept_blocks={self.kept_blocks}, "
                 f"visible_blocks={self.visible_blocks}, segments={self.num_segments}, block_size={self.block_size}, "
-                f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, correction={self.correction})")
+                f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, "
+                f"head_subgroups={self.head_subgroups}, correction={self.correction})")
 
     # -- placement --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -322,25 +330,35 @@ class Index:
         return self._cache[key]
 
     def _view_tuple(self, lib: ArrayLib) -> tuple:
-        return (self.block_size, self.correction) + self._arrays_for(lib)
+        return (self.block_size, self.correction, self.head_subgroups) + self._arrays_for(lib)
 
     def _host_tuple(self) -> tuple:
         h = self.host
         return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
                 h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
-                self.visible_blocks)
+                self.visible_blocks, self.head_subgroups)
 
 
-def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False) -> tuple:
+def _as_head_subgroups(value: Any) -> int:
+    s = _as_int32("head_subgroups", value)
+    if s < 1:
+        raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {s}")
+    return s
+
+
+def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
+                    head_subgroups=1) -> tuple:
+    """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
+    the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
             _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
-            _as_bool("final_chunk", final_chunk), _as_bool("union", union))
+            _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
                 block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None, final_chunk: bool = True, union: bool = False) -> Index:
+                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1) -> Index:
     """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
 
     For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
@@ -359,14 +377,19 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
     'union'), built in the same call (on the GPU for CUDA inputs).
 
+    head_subgroups (S, default 1; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query
+    heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
+    [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads, group_size, segments and means
+    are over these virtual heads). In union mode the union is then per sub-group rather than over the whole group.
+
     Returns:
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
     d = _C.build_index(inputs, sel)
-    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union" if sel[-1] else "tile")
+    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union" if sel[7] else "tile")
 
 
 def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -376,7 +399,8 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     correction for the dropped, fully visible blocks when index.correction is set.
 
     The KV arguments are those of attention(); `index` must come from build_index() or union_index() on inputs of
-    the same shapes and lengths. Returns out, or (out, lse) when return_lse is True.
+    the same shapes and lengths (its head_subgroups travels with it). Returns out, or (out, lse) when return_lse is
+    True.
     """
     if not isinstance(index, Index):
         raise TypeError(f"index: expected a sparse_prefill.Index (from build_index or union_index), got "
@@ -393,10 +417,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
-                   stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None):
+                   stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
+                   head_subgroups: int = 1):
     """build_index() + sparse_attention() in one call (same arguments as the two).
 
-    final_chunk and union as in build_index() (chunked prefill). mean_cache: the pooled-means cache of a paged KV
+    final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
+    into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
     cache (see mean_cache() and chunked_prefill()), read for the blocks before each chunk and written for the blocks
     the chunk completes. Without return_index the index never leaves the
     device: on CUDA it lives in a stream-ordered temporary workspace
@@ -405,7 +431,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
 
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
     mean_k, mean_v = _mean_cache_arrays(mean_cache)
     if mean_cache is not None and _as_bool("return_index", return_index):
         raise ValueError("mean_cache: not supported with return_index=True (that path builds the index on the host)")
@@ -425,7 +451,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
-                        stream=stream, final_chunk=final_chunk, union=union)
+                        stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream)
@@ -452,7 +478,8 @@ def mean_cache(k_cache, block_size: int = 128):
     plus each sequence's tail block, instead of re-pooling the whole cache. A complete block's means live in the slot
     of the page holding its last key (page * (page_size // block_size) + offset when pages hold whole blocks), so
     pages shared between sequences (prefix caching) share their slots, and a page reused for new tokens has its slot
-    rewritten by the step that completes its block. page_size and block_size must divide one another.
+    rewritten by the step that completes its block. page_size and block_size must divide one another. The cache
+    holds the real KV heads (Hkv), whatever head_subgroups the steps use.
     """
     if library_of(k_cache) is None:
         raise TypeError(f"k_cache: expected an array, got {type(k_cache).__name__}")
@@ -476,7 +503,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
                     sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
-                    mean_cache=None):
+                    mean_cache=None, head_subgroups: int = 1):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -485,7 +512,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. union: one block list per
     (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
     faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). correction
-    defaults to True for per-tile lists and False for unions. Everything else is sparse_prefill()'s.
+    defaults to True for per-tile lists and False for unions. head_subgroups (S, dividing Hq // Hkv): each GQA group
+    is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
+    sub-group) instead of over the whole group (the issue's option for large groups). Everything else is
+    sparse_prefill()'s.
 
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
@@ -518,14 +548,15 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
-                          union=union, mean_cache=mean_cache)
+                          union=union, mean_cache=mean_cache, head_subgroups=head_subgroups)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None) -> Index:
     """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
-    its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union').
+    its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union'). With
+    index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group.
 
     Pass the inputs `index` was built from (the shapes and lengths are needed to lay the segments out).
     """

@@ -178,9 +178,10 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
   return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape, owner));
 }
 
-// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists), checked by _api._selection_args.
+// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups), checked by
+// _api._selection_args.
 sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 8) throw nb::value_error("internal: the selection tuple must have 8 entries");
+  if (nb::len(t) != 9) throw nb::value_error("internal: the selection tuple must have 9 entries");
   sp::SelectionParams p;
   p.alpha = nb::cast<float>(t[0]);
   p.block_size = nb::cast<int>(t[1]);
@@ -190,6 +191,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
   p.correction = nb::cast<bool>(t[5]);
   p.final_chunk = nb::cast<bool>(t[6]);
   p.union_lists = nb::cast<bool>(t[7]);
+  p.head_subgroups = nb::cast<int>(t[8]);
   return p;
 }
 
@@ -199,6 +201,7 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   d["block_size"] = idx.block_size;
   d["group_size"] = idx.group_size;
   d["num_kv_heads"] = idx.num_kv_heads;
+  d["head_subgroups"] = idx.head_subgroups;
   d["correction"] = idx.correction;
   d["head_dim"] = idx.head_dim;
   d["kept_blocks"] = idx.kept_blocks;
@@ -215,19 +218,20 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   return d;
 }
 
-// Index arrays passed back in: (block_size, correction, segment_start, segment_end, block_ids, cu_blocks, k_mean,
-// v_mean).
+// Index arrays passed back in: (block_size, correction, head_subgroups, segment_start, segment_end, block_ids,
+// cu_blocks, k_mean, v_mean).
 sp::BlockIndexView make_index_view(nb::tuple t, Held& held) {
-  if (nb::len(t) != 8) throw nb::value_error("internal: index tuple must have 8 entries");
+  if (nb::len(t) != 9) throw nb::value_error("internal: index tuple must have 9 entries");
   sp::BlockIndexView v;
   v.block_size = nb::cast<int>(t[0]);
   v.correction = nb::cast<bool>(t[1]);
-  v.segment_start = to_view(t[2], "index.segment_start", held);
-  v.segment_end = to_view(t[3], "index.segment_end", held);
-  v.block_ids = to_view(t[4], "index.block_ids", held);
-  v.cu_blocks = to_view(t[5], "index.cu_blocks", held);
-  v.k_mean = to_view(t[6], "index.k_mean", held);
-  v.v_mean = to_view(t[7], "index.v_mean", held);
+  v.head_subgroups = nb::cast<int>(t[2]);
+  v.segment_start = to_view(t[3], "index.segment_start", held);
+  v.segment_end = to_view(t[4], "index.segment_end", held);
+  v.block_ids = to_view(t[5], "index.block_ids", held);
+  v.cu_blocks = to_view(t[6], "index.cu_blocks", held);
+  v.k_mean = to_view(t[7], "index.k_mean", held);
+  v.v_mean = to_view(t[8], "index.v_mean", held);
   return v;
 }
 
@@ -415,10 +419,10 @@ NB_MODULE(_C, m) {
         nb::arg("block_size"));
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
-  //         k_mean, v_mean, kept_blocks, visible_blocks), arrays as host numpy arrays.
+  //         k_mean, v_mean, kept_blocks, visible_blocks, head_subgroups), arrays as host numpy arrays.
   m.def("union_index",
         [](nb::tuple inputs, nb::tuple index) {
-          if (nb::len(index) != 12) throw nb::value_error("internal: index tuple must have 12 entries");
+          if (nb::len(index) != 13) throw nb::value_error("internal: index tuple must have 13 entries");
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::BlockIndex idx;
@@ -435,6 +439,7 @@ NB_MODULE(_C, m) {
           idx.v_mean = host_vector<float>(index[9], "index.v_mean", sp::DType::kFloat32);
           idx.kept_blocks = nb::cast<int64_t>(index[10]);
           idx.visible_blocks = nb::cast<int64_t>(index[11]);
+          idx.head_subgroups = nb::cast<int>(index[12]);
           sp::BlockIndex u;
           {
             nb::gil_scoped_release release;

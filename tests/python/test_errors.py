@@ -149,6 +149,9 @@ SELECTION_CASES = [
     ("window_pair", dict(window=(64, 0)), TypeError, "window"),
     ("last_n_negative", dict(last_n=-1), ValueError, "last_n"),
     ("correction_str", dict(correction="no"), TypeError, "correction"),
+    ("head_subgroups_0", dict(head_subgroups=0), ValueError, "head_subgroups"),
+    ("head_subgroups_not_dividing_g", dict(head_subgroups=3), ValueError, "head_subgroups"),   # g = 4 // 2
+    ("head_subgroups_float", dict(head_subgroups=2.0), TypeError, "head_subgroups"),
 ]
 
 
