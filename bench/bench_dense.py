@@ -271,6 +271,10 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    try:
+        plot(res, os.path.splitext(args.out)[0] + ".png")
+    except Exception as e:  # noqa: BLE001
+        print("plot skipped:", repr(e))
     if args.extra:
         paged_lengths = [int(x) for x in args.paged_lengths.split(",") if x]
         ex = dict(res, shape=dict(hq=hq, hkv=hkv, d=d, dtype="bfloat16", causal=True),
@@ -283,5 +287,31 @@ def main():
             json.dump(ex, f, indent=1)
 
 
+def plot(res, path):
+    """TFLOP/s against length for every peer of a dense_h200.json (also: python3 bench/bench_dense.py --plot FILE)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = res["rows"]
+    for key, label in (("ours", "ours (sm90a)"), ("cudnn", "torch SDPA cuDNN"), ("fa2", "torch SDPA flash (FA2)"),
+                       ("flex", "FlexAttention")):
+        pts = [(r["L"], r[f"{key}_tflops"]) for r in rows if r.get(f"{key}_tflops")]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length L (causal, batch 1, Hq 32, Hkv 8, D 128, bf16)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"dense prefill on the {res.get('device', 'GPU')} ({res.get('commit', '')[:7]})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":
+        with open(sys.argv[2]) as f:
+            plot(json.load(f), os.path.splitext(sys.argv[2])[0] + ".png")
+    else:
+        main()
