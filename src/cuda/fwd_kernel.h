@@ -17,6 +17,7 @@
 #include "cuda/block_iterator.h"
 #include "cuda/fwd_config.h"
 #include "cuda/softmax.h"
+#include "cuda/wgmma.h"
 
 namespace sparse_prefill::cuda {
 
@@ -69,25 +70,6 @@ struct FwdParams {
   int mean_rows;                          // rows of the pooled-means tensors (TMA zero-fills beyond)
   float corr_bias_full;                   // log2(block_size) / scale_log2: log|B_J| in raw logit units
 };
-
-// Issues one warpgroup-wide wgmma batch: C (+)= A * B over all k-steps of the operands. Does not wait.
-// kARegs: A comes from registers (RS wgmma) rather than smem descriptors (SS).
-template <bool kARegs, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_batch(TiledMma& mma, TA const& tA, TB const& tB, TC& tC, bool zero_init) {
-  using namespace cute;
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
-    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tC);
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
-}
 
 // Persistent mode is a build switch (-DSP_PERSISTENT=1): its tile loop costs registers (at 240 per consumer
 // thread ptxas spills ~60 bytes), so the default build keeps one tile per CTA and its loop has a trip count of 1,

@@ -13,6 +13,7 @@
 #include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index_stage.h"
 #include "cuda/softmax.h"     // acc_rowcol, fast_exp2
+#include "cuda/wgmma.h"
 
 namespace sparse_prefill::cuda {
 namespace {
@@ -401,22 +402,6 @@ struct ScoreConfig {
   }
 };
 
-// S (+)= A * B over all k-steps of one warpgroup's operands (SS wgmma, zero-initialised). Does not wait.
-template <class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void score_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  using namespace cute;
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
-    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tC);
-}
-
 // One step of the column-sum butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32
 // apart for 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is
 // set, and add the partner's copy of that half.
@@ -559,7 +544,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
     __syncthreads();
 
-    score_gemm(mma, tSrQ, tSrK(_, _, _, buf), tSrS);
+    wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
     warpgroup_wait<0>();
 
     // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max; the scale

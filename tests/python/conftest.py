@@ -51,3 +51,18 @@ def to_paged(rng, k, v, cu_k, page_size, extra_pages=3):
             k_cache[page, : hi - lo] = k[lo:hi]
             v_cache[page, : hi - lo] = v[lo:hi]
     return k_cache, v_cache, block_table, lens.astype(np.int32)
+
+
+def topic_batch(q_lens, k_lens, hq=4, hkv=2, d=64, seed=0, block=64):
+    """Topic sequences (selective attention: sparse_prefill.workload.topic with topic blocks of `block` keys) packed
+    as a varlen batch; sequence b keeps its last q_lens[b] queries (a chunk at the end of its KV)."""
+    import sparse_prefill as sp
+    qs, ks, vs = [], [], []
+    for b, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+        q, k, v = sp.workload.topic(lk, hq, hkv, d, seed=seed + b, block=block)
+        qs.append(q[lk - lq:])
+        ks.append(k)
+        vs.append(v)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), cu_q, cu_k

@@ -271,23 +271,35 @@ def test_chunked_prompt_alpha0_equals_dense(union):
     torch.testing.assert_close(torch.cat(outs).float(), dense.float(), atol=1e-2, rtol=2 ** -7)
 
 
+def _paged_prompt(rng, L, hq=8, hkv=2, ps=64):
+    """A structured L-token prompt on the GPU in a paged cache (randomly placed pages of ps tokens): q, the cache
+    and block table (bf16), and the float32 k, v it was made from."""
+    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+                                     seed=int(rng.integers(1 << 30)))
+    bf = torch.bfloat16
+    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
+    return _to(q, "cuda", bf), _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda"), k, v
+
+
+def _chunk_step(qg, kc, vc, bt, c0, c1):
+    """chunked_prefill's positional arguments for the step whose queries are positions [c0, c1)."""
+    return (qg[c0:c1], kc, vc, torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda"), bt,
+            torch.tensor([c1], dtype=torch.int32, device="cuda"), c1 - c0, c1)
+
+
 def test_chunked_prompt_mean_cache_on_gpu():
     """A 6000-token prompt in 1500-token chunks over a paged cache with the pooled-means cache: every step reads the
     blocks earlier steps wrote and pools only its own, so its outputs equal the steps that re-pool the whole cache
     bit for bit (the same kernel computes every mean); afterwards each complete block's slot holds the CPU
     reference's means."""
     rng = np.random.default_rng()
-    L, C, hq, hkv, ps = 6000, 1500, 8, 2, 64
-    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
-                                     seed=int(rng.integers(1 << 30)))
+    L, C, ps = 6000, 1500, 64
+    qg, kc, vc, bt, k, v = _paged_prompt(rng, L, ps=ps)
     bf = torch.bfloat16
-    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
-    qg, kc, vc, bt = _to(q, "cuda", bf), _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda")
     means = sp.mean_cache(kc)
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
-        step = (qg[c0:c1], kc, vc, torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda"), bt,
-                torch.tensor([c1], dtype=torch.int32, device="cuda"), c1 - c0, c1)
+        step = _chunk_step(qg, kc, vc, bt, c0, c1)
         got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.2)
         want = sp.chunked_prefill(*step, final_chunk=c1 == L, alpha=0.2)
         torch.cuda.synchronize()
@@ -354,17 +366,12 @@ def test_head_subgroups_union_and_chunks_on_gpu():
 
 def test_head_subgroups_chunked_mean_cache_on_gpu():
     rng = np.random.default_rng()
-    L, C, hq, hkv, ps = 4000, 1024, 8, 2, 64
-    q, k, v = sp.workload.structured(L, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
-                                     seed=int(rng.integers(1 << 30)))
-    bf = torch.bfloat16
-    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), ps)
-    qg, kc, vc, bt = _to(q, "cuda", bf), _to(kc, "cuda", bf), _to(vc, "cuda", bf), _to(bt, "cuda")
+    L, C = 4000, 1024
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
     means = sp.mean_cache(kc)
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
-        step = (qg[c0:c1], kc, vc, torch.tensor([0, c1 - c0], dtype=torch.int32, device="cuda"), bt,
-                torch.tensor([c1], dtype=torch.int32, device="cuda"), c1 - c0, c1)
+        step = _chunk_step(qg, kc, vc, bt, c0, c1)
         for union in (False, True):
             got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means, alpha=0.2,
                                      head_subgroups=2)

@@ -7,22 +7,15 @@ import pytest
 import sparse_prefill as sp
 import sp_naive as naive
 from conftest import make_varlen, to_paged
+from conftest import topic_batch as conftest_topic_batch
 
 BS = 64  # block size used by these tests (the smallest allowed)
 SEL = dict(block_size=BS, sink=64, window=64, last_n=1)
 
 
 def topic_batch(q_lens, k_lens, hq=4, hkv=2, d=64, seed=0):
-    """Several topic sequences; sequence b keeps its last q_lens[b] queries (a chunk at the end of its KV)."""
-    qs, ks, vs = [], [], []
-    for b, (lq, lk) in enumerate(zip(q_lens, k_lens)):
-        q, k, v = sp.workload.topic(lk, hq, hkv, d, seed=seed + b, block=BS)
-        qs.append(q[lk - lq:])
-        ks.append(k)
-        vs.append(v)
-    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-    return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
+    """Several topic sequences with topic blocks of BS keys (conftest.topic_batch)."""
+    return conftest_topic_batch(q_lens, k_lens, hq, hkv, d, seed, block=BS)
 
 
 Q_LENS, K_LENS = [700, 130, 64], [700, 600, 64]

@@ -8,6 +8,7 @@ import pytest
 import sparse_prefill as sp
 import sp_naive as naive
 from conftest import to_paged
+from conftest import topic_batch as conftest_topic_batch
 
 BS = 64
 SEL = dict(block_size=BS, sink=64, window=64, last_n=1)
@@ -16,16 +17,8 @@ Q_LENS, K_LENS = [201, 67, 0], [451, 130, 33]
 
 
 def topic_batch(q_lens, k_lens, hq=HQ, hkv=HKV, seed=0):
-    """Topic sequences (selective attention); sequence b keeps its last q_lens[b] queries."""
-    qs, ks, vs = [], [], []
-    for b, (lq, lk) in enumerate(zip(q_lens, k_lens)):
-        q, k, v = sp.workload.topic(lk, hq, hkv, D, seed=seed + b, block=BS)
-        qs.append(q[lk - lq:])
-        ks.append(k)
-        vs.append(v)
-    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
-    return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
+    """Topic sequences with topic blocks of BS keys, head dim D (conftest.topic_batch)."""
+    return conftest_topic_batch(q_lens, k_lens, hq, hkv, D, seed, block=BS)
 
 
 @pytest.fixture(scope="module")
