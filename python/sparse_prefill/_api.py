@@ -514,8 +514,9 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). correction
     defaults to True for per-tile lists and False for unions. head_subgroups (S, dividing Hq // Hkv): each GQA group
     is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
-    sub-group) instead of over the whole group (the issue's option for large groups). Everything else is
-    sparse_prefill()'s.
+    sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
+    at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). Everything
+    else is sparse_prefill()'s.
 
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
