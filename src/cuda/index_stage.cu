@@ -76,6 +76,9 @@ struct MeanCacheArgs {
   float* k = nullptr;
   float* v = nullptr;
   int slots_per_page = 1;  // page_size / block_size when pages hold whole blocks, else 1 (slot = the last page)
+  // The pooling grid covers, per sequence, the chunk_blocks blocks from the first one its chunk touches (the only
+  // ones to pool); copy_cached_means_kernel copies the others from the cache. 0: the grid covers every pooled row.
+  int chunk_blocks = 0;
 
   // Cache slot of complete block J of sequence b (paged KV): the page of its last key.
   __device__ int64_t slot(const KVArgs& kv, int b, int64_t J, int block_size) const {
@@ -121,8 +124,16 @@ template <typename T>
 __device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache, int block_size,
                            int num_kv_heads, int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean,
                            T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
-  const int64_t idx = blockIdx.x;
+  int64_t idx = blockIdx.x;
   const int kvh = blockIdx.y;
+  if (cache.chunk_blocks > 0) {  // grid over the blocks each sequence's chunk touches
+    const int b = int(blockIdx.x / cache.chunk_blocks);
+    if (b >= seq.batch) return false;
+    const int64_t first = max(int64_t(0), (seq.k_len(b) - seq.q_len(b)) / block_size);
+    const int64_t J = first + blockIdx.x % cache.chunk_blocks;
+    if (J >= cu_blocks[b + 1] - cu_blocks[b]) return false;
+    idx = cu_blocks[b] + J;
+  }
   pb.out = (idx * num_kv_heads + kvh) * head_dim;
   if (idx >= cu_blocks[seq.batch]) {
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -147,6 +158,45 @@ __device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCache
     v_mean_lowp[pb.out + d] = from_float<T>(vm);
   }
   return false;
+}
+
+// With a mean cache: the blocks that end before each sequence's chunk, copied from the cache (kRead), 4 dims a
+// thread over every (row, KV head) with a grid-stride loop, and zero low-precision means for the rows past the real
+// blocks (as pool_block writes them without a cache). Replaces a pooling CTA per cached block: at chunk 1024 x
+// batch 8 (128K) those 65K CTAs, each a chain of dependent loads, took 176 of the 420 us of a selection.
+template <typename T>
+__global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache,
+                                                                int block_size, int num_kv_heads, int head_dim,
+                                                                int64_t max_blocks, const int32_t* cu_blocks,
+                                                                float* k_mean, float* v_mean, T* k_mean_lowp,
+                                                                T* v_mean_lowp) {
+  const int vecs = head_dim / 4;
+  const int64_t per_row = int64_t(num_kv_heads) * vecs, n = max_blocks * per_row, total = cu_blocks[seq.batch];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t idx = i / per_row, rem = i % per_row;
+    const int kvh = int(rem / vecs), d = int(rem % vecs) * 4;
+    const int64_t out = (idx * num_kv_heads + kvh) * head_dim + d;
+    union { T h[4]; uint2 u; } kl, vl;
+    if (idx >= total) {
+      for (int e = 0; e < 4; ++e) kl.h[e] = vl.h[e] = from_float<T>(0.f);
+    } else {
+      const int b = find_sequence(cu_blocks, seq.batch, idx);
+      const int64_t J = idx - cu_blocks[b];
+      if (pool_action(cache, seq, b, J, block_size) != PoolAction::kRead) continue;  // pooled by the pooling kernel
+      const int64_t row = (cache.slot(kv, b, J, block_size) * num_kv_heads + kvh) * head_dim + d;
+      float4 km, vm;
+      km.x = cache.k[row], km.y = cache.k[row + 1], km.z = cache.k[row + 2], km.w = cache.k[row + 3];
+      vm.x = cache.v[row], vm.y = cache.v[row + 1], vm.z = cache.v[row + 2], vm.w = cache.v[row + 3];
+      *reinterpret_cast<float4*>(k_mean + out) = km;  // workspace rows: 16-byte aligned
+      *reinterpret_cast<float4*>(v_mean + out) = vm;
+      kl.h[0] = from_float<T>(km.x), kl.h[1] = from_float<T>(km.y), kl.h[2] = from_float<T>(km.z);
+      kl.h[3] = from_float<T>(km.w);
+      vl.h[0] = from_float<T>(vm.x), vl.h[1] = from_float<T>(vm.y), vl.h[2] = from_float<T>(vm.z);
+      vl.h[3] = from_float<T>(vm.w);
+    }
+    *reinterpret_cast<uint2*>(k_mean_lowp + out) = kl.u;
+    *reinterpret_cast<uint2*>(v_mean_lowp + out) = vl.u;
+  }
 }
 
 // Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged.
@@ -798,12 +848,29 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     cache.k = mean_cache->k_mean.ptr<float>();
     cache.v = mean_cache->v_mean.ptr<float>();
     cache.slots_per_page = p.page_size >= params.block_size ? int(p.page_size / params.block_size) : 1;
+    cache.chunk_blocks = int((in.max_seqlen_q + params.block_size - 1) / params.block_size + 1);
   }
+  // Pooling CTAs: one per (pooled row, KV head), or with the cache per (block the chunk touches, KV head).
+  const int64_t pool_rows = cache.chunk_blocks > 0 ? int64_t(p.batch) * cache.chunk_blocks : bd.max_blocks;
   // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
   bool vec_ok = (reinterpret_cast<uintptr_t>(in.k.data) % 16 == 0) && (reinterpret_cast<uintptr_t>(in.v.data) % 16 == 0);
   for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && in.k.stride[i] % 8 == 0 && in.v.stride[i] % 8 == 0;
-  if (bd.max_blocks > 0 && vec_ok) {
-    const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
+  if (cache.k != nullptr && bd.max_blocks > 0) {
+    const int64_t units = bd.max_blocks * p.num_kv_heads * (p.head_dim / 4);
+    const int grid = int(std::min<int64_t>((units + 255) / 256, int64_t(num_sms()) * 8));
+    auto launch = [&](auto tag) {
+      using T = decltype(tag);
+      copy_cached_means_kernel<T><<<grid, 256, 0, stream>>>(seq, kv, cache, params.block_size, p.num_kv_heads,
+                                                            p.head_dim, bd.max_blocks, d.cu_blocks, d.k_mean,
+                                                            d.v_mean, static_cast<T*>(d.k_mean_lowp),
+                                                            static_cast<T*>(d.v_mean_lowp));
+    };
+    if (p.dtype == DType::kBFloat16) launch(__nv_bfloat16{});
+    else launch(__half{});
+    check_cuda(cudaGetLastError(), "copy_cached_means_kernel launch");
+  }
+  if (pool_rows > 0 && vec_ok) {
+    const dim3 grid(unsigned(pool_rows), unsigned(p.num_kv_heads));
     auto launch = [&](auto tag, auto dim) {
       using T = decltype(tag);
       pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(
@@ -818,8 +885,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
       p.head_dim == 128 ? launch(__half{}, D128{}) : launch(__half{}, D64{});
     }
     check_cuda(cudaGetLastError(), "pool_vec_kernel launch");
-  } else if (bd.max_blocks > 0) {
-    const dim3 grid(unsigned(bd.max_blocks), unsigned(p.num_kv_heads));
+  } else if (pool_rows > 0) {
+    const dim3 grid(unsigned(pool_rows), unsigned(p.num_kv_heads));
     const int threads = std::min(p.head_dim, kPoolThreadsMax);
     if (p.dtype == DType::kBFloat16) {
       pool_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(seq, kv, cache, params.block_size, p.num_kv_heads,
