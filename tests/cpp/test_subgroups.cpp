@@ -269,13 +269,8 @@ TEST(Subgroups, MeanCachePaged) {
     for (int start = 0; start < L; start += C) {
       const int end = std::min(L, start + C), n = end - start;
       SCOPED_TRACE("chunk [" + std::to_string(start) + "," + std::to_string(end) + ")");
-      std::vector<int32_t> cu_q{0, n}, used{end};
-      AttentionInputs in = B->in;
-      in.q = make_view(static_cast<float*>(B->q.data()) + int64_t(start) * Hq * D, F32, {n, Hq, D});
-      in.cu_seqlens_q = make_view(cu_q.data(), DType::kInt32, {2});
-      in.seqused_k = make_view(used.data(), DType::kInt32, {1});
-      in.max_seqlen_q = n;
-      in.max_seqlen_k = end;
+      const ChunkStep step(*B, start, end);
+      const AttentionInputs& in = step.in;
       const SelectionParams p = with_subgroups(sp(0.3f, bs, 64, 64, 1, !union_lists), S, union_lists, end == L);
       HostTensor with(F32, {n, Hq, D}), without(F32, {n, Hq, D});
       ::sparse_prefill::sparse_prefill(in, p, AttentionOutputs{with.view(), std::nullopt}, cache);

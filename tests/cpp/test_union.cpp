@@ -92,13 +92,8 @@ TEST(Union, ChunkedPrefillLoop) {
     for (int start = 0; start < L; start += C) {
       const int end = std::min(L, start + C), n = end - start;
       SCOPED_TRACE("alpha " + std::to_string(alpha) + " chunk [" + std::to_string(start) + "," + std::to_string(end) + ")");
-      std::vector<int32_t> cu_q{0, n}, used{end};
-      AttentionInputs in = B->in;
-      in.q = make_view(static_cast<float*>(B->q.data()) + int64_t(start) * Hq * D, F32, {n, Hq, D});
-      in.cu_seqlens_q = make_view(cu_q.data(), DType::kInt32, {2});
-      in.seqused_k = make_view(used.data(), DType::kInt32, {1});
-      in.max_seqlen_q = n;
-      in.max_seqlen_k = end;
+      const ChunkStep step(*B, start, end);
+      const AttentionInputs& in = step.in;
       naive64::Problem P = B->np;
       P.lq = {n};
       P.lk = {end};

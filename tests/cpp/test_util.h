@@ -446,6 +446,23 @@ inline double max_abs_diff(const HostTensor& a, const HostTensor& b) {
   return m;
 }
 
+// The chunked-prefill step whose queries are positions [start, end) of B's single float32 paged sequence: its q
+// rows against the cache holding [0, end). The views point into this object's own arrays (neither copied nor moved).
+struct ChunkStep {
+  std::vector<int32_t> cu_q, used;
+  AttentionInputs in;
+  ChunkStep(Built& B, int start, int end) : cu_q{0, end - start}, used{end}, in(B.in) {
+    const int64_t n = end - start, row = int64_t(B.c.Hq) * B.c.D;
+    in.q = make_view(static_cast<float*>(B.q.data()) + start * row, DType::kFloat32, {n, B.c.Hq, B.c.D});
+    in.cu_seqlens_q = make_view(cu_q.data(), DType::kInt32, {2});
+    in.seqused_k = make_view(used.data(), DType::kInt32, {1});
+    in.max_seqlen_q = n;
+    in.max_seqlen_k = end;
+  }
+  ChunkStep(const ChunkStep&) = delete;
+  ChunkStep& operator=(const ChunkStep&) = delete;
+};
+
 // Runs reference dense attention into B's poisoned outputs.
 inline void run_dense(Built& B, bool with_lse = true) { attention(B.in, B.outputs(with_lse)); }
 
