@@ -9,6 +9,7 @@
 # chunked: the chunked-prefill benchmark (bench/bench_chunked.py, extra args passed on).
 # ncu: hardware counters of one 128K sparse launch.
 # sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
+# decode: dense GPU tests (split-KV shapes included), the dense Python CUDA cases, bench/bench_decode.py, memcheck.
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -87,6 +88,21 @@ case "$PHASE" in
         python3 bench/profile_sparse.py 131072 $c > "$OUT/ncu_$c.log" 2>&1
       grep -E "gpu__time|dram__|lts__|sm__" "$OUT/ncu_$c.log"
     done
+    ;;
+  decode)
+    step "dense GPU tests (tests/gpu/test_dense.py, incl. the PackGQA + split-KV shapes)"
+    timeout 200 python3 tests/gpu/test_dense.py --out "$OUT/dense_gpu_tests.json" > "$OUT/test_dense.log" 2>&1
+    echo "rc=$?"; grep -v '"ok": true' "$OUT/test_dense.log" | tail -8
+    step "python CUDA suite (dense)"
+    timeout 150 python3 -m pytest -q tests/python/test_cuda.py -k dense > "$OUT/pytest_cuda_dense.log" 2>&1
+    echo "rc=$?"; tail -3 "$OUT/pytest_cuda_dense.log"
+    step "short queries against long keys benchmark"
+    timeout 200 python3 bench/bench_decode.py --out "$OUT/dense_decode_h200.json" "$@" 2>&1 | tee "$OUT/decode.log" |
+      cut -c1-400 | tail -12
+    step "memcheck, dense split shapes"
+    timeout 120 compute-sanitizer --tool memcheck python3 -m pytest -q -x tests/python/test_cuda.py \
+      -k short_queries > "$OUT/memcheck_dense_split.log" 2>&1
+    tail -3 "$OUT/memcheck_dense_split.log"
     ;;
   sanitize)
     for tool in memcheck racecheck; do

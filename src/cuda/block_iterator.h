@@ -160,7 +160,9 @@ struct DenseBlockIterator {
 // and no out-of-bounds load (their rows resolve past the end of K/V, which TMA zero-fills).
 template <int kBlockN>
 struct SparseBlockIterator {
-  const int32_t* ids = nullptr;  // the segment's list
+  static constexpr int kTileRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
+  const int32_t* ids = nullptr;  // the segment's list; null: the full list 0, 1, ..., n_listed - 1 (dense over
+                                 // PackGQA tiles, see full_list_blocks)
   int n_listed = 0;
   int ratio = 1;                 // kernel steps per listed block (block_size / kBlockN)
   int n_real = 0;                // n_listed * ratio
@@ -187,6 +189,20 @@ struct SparseBlockIterator {
     const int first_hi = sp_min(p_first + k_len - q_len, k_len - 1);  // last key the tile's first row sees
     if (first_hi < 0) return 0;
     return first_hi >= k_len - 1 ? nb : (first_hi + 1) / block_size;
+  }
+
+  // Dense attention over PackGQA tiles (the "full list": SparseFwdArgs::full_list): the blocks a tile visits are
+  // 0 .. n - 1, every key block the tile's last row sees (causal: up to position + k_len - q_len; otherwise the
+  // whole sequence). The kernel's tile lookup and the split-KV plan both take n from here, with no index arrays.
+  SP_HOST_DEVICE static int full_list_blocks(int row0, int group_size, int q_len, int k_len, bool causal) {
+    const int rows = q_len * group_size - row0;
+    if (rows <= 0 || k_len <= 0) return 0;
+    const int last_pos = (row0 + sp_min(rows, kTileRows) - 1) / group_size;
+    const int hi = causal ? sp_min(k_len - 1, last_pos + k_len - q_len) : k_len - 1;
+    return hi < 0 ? 0 : hi / kBlockN + 1;
+  }
+  SP_HOST_DEVICE static int packed_tiles(int q_len, int group_size) {
+    return int((int64_t(q_len) * group_size + kTileRows - 1) / kTileRows);
   }
 
   // Upper bound of total() from the list length and the geometry alone (no scan of the list): the split-KV plan
@@ -255,7 +271,7 @@ struct SparseBlockIterator {
   // Key block (kBlockN keys) of real step i; -1 for an id outside the sequence.
   SP_HOST_DEVICE int block(int i) const {
     i += i_begin;
-    const int J = load_id(ids + (n_listed - 1 - i / ratio));
+    const int J = ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
     const int n = J * ratio + (ratio - 1 - i % ratio);
     return (J < 0 || n * kBlockN >= k_len) ? -1 : n;
   }
@@ -290,6 +306,9 @@ struct SparseBlockIterator {
     const int c1 = n * kBlockN + kBlockN - 1;
     return c1 >= k_len || c1 > p_first + diag;
   }
+
+  // Non-causal (full list only): every key of the sequence is visible to every row; only the tail block is masked.
+  SP_HOST_DEVICE void make_non_causal() { diag = k_len; }
 
   // Visible key columns of the row at sequence position `pos` (causal, bottom-right): [0, min(k_len-1, pos+diag)].
   SP_HOST_DEVICE void col_range(int pos, int& lo, int& hi) const {

@@ -50,11 +50,11 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   require_aligned(in.q, "q", 0, 1);
   require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
-    // TMA path: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
-    // (page_size % 128 == 64). Smaller pages would need a cp.async producer.
-    if (p.page_size <= 0 || p.page_size % 64 != 0)
-      throw NotImplementedError("CUDA attention: paged KV needs page_size % 64 == 0 (TMA path); got page_size " +
-                                std::to_string(p.page_size));
+    // TMA path: one 128-row box per key block (page_size % 128 == 0), else boxes of 64, 16 or 8 rows, each inside
+    // one page (FwdConfig::box_rows). Pages of other sizes (1, 4, 12, ...) would need a cp.async producer.
+    if (p.page_size <= 0 || p.page_size % 8 != 0)
+      throw NotImplementedError("CUDA attention: paged KV needs page_size % 8 == 0 (TMA boxes of 8 rows or more); "
+                                "got page_size " + std::to_string(p.page_size));
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");
@@ -207,8 +207,28 @@ int num_sms() {
   return cache[dev];
 }
 
+bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
+  const char* env = std::getenv("SP_DENSE_SPLIT");  // "0": always the dense kernel (A/B runs; read per call)
+  if ((env != nullptr && env[0] == '0') || p.head_dim != 128) return false;  // the sparse kernel is built for head dim 128
+  if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
+  if (!split_planned(in.max_seqlen_q, in.max_seqlen_k)) return false;  // only chunk and decode shapes
+  const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
+  return in.max_seqlen_q < 128 || int64_t(p.num_q_heads) * m_blocks * p.batch < num_sms();
+}
+
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  run(make_fwd_args(in, outs, p), p, nullptr);
+  const FwdArgs a = make_fwd_args(in, outs, p);
+  if (!dense_uses_full_list(in, p)) return run(a, p, nullptr);
+  // Short queries against long keys: the sparse kernel's PackGQA tiles over the full block list, split-KV planned
+  // on the device, float32 partials in a stream-ordered temporary.
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  StreamBuffer tmp(sparse_launch_workspace_bytes(num_sms(), p.head_dim, true), stream);
+  SparseFwdArgs s;
+  s.full_list = true;
+  s.block_size = 128;
+  s.correction = false;
+  s.launch = carve_sparse_launch_workspace(tmp.ptr, num_sms(), p.head_dim, true);
+  run_sparse(in, a, p, s);
 }
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,

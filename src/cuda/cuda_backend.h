@@ -7,13 +7,22 @@
 
 namespace sparse_prefill::cuda {
 
-// Dense forward attention. Launches on in.stream; never synchronises, never allocates (CUDA-graph capturable).
+// Dense forward attention. Launches on in.stream; never synchronises (CUDA-graph capturable). Two paths:
+//  - the dense kernel (one 128-row tile per query head), no allocation;
+//  - short queries against long keys (dense_uses_full_list): the sparse kernel over PackGQA tiles (one tile holds
+//    the g query heads of a KV head) with every visible key block listed implicitly, split-KV planned on the device
+//    and combined after; its float32 partials take a stream-ordered temporary (cudaMallocAsync, ~35 MB).
 // Arguments are validated by the API layer; dims come from `p` (p.seqs is not filled for device index tensors).
-// Throws NotImplementedError for combinations not built yet (fp32 / fp8 inputs, head dim other than 128, paged KV
-// whose page_size is not a multiple of 128, misaligned strides).
-// As with flash_attn_varlen_func, in.max_seqlen_q must bound every sequence's query length: it sizes the grid (the
-// device-side cu_seqlens are never read on the host).
+// Throws NotImplementedError for combinations not built yet (fp32 / fp8 inputs, head dims other than 64 and 128,
+// paged KV whose page_size is not a multiple of 64, misaligned strides).
+// As with flash_attn_varlen_func, in.max_seqlen_q / max_seqlen_k must bound every sequence's query / key length:
+// they size the grid and pick the path (the device-side cu_seqlens are never read on the host).
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
+
+// Whether attention() takes the PackGQA + split-KV path: head dim 128, no window, max_seqlen_k > max_seqlen_q
+// (split_planned), and either max_seqlen_q < 128 (a dense tile would be mostly empty rows; a PackGQA tile holds g
+// times more) or fewer dense tiles than SMs. SP_DENSE_SPLIT=0 turns it off (A/B runs).
+bool dense_uses_full_list(const AttentionInputs& in, const Problem& p);
 
 struct DeviceIndex;
 

@@ -74,6 +74,10 @@ struct SparseFwdArgs {
   // Head sub-groups (SelectionParams::head_subgroups): the index's tiles and segments are over Hkv * S virtual KV
   // heads of g / S query heads each; virtual head v reads K/V (and the pooled means, [mean_rows, Hkv, D]) of head v / S.
   int head_subgroups = 1;
+  // Dense attention over PackGQA tiles with the split-KV plan (cuda_backend.cpp, dense_uses_full_list): no index
+  // arrays; each tile visits every key block its last row sees (SparseBlockIterator::full_list_blocks), causal or
+  // not (FwdArgs::causal), no correction, block_size 128.
+  bool full_list = false;
   // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
   SparseLaunchWorkspace launch;
 };

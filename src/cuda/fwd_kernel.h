@@ -26,9 +26,15 @@ struct FwdParams {
   typename Config::TmaQ tma_q;
   typename Config::TmaKV tma_k;
   typename Config::TmaKV tma_v;
-  typename Config::TmaKVHalf tma_k_half;  // 64-row boxes: paged KV with page_size % 128 == 64 (else unused)
+  // Paged KV with page_size % 128 != 0: each K/V block is loaded as kv_box_rows-row boxes, one TMA type per box size
+  // (FwdConfig::box_rows; the unused ones describe the same tensor).
+  typename Config::TmaKVHalf tma_k_half;
   typename Config::TmaKVHalf tma_v_half;
-  int half_boxes;                         // 1: load each K/V block as two 64-row boxes (page_size % 128 == 64)
+  typename Config::TmaKV16 tma_k_16;
+  typename Config::TmaKV16 tma_v_16;
+  typename Config::TmaKV8 tma_k_8;
+  typename Config::TmaKV8 tma_v_8;
+  int kv_box_rows;                        // 128 (one box per block), 64, 16 or 8
   const void* q;                          // sparse mode gathers Q rows itself (PackGQA)
   int64_t q_row_stride, q_head_stride;
   void* out;
@@ -69,6 +75,9 @@ struct FwdParams {
   int block_size, correction;
   int mean_rows;                          // rows of the pooled-means tensors (TMA zero-fills beyond)
   float corr_bias_full;                   // log2(block_size) / scale_log2: log|B_J| in raw logit units
+  // Dense attention through the sparse kernel (SparseFwdArgs::full_list): every tile visits the full list of the
+  // blocks it sees (SparseBlockIterator::full_list_blocks), causal when window_right == 0, non-causal when < 0.
+  int full_list;
 };
 
 // Persistent mode is a build switch (-DSP_PERSISTENT=1): its tile loop costs registers (at 240 per consumer
@@ -140,14 +149,18 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     w.kv_head = c.kv_head;
     w.q_head = c.kv_head * params.group_size;
     w.seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, c.batch);
-    const int tile_base = params.cu_tiles[c.batch];
-    const int tiles = params.cu_tiles[c.batch + 1] - tile_base;
+    const bool full = params.full_list != 0;  // dense over PackGQA tiles: no index arrays
+    const int tile_base = full ? 0 : params.cu_tiles[c.batch];
+    const int tiles = full ? Iterator::packed_tiles(w.seq.q_len, params.group_size)
+                           : params.cu_tiles[c.batch + 1] - tile_base;
     w.valid = c.tile < tiles;
     if (!w.valid) return w;
     w.row0 = c.tile * Config::kBlockM;
     const int seg = params.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
-    const int lo = params.seg_start[seg];
-    const int n_listed = params.seg_end[seg] - lo;
+    const int lo = full ? 0 : params.seg_start[seg];
+    const int n_listed = full ? Iterator::full_list_blocks(w.row0, params.group_size, w.seq.q_len, w.seq.k_len,
+                                                           params.window_right >= 0)
+                              : params.seg_end[seg] - lo;
     const int p_first = w.row0 / params.group_size;
     const bool corr = params.correction != 0;
     if (kSplit && nsplit == 1 &&
@@ -157,8 +170,9 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
       w.valid = false;  // a split tile: its parts are units [0, n_split_units)
       return w;
     }
-    w.iter = Iterator::make(params.block_ids + lo, n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size,
-                            corr);
+    w.iter = Iterator::make(full ? nullptr : params.block_ids + lo, n_listed, p_first, w.seq.q_len, w.seq.k_len,
+                            params.block_size, corr);
+    if (full && params.window_right < 0) w.iter.make_non_causal();
     if (kSplit && nsplit > 1) w.iter.split(split, nsplit);
   } else {
     const TileCoord c = tile_coord(u, params.num_q_heads, params.num_m_blocks);
@@ -200,9 +214,15 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     if constexpr (!kSparse) cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    if (params.half_boxes) {
+    if (params.kv_box_rows == Config::kHalfN) {
       cute::prefetch_tma_descriptor(params.tma_k_half.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_v_half.get_tma_descriptor());
+    } else if (params.kv_box_rows == 16) {
+      cute::prefetch_tma_descriptor(params.tma_k_16.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_v_16.get_tma_descriptor());
+    } else if (params.kv_box_rows == 8) {
+      cute::prefetch_tma_descriptor(params.tma_k_8.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_v_8.get_tma_descriptor());
     }
     storage.barrier_q.init(1);
     storage.barrier_q_empty.init(Config::kNumMmaThreads);
@@ -287,48 +307,48 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
-      // lies entirely beyond seqused_k reads no block_table entry (the table may have no such page) and points the
-      // box past the end of the row space: TMA zero-fills it and still counts its bytes on the mbarrier.
-      constexpr int kHalfN = Config::kHalfN;
-      auto half_row = [&](int n, int h) -> int {
-        const int tok = n * kBlockN + h * kHalfN;
+      // Paged KV with page_size % 128 != 0: row of the box of key block n that starts at key n * N + off, each box
+      // inside one page. A box that lies entirely beyond seqused_k reads no block_table entry (the table may have no
+      // such page) and points past the end of the row space: TMA zero-fills it and still counts its bytes.
+      auto box_row = [&](int n, int off) -> int {
+        const int tok = n * kBlockN + off;
         if (n < 0 || tok >= seq.k_len) return params.total_k_rows;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
-      Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
-      // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
-      // loads). Default: computed at each K and at each V issue. -DSP_ROWS_PREFETCH=1 computes them once per block
-      // and one block ahead (loads in flight while the producer waits for a free stage); measured on the H200 at
-      // causal 128K (one A/B, 3 interleaved rounds per process) it did not help: paged/contiguous 1.057 (page 64)
-      // and 1.073 (page 128) with it vs 1.031 and 1.042 without (run-to-run spread is a few %), so it is off.
-      struct BlockRows {
-        int r0, r1;
+      // Key block n as kBlockN / R boxes of R rows into the row slices of stage st (one mbarrier, the same bytes).
+      auto copy_boxes = [&](auto rows_c, auto const& tma_box, auto& sX, Pipeline& pipe, PipelineState& st, int n) {
+        constexpr int R = decltype(rows_c)::value;
+        Tensor mXb = tma_box.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
+        CUTE_NO_UNROLL
+        for (int h = 0; h < kBlockN / R; ++h) {
+          Tensor gX = local_tile(domain_offset(make_coord(box_row(n, h * R), _0{}), mXb(_, _, kv_head)),
+                                 Shape<Int<R>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+          Tensor sXb = local_tile(sX(_, _, st.index()), Shape<Int<R>, Int<kHeadDim>>{}, make_coord(h, _0{}));
+          auto [tXgX, tXsX] = tma_partition(tma_box, _0{}, Layout<_1>{}, group_modes<0, 2>(sXb),
+                                            group_modes<0, 2>(gX));
+          copy(tma_box.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
+        }
       };
-      auto rows_of = [&](int n) -> BlockRows {
-        if (!params.half_boxes) return {block_row(n), 0};
-        return {half_row(n, 0), half_row(n, 1)};
-      };
-      auto load_block = [&](auto const& tma, auto const& tma_half, auto const& mX, auto const& mXh, auto& sX,
-                            Pipeline& pipe, PipelineState& st, BlockRows const& rows) {
+      // K or V of key block n: one box (contiguous, page_size % 128 == 0) or the boxes of a smaller page.
+      auto load_block = [&](bool is_k, int n) {
+        Pipeline& pipe = is_k ? pipeline_k : pipeline_v;
+        PipelineState& st = is_k ? st_k : st_v;
+        auto& sX = is_k ? sK : sV;
         pipe.producer_acquire(st);  // expects kTmaBytesKV on the stage's mbarrier, whatever the box split
-        if (!params.half_boxes) {
-          Tensor gX = local_tile(domain_offset(make_coord(rows.r0, _0{}), mX(_, _, kv_head)),
+        const int box = params.kv_box_rows;
+        if (box == kBlockN) {
+          auto const& tma = is_k ? params.tma_k : params.tma_v;
+          Tensor gX = local_tile(domain_offset(make_coord(block_row(n), _0{}), (is_k ? mK : mV)(_, _, kv_head)),
                                  Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
           auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
           copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
+        } else if (box == Config::kHalfN) {
+          copy_boxes(Int<Config::kHalfN>{}, is_k ? params.tma_k_half : params.tma_v_half, sX, pipe, st, n);
+        } else if (box == 16) {
+          copy_boxes(Int<16>{}, is_k ? params.tma_k_16 : params.tma_v_16, sX, pipe, st, n);
         } else {
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            Tensor gX = local_tile(domain_offset(make_coord(h == 0 ? rows.r0 : rows.r1, _0{}), mXh(_, _, kv_head)),
-                                   Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
-            Tensor sXh = local_tile(sX(_, _, st.index()), Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(h, _0{}));
-            auto [tXgX, tXsX] = tma_partition(tma_half, _0{}, Layout<_1>{}, group_modes<0, 2>(sXh),
-                                              group_modes<0, 2>(gX));
-            copy(tma_half.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
-          }
+          copy_boxes(Int<8>{}, is_k ? params.tma_k_8 : params.tma_v_8, sX, pipe, st, n);
         }
         ++st;
       };
@@ -344,49 +364,28 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
         ++st;
       };
-      auto load_k = [&](BlockRows const& r) {
-        load_block(params.tma_k, params.tma_k_half, mK, mKh, sK, pipeline_k, st_k, r);
-      };
-      auto load_v = [&](BlockRows const& r) {
-        load_block(params.tma_v, params.tma_v_half, mV, mVh, sV, pipeline_v, st_v, r);
-      };
       // Step i of the iterator: a key block, or (sparse) a chunk of pooled means.
       auto load_k_step = [&](int i) {
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
         }
-        load_k(rows_of(iter.block(i)));
+        load_block(true, iter.block(i));
       };
       auto load_v_step = [&](int i) {
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_v_mean, sV, pipeline_v, st_v, iter.chunk(i));
         }
-        load_v(rows_of(iter.block(i)));
+        load_block(false, iter.block(i));
       };
-#ifndef SP_ROWS_PREFETCH
-#define SP_ROWS_PREFETCH 0
-#endif
-#if !SP_ROWS_PREFETCH
+      // Rows are computed at each K and at each V issue. Computing them once per block, one block ahead (loads in
+      // flight while the producer waits for a free stage), did not help on the H200 (causal 128K, paged/contiguous
+      // 1.057 / 1.073 with it vs 1.031 / 1.042 without, bench/NOTES.md), so that variant was removed.
       load_k_step(0);
       for (int i = 1; i < n_count; ++i) {
         load_k_step(i);
         load_v_step(i - 1);
       }
       load_v_step(n_count - 1);
-#else
-      static_assert(!kSparse, "SP_ROWS_PREFETCH is a dense-only A/B switch");
-      BlockRows cur = rows_of(iter.block(0));                                    // block i - 1 (its V is next)
-      BlockRows nxt = n_count > 1 ? rows_of(iter.block(1)) : cur;                // block i
-      load_k(cur);
-      for (int i = 1; i < n_count; ++i) {
-        const BlockRows after = i + 1 < n_count ? rows_of(iter.block(i + 1)) : nxt;  // loads issued now, used next
-        load_k(nxt);
-        load_v(cur);
-        cur = nxt;
-        nxt = after;
-      }
-      load_v(cur);
-#endif
     }
     return;
   }

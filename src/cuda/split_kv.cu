@@ -48,6 +48,7 @@ struct PlanArgs {
   const int32_t* seg_start;
   const int32_t* seg_end;
   int block_size, correction, num_coord_tiles, num_sms;
+  int full_list, causal;  // SparseFwdArgs::full_list: dense PackGQA tiles, no index arrays
   int units_per_sm;  // SplitRule::cap's divisor, 1..kMaxUnitsPerSm
   int* counters;
   int32_t* split_tiles;
@@ -57,11 +58,16 @@ struct PlanArgs {
 // Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's tile_work() decides from the
 // same SparseBlockIterator::planned_steps.
 __device__ int tile_steps(const PlanArgs& a, int t) {
+  using It = SparseBlockIterator<kStepKeys>;
   const SparseTileCoord c = a.order.coord(t);
+  const SeqSpan s = load_seq_span(a.cu_q, a.cu_k, a.seqused_k, c.batch);
+  if (a.full_list) {
+    if (c.tile >= It::packed_tiles(s.q_len, a.order.group_size)) return 0;
+    return It::full_list_blocks(c.tile * kRows, a.order.group_size, s.q_len, s.k_len, a.causal != 0);
+  }
   const int tile_base = a.cu_tiles[c.batch];
   const int tiles = a.cu_tiles[c.batch + 1] - tile_base;
   if (c.tile >= tiles) return 0;
-  const SeqSpan s = load_seq_span(a.cu_q, a.cu_k, a.seqused_k, c.batch);
   const int seg = a.order.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
   const int n_listed = a.seg_end[seg] - a.seg_start[seg];
   return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.order.group_size, s.q_len, s.k_len,
@@ -293,6 +299,8 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.order = TileOrder::of(a, s);
   p.block_size = s.block_size;
   p.correction = sparse_correction_on(s) ? 1 : 0;
+  p.full_list = s.full_list ? 1 : 0;
+  p.causal = a.causal ? 1 : 0;
   const int64_t coord = p.order.tiles();
   if (coord == 0) return;
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");

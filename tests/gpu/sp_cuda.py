@@ -30,6 +30,7 @@ def lib(path=None):
         call = [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, F, I, I, P]
         err = [ctypes.c_char_p, I]
         sigs = {"sp_cuda_attention": call + err,
+                "sp_cuda_dense_path": call + [ctypes.POINTER(I)] + err,
                 "sp_cuda_index_bytes": call + [I, I, ctypes.POINTER(LL)] + err,
                 "sp_cuda_build_index": call + [F, I, I, I, I, I, I, I, I, P, LL, ctypes.POINTER(LL), P, P] + err,
                 "sp_cuda_sparse_attention": call + [P, P, P, P, P, P, P, LL, I, I, I] + err}
@@ -58,6 +59,17 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, c
                       max_seqlen_k, causal, softmax_scale, window, block_table, seqused_k)
     _check(lib(lib_path).sp_cuda_attention, args)
     return (out, lse) if return_lse else out
+
+
+def dense_path(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, window=(-1, -1),
+               block_table=None, seqused_k=None, lib_path=None):
+    """'split' when attention() runs these shapes on PackGQA tiles with split-KV (cuda::dense_uses_full_list),
+    else 'dense'."""
+    args = _call_args(q, k, v, q, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, None, window,
+                      block_table, seqused_k)
+    flag = ctypes.c_int(-1)
+    _check(lib(lib_path).sp_cuda_dense_path, args + [ctypes.byref(flag)])
+    return "split" if flag.value == 1 else "dense"
 
 
 def _call_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True,

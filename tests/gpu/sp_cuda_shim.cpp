@@ -136,6 +136,14 @@ int sp_cuda_attention(SP_CALL_PARAMS, char* err, int err_len) {
   });
 }
 
+// Which path cuda::attention takes for these shapes: *full_list = 1 for the PackGQA + split-KV path.
+int sp_cuda_dense_path(SP_CALL_PARAMS, int* full_list, char* err, int err_len) {
+  return guarded(err, err_len, [&] {
+    Call c = make_call(SP_CALL_ARGS);
+    *full_list = cuda::dense_uses_full_list(c.in, c.p) ? 1 : 0;
+  });
+}
+
 // Workspace bytes of the GPU index stage for these shapes.
 int sp_cuda_index_bytes(SP_CALL_PARAMS, int block_size, int head_subgroups, long long* bytes, char* err,
                         int err_len) {

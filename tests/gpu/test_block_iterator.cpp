@@ -122,6 +122,77 @@ long check_sparse(long& checked) {
   return failures;
 }
 
+// Dense attention through the sparse kernel (the full list, SparseFwdArgs::full_list): for every PackGQA tile, causal
+// (bottom-right) and non-causal, the steps visit exactly the key blocks some row of the tile sees (each once, in
+// descending order); a step reported as needing no mask is fully visible to every row; the per-row column range is the
+// visibility rule; the split units cover the steps in order.
+long check_full_list(long& checked) {
+  constexpr int N = 128;
+  using It = SparseBlockIterator<N>;
+  long failures = 0;
+  const std::vector<int> lens = {1, 2, 11, 127, 128, 129, 300, 1000, 1763, 4100};
+  for (int lq : lens)
+    for (int lk : lens)
+      for (int g : {1, 4, 8, 16})
+        for (bool causal : {true, false}) {
+          const int diag = lk - lq;
+          for (int t = 0; t < It::packed_tiles(lq, g); ++t) {
+            const int row0 = t * It::kTileRows, rows = std::min(It::kTileRows, lq * g - row0);
+            const int p_first = row0 / g;
+            const int n = It::full_list_blocks(row0, g, lq, lk, causal);
+            It it = It::make(nullptr, n, p_first, lq, lk, N, false);
+            if (!causal) it.make_non_causal();
+            if (It::planned_steps(n, p_first, lq, lk, N, false) != it.total()) ++failures;
+            std::vector<int> seen((lk + N - 1) / N, 0);
+            for (int i = 0; i < it.count(); ++i) {
+              const int b = it.block(i);
+              if (b < 0 || b >= int(seen.size()) || (i > 0 && b != it.block(i - 1) - 1) || it.is_corr(i)) {
+                if (failures++ < 10) std::printf("FAIL full list order lq=%d lk=%d g=%d t=%d\n", lq, lk, g, t);
+                continue;
+              }
+              seen[b] = it.needs_mask(i) ? 2 : 1;
+            }
+            for (int r = 0; r < rows; ++r) {
+              const int pos = (row0 + r) / g;
+              int lo, hi;
+              it.col_range(pos, lo, hi);
+              for (int c = 0; c < lk; ++c) {
+                const bool ref = !causal || c <= pos + diag;
+                bool ok = (lo <= c && c <= hi) == ref;
+                if (ref && seen[c / N] == 0) ok = false;   // a visible key in a block never visited
+                if (!ref && seen[c / N] == 1) ok = false;  // an unmasked step with an invisible key
+                ++checked;
+                if (!ok && failures++ < 10)
+                  std::printf("FAIL full list lq=%d lk=%d g=%d causal=%d tile=%d row=%d col=%d\n", lq, lk, g,
+                              int(causal), t, r, c);
+              }
+            }
+            for (int b = 0; b < int(seen.size()); ++b) {  // no visited block without a visible key
+              if (seen[b] == 0) continue;
+              bool any = false;
+              for (int r = 0; r < rows && !any; ++r) {
+                const int pos = (row0 + r) / g;
+                any = !causal || b * N <= pos + diag;
+              }
+              if (!any && failures++ < 10) std::printf("FAIL full list extra block lq=%d lk=%d t=%d b=%d\n", lq, lk, t, b);
+            }
+            for (int S : {1, 3, 32}) {
+              int next = 0;
+              for (int sp = 0; sp < S; ++sp) {
+                It u = it;
+                u.split(sp, S);
+                for (int i = 0; i < u.count(); ++i)
+                  if (u.block(i) != it.block(u.i_begin + i)) ++failures;
+                if (u.i_begin != next) ++failures;
+                next = u.i_begin + u.count();
+              }
+              if (next != it.total()) ++failures;
+            }
+          }
+        }
+  return failures;
+}
+
 // The split plan's workspace bounds (fewer than U * SMs split tiles and 2 U * SMs split units, for every U up to
 // kMaxUnitsPerSm) for step
 // distributions from uniform to one huge tile among many tiny ones, and tiny totals (cap = kMinCap).
@@ -202,6 +273,11 @@ int main() {
   const long sparse_failures = check_sparse(sparse_checked);
   std::printf("sparse block iterator: %ld steps checked, %ld failures\n", sparse_checked, sparse_failures);
   failures += sparse_failures;
+  long full_checked = 0;
+  const long full_failures = check_full_list(full_checked);
+  std::printf("full-list (dense PackGQA) iterator: %ld (row, key) pairs checked, %ld failures\n", full_checked,
+              full_failures);
+  failures += full_failures;
   const long plan_failures = check_split_rule();
   std::printf("split rule: %ld failures\n", plan_failures);
   failures += plan_failures;

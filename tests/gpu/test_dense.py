@@ -102,7 +102,7 @@ def make_paged(k, v, lk_list, ps, gen, nan_fill=False):
 
 
 def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtype=torch.bfloat16, paged=0,
-             d=128, seed=0, nan_fill=False, vs_contiguous=False):
+             d=128, seed=0, nan_fill=False, vs_contiguous=False, expect_path=None):
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
     tq, tk = sum(lq_list), sum(lk_list)
@@ -116,6 +116,7 @@ def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtyp
     lse = torch.full((hq, tq), float("nan"), device=dev, dtype=torch.float32)
     kw = dict(causal=causal, window=window, out=out, lse=lse)
     contiguous_diff = None
+    path = sp_cuda.dense_path(q, k, v, cu_q, cu_k, max(lq_list), max(lk_list), causal=causal, window=window)
     if paged:
         kc, vc, block_table, seqused = make_paged(k, v, lk_list, paged, gen, nan_fill)
         sp_cuda.attention(q, kc, vc, cu_q, None, max(lq_list), max(lk_list), block_table=block_table,
@@ -149,7 +150,9 @@ def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtyp
         empty_ok = bool((lse[~fin] == -math.inf).all()) and bool((out[rows[:, 1], rows[:, 0]] == 0).all())
     ok = (not nan_out and not nan_lse and empty_ok and err <= 2 * err_low + atol
           and lse_err <= 2 * lse_err_low + 1e-3)
-    extra = {}
+    extra = {"path": path}
+    if expect_path is not None:  # the cases written for one path must take it
+        ok = ok and path == expect_path
     if contiguous_diff is not None:
         ok = ok and contiguous_diff == 0.0
         extra["diff_vs_contiguous"] = contiguous_diff
@@ -195,6 +198,33 @@ def main():
          dict(paged=64, vs_contiguous=True)),
         ("paged ps=64 == contiguous (L=4096 Llama)", [4096], [4096], 32, 8, dict(paged=64, vs_contiguous=True)),
         ("llama shape causal L=4096 g=4", [4096], [4096], 32, 8, dict()),
+        # Small pages: boxes of 16 or 8 rows, each inside one page (FwdConfig::box_rows).
+        ("paged ps=16 varlen causal NaN-filled", [300, 1763, 1, 77], [700, 1763, 1, 77], 8, 2,
+         dict(paged=16, nan_fill=True)),
+        ("paged ps=16 == contiguous (varlen causal)", [300, 1763, 129], [700, 1763, 4000], 8, 2,
+         dict(paged=16, vs_contiguous=True)),
+        ("paged ps=32 noncausal 777/1500 NaN-filled", [777], [1500], 16, 2, dict(paged=32, nan_fill=True,
+                                                                                causal=False)),
+        ("paged ps=8 varlen causal NaN-filled", [300, 129, 5], [700, 129, 13], 8, 2, dict(paged=8, nan_fill=True)),
+        ("paged ps=8 == contiguous (varlen causal)", [300, 1763], [700, 1763], 8, 2,
+         dict(paged=8, vs_contiguous=True)),
+        ("paged ps=48 window (300,0) varlen NaN-filled", [500, 1000], [900, 1000], 8, 2,
+         dict(paged=48, nan_fill=True, window=(300, -1))),
+        ("split paged ps=16 decode varlen NaN-filled", [1, 5, 2], [5000, 1, 20001], 8, 2,
+         dict(paged=16, nan_fill=True, expect_path="split")),
+        # Short queries against long keys: PackGQA tiles with split-KV (cuda::dense_uses_full_list).
+        ("split decode Lq=1 vs 20000 Llama", [1], [20000], 32, 8, dict(expect_path="split")),
+        ("split decode varlen 1/3/17 vs 9000/300/33001 g=8", [1, 3, 17], [9000, 300, 33001], 16, 2,
+         dict(expect_path="split")),
+        ("split chunk noncausal 77/32767 g=1", [77], [32767], 4, 4, dict(causal=False, expect_path="split")),
+        ("split chunk 1000/50000 g=4 (64 dense tiles)", [1000], [50000], 8, 2, dict(expect_path="split")),
+        ("split Lq>Lk in batch 50/20, 3/9000 (empty rows)", [50, 3], [20, 9000], 8, 2, dict(expect_path="split")),
+        ("split fp16 decode 5/12345 g=8", [5], [12345], 16, 2, dict(dtype=torch.float16, expect_path="split")),
+        ("split paged ps=64 decode varlen NaN-filled", [1, 5, 2], [5000, 1, 20001], 8, 2,
+         dict(paged=64, nan_fill=True, expect_path="split")),
+        ("split paged ps=128 == contiguous 9/7000", [9], [7000], 32, 8,
+         dict(paged=128, vs_contiguous=True, expect_path="split")),
+        ("dense path window decode 1/20000", [1], [20000], 32, 8, dict(window=(1000, -1), expect_path="dense")),
         # Head dim 64 (its own instantiation, dense only).
         ("D=64 causal L=1763 g=4", [1763], [1763], 8, 2, dict(d=64)),
         ("D=64 varlen causal mixed g=8", [1, 300, 1763, 129], [5, 300, 2000, 129], 16, 2, dict(d=64)),
@@ -225,13 +255,13 @@ def main():
     # Unsupported combinations must raise NotImplementedError, not crash.
     try:
         q = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(8, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
-        bt = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
+        kc = torch.randn(8, 12, 2, 128, device="cuda", dtype=torch.bfloat16)
+        bt = torch.arange(6, dtype=torch.int32, device="cuda").view(1, 6)
         sp_cuda.attention(q, kc, kc, torch.tensor([0, 64], dtype=torch.int32, device="cuda"), None, 64, 64,
                           block_table=bt, seqused_k=torch.tensor([64], dtype=torch.int32, device="cuda"))
-        results.append(dict(name="paged ps=16 -> NotImplementedError", ok=False, error="no exception"))
+        results.append(dict(name="paged ps=12 -> NotImplementedError", ok=False, error="no exception"))
     except sp_cuda.NotImplementedByKernel as e:
-        results.append(dict(name="paged ps=16 -> NotImplementedError", ok=True, message=str(e)))
+        results.append(dict(name="paged ps=12 -> NotImplementedError", ok=True, message=str(e)))
     print(json.dumps(results[-1]))
     n_ok = sum(r["ok"] for r in results)
     summary = dict(passed=n_ok, total=len(results), seconds=time.time() - t0, device=torch.cuda.get_device_name())

@@ -48,6 +48,62 @@ def test_dense_matches_cpu_reference(q_lens, k_lens, hkv, d):
     assert np.abs(lse[fin] - ref_lse[fin]).max() <= 2e-3
 
 
+# Short queries against long keys run on PackGQA tiles with split-KV (cuda::dense_uses_full_list): decode rows,
+# chunks, rows that see no key, non-causal, paged (tests/gpu/test_dense.py asserts which path each shape takes).
+@pytest.mark.parametrize("q_lens,k_lens,causal,page_size", [
+    ([1, 3, 17], [9000, 300, 20001], True, 0),
+    ([50, 2], [20, 9000], True, 0),          # sequence 0: Lq > Lk, its first 30 rows see no key
+    ([77], [12345], False, 0),
+    ([1, 5], [5000, 16385], True, 64),
+    ([1, 5], [5000, 16385], True, 16),
+])
+def test_dense_short_queries_long_keys_match_cpu_reference(q_lens, k_lens, causal, page_size):
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, q_lens, k_lens, hq=16, hkv=2, d=128)
+    bf = torch.bfloat16
+    g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
+    c = lambda a, dt=None: _to(a, "cpu", dt)  # noqa: E731
+    mq, mk = max(q_lens), max(k_lens)
+    ref, ref_lse = sp.attention(c(q, bf), c(k, bf), c(v, bf), c(cu_q), c(cu_k), mq, mk, causal=causal,
+                                return_lse=True)
+    out = torch.full((q.shape[0], 16, 128), float("nan"), dtype=bf, device="cuda")
+    if page_size:
+        kc, vc, bt, used = to_paged(rng, k, v, cu_k, page_size)
+        got, lse = sp.attention(g(q, bf), g(kc, bf), g(vc, bf), g(cu_q), None, mq, mk, causal=causal,
+                                block_table=g(bt), seqused_k=g(used), out=out, return_lse=True)
+    else:
+        got, lse = sp.attention(g(q, bf), g(k, bf), g(v, bf), g(cu_q), g(cu_k), mq, mk, causal=causal, out=out,
+                                return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out
+    _check_close(got, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32, 48])
+def test_dense_small_pages_match_cpu_reference(page_size):
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, [300, 129, 1], [700, 1000, 13], hq=8, hkv=2, d=128)
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, page_size)
+    bf = torch.bfloat16
+    g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
+    c = lambda a, dt=None: _to(a, "cpu", dt)  # noqa: E731
+    ref, ref_lse = sp.attention(c(q, bf), c(k, bf), c(v, bf), c(cu_q), c(cu_k), 300, 1000, return_lse=True)
+    got, lse = sp.attention(g(q, bf), g(kc, bf), g(vc, bf), g(cu_q), None, 300, 1000, block_table=g(bt),
+                            seqused_k=g(used), return_lse=True)
+    torch.cuda.synchronize()
+    _check_close(got, lse, ref, ref_lse)
+
+
+def test_dense_paged_page_size_not_multiple_of_8_is_a_clear_error():
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, [30], [70], hq=8, hkv=2, d=128)
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, 12)
+    g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="page_size % 8 == 0"):
+        sp.attention(g(q, torch.bfloat16), g(kc, torch.bfloat16), g(vc, torch.bfloat16), g(cu_q), None, 30, 70,
+                     block_table=g(bt), seqused_k=g(used))
+
+
 def test_dense_paged_page128_matches_contiguous():
     rng = np.random.default_rng()
     q, k, v, cu_q, cu_k = make_varlen(rng, [300, 700], [1500, 2100], hq=8, hkv=2, d=128)
@@ -168,7 +224,7 @@ def test_sparse_alpha0_equals_dense_kernel():
         assert (lse - dense_lse).abs().max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
 def test_sparse_paged_matches_contiguous(page_size):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [300, 1100], [1500, 2100], 8, 2)
