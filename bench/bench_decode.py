@@ -24,7 +24,7 @@ from bench_dense import commit, time_graph_ms, time_ms  # noqa: E402
 
 # (Lq, Lk, batch)
 SHAPES = [(1, 131072, 1), (1, 32768, 8), (1, 8192, 32), (16, 131072, 1), (64, 65536, 4), (128, 131072, 1),
-          (512, 131072, 1)]
+          (256, 131072, 1), (512, 131072, 1)]
 
 
 def main():

@@ -213,7 +213,9 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (!split_planned(in.max_seqlen_q, in.max_seqlen_k)) return false;  // only chunk and decode shapes
   const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
-  return in.max_seqlen_q < 128 || int64_t(p.num_q_heads) * m_blocks * p.batch < num_sms();
+  // Measured (H200, Llama heads, bench/NOTES.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
+  // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
+  return in.max_seqlen_q < 128 || 2 * int64_t(p.num_q_heads) * m_blocks * p.batch <= num_sms();
 }
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {

@@ -21,7 +21,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 
 // Whether attention() takes the PackGQA + split-KV path: head dim 128, no window, max_seqlen_k > max_seqlen_q
 // (split_planned), and either max_seqlen_q < 128 (a dense tile would be mostly empty rows; a PackGQA tile holds g
-// times more) or fewer dense tiles than SMs. SP_DENSE_SPLIT=0 turns it off (A/B runs).
+// times more) or at most half as many dense tiles as SMs. SP_DENSE_SPLIT=0 turns it off (A/B runs).
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p);
 
 struct DeviceIndex;
