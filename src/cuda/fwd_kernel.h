@@ -310,26 +310,37 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       // Paged KV with page_size % 128 != 0: row of the box of key block n that starts at key n * N + off, each box
       // inside one page. A box that lies entirely beyond seqused_k reads no block_table entry (the table may have no
       // such page) and points past the end of the row space: TMA zero-fills it and still counts its bytes.
+      constexpr int kHalfN = Config::kHalfN;
       auto box_row = [&](int n, int off) -> int {
         const int tok = n * kBlockN + off;
         if (n < 0 || tok >= seq.k_len) return params.total_k_rows;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      // Key block n as kBlockN / R boxes of R rows into the row slices of stage st (one mbarrier, the same bytes).
-      // The block_table loads of all boxes go first, so their latencies overlap: the TMA issues (asm volatile) would
-      // otherwise serialise them, one load latency per box (measured at page 64: 7-9 % slower than contiguous with
-      // the loads interleaved, 1.04x with them first).
-      auto copy_boxes = [&](auto rows_c, auto const& tma_box, auto& sX, Pipeline& pipe, PipelineState& st, int n) {
+      Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
+      Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
+      // Rows of the K/V row space for one key block, computed at each K and at each V issue: {block row} or {half 0
+      // row, half 1 row} (paged: block_table loads, both issued before the TMA). Computing them once per block, one
+      // block ahead, did not help on the H200 (causal 128K, paged/contiguous 1.057 / 1.073 with it vs 1.031 / 1.042
+      // without), so that variant was removed. Boxes of 16 or 8 rows compute theirs in copy_small_boxes (r0 = n).
+      struct BlockRows {
+        int r0, r1;
+      };
+      auto rows_of = [&](int n) -> BlockRows {
+        if (params.kv_box_rows == kBlockN) return {block_row(n), 0};
+        if (params.kv_box_rows == kHalfN) return {box_row(n, 0), box_row(n, kHalfN)};
+        return {n, 0};
+      };
+      // Key block n as kBlockN / R boxes of R rows (R = 16 or 8) into the row slices of stage st.
+      // Measured at page 16 (causal 32K, 03696cc): 2.7x the contiguous time; the single producer thread issues 16
+      // boxes per step, each behind its block_table load (bench/NOTES.md).
+      auto copy_small_boxes = [&](auto rows_c, auto const& tma_box, auto& sX, Pipeline& pipe, PipelineState& st,
+                                  int n) {
         constexpr int R = decltype(rows_c)::value;
-        constexpr int kBoxes = kBlockN / R;
         Tensor mXb = tma_box.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
-        int rows[kBoxes];  // a local array (the producer thread runs with 24 registers): loads unrolled, issue not
-        CUTE_UNROLL
-        for (int h = 0; h < kBoxes; ++h) rows[h] = box_row(n, h * R);
         CUTE_NO_UNROLL
-        for (int h = 0; h < kBoxes; ++h) {
-          Tensor gX = local_tile(domain_offset(make_coord(rows[h], _0{}), mXb(_, _, kv_head)),
+        for (int h = 0; h < kBlockN / R; ++h) {
+          Tensor gX = local_tile(domain_offset(make_coord(box_row(n, h * R), _0{}), mXb(_, _, kv_head)),
                                  Shape<Int<R>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
           Tensor sXb = local_tile(sX(_, _, st.index()), Shape<Int<R>, Int<kHeadDim>>{}, make_coord(h, _0{}));
           auto [tXgX, tXsX] = tma_partition(tma_box, _0{}, Layout<_1>{}, group_modes<0, 2>(sXb),
@@ -337,25 +348,29 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
           copy(tma_box.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
         }
       };
-      // K or V of key block n: one box (contiguous, page_size % 128 == 0) or the boxes of a smaller page.
-      auto load_block = [&](bool is_k, int n) {
-        Pipeline& pipe = is_k ? pipeline_k : pipeline_v;
-        PipelineState& st = is_k ? st_k : st_v;
-        auto& sX = is_k ? sK : sV;
+      auto load_block = [&](auto const& tma, auto const& tma_half, auto const& tma_16, auto const& tma_8,
+                            auto const& mX, auto const& mXh, auto& sX, Pipeline& pipe, PipelineState& st,
+                            BlockRows const& rows) {
         pipe.producer_acquire(st);  // expects kTmaBytesKV on the stage's mbarrier, whatever the box split
-        const int box = params.kv_box_rows;
-        if (box == kBlockN) {
-          auto const& tma = is_k ? params.tma_k : params.tma_v;
-          Tensor gX = local_tile(domain_offset(make_coord(block_row(n), _0{}), (is_k ? mK : mV)(_, _, kv_head)),
+        if (params.kv_box_rows == kBlockN) {
+          Tensor gX = local_tile(domain_offset(make_coord(rows.r0, _0{}), mX(_, _, kv_head)),
                                  Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
           auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
           copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
-        } else if (box == Config::kHalfN) {
-          copy_boxes(Int<Config::kHalfN>{}, is_k ? params.tma_k_half : params.tma_v_half, sX, pipe, st, n);
-        } else if (box == 16) {
-          copy_boxes(Int<16>{}, is_k ? params.tma_k_16 : params.tma_v_16, sX, pipe, st, n);
+        } else if (params.kv_box_rows == kHalfN) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            Tensor gX = local_tile(domain_offset(make_coord(h == 0 ? rows.r0 : rows.r1, _0{}), mXh(_, _, kv_head)),
+                                   Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
+            Tensor sXh = local_tile(sX(_, _, st.index()), Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(h, _0{}));
+            auto [tXgX, tXsX] = tma_partition(tma_half, _0{}, Layout<_1>{}, group_modes<0, 2>(sXh),
+                                              group_modes<0, 2>(gX));
+            copy(tma_half.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
+          }
+        } else if (params.kv_box_rows == 16) {
+          copy_small_boxes(Int<16>{}, tma_16, sX, pipe, st, rows.r0);
         } else {
-          copy_boxes(Int<8>{}, is_k ? params.tma_k_8 : params.tma_v_8, sX, pipe, st, n);
+          copy_small_boxes(Int<8>{}, tma_8, sX, pipe, st, rows.r0);
         }
         ++st;
       };
@@ -371,22 +386,25 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
         ++st;
       };
+      auto load_k = [&](BlockRows const& r) {
+        load_block(params.tma_k, params.tma_k_half, params.tma_k_16, params.tma_k_8, mK, mKh, sK, pipeline_k, st_k, r);
+      };
+      auto load_v = [&](BlockRows const& r) {
+        load_block(params.tma_v, params.tma_v_half, params.tma_v_16, params.tma_v_8, mV, mVh, sV, pipeline_v, st_v, r);
+      };
       // Step i of the iterator: a key block, or (sparse) a chunk of pooled means.
       auto load_k_step = [&](int i) {
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
         }
-        load_block(true, iter.block(i));
+        load_k(rows_of(iter.block(i)));
       };
       auto load_v_step = [&](int i) {
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_v_mean, sV, pipeline_v, st_v, iter.chunk(i));
         }
-        load_block(false, iter.block(i));
+        load_v(rows_of(iter.block(i)));
       };
-      // Rows are computed at each K and at each V issue. Computing them once per block, one block ahead (loads in
-      // flight while the producer waits for a free stage), did not help on the H200 (causal 128K, paged/contiguous
-      // 1.057 / 1.073 with it vs 1.031 / 1.042 without, bench/NOTES.md), so that variant was removed.
       load_k_step(0);
       for (int i = 1; i < n_count; ++i) {
         load_k_step(i);
