@@ -88,7 +88,7 @@ def time_graph_ms(fn, reps=None, rounds=7):
 
 VARLEN_MIX = [1024, 8192, 2048, 6144, 3072, 5120, 4096, 3072]  # sum 32768; fixed so runs compare
 PAGED_LENGTHS = [32768, 131072]
-PAGE_SIZES = [16, 64, 128]  # the target (within 5 % of contiguous) is for page_size >= 64; 16 is vLLM's default
+PAGE_SIZES = [64, 128]
 PAGED_ROUNDS = 3
 
 
@@ -209,9 +209,12 @@ def main():
     ap.add_argument("--paged-lengths", default=",".join(str(x) for x in PAGED_LENGTHS),
                     help="lengths of the paged-vs-contiguous rows")
     ap.add_argument("--no-varlen", dest="varlen", action="store_false", help="skip the varlen-vs-separate row")
+    ap.add_argument("--page-sizes", default=",".join(str(x) for x in PAGE_SIZES),
+                    help="page sizes of the paged-vs-contiguous rows")
     ap.add_argument("--extra-out", default=None,
                     help="JSON for the extra rows (default: dense_h200_paged_varlen.json beside --out)")
     args = ap.parse_args()
+    PAGE_SIZES[:] = [int(x) for x in args.page_sizes.split(",") if x]
     hq, hkv, d = args.hq, args.hkv, 128
     g = hq // hkv
     dev = "cuda"

@@ -50,11 +50,12 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   require_aligned(in.q, "q", 0, 1);
   require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
-    // TMA path: one 128-row box per key block (page_size % 128 == 0), else boxes of 64, 16 or 8 rows, each inside
-    // one page (FwdConfig::box_rows). Pages of other sizes (1, 4, 12, ...) would need a cp.async producer.
-    if (p.page_size <= 0 || p.page_size % 8 != 0)
-      throw NotImplementedError("CUDA attention: paged KV needs page_size % 8 == 0 (TMA boxes of 8 rows or more); "
-                                "got page_size " + std::to_string(p.page_size));
+    // TMA path: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
+    // (page_size % 128 == 64). Smaller pages need their own producer (bench/NOTES.md: boxes of 16 rows measured
+    // 2.4-2.7x slower than contiguous, and compiled into this kernel they slowed contiguous KV by 1.5 %).
+    if (p.page_size <= 0 || p.page_size % 64 != 0)
+      throw NotImplementedError("CUDA attention: paged KV needs page_size % 64 == 0 (TMA path); got page_size " +
+                                std::to_string(p.page_size));
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");

@@ -71,30 +71,17 @@ struct FwdConfig {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutK{}),
                                              cute::select<1, 2>(TileShapeQK{}), cute::_1{}));
 
-  // Paged KV with page_size % 128 != 0: each 128-key block is loaded as 128 / R boxes of R rows (R = 64, 16 or 8, the
-  // largest that divides page_size), each from its own page, into the row slices of the same smem stage (same
-  // mbarrier, same byte count). R >= 8 keeps whole 8-row swizzle atoms in every box. A box's smem layout is a row
-  // slice of one (128, D) stage, so it is NOT compact: its 64-column swizzle blocks lie 128 rows apart. The TMA atom
-  // must be built from this strided layout, so that one instruction covers one contiguous (R rows x 64 cols) chunk
-  // (tma_partition splits a copy by the smem tensor's contiguous runs).
-  template <int R>
-  using SmemLayoutKBox = decltype(cute::composition(
-      cute::take<0, 2>(SmemLayoutK{}), cute::make_tile(cute::Layout<cute::Int<R>>{}, cute::Layout<cute::Int<kHeadDim>>{})));
-  template <int R>
-  using TmaKVBox = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKBox<R>{},
-                                                cute::Shape<cute::Int<R>, cute::Int<kHeadDim>>{}, cute::_1{}));
+  // Paged KV with page_size % 128 != 0 (page_size % 64 == 0): each 128-key block is loaded as two 64-row boxes,
+  // each from its own page, into the two row halves of the same smem stage (same mbarrier, same byte count).
   static constexpr int kHalfN = kBlockN / 2;
-  using TmaKVHalf = TmaKVBox<kHalfN>;
-  using TmaKV16 = TmaKVBox<16>;
-  using TmaKV8 = TmaKVBox<8>;
-  // Rows of one TMA box for a page size (kBlockN: whole blocks; 0: no TMA path).
-  static constexpr int box_rows(int page_size) {
-    return page_size == 0 || page_size % kBlockN == 0 ? kBlockN
-           : page_size % kHalfN == 0                   ? kHalfN
-           : page_size % 16 == 0                       ? 16
-           : page_size % 8 == 0                        ? 8
-                                                       : 0;
-  }
+  // The half is a row slice of one (128, D) stage, so its layout is NOT compact: the two 64-column swizzle blocks
+  // of a half lie 128 rows apart. The TMA atom must be built from this strided layout, so that one instruction covers
+  // one contiguous (64 rows x 64 cols) chunk (tma_partition splits a copy by the smem tensor's contiguous runs).
+  using SmemLayoutKHalf = decltype(cute::composition(
+      cute::take<0, 2>(SmemLayoutK{}),
+      cute::make_tile(cute::Layout<cute::Int<kHalfN>>{}, cute::Layout<cute::Int<kHeadDim>>{})));
+  using TmaKVHalf = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKHalf{},
+                                                 cute::Shape<cute::Int<kHalfN>, cute::Int<kHeadDim>>{}, cute::_1{}));
 
   static constexpr int kMaxCorrChunks = 64;  // 64 x 128 pooled blocks: 1M tokens at block_size 128 (1 KiB)
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);

@@ -26,15 +26,9 @@ struct FwdParams {
   typename Config::TmaQ tma_q;
   typename Config::TmaKV tma_k;
   typename Config::TmaKV tma_v;
-  // Paged KV with page_size % 128 != 0: each K/V block is loaded as kv_box_rows-row boxes, one TMA type per box size
-  // (FwdConfig::box_rows; the unused ones describe the same tensor).
-  typename Config::TmaKVHalf tma_k_half;
+  typename Config::TmaKVHalf tma_k_half;  // 64-row boxes: paged KV with page_size % 128 == 64 (else unused)
   typename Config::TmaKVHalf tma_v_half;
-  typename Config::TmaKV16 tma_k_16;
-  typename Config::TmaKV16 tma_v_16;
-  typename Config::TmaKV8 tma_k_8;
-  typename Config::TmaKV8 tma_v_8;
-  int kv_box_rows;                        // 128 (one box per block), 64, 16 or 8
+  int half_boxes;                         // 1: load each K/V block as two 64-row boxes (page_size % 128 == 64)
   const void* q;                          // sparse mode gathers Q rows itself (PackGQA)
   int64_t q_row_stride, q_head_stride;
   void* out;
@@ -214,15 +208,9 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     if constexpr (!kSparse) cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    if (params.kv_box_rows == Config::kHalfN) {
+    if (params.half_boxes) {
       cute::prefetch_tma_descriptor(params.tma_k_half.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_v_half.get_tma_descriptor());
-    } else if (params.kv_box_rows == 16) {
-      cute::prefetch_tma_descriptor(params.tma_k_16.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(params.tma_v_16.get_tma_descriptor());
-    } else if (params.kv_box_rows == 8) {
-      cute::prefetch_tma_descriptor(params.tma_k_8.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(params.tma_v_8.get_tma_descriptor());
     }
     storage.barrier_q.init(1);
     storage.barrier_q_empty.init(Config::kNumMmaThreads);
@@ -307,57 +295,39 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
-      // Paged KV with page_size % 128 != 0: row of the box of key block n that starts at key n * N + off, each box
-      // inside one page. A box that lies entirely beyond seqused_k reads no block_table entry (the table may have no
-      // such page) and points past the end of the row space: TMA zero-fills it and still counts its bytes.
+      // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
+      // lies entirely beyond seqused_k reads no block_table entry (the table may have no such page) and points the
+      // box past the end of the row space: TMA zero-fills it and still counts its bytes on the mbarrier.
       constexpr int kHalfN = Config::kHalfN;
-      auto box_row = [&](int n, int off) -> int {
-        const int tok = n * kBlockN + off;
+      auto half_row = [&](int n, int h) -> int {
+        const int tok = n * kBlockN + h * kHalfN;
         if (n < 0 || tok >= seq.k_len) return params.total_k_rows;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
         return page * params.page_size + tok % params.page_size;
       };
       Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
-      // Rows of the K/V row space for one key block, computed at each K and at each V issue: {block row} or {half 0
-      // row, half 1 row} (paged: block_table loads, both issued before the TMA). Computing them once per block, one
-      // block ahead, did not help on the H200 (causal 128K, paged/contiguous 1.057 / 1.073 with it vs 1.031 / 1.042
-      // without), so that variant was removed. Boxes of 16 or 8 rows compute theirs in copy_small_boxes (r0 = n).
+      // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
+      // loads). Default: computed at each K and at each V issue. -DSP_ROWS_PREFETCH=1 computes them once per block
+      // and one block ahead (loads in flight while the producer waits for a free stage); measured on the H200 at
+      // causal 128K (one A/B, 3 interleaved rounds per process) it did not help: paged/contiguous 1.057 (page 64)
+      // and 1.073 (page 128) with it vs 1.031 and 1.042 without (run-to-run spread is a few %), so it is off.
       struct BlockRows {
         int r0, r1;
       };
       auto rows_of = [&](int n) -> BlockRows {
-        if (params.kv_box_rows == kBlockN) return {block_row(n), 0};
-        if (params.kv_box_rows == kHalfN) return {box_row(n, 0), box_row(n, kHalfN)};
-        return {n, 0};
+        if (!params.half_boxes) return {block_row(n), 0};
+        return {half_row(n, 0), half_row(n, 1)};
       };
-      // Key block n as kBlockN / R boxes of R rows (R = 16 or 8) into the row slices of stage st.
-      // Measured at page 16 (causal 32K, 03696cc): 2.7x the contiguous time; the single producer thread issues 16
-      // boxes per step, each behind its block_table load (bench/NOTES.md).
-      auto copy_small_boxes = [&](auto rows_c, auto const& tma_box, auto& sX, Pipeline& pipe, PipelineState& st,
-                                  int n) {
-        constexpr int R = decltype(rows_c)::value;
-        Tensor mXb = tma_box.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
-        CUTE_NO_UNROLL
-        for (int h = 0; h < kBlockN / R; ++h) {
-          Tensor gX = local_tile(domain_offset(make_coord(box_row(n, h * R), _0{}), mXb(_, _, kv_head)),
-                                 Shape<Int<R>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
-          Tensor sXb = local_tile(sX(_, _, st.index()), Shape<Int<R>, Int<kHeadDim>>{}, make_coord(h, _0{}));
-          auto [tXgX, tXsX] = tma_partition(tma_box, _0{}, Layout<_1>{}, group_modes<0, 2>(sXb),
-                                            group_modes<0, 2>(gX));
-          copy(tma_box.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
-        }
-      };
-      auto load_block = [&](auto const& tma, auto const& tma_half, auto const& tma_16, auto const& tma_8,
-                            auto const& mX, auto const& mXh, auto& sX, Pipeline& pipe, PipelineState& st,
-                            BlockRows const& rows) {
+      auto load_block = [&](auto const& tma, auto const& tma_half, auto const& mX, auto const& mXh, auto& sX,
+                            Pipeline& pipe, PipelineState& st, BlockRows const& rows) {
         pipe.producer_acquire(st);  // expects kTmaBytesKV on the stage's mbarrier, whatever the box split
-        if (params.kv_box_rows == kBlockN) {
+        if (!params.half_boxes) {
           Tensor gX = local_tile(domain_offset(make_coord(rows.r0, _0{}), mX(_, _, kv_head)),
                                  Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_0{}, _0{}));
           auto [tXgX, tXsX] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
           copy(tma.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX(_, st.index()));
-        } else if (params.kv_box_rows == kHalfN) {
+        } else {
           CUTE_UNROLL
           for (int h = 0; h < 2; ++h) {
             Tensor gX = local_tile(domain_offset(make_coord(h == 0 ? rows.r0 : rows.r1, _0{}), mXh(_, _, kv_head)),
@@ -367,10 +337,6 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
                                               group_modes<0, 2>(gX));
             copy(tma_half.with(*pipe.producer_get_barrier(st), 0), tXgX, tXsX);
           }
-        } else if (params.kv_box_rows == 16) {
-          copy_small_boxes(Int<16>{}, tma_16, sX, pipe, st, rows.r0);
-        } else {
-          copy_small_boxes(Int<8>{}, tma_8, sX, pipe, st, rows.r0);
         }
         ++st;
       };
@@ -387,10 +353,10 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         ++st;
       };
       auto load_k = [&](BlockRows const& r) {
-        load_block(params.tma_k, params.tma_k_half, params.tma_k_16, params.tma_k_8, mK, mKh, sK, pipeline_k, st_k, r);
+        load_block(params.tma_k, params.tma_k_half, mK, mKh, sK, pipeline_k, st_k, r);
       };
       auto load_v = [&](BlockRows const& r) {
-        load_block(params.tma_v, params.tma_v_half, params.tma_v_16, params.tma_v_8, mV, mVh, sV, pipeline_v, st_v, r);
+        load_block(params.tma_v, params.tma_v_half, mV, mVh, sV, pipeline_v, st_v, r);
       };
       // Step i of the iterator: a key block, or (sparse) a chunk of pooled means.
       auto load_k_step = [&](int i) {
@@ -405,12 +371,30 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         }
         load_v(rows_of(iter.block(i)));
       };
+#ifndef SP_ROWS_PREFETCH
+#define SP_ROWS_PREFETCH 0
+#endif
+#if !SP_ROWS_PREFETCH
       load_k_step(0);
       for (int i = 1; i < n_count; ++i) {
         load_k_step(i);
         load_v_step(i - 1);
       }
       load_v_step(n_count - 1);
+#else
+      static_assert(!kSparse, "SP_ROWS_PREFETCH is a dense-only A/B switch");
+      BlockRows cur = rows_of(iter.block(0));                                    // block i - 1 (its V is next)
+      BlockRows nxt = n_count > 1 ? rows_of(iter.block(1)) : cur;                // block i
+      load_k(cur);
+      for (int i = 1; i < n_count; ++i) {
+        const BlockRows after = i + 1 < n_count ? rows_of(iter.block(i + 1)) : nxt;  // loads issued now, used next
+        load_k(nxt);
+        load_v(cur);
+        cur = nxt;
+        nxt = after;
+      }
+      load_v(cur);
+#endif
     }
     return;
   }

@@ -39,22 +39,17 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
                           take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
                           take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
-  // Paged KV with page_size % 128 != 0: boxes of FwdConfig::box_rows(page_size) rows, each inside one page. Every
-  // box type gets a descriptor of the same tensor (only the one in use is read).
-  p.kv_box_rows = Config::box_rows(a.page_size);
-  if (p.kv_box_rows == 0)
-    throw std::runtime_error("sparse_prefill cuda: no TMA box size for page_size " + std::to_string(a.page_size));
-  auto boxes = [&](auto rows_c, const void* ptr, int64_t row_stride, int64_t head_stride) {
-    constexpr int R = decltype(rows_c)::value;
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, a.total_k_rows, a.num_kv_heads, row_stride, head_stride),
-                         typename Config::template SmemLayoutKBox<R>{}, Shape<Int<R>, Int<kHeadDim>>{}, _1{});
-  };
-  p.tma_k_half = boxes(Int<Config::kHalfN>{}, a.k, a.k_row_stride, a.k_head_stride);
-  p.tma_v_half = boxes(Int<Config::kHalfN>{}, a.v, a.v_row_stride, a.v_head_stride);
-  p.tma_k_16 = boxes(Int<16>{}, a.k, a.k_row_stride, a.k_head_stride);
-  p.tma_v_16 = boxes(Int<16>{}, a.v, a.v_row_stride, a.v_head_stride);
-  p.tma_k_8 = boxes(Int<8>{}, a.k, a.k_row_stride, a.k_head_stride);
-  p.tma_v_8 = boxes(Int<8>{}, a.v, a.v_row_stride, a.v_head_stride);
+  // page_size % 128 == 64 (the backend accepts page_size % 64 == 0): two 64-row boxes per key block, one per page.
+  p.half_boxes = (a.page_size > 0 && a.page_size % Config::kBlockN != 0) ? 1 : 0;
+  if (p.half_boxes) {
+    const auto half_tile = Shape<Int<Config::kHalfN>, Int<kHeadDim>>{};
+    p.tma_k_half = make_tma_copy(SM90_TMA_LOAD{},
+                                 gmem(a.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride, a.k_head_stride),
+                                 typename Config::SmemLayoutKHalf{}, half_tile, _1{});
+    p.tma_v_half = make_tma_copy(SM90_TMA_LOAD{},
+                                 gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
+                                 typename Config::SmemLayoutKHalf{}, half_tile, _1{});
+  }
   p.q = a.q;
   p.q_row_stride = a.q_row_stride;
   p.q_head_stride = a.q_head_stride;
