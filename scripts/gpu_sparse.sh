@@ -10,6 +10,7 @@
 # ncu: hardware counters of one 128K sparse launch.
 # sanitize: compute-sanitizer memcheck and racecheck of the sparse kernel on the Python CUDA cases.
 # decode: dense GPU tests (split-KV shapes included), the dense Python CUDA cases, bench/bench_decode.py, memcheck.
+# paged: dense GPU tests, the dense/paged Python CUDA cases, sanitizers on small pages, paged-vs-contiguous bench.
 # CUTLASS headers: $SP_CUTLASS_ROOT or .deps/cutlass (carried).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -103,6 +104,28 @@ case "$PHASE" in
     timeout 120 compute-sanitizer --tool memcheck python3 -m pytest -q -x tests/python/test_cuda.py \
       -k short_queries > "$OUT/memcheck_dense_split.log" 2>&1
     tail -3 "$OUT/memcheck_dense_split.log"
+    ;;
+  paged)
+    step "dense GPU tests (tests/gpu/test_dense.py, incl. the cp.async gather for page sizes 1 / 16 / 32 / 48)"
+    timeout 240 python3 tests/gpu/test_dense.py --out "$OUT/dense_gpu_tests.json" > "$OUT/test_dense.log" 2>&1
+    echo "rc=$?"; grep -v '"ok": true' "$OUT/test_dense.log" | tail -8
+    step "python CUDA suite (dense, paged)"
+    timeout 150 python3 -m pytest -q tests/python/test_cuda.py -k "dense or paged" > "$OUT/pytest_cuda_dense.log" 2>&1
+    echo "rc=$?"; tail -3 "$OUT/pytest_cuda_dense.log"
+    for tool in memcheck racecheck; do
+      step "$tool, small pages"
+      timeout 150 compute-sanitizer --tool "$tool" python3 -m pytest -q -x tests/python/test_cuda.py \
+        -k small_pages > "$OUT/${tool}_small_pages.log" 2>&1
+      tail -3 "$OUT/${tool}_small_pages.log"
+    done
+    step "paged vs contiguous, page sizes 1 / 16 / 64 / 128"
+    timeout 300 python3 bench/bench_dense.py --out "$OUT/dense_main.json" --lengths 8192 --no-varlen \
+      --page-sizes 1,16,64,128 --extra-out "$OUT/dense_paged.json" "$@" 2>&1 | tail -4
+    python3 - "$OUT/dense_paged.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(json.dumps(r)[:300])
+PY
     ;;
   sanitize)
     for tool in memcheck racecheck; do

@@ -50,15 +50,13 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   require_aligned(in.q, "q", 0, 1);
   require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
-    // TMA path: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
-    // (page_size % 128 == 64). Smaller pages need their own producer (bench/NOTES.md: boxes of 16 rows measured
-    // 2.4-2.7x slower than contiguous, and compiled into this kernel they slowed contiguous KV by 1.5 %).
-    if (p.page_size <= 0 || p.page_size % 64 != 0)
-      throw NotImplementedError("CUDA attention: paged KV needs page_size % 64 == 0 (TMA path); got page_size " +
-                                std::to_string(p.page_size));
+    // TMA: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
+    // (page_size % 128 == 64); any other page size: the dense kernel's cp.async gather producer (fwd_kernel.h).
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");
+      if (p.page_size % 64 != 0 && t->stride[1] >= (int64_t(1) << 31))  // the gather's 32-bit row byte stride
+        throw NotImplementedError("CUDA attention: paged k/v token stride must be below 2^31 elements");
     }
     require_aligned(in.k, "k_cache", 1, 2);
     require_aligned(in.v, "v_cache", 1, 2);
@@ -120,6 +118,9 @@ void check_cuda(cudaError_t e, const char* what) {
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
   if (p.head_dim != 128)
     throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
+  if (p.paged && p.page_size % 64 != 0)
+    throw NotImplementedError("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size " +
+                              std::to_string(p.page_size));
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
     throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
   if (block_size % 128 != 0)
@@ -213,6 +214,7 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   if ((env != nullptr && env[0] == '0') || p.head_dim != 128) return false;  // the sparse kernel is built for head dim 128
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (!split_planned(in.max_seqlen_q, in.max_seqlen_k)) return false;  // only chunk and decode shapes
+  if (p.paged && p.page_size % 64 != 0) return false;  // the sparse kernel loads K/V by TMA only
   const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
   // Measured (H200, Llama heads, bench/NOTES.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
   // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.

@@ -88,7 +88,14 @@ struct FwdConfig {
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  // Paged KV with page_size % 64 != 0 (fwd_kernel's kGatherKV): the 128 producer threads gather K/V rows with
+  // cp.async and each arrives on the stage's full barrier when its copies land (no transaction bytes).
+  using PipelineGather = cutlass::PipelineAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
+  union KVPipelineStorage {  // one kernel instantiation uses one of the two (same size: 2 x kStages mbarriers)
+    typename Pipeline::SharedStorage tma;
+    typename PipelineGather::SharedStorage gather;
+  };
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;  // also the O staging buffer
@@ -96,8 +103,8 @@ struct FwdConfig {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;   // Q tile landed (TMA transaction)
     cutlass::arch::ClusterBarrier barrier_q_empty;                     // consumers done with the Q/O buffer
-    typename Pipeline::SharedStorage pipeline_k;
-    typename Pipeline::SharedStorage pipeline_v;
+    KVPipelineStorage pipeline_k;
+    KVPipelineStorage pipeline_v;
     // Sparse mode: the listed blocks of the tile's first kMaxCorrChunks correction chunks as a bitmap (the
     // correction mask reads 4 words per step instead of walking the list in global memory), and the dynamic tile
     // scheduler's two slots (producer -> consumers).

@@ -31,6 +31,9 @@ struct FwdParams {
   int half_boxes;                         // 1: load each K/V block as two 64-row boxes (page_size % 128 == 64)
   const void* q;                          // sparse mode gathers Q rows itself (PackGQA)
   int64_t q_row_stride, q_head_stride;
+  const void* k;                          // kGatherKV (paged, page_size % 64 != 0): K/V rows gathered by cp.async
+  const void* v;
+  int64_t k_row_stride, k_head_stride, v_row_stride, v_head_stride;
   void* out;
   float* lse;
   int64_t o_row_stride, o_head_stride, lse_head_stride, lse_row_stride;
@@ -185,13 +188,21 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
 // kSplit (sparse, persistent): the launch runs the split-KV plan's units (split_kv.cu). A separate instantiation
 // because the split branch costs the consumers ~3 registers and with them 3 spill reloads per step in the mainloop
 // (ptxas + SASS: 414 vs 260 bytes of spill stores); one-shot launches, which are never planned, do without it.
-template <class Config, bool kSparse, bool kPersistent, bool kSplit = false>
+//
+// kGatherKV (dense, one tile per CTA): paged KV whose page_size is not a multiple of 64 (vLLM's 16, or 1). TMA boxes
+// cannot follow pages that small (boxes of 16 rows, one per page, measured 2.4-2.7x slower than contiguous KV, and
+// compiled into the TMA producer they cost every other path 1.5-5 %, bench/NOTES.md), so in this instantiation the
+// whole producer warpgroup gathers K/V with cp.async: lane l of warp w reads the block_table entry of key row
+// 32w + l once per block, and each warp copies its 32 rows as whole 256-byte rows (16 lanes per row, the row's
+// page offset shuffled from the lane that loaded it) into the same swizzled stage layout TMA writes.
+template <class Config, bool kSparse, bool kPersistent, bool kSplit = false, bool kGatherKV = false>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
   using namespace cute;
   using Element = typename Config::Element;
   using SharedStorage = typename Config::SharedStorage;
-  using Pipeline = typename Config::Pipeline;
+  static_assert(!kGatherKV || (!kSparse && !kPersistent), "the cp.async gather producer is dense, one tile per CTA");
+  using Pipeline = std::conditional_t<kGatherKV, typename Config::PipelineGather, typename Config::Pipeline>;
   using PipelineState = typename Config::PipelineState;
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
@@ -225,18 +236,28 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   // in a two-slot mailbox; the consumers read it from there. Slot s is reused every second tile.
   constexpr bool kDynamic = kSparse && kPersistent;
   typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Config::kTmaBytesKV;
   pipe_params.role = wg_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Config::kNumMmaThreads;
-  Pipeline pipeline_k(storage.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipeline_v(storage.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  auto make_pipeline = [&](typename Config::KVPipelineStorage& ps) {
+    if constexpr (kGatherKV) {
+      pipe_params.producer_arv_count = 128;  // every producer thread's cp.async arrive (noinc)
+      pipe_params.consumer_arv_count = Config::kNumMmaThreads;
+      return Pipeline(ps.gather, pipe_params);
+    } else {
+      pipe_params.transaction_bytes = Config::kTmaBytesKV;
+      pipe_params.is_leader = threadIdx.x == 0;
+      pipe_params.num_consumers = Config::kNumMmaThreads;
+      return Pipeline(ps.tma, pipe_params, Shape<_1, _1, _1>{});
+    }
+  };
+  Pipeline pipeline_k = make_pipeline(storage.pipeline_k);
+  Pipeline pipeline_v = make_pipeline(storage.pipeline_v);
   __syncthreads();
 
   if (wg_idx == 0) {
     // ================================ producer ================================
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (threadIdx.x != 0) return;
+    if (!kGatherKV && threadIdx.x != 0) return;  // TMA: one thread issues everything
+    const bool issuer = threadIdx.x == 0;       // Q (and, TMA, K/V)
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState st_v = cutlass::make_producer_start_state<Pipeline>();
     int q_loads = 0;
@@ -271,7 +292,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
-      if constexpr (!kSparse) {  // sparse mode: the consumers gather the PackGQA rows of Q themselves
+      if (!kSparse && issuer) {  // sparse mode: the consumers gather the PackGQA rows of Q themselves
         // The Q buffer is reused as O staging: wait until both consumer warpgroups finished the previous epilogue.
         if (q_loads > 0) storage.barrier_q_empty.wait((q_loads - 1) & 1);
         ++q_loads;
@@ -358,14 +379,87 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       auto load_v = [&](BlockRows const& r) {
         load_block(params.tma_v, params.tma_v_half, mV, mVh, sV, pipeline_v, st_v, r);
       };
+      // kGatherKV: the paged row (row space of the cache) of one row of key block n per lane, -1 past seqused_k
+      // (zero-filled: the tail rows of the last page are never read, so NaN there cannot leak). Lane l of warp w
+      // holds block row 32 w + kRowsPerCopy * (l % kChunks) + l / kChunks: copy j then takes its rows from lane j of
+      // each kChunks-lane segment, a shuffle with an immediate lane index.
+      constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;  // 16-byte chunks per K/V row
+      constexpr int kRowsPerCopy = 32 / kChunks;                     // rows one warp-wide cp.async covers
+      const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+      auto gather_row = [&](int n) -> int {
+        const int tok = n * kBlockN + 32 * warp + kRowsPerCopy * (lane % kChunks) + lane / kChunks;
+        if (tok >= seq.k_len) return -1;
+        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
+        return page * params.page_size + tok % params.page_size;
+      };
+      // Each warp copies its 32 rows, kRowsPerCopy per instruction (the lanes of a row read its contiguous bytes).
+      // Smem address of (row, 16-byte chunk c) in a stage, in the 128-byte-swizzled K-major layout the GMMA
+      // descriptors read (64-column atoms of 8 x 128-byte rows, stacked along the rows; the 16-byte unit index
+      // XOR row % 8): stage + (c / 8) * kBlockN * 128 + row * 128 + ((c % 8) ^ (row % 8)) * 16. A lane's rows are
+      // row0 + j * kRowsPerCopy with row0 < kRowsPerCopy (a power of two), so row % 8 = row0 | (j * kRowsPerCopy % 8):
+      // the 8 / kRowsPerCopy XOR patterns are computed once per block and the rest of the address is an immediate.
+      // A copy is then a shuffle, one wide multiply-add and the cp.async (3 instructions; these 4 warps share issue
+      // slots with the consumers). Only the block holding seqused_k pays for predicates (zero-fill past it).
+      auto gather_block = [&](const void* base, int64_t head_stride, uint32_t row_bytes, auto& sX, Pipeline& pipe,
+                              PipelineState& st, int n) {
+        constexpr int kPatterns = 8 / kRowsPerCopy;
+        static_assert(kRowsPerCopy == 2 || kRowsPerCopy == 4, "rows of 256 or 128 bytes");
+        static_assert(sizeof(Element) == 2);
+        using SmemLayoutK = typename Config::SmemLayoutK;  // the layout the formula above assumes
+        static_assert(std::is_same_v<decltype(get_swizzle_portion(SmemLayoutK{})), Swizzle<3, 4, 3>>);
+        static_assert(get_nonswizzle_portion(SmemLayoutK{})(1, 0, 0) == 64 &&
+                      get_nonswizzle_portion(SmemLayoutK{})(kBlockN - 1, 63, 0) == (kBlockN - 1) * 64 + 63 &&
+                      get_nonswizzle_portion(SmemLayoutK{})(0, kHeadDim - 1, 0) ==
+                          (kHeadDim / 64 - 1) * kBlockN * 64 + 63);
+        const int my_row = gather_row(n);  // before the wait: its block_table load overlaps it
+        const int ch = lane % kChunks, row0 = lane / kChunks;
+        const uint64_t src0 = reinterpret_cast<uint64_t>(base) + uint64_t(int64_t(kv_head) * head_stride + ch * 8) * 2;
+        const uint32_t dst0 = cast_smem_ptr_to_uint(&sX(0, 0, st.index())) + (ch / 8) * (kBlockN * 128) +
+                              (32 * warp + row0) * 128;
+        uint32_t dst[kPatterns];
+        CUTE_UNROLL
+        for (int k = 0; k < kPatterns; ++k)
+          dst[k] = dst0 + ((uint32_t((ch % 8) ^ row0) ^ uint32_t(k * kRowsPerCopy)) * 16);
+        auto src_of = [&](uint32_t row) {  // one IMAD.WIDE.U32 with the 64-bit addend
+          uint64_t a;
+          asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(row), "r"(row_bytes), "l"(src0));
+          return a;
+        };
+        pipe.producer_acquire(st);
+        if ((n + 1) * kBlockN <= seq.k_len) {
+          CUTE_UNROLL
+          for (int j = 0; j < kChunks; ++j) {
+            const int src_row = __shfl_sync(0xffffffffu, my_row, j, kChunks);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst[j % kPatterns] + j * kRowsPerCopy * 128),
+                         "l"(src_of(uint32_t(src_row))));
+          }
+        } else {  // the block holding seqused_k: rows past it are zero-filled (src-size 0), never read
+          CUTE_UNROLL
+          for (int j = 0; j < kChunks; ++j) {
+            const int src_row = __shfl_sync(0xffffffffu, my_row, j, kChunks);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[j % kPatterns] + j * kRowsPerCopy * 128),
+                         "l"(src_of(uint32_t(src_row < 0 ? 0 : src_row))), "r"(src_row < 0 ? 0 : 16));
+          }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(pipe.producer_get_barrier(st));
+        ++st;
+      };
       // Step i of the iterator: a key block, or (sparse) a chunk of pooled means.
       auto load_k_step = [&](int i) {
+        if constexpr (kGatherKV) {
+          return gather_block(params.k, params.k_head_stride, uint32_t(params.k_row_stride * 2), sK, pipeline_k,
+                              st_k, iter.block(i));
+        }
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
         }
         load_k(rows_of(iter.block(i)));
       };
       auto load_v_step = [&](int i) {
+        if constexpr (kGatherKV) {
+          return gather_block(params.v, params.v_head_stride, uint32_t(params.v_row_stride * 2), sV, pipeline_v,
+                              st_v, iter.block(i));
+        }
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_v_mean, sV, pipeline_v, st_v, iter.chunk(i));
         }
@@ -595,7 +689,9 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     // At most once per tile; contiguous KV never needs it (rows past a sequence belong to the next sequence or are
     // TMA zero-fill). Each warpgroup zeroes all tail rows itself and syncs only its own 128 threads (the other one
     // writes the same zeros: no cross-warpgroup barrier, so it cannot deadlock with the optional pingpong).
-    const int v_tail_block = (params.page_size != 0 && (seq.k_len % kBlockN) != 0) ? seq.k_len / kBlockN : -1;
+    // (The cp.async gather zero-fills those rows itself.)
+    const int v_tail_block =
+        (!kGatherKV && params.page_size != 0 && (seq.k_len % kBlockN) != 0) ? seq.k_len / kBlockN : -1;
     auto sanitize_v = [&](int stage, int n_block) {
       if (n_block < 0 || n_block != v_tail_block) return;
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
@@ -607,6 +703,12 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to wgmma (async proxy)
       cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+    };
+
+    // A stage filled by cp.async (generic proxy) is read by wgmma (async proxy): fence after the barrier wait.
+    auto wait_kv = [&](Pipeline& pipe, PipelineState const& s) {
+      pipe.consumer_wait(s);
+      if constexpr (kGatherKV) cutlass::arch::fence_view_async_shared();
     };
 
     OnlineSoftmax<kRows> softmax(params.scale_log2);
@@ -659,7 +761,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     }
 
     // Block 0 (descending order: the diagonal block first under causal).
-    pipeline_k.consumer_wait(st);
+    wait_kv(pipeline_k, st);
     if (cwg == 1) scheduler_sync();
     wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
     scheduler_arrive(n_count == 1);
@@ -675,11 +777,11 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     for (int i = 1; i < n_count; ++i) {
       PipelineState st_v = st;  // V of block i-1
       ++st;
-      pipeline_k.consumer_wait(st);
+      wait_kv(pipeline_k, st);
       scheduler_sync();
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       if (i > 1) rescale_o(o_scale);
-      pipeline_v.consumer_wait(st_v);
+      wait_kv(pipeline_v, st_v);
       sanitize_v(st_v.index(), v_block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
       scheduler_arrive(i == n_count - 1);
@@ -694,7 +796,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       pipeline_v.consumer_release(st_v);
       convert_p();
     }
-    pipeline_v.consumer_wait(st);
+    wait_kv(pipeline_v, st);
     sanitize_v(st.index(), v_block(n_count - 1));
     if (n_count > 1) rescale_o(o_scale);
     wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);

@@ -39,8 +39,12 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
                           take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
                           take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
-  // page_size % 128 == 64 (the backend accepts page_size % 64 == 0): two 64-row boxes per key block, one per page.
-  p.half_boxes = (a.page_size > 0 && a.page_size % Config::kBlockN != 0) ? 1 : 0;
+  // Paged KV: page_size % 128 == 0 one 128-row box per key block; % 128 == 64 two 64-row boxes, one per page;
+  // other page sizes the cp.async gather instantiation (kGatherKV).
+  const bool gather = a.page_size > 0 && a.page_size % Config::kHalfN != 0;
+  if (gather && sparse != nullptr)
+    throw std::runtime_error("sparse_prefill cuda: the block-sparse kernel needs page_size % 64 == 0");
+  p.half_boxes = (a.page_size > 0 && a.page_size % Config::kBlockN == Config::kHalfN) ? 1 : 0;
   if (p.half_boxes) {
     const auto half_tile = Shape<Int<Config::kHalfN>, Int<kHeadDim>>{};
     p.tma_k_half = make_tma_copy(SM90_TMA_LOAD{},
@@ -53,6 +57,12 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.q = a.q;
   p.q_row_stride = a.q_row_stride;
   p.q_head_stride = a.q_head_stride;
+  p.k = a.k;
+  p.v = a.v;
+  p.k_row_stride = a.k_row_stride;
+  p.k_head_stride = a.k_head_stride;
+  p.v_row_stride = a.v_row_stride;
+  p.v_head_stride = a.v_head_stride;
   p.out = a.out;
   p.lse = a.lse;
   p.o_row_stride = a.o_row_stride;
@@ -133,7 +143,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   const bool persistent =
       sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
-  Kernel kernel = fwd_kernel<Config, false, SP_PERSISTENT != 0>;
+  Kernel kernel = gather ? fwd_kernel<Config, false, false, false, true> : fwd_kernel<Config, false, SP_PERSISTENT != 0>;
   if constexpr (kWithSparse) {
     if (sparse != nullptr)
       kernel = p.plan != nullptr ? fwd_kernel<Config, true, true, true>
@@ -141,8 +151,11 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
                                  : fwd_kernel<Config, true, false>;
   }
   static const cudaError_t attr_err = [] {  // once per instantiation; not a stream operation
-    cudaError_t e = cudaFuncSetAttribute(fwd_kernel<Config, false, SP_PERSISTENT != 0>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    cudaError_t e = cudaSuccess;
+    for (Kernel k : {fwd_kernel<Config, false, SP_PERSISTENT != 0>, fwd_kernel<Config, false, false, false, true>}) {
+      const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+      if (r != cudaSuccess) e = r;
+    }
     if constexpr (kWithSparse) {
       for (Kernel k : {fwd_kernel<Config, true, true>, fwd_kernel<Config, true, true, true>,
                        fwd_kernel<Config, true, false>}) {
@@ -155,7 +168,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   if (attr_err != cudaSuccess)
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   int grid = p.num_tiles;
-  if (persistent) grid = std::min(grid, num_sms());
+  if (persistent && !gather) grid = std::min(grid, num_sms());
   // Sparse: the counters (tile counter, plan) were zeroed and the plan built on the stream by run_split_plan.
   kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();

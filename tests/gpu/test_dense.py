@@ -119,6 +119,8 @@ def run_case(name, lq_list, lk_list, hq, hkv, causal=True, window=(-1, -1), dtyp
     path = sp_cuda.dense_path(q, k, v, cu_q, cu_k, max(lq_list), max(lk_list), causal=causal, window=window)
     if paged:
         kc, vc, block_table, seqused = make_paged(k, v, lk_list, paged, gen, nan_fill)
+        path = sp_cuda.dense_path(q, kc, vc, cu_q, None, max(lq_list), max(lk_list), causal=causal, window=window,
+                                  block_table=block_table, seqused_k=seqused)
         sp_cuda.attention(q, kc, vc, cu_q, None, max(lq_list), max(lk_list), block_table=block_table,
                           seqused_k=seqused, **kw)
         if vs_contiguous:  # same blocks in the same order: paged must equal contiguous bit for bit
@@ -198,6 +200,19 @@ def main():
          dict(paged=64, vs_contiguous=True)),
         ("paged ps=64 == contiguous (L=4096 Llama)", [4096], [4096], 32, 8, dict(paged=64, vs_contiguous=True)),
         ("llama shape causal L=4096 g=4", [4096], [4096], 32, 8, dict()),
+        # page_size % 64 != 0: the cp.async gather producer (kGatherKV). Odd lengths put seqused_k inside a page
+        # and inside a key block (its predicated, zero-filling copies); unused slots hold NaN.
+        ("paged ps=16 varlen causal NaN-filled", [300, 1763, 1, 320, 77], [700, 1763, 1, 320, 4001], 8, 2,
+         dict(paged=16, nan_fill=True)),
+        ("paged ps=1 varlen causal NaN-filled", [129, 1000], [1500, 1000], 8, 2, dict(paged=1, nan_fill=True)),
+        ("paged ps=16 == contiguous (L=4096 Llama)", [4096], [4096], 32, 8, dict(paged=16, vs_contiguous=True)),
+        ("paged ps=1 == contiguous (varlen causal)", [300, 129], [701, 4000], 8, 2, dict(paged=1, vs_contiguous=True)),
+        ("paged ps=48 window (300,40) noncausal NaN-filled", [1000], [1200], 8, 2,
+         dict(paged=48, nan_fill=True, causal=False, window=(300, 40))),
+        ("paged ps=32 fp16 Lq>Lk 1000/300 (empty rows) NaN-filled", [1000], [300], 8, 2,
+         dict(paged=32, nan_fill=True, dtype=torch.float16)),
+        ("paged ps=16 decode varlen 1/3 vs 20000/77 Llama NaN-filled", [1, 3], [20000, 77], 32, 8,
+         dict(paged=16, nan_fill=True, expect_path="dense")),
         # Short queries against long keys: PackGQA tiles with split-KV (cuda::dense_uses_full_list).
         ("split decode Lq=1 vs 20000 Llama", [1], [20000], 32, 8, dict(expect_path="split")),
         ("split decode varlen 1/3/17 vs 9000/300/33001 g=8", [1, 3, 17], [9000, 300, 33001], 16, 2,
@@ -220,10 +235,15 @@ def main():
                                                                                        nan_fill=True)),
         ("D=64 paged ps=128 == contiguous (varlen causal)", [300, 1763], [700, 1763], 8, 2,
          dict(d=64, paged=128, vs_contiguous=True)),
+        ("D=64 paged ps=16 varlen causal NaN-filled", [300, 1763, 1], [700, 1763, 129], 8, 2,
+         dict(d=64, paged=16, nan_fill=True)),
+        ("D=64 paged ps=1 == contiguous (causal chunk 129/3001)", [129], [3001], 8, 2,
+         dict(d=64, paged=1, vs_contiguous=True)),
     ]
     if args.smoke:
         cases = [c for c in cases if c[0] in ("causal L=129 g=4", "varlen causal mixed g=4",
-                                              "paged ps=64 causal chunk 129/3000 NaN-filled")]
+                                              "paged ps=64 causal chunk 129/3000 NaN-filled",
+                                              "paged ps=16 varlen causal NaN-filled")]
     if args.quick:
         cases = [c for c in cases if "32767" not in c[0]]
     results = []
@@ -240,14 +260,13 @@ def main():
         return 0 if all(r["ok"] for r in results) else 1
     # Unsupported combinations must raise NotImplementedError, not crash.
     try:
-        q = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(8, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
-        bt = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
-        sp_cuda.attention(q, kc, kc, torch.tensor([0, 64], dtype=torch.int32, device="cuda"), None, 64, 64,
-                          block_table=bt, seqused_k=torch.tensor([64], dtype=torch.int32, device="cuda"))
-        results.append(dict(name="paged ps=16 -> NotImplementedError", ok=False, error="no exception"))
+        q = torch.randn(64, 8, 96, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(64, 2, 96, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+        sp_cuda.attention(q, kv, kv, cu, cu, 64, 64)
+        results.append(dict(name="head dim 96 -> NotImplementedError", ok=False, error="no exception"))
     except sp_cuda.NotImplementedByKernel as e:
-        results.append(dict(name="paged ps=16 -> NotImplementedError", ok=True, message=str(e)))
+        results.append(dict(name="head dim 96 -> NotImplementedError", ok=True, message=str(e)))
     print(json.dumps(results[-1]))
     n_ok = sum(r["ok"] for r in results)
     summary = dict(passed=n_ok, total=len(results), seconds=time.time() - t0, device=torch.cuda.get_device_name())

@@ -78,14 +78,38 @@ def test_dense_short_queries_long_keys_match_cpu_reference(q_lens, k_lens, causa
     _check_close(got, lse, ref, ref_lse)
 
 
-def test_dense_paged_page_size_not_multiple_of_64_is_a_clear_error():
+# Page sizes that are not a multiple of 64 (vLLM's 16, 1) run the dense kernel's cp.async gather producer.
+@pytest.mark.parametrize("page_size,q_lens,k_lens", [
+    (16, [30, 129, 1], [70, 1000, 129]),
+    (1, [300], [701]),
+    (48, [5, 200], [3001, 200]),
+])
+def test_dense_paged_small_pages_match_cpu_reference(page_size, q_lens, k_lens):
     rng = np.random.default_rng()
-    q, k, v, cu_q, cu_k = make_varlen(rng, [30], [70], hq=8, hkv=2, d=128)
+    q, k, v, cu_q, cu_k = make_varlen(rng, q_lens, k_lens, hq=8, hkv=2, d=128)
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, page_size)
+    bf = torch.bfloat16
+    g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
+    c = lambda a, dt=None: _to(a, "cpu", dt)  # noqa: E731
+    mq, mk = max(q_lens), max(k_lens)
+    ref, ref_lse = sp.attention(c(q, bf), c(kc, bf), c(vc, bf), c(cu_q), None, mq, mk, block_table=c(bt),
+                                seqused_k=c(used), return_lse=True)
+    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=bf, device="cuda")
+    got, lse = sp.attention(g(q, bf), g(kc, bf), g(vc, bf), g(cu_q), None, mq, mk, block_table=g(bt),
+                            seqused_k=g(used), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert got is out
+    _check_close(got, lse, ref, ref_lse)
+
+
+def test_sparse_paged_page_size_not_multiple_of_64_is_a_clear_error():
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, [300], [300], hq=8, hkv=2, d=128)
     kc, vc, bt, used = to_paged(rng, k, v, cu_k, 16)
     g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
     with pytest.raises(NotImplementedError, match="page_size % 64 == 0"):
-        sp.attention(g(q, torch.bfloat16), g(kc, torch.bfloat16), g(vc, torch.bfloat16), g(cu_q), None, 30, 70,
-                     block_table=g(bt), seqused_k=g(used))
+        sp.sparse_prefill(g(q, torch.bfloat16), g(kc, torch.bfloat16), g(vc, torch.bfloat16), g(cu_q), None, 300,
+                          300, block_table=g(bt), seqused_k=g(used))
 
 
 def test_dense_paged_page128_matches_contiguous():
