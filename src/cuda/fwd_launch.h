@@ -143,7 +143,8 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   const bool persistent =
       sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
   using Kernel = void (*)(FwdParams<Config>);
-  Kernel kernel = gather ? fwd_kernel<Config, false, false, false, true> : fwd_kernel<Config, false, SP_PERSISTENT != 0>;
+  Kernel kernel =
+      gather ? fwd_kernel<Config, false, false, false, true> : fwd_kernel<Config, false, SP_PERSISTENT != 0>;
   if constexpr (kWithSparse) {
     if (sparse != nullptr)
       kernel = p.plan != nullptr ? fwd_kernel<Config, true, true, true>
