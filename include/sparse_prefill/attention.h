@@ -30,10 +30,20 @@ struct AttentionInputs {
 };
 
 // Outputs: out [total_q, Hq, D] in q's dtype (written in place), lse [Hq, total_q] float32 (optional).
+// workspace (optional, CUDA): scratch device memory for the path that runs short queries against long keys (decode,
+// small chunks) on PackGQA tiles with split-KV; it holds the float32 partials and the split plan. Without it that path
+// takes a stream-ordered temporary (cudaMallocAsync) per call; engines pass a buffer allocated once to keep the launch
+// path free of allocations. A contiguous 1-D array of any dtype on q's device, at least attention_workspace_bytes()
+// bytes, 256-byte aligned, not used by another stream while the call runs. Ignored by the CPU backend.
 struct AttentionOutputs {
   TensorView out;
   std::optional<TensorView> lse;
+  std::optional<TensorView> workspace;
 };
+
+// Bytes of `workspace` the CUDA backend may use for head dim `head_dim` on the current CUDA device (~35 MB at 128 on
+// an H200); 0 in a build without CUDA.
+int64_t attention_workspace_bytes(int head_dim);
 
 // out = softmax(q k^T * scale + mask) v. Rows that see no key get zeros and lse = -inf.
 void attention(const AttentionInputs& in, const AttentionOutputs& outs);

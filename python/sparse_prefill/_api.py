@@ -179,9 +179,14 @@ def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> d
 # Dense attention
 # ---------------------------------------------------------------------------------------------------------------------
 
+def attention_workspace_bytes(head_dim: int = 128) -> int:
+    """Bytes of the `workspace` that attention() may use on the current CUDA device (0 without a CUDA build)."""
+    return int(_C.attention_workspace_bytes(int(head_dim)))
+
+
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
-              return_lse: bool = False, block_table=None, seqused_k=None, stream=None):
+              return_lse: bool = False, block_table=None, seqused_k=None, stream=None, workspace=None):
     """Dense varlen attention: out = softmax(q k^T * softmax_scale + mask) v, per sequence and query head.
 
     Args:
@@ -192,8 +197,9 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
         cu_seqlens_q: [B+1] int32 offsets of the sequences in q.
         cu_seqlens_k: [B+1] int32 offsets in k/v; must be None with paged KV.
         max_seqlen_q, max_seqlen_k: upper bounds of the per-sequence lengths (checked on the CPU). On CUDA they also
-            pick the kernel: short queries against longer keys (decode, small chunks; D = 128, no window) run on
-            PackGQA tiles with split-KV, which takes a stream-ordered temporary of ~35 MB for float32 partials.
+            pick the kernel: short queries against longer keys (decode, small chunks; D = 128, no window, pages of a
+            multiple of 64) run on PackGQA tiles with split-KV, whose float32 partials (~35 MB) live in `workspace`
+            or, without it, in a stream-ordered temporary taken per call.
         causal: bottom-right aligned causal mask.
         softmax_scale: default 1/sqrt(D).
         window: sliding window (left, right) in the causal alignment; -1 = unbounded.
@@ -203,6 +209,10 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
         seqused_k: [B] int32 key lengths (paged KV).
         stream: CUDA stream (int handle, torch.cuda.Stream or cupy Stream); default: the caller library's current
             stream (torch.cuda.current_stream() for torch) for CUDA arrays.
+        workspace: optional scratch array on q's device (CUDA; ignored on the CPU), contiguous, 1-D, any dtype, at
+            least attention_workspace_bytes(D) bytes, 256-byte aligned (torch and cupy allocations are), e.g.
+            torch.empty(sp.attention_workspace_bytes(128) // 4, dtype=torch.int32, device="cuda"). Allocate it once
+            and pass it to every call on one stream: the launch path then allocates nothing.
 
     Returns:
         out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.
@@ -211,7 +221,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.attention(inputs, out_c, lse)
+    _C.attention(inputs, out_c, lse, workspace)
     return call.result(out_c, lse, out_ret, return_lse)
 
 

@@ -358,14 +358,16 @@ NB_MODULE(_C, m) {
   m.attr("tile_rows") = sp::kTileRows;
 
   m.def("attention",
-        [](nb::tuple inputs, nb::handle out, nb::handle lse) {
+        [](nb::tuple inputs, nb::handle out, nb::handle lse, nb::handle workspace) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
+          if (!workspace.is_none()) outs.workspace = to_writable_view(workspace, "workspace", held);
           nb::gil_scoped_release release;
           sp::attention(in, outs);
         },
-        nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none());
+        nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("workspace").none() = nb::none());
+  m.def("attention_workspace_bytes", &sp::attention_workspace_bytes, nb::arg("head_dim"));
 
   m.def("build_index",
         [](nb::tuple inputs, nb::tuple selection) {

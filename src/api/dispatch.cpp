@@ -37,6 +37,15 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
 #endif
 }
 
+int64_t attention_workspace_bytes(int head_dim) {
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return cuda::attention_workspace_bytes(head_dim);
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
 void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
              std::vector<float>& v_mean) {
   SelectionParams params;

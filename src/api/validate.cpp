@@ -239,6 +239,12 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
       }
       check_last_dim_contiguous(l, "lse");
     }
+    if (outs->workspace.has_value()) {
+      const TensorView& w = *outs->workspace;
+      check_rank(w, 1, "workspace");
+      check_same_device(w, in.q, "workspace", "q");
+      if (w.shape[0] > 1 && w.stride[0] != 1) throw ArgumentError("workspace", "must be contiguous");
+    }
   }
 
   // Element checks need host-readable index tensors; the CUDA path trusts them (no synchronisation).

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -221,18 +222,35 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   return in.max_seqlen_q < 128 || 2 * int64_t(p.num_q_heads) * m_blocks * p.batch <= num_sms();
 }
 
+int64_t attention_workspace_bytes(int head_dim) {
+  return int64_t(sparse_launch_workspace_bytes(num_sms(), head_dim, true));
+}
+
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   const FwdArgs a = make_fwd_args(in, outs, p);
+  const size_t need = sparse_launch_workspace_bytes(num_sms(), p.head_dim, true);
+  void* ws = nullptr;
+  if (outs.workspace) {  // checked even when this call takes the dense kernel: a bad buffer fails on every shape
+    const TensorView& w = *outs.workspace;
+    const int64_t have = w.numel() * dtype_bytes(w.dtype);
+    if (have < int64_t(need))
+      throw ArgumentError("workspace", "needs at least attention_workspace_bytes(" + std::to_string(p.head_dim) +
+                                           ") = " + std::to_string(need) + " bytes, got " + std::to_string(have));
+    if ((reinterpret_cast<uintptr_t>(w.data) & 255) != 0)
+      throw ArgumentError("workspace", "must be 256-byte aligned");
+    ws = w.data;
+  }
   if (!dense_uses_full_list(in, p)) return run(a, p, nullptr);
   // Short queries against long keys: the sparse kernel's PackGQA tiles over the full block list, split-KV planned
-  // on the device, float32 partials in a stream-ordered temporary.
+  // on the device, float32 partials in the caller's workspace or a stream-ordered temporary.
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  StreamBuffer tmp(sparse_launch_workspace_bytes(num_sms(), p.head_dim, true), stream);
+  std::optional<StreamBuffer> tmp;
+  if (ws == nullptr) ws = tmp.emplace(need, stream).ptr;
   SparseFwdArgs s;
   s.full_list = true;
   s.block_size = 128;
   s.correction = false;
-  s.launch = carve_sparse_launch_workspace(tmp.ptr, num_sms(), p.head_dim, true);
+  s.launch = carve_sparse_launch_workspace(ws, num_sms(), p.head_dim, true);
   run_sparse(in, a, p, s);
 }
 

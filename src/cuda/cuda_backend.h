@@ -11,7 +11,8 @@ namespace sparse_prefill::cuda {
 //  - the dense kernel (one 128-row tile per query head), no allocation;
 //  - short queries against long keys (dense_uses_full_list): the sparse kernel over PackGQA tiles (one tile holds
 //    the g query heads of a KV head) with every visible key block listed implicitly, split-KV planned on the device
-//    and combined after; its float32 partials take a stream-ordered temporary (cudaMallocAsync, ~35 MB).
+//    and combined after; its float32 partials live in outs.workspace when given, else in a stream-ordered
+//    temporary (cudaMallocAsync, ~35 MB).
 // Arguments are validated by the API layer; dims come from `p` (p.seqs is not filled for device index tensors).
 // Paged KV of any page size: TMA boxes for page_size % 64 == 0, the cp.async gather producer otherwise (always on
 // the dense kernel: the split path loads by TMA only).
@@ -20,6 +21,9 @@ namespace sparse_prefill::cuda {
 // As with flash_attn_varlen_func, in.max_seqlen_q / max_seqlen_k must bound every sequence's query / key length:
 // they size the grid and pick the path (the device-side cu_seqlens are never read on the host).
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
+
+// Bytes of outs.workspace attention() may use on the current device (the split path's plan and float32 partials).
+int64_t attention_workspace_bytes(int head_dim);
 
 // Whether attention() takes the PackGQA + split-KV path: head dim 128, no window, max_seqlen_k > max_seqlen_q
 // (split_planned), and either max_seqlen_q < 128 (a dense tile would be mostly empty rows; a PackGQA tile holds g

@@ -53,6 +53,22 @@ TEST_F(Errors, QRank) {
   in.q = make_view(C->q.data(), F32, {1, C->total_q, 4, 64});
   EXPECT_ARG_ERROR(attention(in, co), "q");
 }
+TEST_F(Errors, Workspace) {
+  std::vector<int32_t> buf(64, 0);
+  AttentionOutputs o = co;
+  o.workspace = make_view(buf.data(), DType::kInt32, {64});
+  EXPECT_NO_THROW(attention(C->in, o));  // the CPU backend accepts and ignores it
+  o.workspace = make_view(buf.data(), DType::kInt32, {8, 8});
+  EXPECT_ARG_ERROR(attention(C->in, o), "workspace");
+  TensorView strided = make_view(buf.data(), DType::kInt32, {32});
+  strided.stride[0] = 2;
+  o.workspace = strided;
+  EXPECT_ARG_ERROR(attention(C->in, o), "workspace");
+  TensorView other_device = make_view(buf.data(), DType::kInt32, {64}, Device::kCUDA);
+  o.workspace = other_device;
+  EXPECT_ARG_ERROR(attention(C->in, o), "workspace");
+}
+
 TEST_F(Errors, KRank) {
   AttentionInputs in = C->in;
   in.k = make_view(C->k.data(), F32, {C->total_k, 2 * 64});

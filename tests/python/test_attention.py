@@ -110,6 +110,14 @@ def test_out_in_place(rng):
     assert res2 is buf
 
 
+def test_workspace_is_accepted_and_ignored_on_cpu(rng):
+    q, k, v, cu_q, cu_k = make_varlen(rng, [3, 40], [300, 41])
+    ref = sp.attention(q, k, v, cu_q, cu_k, 40, 300)
+    got = sp.attention(q, k, v, cu_q, cu_k, 40, 300, workspace=np.zeros(16, np.int32))
+    assert np.array_equal(got, ref)
+    assert sp.attention_workspace_bytes(128) >= 0   # 0 without a CUDA build, ~35 MB on an H200
+
+
 def test_out_strided_view(rng):
     # out may be a view with strided leading dimensions as long as the last one is contiguous
     q, k, v, cu_q, cu_k = make_varlen(rng, [12], [20], hq=2, hkv=1)

@@ -78,6 +78,29 @@ def test_dense_short_queries_long_keys_match_cpu_reference(q_lens, k_lens, causa
     _check_close(got, lse, ref, ref_lse)
 
 
+def test_dense_caller_workspace_equals_stream_temporary():
+    """The split path (decode / small chunks) with a caller workspace: same bits as with the per-call temporary,
+    the same buffer reused across calls and shapes; a buffer too small or misaligned is a clear error."""
+    rng = np.random.default_rng()
+    bf = torch.bfloat16
+    n = sp.attention_workspace_bytes(128)
+    assert n > 0
+    ws = torch.full((n // 4,), -1, dtype=torch.int32, device="cuda")   # garbage: the plan must reset what it uses
+    for q_lens, k_lens in (([1, 3, 17], [9000, 300, 20001]), ([77], [12345])):
+        q, k, v, cu_q, cu_k = make_varlen(rng, q_lens, k_lens, hq=16, hkv=2, d=128)
+        args = [_to(q, "cuda", bf), _to(k, "cuda", bf), _to(v, "cuda", bf), _to(cu_q, "cuda"), _to(cu_k, "cuda"),
+                max(q_lens), max(k_lens)]
+        ref, ref_lse = sp.attention(*args, return_lse=True)
+        got, lse = sp.attention(*args, return_lse=True, workspace=ws)
+        torch.cuda.synchronize()
+        assert torch.equal(got, ref) and torch.equal(lse, ref_lse)
+    with pytest.raises(ValueError, match="^workspace: needs at least"):
+        sp.attention(*args, workspace=ws[: n // 8])
+    big = torch.zeros(n // 4 + 64, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="^workspace: must be 256-byte aligned"):
+        sp.attention(*args, workspace=big[1:])
+
+
 # Page sizes that are not a multiple of 64 (vLLM's 16, 1) run the dense kernel's cp.async gather producer.
 @pytest.mark.parametrize("page_size,q_lens,k_lens", [
     (16, [30, 129, 1], [70, 1000, 129]),

@@ -111,6 +111,10 @@ ATTENTION_CASES = [
     ("block_table_rows", paged(block_table=BT[:1]), ValueError, "block_table"),
     ("block_table_int64", paged(block_table=BT.astype(np.int64)), TypeError, "block_table"),
     ("paged_k_rank3", paged(k=K, v=V), ValueError, "k"),
+    # workspace (used by the CUDA split path; its shape, layout and writability are checked everywhere)
+    ("workspace_2d", base(workspace=np.zeros((4, 4), np.int32)), ValueError, "workspace"),
+    ("workspace_strided", base(workspace=np.zeros(64, np.int32)[::2]), ValueError, "workspace"),
+    ("workspace_readonly", base(workspace=readonly(np.zeros(64, np.int32))), TypeError, "workspace"),
 ]
 
 
