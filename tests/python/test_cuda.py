@@ -101,6 +101,29 @@ def test_dense_caller_workspace_equals_stream_temporary():
         sp.attention(*args, workspace=big[1:])
 
 
+def test_dense_split_path_with_workspace_replays_in_a_cuda_graph():
+    rng = np.random.default_rng()
+    bf = torch.bfloat16
+    q, k, v, cu_q, cu_k = make_varlen(rng, [1, 4], [20000, 7777], hq=32, hkv=8, d=128)
+    args = [_to(q, "cuda", bf), _to(k, "cuda", bf), _to(v, "cuda", bf), _to(cu_q, "cuda"), _to(cu_k, "cuda"), 4,
+            20000]
+    ref = sp.attention(*args)
+    ws = torch.empty(sp.attention_workspace_bytes(128) // 4, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sp.attention(*args, out=out, workspace=ws)                  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sp.attention(*args, out=out, workspace=ws)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
 # Page sizes that are not a multiple of 64 (vLLM's 16, 1) run the dense kernel's cp.async gather producer.
 @pytest.mark.parametrize("page_size,q_lens,k_lens", [
     (16, [30, 129, 1], [70, 1000, 129]),
