@@ -680,15 +680,6 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         for (int c = 0; c < size<1>(O_rc); ++c) O_rc(r, c) *= scale[r];
       }
     };
-    // In the mainloop O is rescaled only when some row of the warp moved its reference max (OnlineSoftmax keeps it
-    // until the max grows by 2^8): a warp-uniform skip of 64 multiplies per thread between the two GEMM issues.
-    auto rescale_o_if_needed = [&](float (&scale)[kRows]) {
-      if constexpr (!SP_LAZY_RESCALE) return rescale_o(scale);  // A/B builds: every step, as before
-      bool needed = false;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) needed |= scale[r] != 1.f;
-      if (__any_sync(0xffffffffu, needed)) rescale_o(scale);
-    };
 
     // Optional pingpong between the two consumer warpgroups (named barriers 3 and 4, build with -DSP_PINGPONG):
     // warpgroup w issues the GEMMs of block i only after the other one issued its GEMMs of block i-1 (w = 0) or i
@@ -805,7 +796,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       wait_kv(pipeline_k, st);
       scheduler_sync();
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
-      if (i > 1) rescale_o_if_needed(o_scale);
+      if (i > 1) rescale_o(o_scale);
       wait_kv(pipeline_v, st_v);
       sanitize_v(st_v.index(), v_block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
@@ -823,7 +814,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     }
     wait_kv(pipeline_v, st);
     sanitize_v(st.index(), v_block(n_count - 1));
-    if (n_count > 1) rescale_o_if_needed(o_scale);
+    if (n_count > 1) rescale_o(o_scale);
     wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

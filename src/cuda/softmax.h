@@ -42,14 +42,8 @@ __host__ __device__ constexpr auto acc_to_a_layout(AccLayout acc) {
                      coalesce(make_layout(get<1>(vv), get<2>(acc))));
 }
 
-// -DSP_LAZY_RESCALE=0 rescales O at every step (A/B builds).
-#ifndef SP_LAZY_RESCALE
-#define SP_LAZY_RESCALE 1
-#endif
-
 template <int kRows>
 struct OnlineSoftmax {
-  static constexpr float kRescaleLog2 = SP_LAZY_RESCALE ? 8.f : -1.f;  // -1: never keep (m - old max >= 0)
   float row_max[kRows];
   float row_sum[kRows];   // per-thread partial sums
   float scale_log2;       // softmax_scale * log2(e)
@@ -76,16 +70,10 @@ struct OnlineSoftmax {
       float m = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
       if (!kFirst) m = fmaxf(m, row_max[r]);
       m = quad_max(m);
-      // Keep the previous reference max unless the new one exceeds it by more than 2^kRescaleLog2 in P: then
-      // o_scale = 1 and the consumer skips rescaling O (most steps once the max has settled). P stays <= 2^8,
-      // exact enough in bf16 / fp16 (relative rounding does not depend on magnitude) and far from fp32 overflow;
-      // the final normalisation and LSE use the same reference, so the result is unchanged.
-      const bool keep = !kFirst && (m - row_max[r]) * scale_log2 <= kRescaleLog2;  // false for -inf - -inf (NaN)
-      if (keep) m = row_max[r];
       // A row with nothing visible so far keeps max = -inf; use 0 as the reference so exp2 gives 0, never NaN.
       const float m_ref = (m == -INFINITY) ? 0.f : m;
       const float mb = m_ref * scale_log2;
-      o_scale[r] = (kFirst || keep) ? 1.f : fast_exp2(row_max[r] * scale_log2 - mb);
+      o_scale[r] = kFirst ? 1.f : fast_exp2(row_max[r] * scale_log2 - mb);
       row_max[r] = m;
       float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
