@@ -799,10 +799,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
     throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
   }
-  if (params.head_subgroups < 1 || p.group_size % params.head_subgroups != 0) {
-    throw ArgumentError("head_subgroups", "must be a divisor of the GQA group size " + std::to_string(p.group_size) +
-                                              ", got " + std::to_string(params.head_subgroups));
-  }
+  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");  // engines call this entry directly
   const IndexHeads heads = index_heads(p, params.head_subgroups);
   const Bounds bd = bounds_of(in, p, params);
   if (bd.capacity >= (int64_t(1) << 31)) {
