@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Block-sparse checks and benchmark on the GPU machine. Logs and JSON go to the folder given as $1.
-#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|final|ab|bench|chunked|ncu|sanitize] [bench_sparse.py args...]
+#   SP_COMMIT=<commit> scripts/gpu_sparse.sh OUT [check|final|ab|bench|chunked|ncu|sanitize|decode|paged] [args...]
 # check (default): build (CMake, the shim and the Python extension only), dense smoke, the Python CUDA suite
 #   (sparse kernel vs the CPU reference, alpha=0 vs dense, paged, block 256), a quick sparse benchmark.
 # final: the Python CUDA suite, both benchmarks and the sanitizers (one call).

@@ -26,6 +26,9 @@ void require_aligned(const TensorView& t, const char* name, int first_dim, int l
                               " needs a 16-byte aligned base and strides that are multiples of 8 elements");
 }
 
+// Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
+bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
+
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
     throw NotImplementedError("CUDA attention supports bfloat16 and float16 inputs only (got another dtype)");
@@ -56,7 +59,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");
-      if (p.page_size % 64 != 0 && t->stride[1] >= (int64_t(1) << 31))  // the gather's 32-bit row byte stride
+      if (gathered_pages(p) && t->stride[1] >= (int64_t(1) << 31))  // the gather's 32-bit row byte stride
         throw NotImplementedError("CUDA attention: paged k/v token stride must be below 2^31 elements");
     }
     require_aligned(in.k, "k_cache", 1, 2);
@@ -119,7 +122,7 @@ void check_cuda(cudaError_t e, const char* what) {
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
   if (p.head_dim != 128)
     throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
-  if (p.paged && p.page_size % 64 != 0)
+  if (gathered_pages(p))
     throw NotImplementedError("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size " +
                               std::to_string(p.page_size));
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
@@ -215,7 +218,7 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   if ((env != nullptr && env[0] == '0') || p.head_dim != 128) return false;  // the sparse kernel is built for head dim 128
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (!split_planned(in.max_seqlen_q, in.max_seqlen_k)) return false;  // only chunk and decode shapes
-  if (p.paged && p.page_size % 64 != 0) return false;  // the sparse kernel loads K/V by TMA only
+  if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
   const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
   // Measured (H200, Llama heads, bench/NOTES.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
   // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
@@ -228,7 +231,7 @@ int64_t attention_workspace_bytes(int head_dim) {
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   const FwdArgs a = make_fwd_args(in, outs, p);
-  const size_t need = sparse_launch_workspace_bytes(num_sms(), p.head_dim, true);
+  const size_t need = size_t(attention_workspace_bytes(p.head_dim));
   void* ws = nullptr;
   if (outs.workspace) {  // checked even when this call takes the dense kernel: a bad buffer fails on every shape
     const TensorView& w = *outs.workspace;

@@ -192,9 +192,9 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
 // kGatherKV (dense, one tile per CTA): paged KV whose page_size is not a multiple of 64 (vLLM's 16, or 1). TMA boxes
 // cannot follow pages that small (boxes of 16 rows, one per page, measured 2.4-2.7x slower than contiguous KV, and
 // compiled into the TMA producer they cost every other path 1.5-5 %, bench/NOTES.md), so in this instantiation the
-// whole producer warpgroup gathers K/V with cp.async: lane l of warp w reads the block_table entry of key row
-// 32w + l once per block, and each warp copies its 32 rows as whole 256-byte rows (16 lanes per row, the row's
-// page offset shuffled from the lane that loaded it) into the same swizzled stage layout TMA writes.
+// whole producer warpgroup gathers K/V with cp.async: each lane reads the block_table entry of one of its warp's 32
+// key rows once per block (gather_row), and each warp copies those rows as whole 256-byte rows (16 lanes per row, the
+// row's page offset shuffled from the lane that loaded it) into the same swizzled stage layout TMA writes.
 template <class Config, bool kSparse, bool kPersistent, bool kSplit = false, bool kGatherKV = false>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
