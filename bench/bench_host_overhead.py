@@ -1,0 +1,308 @@
+"""Host overhead of one chunked-prefill step (issue 14): the public sparse_prefill.chunked_prefill against the torch
+operator (sparse_prefill.torch_ops), for chunk C x batch B against an L-token paged cache.
+
+Default (the issue's target case): the last-but-one chunk of a 128K prompt, C = 1024, B = 1, page 64, Hq 32, Hkv 8,
+D 128, bf16, final_chunk=False, topic workload (DESIGN.md; generated here on the device), per-tile selection with
+the pooled-means cache as the earlier steps leave it (they are run first, through the public function).
+
+Per variant (row):
+  host_us            host time per call: batches of `--burst` calls issued back to back on an idle GPU (the launch
+                     queue never fills, so the host is never blocked), median over batches, per call;
+  eager_us           steady-state eager loop: `--loop` calls then one synchronize, per call (what an engine that
+                     enqueues ahead pays per step: max(host, GPU) plus gaps);
+  graph_us           the same call captured once in a torch.cuda.CUDAGraph, `--loop` replays then one synchronize,
+                     per replay (~GPU time; CUDA only);
+  graph_gpu_us       CUDA-event time per replay of a graph holding `--graph-calls` calls (GPU time without the
+                     replay's own launch);
+  eager_over_graph   eager_us / graph_us (issue 14 target for the torch op: <= 1.3).
+Variants: public (sp.chunked_prefill), public_out (out=), op (torch_ops.chunked_prefill), op_out (out=), with
+--custom-op custom_op (the operator's kernel registered through torch.library.custom_op), and with --no-mean-cache
+the same without the mean cache.
+
+--python-only replaces the extension's compute entry points by no-ops: what is left is the Python side of each
+path (argument handling, allocation, DLPack export), measurable on a CPU-only machine (--device cpu, tiny shapes).
+--profile adds the top functions of a cProfile run of each variant.
+
+Usage (H200): python3 bench/bench_host_overhead.py --out bench/results/host_overhead_h200.json
+CPU (Python side only): python3 bench/bench_host_overhead.py --device cpu --python-only --context 256 --chunk 64 \
+    --heads 4,2 --out /tmp/host_cpu.json
+"""
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional, Tuple
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import sparse_prefill as sp  # noqa: E402
+import sparse_prefill.torch_ops as spt  # noqa: E402
+
+PAGE, BLOCK = 64, 128
+
+
+def commit():
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def topic(L, hq, hkv, d, dev, seed=0):
+    """The topic workload of DESIGN.md (float32, on `dev`): per (KV head, 128-key block) a topic t; keys = topic +
+    noise; query group p (128 positions) of each KV head sums 4 topics drawn from blocks [0, max(p, 1))."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nb = (L + BLOCK - 1) // BLOCK
+    t = torch.randn(hkv, nb, d, device=dev, generator=g)
+    k = t.transpose(0, 1).repeat_interleave(BLOCK, 0)[:L] + torch.randn(L, hkv, d, device=dev, generator=g)
+    v = torch.randn(L, hkv, d, device=dev, generator=g)
+    hi = torch.clamp(torch.arange(nb, device=dev), min=1).float()
+    tgt = (torch.rand(hkv, nb, 4, device=dev, generator=g) * hi[None, :, None]).long()
+    tq = torch.gather(t, 1, tgt.reshape(hkv, nb * 4, 1).expand(hkv, nb * 4, d)).reshape(hkv, nb, 4, d).sum(2)
+    g_size = hq // hkv
+    q = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)[:L]                      # [L, hkv, d]
+    q = q[:, :, None, :].expand(L, hkv, g_size, d).reshape(L, hq, d) + torch.randn(L, hq, d, device=dev, generator=g)
+    return q, k, v
+
+
+class Step:
+    """B prompts of L tokens in a paged cache (pages of 64, permuted), and the step of chunk [L - C, L)."""
+
+    def __init__(self, L, C, B, hq, hkv, d, dev, dtype, mean_cache):
+        pages = (L + PAGE - 1) // PAGE
+        qs, ks, vs = [], [], []
+        for b in range(B):
+            q, k, v = topic(L, hq, hkv, d, dev, seed=b)
+            pad = pages * PAGE - L
+            qs.append(q[L - C:].to(dtype))
+            ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).to(dtype).view(pages, PAGE, hkv, d))
+            vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).to(dtype).view(pages, PAGE, hkv, d))
+        perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(1)).to(dev)
+        self.k_cache = torch.empty(B * pages, PAGE, hkv, d, dtype=dtype, device=dev)
+        self.v_cache = torch.empty_like(self.k_cache)
+        self.k_cache[perm] = torch.cat(ks)
+        self.v_cache[perm] = torch.cat(vs)
+        self.block_table = perm.view(B, pages).to(torch.int32).contiguous()
+        self.q = torch.cat(qs).contiguous()
+        self.cu_seqlens_q = torch.arange(0, (B + 1) * C, C, dtype=torch.int32, device=dev)
+        self.seqused_k = torch.full((B,), L, dtype=torch.int32, device=dev)
+        self.C, self.L = C, L
+        self.means = None
+        if mean_cache:  # the earlier steps of the prompt, through the public function, fill the cache
+            self.means = sp.mean_cache(self.k_cache, block_size=BLOCK)
+            prefix = 8192
+            for c0 in range(0, L - C, prefix):
+                c1 = min(L - C, c0 + prefix)
+                # the earlier chunks' queries do not change what they write (the means depend on the keys only)
+                qq = torch.zeros(B * (c1 - c0), hq, d, dtype=dtype, device=dev)
+                cu = torch.arange(0, (B + 1) * (c1 - c0), c1 - c0, dtype=torch.int32, device=dev)
+                used = torch.full((B,), c1, dtype=torch.int32, device=dev)
+                sp.chunked_prefill(qq, self.k_cache, self.v_cache, cu, self.block_table, used, c1 - c0, c1,
+                                   final_chunk=False, mean_cache=self.means)
+            if dev != "cpu":
+                torch.cuda.synchronize()
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.block_table, self.seqused_k, self.C,
+                self.L)
+
+
+def custom_op_chunked():
+    """The operator's kernel registered through torch.library.custom_op instead (for --custom-op: what its Python
+    autograd layer and aliasing check cost per call)."""
+    @torch.library.custom_op("sp_bench::chunked_prefill", mutates_args=("mean_k", "mean_v"))
+    def chunked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                block_table: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128, sink: int = 256,
+                window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
+                softmax_scale: Optional[float] = None, return_lse: bool = False, mean_k: Optional[torch.Tensor] = None,
+                mean_v: Optional[torch.Tensor] = None, head_subgroups: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+        return spt._chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
+                                   max_seqlen_k, final_chunk, union, alpha, block_size, sink, window, last_n,
+                                   correction, softmax_scale, return_lse, mean_k, mean_v, head_subgroups)
+
+    chunked.register_fake(spt._fake_chunked)
+    return torch.ops.sp_bench.chunked_prefill.default
+
+
+def variants(step, use_means, custom_op=None):
+    a = step.args()
+    mc = step.means if use_means else None
+    mk, mv = mc if mc is not None else (None, None)
+    out = torch.empty_like(step.q)
+    sfx = "" if use_means else "_no_mean_cache"
+    v = {
+        "public" + sfx: lambda: sp.chunked_prefill(*a, final_chunk=False, mean_cache=mc),
+        "public_out" + sfx: lambda: sp.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out),
+        "op" + sfx: lambda: spt.chunked_prefill(*a, final_chunk=False, mean_cache=mc),
+        "op_out" + sfx: lambda: spt.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out),
+    }
+    if custom_op is not None:
+        v["custom_op" + sfx] = lambda: custom_op(*a, False, mean_k=mk, mean_v=mv)
+    return v
+
+
+def _sync(dev):
+    if dev != "cpu":
+        torch.cuda.synchronize()
+
+
+def host_us(fn, dev, burst, batches):
+    per = []
+    for _ in range(batches):
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        per.append((time.perf_counter() - t0) / burst * 1e6)
+    return statistics.median(per), min(per)
+
+
+def eager_us(fn, dev, loop, reps=5):
+    res = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(loop):
+            fn()
+        _sync(dev)
+        res.append((time.perf_counter() - t0) / loop * 1e6)
+    return statistics.median(res)
+
+
+def graph_us(fn, loop, graph_calls, reps=5):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g1 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g1):
+        fn()
+    gn = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gn):
+        for _ in range(graph_calls):
+            fn()
+    replay = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(loop):
+            g1.replay()
+        torch.cuda.synchronize()
+        replay.append((time.perf_counter() - t0) / loop * 1e6)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu = []
+    for _ in range(reps):
+        gn.replay()
+        s.record()
+        for _ in range(max(1, loop // graph_calls)):
+            gn.replay()
+        e.record()
+        torch.cuda.synchronize()
+        gpu.append(s.elapsed_time(e) * 1e3 / (max(1, loop // graph_calls) * graph_calls))
+    return statistics.median(replay), statistics.median(gpu)
+
+
+def profile_top(fn, n, top=15):
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue().splitlines()
+
+
+class _NoCompute:
+    """Stands in for sparse_prefill._C: the compute entry points do nothing (--python-only)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        if name in ("attention", "sparse_prefill", "build_index", "sparse_attention"):
+            return lambda *a, **k: None
+        return getattr(self._real, name)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_overhead_h200.json"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", default="32,8", help="Hq,Hkv")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--no-mean-cache", action="store_true", help="also the variants without the mean cache")
+    ap.add_argument("--burst", type=int, default=20)
+    ap.add_argument("--batches", type=int, default=100)
+    ap.add_argument("--loop", type=int, default=500)
+    ap.add_argument("--graph-calls", type=int, default=10)
+    ap.add_argument("--python-only", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--custom-op", action="store_true",
+                    help="also the same kernel registered through torch.library.custom_op (variant custom_op)")
+    args = ap.parse_args()
+    dev = args.device
+    cuda = dev != "cpu"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    hq, hkv = (int(x) for x in args.heads.split(","))
+    step = Step(args.context, args.chunk, args.batch, hq, hkv, args.head_dim, dev, dtype, mean_cache=True)
+    if args.python_only:
+        import sparse_prefill._api as api
+        api._C = _NoCompute(api._C)
+        spt._C = _NoCompute(spt._C)
+    custom = custom_op_chunked() if args.custom_op else None
+    todo = dict(variants(step, True, custom))
+    if args.no_mean_cache:
+        todo.update(variants(step, False, custom))
+    rows = []
+    for name, fn in todo.items():
+        for _ in range(20):
+            fn()
+        _sync(dev)
+        h_med, h_min = host_us(fn, dev, args.burst, args.batches)
+        row = dict(variant=name, L=args.context, chunk=args.chunk, batch=args.batch, final_chunk=False,
+                   mean_cache=not name.endswith("_no_mean_cache"), host_us=h_med, host_min_us=h_min,
+                   eager_us=eager_us(fn, dev, args.loop))
+        if cuda and not args.python_only:
+            g, g_gpu = graph_us(fn, args.loop, args.graph_calls)
+            row.update(graph_us=g, graph_gpu_us=g_gpu, eager_over_graph=row["eager_us"] / g,
+                       host_over_graph=h_med / g)
+        if args.profile:
+            row["profile"] = profile_top(fn, 2000)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        rows.append(row)
+    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu", commit=commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join([os.path.basename(sys.executable)] + sys.argv), through_package=True,
+               python_only=args.python_only, torch=torch.__version__,
+               sparse_workspace=spt.SPARSE_WORKSPACE,
+               workload=f"topic (DESIGN.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, paged KV page "
+                        f"{PAGE}, chunk [L - C, L) of every prompt, final_chunk=False, per-tile selection",
+               target="op eager_over_graph <= 1.3 (issue 14)", rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""torch.library operators for SparsePrefill: torch.compile, CUDA graphs and torch's allocator.
+
+    import sparse_prefill.torch_ops as spt          # registers torch.ops.sparse_prefill.*
+    out = spt.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = spt.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
+    out = spt.chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk, max_cache,
+                              final_chunk=False, mean_cache=means)
+
+The wrappers take the arguments and defaults of sparse_prefill.attention / sparse_prefill / chunked_prefill (torch
+tensors only; no `stream` (the current torch stream is used), no `workspace` (see below), no `return_index`) and
+call these operators, each with a fake (meta) implementation for tracing:
+
+    torch.ops.sparse_prefill.attention(...)           -> (out, lse)
+    torch.ops.sparse_prefill.attention_out(..., out)  -> lse          (out written in place; mutates_args=out)
+    torch.ops.sparse_prefill.sparse_prefill(...)      -> (out, lse)   (mutates mean_k, mean_v: the mean cache)
+    torch.ops.sparse_prefill.sparse_prefill_out(...)  -> lse
+    torch.ops.sparse_prefill.chunked_prefill(...)     -> (out, lse)
+    torch.ops.sparse_prefill.chunked_prefill_out(...) -> lse
+
+out is [total_q, Hq, D] in q's dtype; lse is [Hq, total_q] float32 when return_lse is set, else an empty [0]
+float32 tensor (an operator returns the same structure on every call). The mean cache travels as two optional
+tensors (mean_k, mean_v) instead of the pair `mean_cache`.
+
+Workspace rule: on CUDA every operator takes the library's scratch memory from torch's caching allocator
+(torch.empty on q's device, sized by the shape-only *_workspace_bytes functions) and passes it as `workspace`, so a
+call allocates nothing outside torch and can be captured in a torch.cuda.CUDAGraph (the scratch then lives in the
+graph's private pool). On the CPU no workspace is needed.
+
+Host cost: the operators are the launch path of engines (a chunked step at 128K takes ~55 us of GPU time), so their
+Python side is kept short: the tensors go to the extension as DLPack capsules made by torch's C to_dlpack (~1.3 us
+per array, against ~6 us when the extension calls Tensor.__dlpack__, on a CPU-only test machine), the generic
+array-library detection of sparse_prefill._api is skipped (the schema already guarantees torch tensors, ints,
+floats and bools; the extension validates shapes, dtypes and devices once in C++), and workspace sizes are cached
+per shape. The operators are registered through torch.library.Library (a CompositeExplicitAutograd kernel) and
+torch.library.register_fake; torch.library.custom_op would add a Python autograd layer and an aliasing check to
+every call (~8-10 us on the CPU-only machine; bench/bench_host_overhead.py --custom-op compares both on the GPU
+machine). They are forward only: autograd passes through them, so their outputs never require grad.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.dlpack import to_dlpack as _to_dlpack
+
+from . import _C
+from . import _api
+
+__all__ = ["attention", "sparse_prefill", "chunked_prefill", "OPS"]
+
+_NS = "sparse_prefill"
+_F32 = torch.float32
+_I32 = torch.int32
+_CONTIGUOUS = torch.contiguous_format
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-call helpers (kept flat: every line here runs on each launch)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _dl(t: Optional[torch.Tensor]) -> Any:
+    return None if t is None else _to_dlpack(t)
+
+
+try:  # the raw cudaStream_t of torch's current stream, without building a torch.cuda.Stream object
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - CPU-only torch builds
+    def _raw_stream(device_index: int) -> int:
+        return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+_attention_ws_cache: dict = {}
+
+
+def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> torch.Tensor:
+    key = (head_dim, device_index)
+    n = _attention_ws_cache.get(key)
+    if n is None:
+        with torch.cuda.device(device_index):
+            n = int(_api.attention_workspace_bytes(head_dim))
+        _attention_ws_cache[key] = n
+    # int32 elements: the extension accepts float / int32 arrays only (not uint8); 256-byte alignment is guaranteed by
+    # torch's allocator
+    return torch.empty(((n + 3) // 4,), dtype=_I32, device=q.device)
+
+
+# _C.sparse_prefill(..., workspace=) and sp.sparse_prefill_workspace_bytes() arrive with issue 14's workspace entry
+# points; until both exist the sparse operators run with the library's stream-ordered temporary on CUDA.
+def _c_takes_workspace(fn: Any) -> bool:
+    doc = getattr(fn, "__doc__", None) or ""
+    return "workspace" in doc.split(")", 1)[0] if doc else False
+
+
+_SPARSE_WS_FN = getattr(_api, "sparse_prefill_workspace_bytes", None)
+_SPARSE_WS_IN_C = _c_takes_workspace(_C.sparse_prefill)
+SPARSE_WORKSPACE = _SPARSE_WS_FN is not None and _SPARSE_WS_IN_C
+"""True when the sparse operators pass a torch-allocated workspace on CUDA (else: the library's stream-ordered
+temporary, which a CUDA graph captures as a memory node outside torch's pool)."""
+
+_sparse_ws_cache: dict = {}
+
+
+def _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                      block_size, union, head_subgroups, final_chunk, mean_k, mean_v, device_index) -> torch.Tensor:
+    # shape-only: the size depends on shapes and parameters, never on values
+    key = (q.shape, k.shape, q.dtype, k.dtype, cu_seqlens_q.shape,
+           None if cu_seqlens_k is None else cu_seqlens_k.shape, None if block_table is None else block_table.shape,
+           max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, final_chunk,
+           None if mean_k is None else mean_k.shape, device_index)
+    n = _sparse_ws_cache.get(key)
+    if n is None:
+        with torch.cuda.device(device_index):
+            n = int(_SPARSE_WS_FN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  block_table=block_table, seqused_k=seqused_k, block_size=block_size, union=union,
+                                  head_subgroups=head_subgroups, final_chunk=final_chunk,
+                                  mean_cache=None if mean_k is None else (mean_k, mean_v)))
+        if len(_sparse_ws_cache) >= 4096:  # engines step through many lengths: keep the cache bounded
+            _sparse_ws_cache.clear()
+        _sparse_ws_cache[key] = n
+    return torch.empty(((n + 3) // 4 or 1,), dtype=_I32, device=q.device)
+
+
+def _check_int32(name: str, value: int) -> None:
+    if not _INT32_MIN <= value <= _INT32_MAX:
+        raise ValueError(f"{name}: {value} does not fit in int32")
+
+
+def _window_pair(window: Sequence[int]) -> Tuple[int, int]:
+    if len(window) != 2:
+        raise ValueError(f"window: expected a pair (left, right) of ints, got {len(window)} entries")
+    left, right = window
+    _check_int32("window", left)
+    _check_int32("window", right)
+    return left, right
+
+
+def _lse_for(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
+    if return_lse:
+        return torch.empty((q.shape[1], q.shape[0]), dtype=_F32, device=q.device)
+    return torch.empty((0,), dtype=_F32, device=q.device)
+
+
+def _check_out(out: torch.Tensor) -> None:
+    if out.requires_grad:
+        raise TypeError("out: must not require grad (it is written in place)")
+    _increment_version(out)
+
+
+# The extension writes out / the mean cache through DLPack, behind autograd's back: bump their version counters
+# as an in-place torch op would (a kernel registered through torch.library.Library gets no ADInplaceOrView step).
+_increment_version = torch.autograd.graph.increment_version
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernels (the real implementations behind the operators). The dispatcher leaves out trailing arguments equal to
+# their schema defaults when it calls a Python kernel, so each kernel repeats the schema's defaults (checked by
+# tests/python/test_torch_ops.py).
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
+                   return_lse, block_table, seqused_k, out) -> torch.Tensor:
+    left, right = _window_pair(window)
+    dev = q.get_device()
+    if dev >= 0:
+        stream = _raw_stream(dev)
+        ws = _attention_workspace(q.shape[-1], q, dev)
+    else:
+        stream, ws = 0, None
+    lse = _lse_for(q, return_lse)
+    inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
+              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream)
+    _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
+    return lse
+
+
+def _attention_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
+                      window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    lse = _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                         window, return_lse, block_table, seqused_k, out)
+    return out, lse
+
+
+def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
+                          softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+    _check_out(out)
+    return _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          window, return_lse, block_table, seqused_k, out)
+
+
+def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
+                last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
+                mean_k, mean_v, head_subgroups, out) -> torch.Tensor:
+    if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
+            _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
+            1 <= head_subgroups <= _INT32_MAX):
+        for name, x in (("block_size", block_size), ("sink", sink), ("window", window), ("last_n", last_n),
+                        ("head_subgroups", head_subgroups)):
+            _check_int32(name, x)
+        raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {head_subgroups}")
+    dev = q.get_device()
+    lse = _lse_for(q, return_lse)
+    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
+    stream = _raw_stream(dev) if dev >= 0 else 0
+    inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
+              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream)
+    lse_c = _to_dlpack(lse) if return_lse else None
+    if dev >= 0 and SPARSE_WORKSPACE:
+        ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                               seqused_k, block_size, union, head_subgroups, final_chunk, mean_k, mean_v, dev)
+        _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v), workspace=_to_dlpack(ws))
+    else:
+        _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v))
+    if mean_k is not None:
+        _increment_version(mean_k)
+        _increment_version(mean_v)
+    return lse
+
+
+def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
+                   sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
+                   block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
+                   head_subgroups=1):
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
+                      last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
+                      union, mean_k, mean_v, head_subgroups, out)
+    return out, lse
+
+
+def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1,
+                       block_size=128, sink=256, window=512, last_n=2, correction=True, causal=True,
+                       softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
+                       union=False, mean_k=None, mean_v=None, head_subgroups=1):
+    _check_out(out)
+    return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
+                       window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
+                       final_chunk, union, mean_k, mean_v, head_subgroups, out)
+
+
+def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
+    """chunked_prefill's checks for host arrays (sparse_prefill._api.chunked_prefill): each chunk fits in its cache
+    and max_seqlen_k bounds the caches. CUDA inputs are trusted (reading them would synchronise)."""
+    if cu_seqlens_q.dim() != 1 or seqused_k.dim() != 1 or cu_seqlens_q.shape[0] != seqused_k.shape[0] + 1:
+        return  # shape errors are reported by the extension
+    if cu_seqlens_q.dtype != _I32 or seqused_k.dtype != _I32:
+        return
+    chunk = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    short = torch.nonzero(chunk > seqused_k)
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(f"seqused_k: sequence {b} holds {int(seqused_k[b])} tokens, fewer than its chunk of "
+                         f"{int(chunk[b])} queries (append the chunk's K/V to the cache first)")
+    if seqused_k.numel() and int(seqused_k.max()) > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k: {int(max_seqlen_k)} is below the longest cache "
+                         f"(seqused_k has {int(seqused_k.max())})")
+
+
+def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
+                    final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
+                    correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                    head_subgroups=1):
+    if q.get_device() < 0:
+        _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
+                      window, last_n, (not union) if correction is None else correction, True, softmax_scale,
+                      return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, out)
+    return out, lse
+
+
+def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
+                        final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
+                        correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                        head_subgroups=1):
+    _check_out(out)
+    if q.get_device() < 0:
+        _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
+    return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
+                       window, last_n, (not union) if correction is None else correction, True, softmax_scale,
+                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fake (meta) implementations: shapes and dtypes only
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _fake_lse(q, return_lse):
+    if return_lse:
+        return q.new_empty((q.shape[1], q.shape[0]), dtype=_F32)
+    return q.new_empty((0,), dtype=_F32)
+
+
+def _fake_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
+                    window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+
+
+def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
+                        softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+    return _fake_lse(q, return_lse)
+
+
+def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
+                 sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
+                 block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
+                 head_subgroups=1):
+    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+
+
+def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1, block_size=128,
+                     sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None,
+                     return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
+                     mean_v=None, head_subgroups=1):
+    return _fake_lse(q, return_lse)
+
+
+def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
+                  union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=None,
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1):
+    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+
+
+def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
+                      final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
+                      correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                      head_subgroups=1):
+    return _fake_lse(q, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------------------------------
+
+_ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+              "int max_seqlen_k")
+_ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -1], bool return_lse=False, "
+              "Tensor? block_table=None, Tensor? seqused_k=None")
+_SPARSE_OPTS = ("float alpha=0.1, int block_size=128, int sink=256, int window=512, int last_n=2, "
+                "bool correction=True, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
+                "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
+                "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")
+_CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
+               "int max_seqlen_q, int max_seqlen_k")
+_CHUNK_OPTS = ("bool final_chunk, bool union=False, float alpha=0.1, int block_size=128, int sink=256, "
+               "int window=512, int last_n=2, bool? correction=None, float? softmax_scale=None, "
+               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")
+
+_SCHEMAS = {
+    "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
+    "attention_out": (f"{_ATTN_ARGS}, Tensor(o!) out, {_ATTN_OPTS}) -> Tensor", _attention_out_kernel,
+                      _fake_attention_out),
+    "sparse_prefill": (f"{_ATTN_ARGS}, {_SPARSE_OPTS}) -> (Tensor, Tensor)", _sparse_kernel, _fake_sparse),
+    "sparse_prefill_out": (f"{_ATTN_ARGS}, Tensor(o!) out, {_SPARSE_OPTS}) -> Tensor", _sparse_out_kernel,
+                           _fake_sparse_out),
+    "chunked_prefill": (f"{_CHUNK_ARGS}, {_CHUNK_OPTS}) -> (Tensor, Tensor)", _chunked_kernel, _fake_chunked),
+    "chunked_prefill_out": (f"{_CHUNK_ARGS}, Tensor(o!) out, {_CHUNK_OPTS}) -> Tensor", _chunked_out_kernel,
+                            _fake_chunked_out),
+}
+
+_lib = torch.library.Library(_NS, "DEF")
+for _name, (_schema, _kernel, _fake) in _SCHEMAS.items():
+    _lib.define(f"{_name}({_schema}", tags=(torch.Tag.pt2_compliant_tag,))
+    _lib.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{_NS}::{_name}", _fake, lib=_lib)
+    # forward only: autograd passes through, so outputs never require grad (and backward through them is an error
+    # rather than a silently wrong gradient)
+    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+del _name, _schema, _kernel, _fake
+
+_ops = getattr(torch.ops, _NS)
+OPS = {name: getattr(_ops, name).default for name in _SCHEMAS}
+"""The registered OpOverloads by name (torch.ops.sparse_prefill.<name>.default)."""
+
+_attention_op = OPS["attention"]
+_attention_out_op = OPS["attention_out"]
+_sparse_op = OPS["sparse_prefill"]
+_sparse_out_op = OPS["sparse_prefill_out"]
+_chunked_op = OPS["chunked_prefill"]
+_chunked_out_op = OPS["chunked_prefill_out"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Python wrappers: the signatures and defaults of the public functions
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _mean_pair(mean_cache) -> tuple:
+    if mean_cache is None:
+        return None, None
+    if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
+        raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
+                        f"{type(mean_cache).__name__}")
+    return mean_cache[0], mean_cache[1]
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+              softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
+              return_lse: bool = False, block_table=None, seqused_k=None):
+    """sparse_prefill.attention through torch.ops.sparse_prefill.attention(_out). Returns out, or (out, lse)."""
+    if out is None:
+        out, lse = _attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                 softmax_scale, window, return_lse, block_table, seqused_k)
+    else:
+        lse = _attention_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal,
+                                softmax_scale, window, return_lse, block_table, seqused_k)
+    return (out, lse) if return_lse else out
+
+
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
+                   block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
+                   correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
+                   return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
+                   union: bool = False, mean_cache=None, head_subgroups: int = 1):
+    """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
+    Returns out, or (out, lse)."""
+    mean_k, mean_v = _mean_pair(mean_cache)
+    if out is None:
+        out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
+                              window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
+                              final_chunk, union, mean_k, mean_v, head_subgroups)
+    else:
+        lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
+                             sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
+                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups)
+    return (out, lse) if return_lse else out
+
+
+def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+                    *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
+                    sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
+                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
+                    head_subgroups: int = 1):
+    """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
+    (out, lse)."""
+    mean_k, mean_v = _mean_pair(mean_cache)
+    if out is None:
+        out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
+                               final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
+                               return_lse, mean_k, mean_v, head_subgroups)
+    else:
+        lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
+                              out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
+                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups)
+    return (out, lse) if return_lse else out
