@@ -145,7 +145,7 @@ struct DenseBlockIterator {
   }
 };
 
-// Steps of one block-sparse tile (causal attention, no window; DESIGN.md / docs/semantics.md):
+// Steps of one block-sparse tile (causal attention, no window; docs/semantics.md / docs/semantics.md):
 //   1. the listed blocks of the tile's CSR segment (ascending ids, `block_size` keys each) from the last to the first,
 //      each as block_size / kBlockN kernel steps of kBlockN keys (the diagonal block comes first, as in the dense
 //      iterator);
