@@ -1,53 +1,60 @@
-"""Chunked-prefill benchmark on the GPU machine (issue 5): one step = C new queries per sequence (the last C positions
-of an L-token prompt, their K/V already in a paged cache, page 64) against the sequence's whole cache, causal.
+"""Chunked-prefill benchmark on the GPU machine (issue 5) through the installed package: one step = C new queries per
+sequence (the last C positions of an L-token prompt, their K/V already in a paged cache, page 64) against the
+sequence's whole cache, causal.
 
 Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the topic workload (DESIGN.md):
-  dense_attn_ms     our dense paged kernel on the step;
-  tile_*            per-tile CSR (FlashPrefill V2 selection, correction on): select_ms (GPU index stage, pooling of
-                    the whole cache included), select_cached_ms (with the pooled-means cache holding the blocks before
-                    the chunk, as earlier steps left it: only the chunk's blocks are pooled), attn_ms, density;
+  dense_attn_ms     our dense paged step (sp.attention as it dispatches, caller workspace);
+  tile_*            per-tile CSR (FlashPrefill V2 selection, correction on): select_ms (sp.build_index into a caller
+                    workspace, pooling of the whole cache included), select_cached_ms (with the pooled-means cache
+                    holding the blocks before the chunk, as earlier steps left it: only the chunk's blocks are pooled),
+                    attn_ms (sp.sparse_attention over the device index), density;
   union_*           union lists per (sequence, KV head) (CompactAttention, correction off): select_ms (index stage +
-                    union kernel), attn_ms, density (after the union; union_tile_density before it);
+                    union kernel), attn_ms, density (after the union); union_tile_density: the density of the per-tile
+                    lists before the union (an index built with union=False, same selection: the device index
+                    reports kept / visible blocks only);
   union_s{S}_*      with --union-subgroups: union mode with head_subgroups = S (one list per sub-group of g / S
                     query heads of each KV head), same keys as union_*;
   mid_*             the same step when the chunk does not end the prompt (final_chunk=False: no dense tail), both
                     modes;
   speedup_*         dense_attn_ms / (select_ms + attn_ms); speedup_*_cached with select_cached_ms.
-  *_graph_ms        the same work timed as CUDA-graph replays (bench_dense.time_graph_ms): GPU time without the
-                    host's enqueue gaps, which per-call events count when a call's GPU work is shorter than its Python
-                    and launch overhead (a ~0.1 ms selection at chunk 1024 x batch 1); dense step, per-tile selection
-                    with the cache and per-tile attention; speedup_tile_cached_graph and
+  *_graph_ms        the same work timed as CUDA-graph replays (_common.time_graph_ms): GPU time without the host's
+                    enqueue gaps, which per-call events count when a call's GPU work is shorter than its Python and
+                    launch overhead (a ~0.1 ms selection at chunk 1024 x batch 1); dense step, per-tile selection with
+                    the cache and per-tile attention; speedup_tile_cached_graph and
                     tile_select_cached_graph_share_of_dense from them.
+  tile_step_*       the engine's one call, sp.chunked_prefill(final_chunk=..., mean_cache=, workspace=): call_ms
+                    (per-call events: host + GPU) and graph_ms; tile_step_call_over_graph is the host-overhead ratio
+                    issue 14 bounds (1.3x at chunk 1024 x batch 1, 128K).
 Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
+--quick: contexts 32K and 128K, chunk 1024, batches 1 and 8, no whole-prompt rows.
 Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
-Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8]"""
+Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8] [--quick]"""
 import argparse
-import datetime
-import json
 import os
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import sp_cuda  # noqa: E402
-from bench_dense import commit, time_graph_ms, time_ms  # noqa: E402
-from bench_sparse import HQ, HKV, D, SEL, topic  # noqa: E402
+from _common import (D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace, ints,
+                     require_cuda, time_graph_ms, time_ms, try_plot, workspace, write_results)
+from bench_sparse import topic
 
 PAGE = 64
 
+FULL = dict(contexts="32768,65536,131072", chunks="1024,4096,8192", batches="1,8", prompt="131072:8192")
+QUICK = dict(contexts="32768,131072", chunks="1024", batches="1,8", prompt="")
+
 
 class Cache:
-    """`batch` topic prompts of L tokens in a paged cache (pages of 64 tokens, randomly permuted)."""
+    """`batch` topic prompts of L tokens in a paged cache (pages of 64 tokens, randomly permuted).
+    make(L, seed) -> (q, k, v) bf16 CUDA tensors; default: bench_sparse.topic (the GPU generator)."""
 
-    def __init__(self, L, batch, dev="cuda"):
+    def __init__(self, L, batch, dev="cuda", make=None):
+        make = make or (lambda n, seed: topic(n, seed=seed))
         self.L, self.batch = L, batch
         pages = L // PAGE
         self.q, ks, vs = [], [], []
         for b in range(batch):
-            q, k, v = topic(L, seed=b)
+            q, k, v = make(L, b)
             self.q.append(q)
             ks.append(k.view(pages, PAGE, HKV, D))
             vs.append(v.view(pages, PAGE, HKV, D))
@@ -60,12 +67,12 @@ class Cache:
         del ks, vs
 
     def mean_cache(self, upto):
-        """A pooled-means cache (sparse_prefill.mean_cache layout) holding the complete blocks of positions [0, upto)
-        of every prompt, as the steps of the earlier chunks leave it (computed here with torch: float32 means)."""
+        """A pooled-means cache (sp.mean_cache) holding the complete blocks of positions [0, upto) of every prompt,
+        as the steps of the earlier chunks leave it (filled here with torch: float32 means, the documented slot of
+        each block: the page holding its last key)."""
+        import sparse_prefill as sp
         bs = SEL["block_size"]
-        slots = self.k.shape[0] * max(1, PAGE // bs)
-        km = torch.zeros(slots, HKV, D, dtype=torch.float32, device=self.k.device)
-        vm = torch.zeros_like(km)
+        km, vm = sp.mean_cache(self.k, bs)
         nb = upto // bs
         if nb == 0:
             return km, vm
@@ -90,100 +97,123 @@ class Cache:
         return q, cu_q, used, C, c1
 
 
-def measure_step(cache, c0, c1, final, modes=("tile", "union"), means=None, graph=False, subgroups=()):
+def measure_step(sp, cache, c0, c1, final, modes=("tile", "union"), means=None, graph=False, subgroups=()):
     """One step; `means`: the pooled-means cache as the earlier steps left it (cache.mean_cache(c0)), or None.
     graph: also the CUDA-graph timings (*_graph_ms) of the dense step and the per-tile mode with the cache."""
     q, cu_q, used, C, Lk = cache.step(c0, c1)
     kw = dict(block_table=cache.block_table, seqused_k=used)
+    args = (q, cache.k, cache.v, cu_q, None, C, Lk)
     out = torch.empty_like(q)
-    dense = lambda: sp_cuda.attention(q, cache.k, cache.v, cu_q, None, C, Lk, out=out, return_lse=False, **kw)  # noqa
-    row = dict(dense_attn_ms=time_ms(dense))
+    wsd = attention_workspace(D)
+    dense = lambda: sp.attention(*args, out=out, workspace=wsd, **kw)  # noqa: E731
+    row = dict(dense_attn_ms=time_ms(dense), dense_path=sp.attention_path(*args, **kw))
     if graph:
         row["dense_attn_graph_ms"] = time_graph_ms(dense)
-    ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw)
     modes = list(modes) + [f"union_s{S}" for S in subgroups]
+    per_tile_density = {}  # head_subgroups -> density of the per-tile lists (no mean cache)
     for mode in modes:
         union = mode.startswith("union")
         S = int(mode[len("union_s"):]) if mode.startswith("union_s") else 1
-        sel = dict(SEL, correction=not union, final_chunk=final, union=union)
-        if S > 1:
-            sel["head_subgroups"] = S
-        if S > 1:  # more (smaller) tiles: its own workspace
-            ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, Lk, **kw, head_subgroups=S)
-        idx = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw)
-        torch.cuda.synchronize()
-        row[f"{mode}_density"] = idx.density()
-        if union:
-            row[f"{mode}_tile_density"] = idx.tile_density()
-        row[f"{mode}_select_ms"] = time_ms(lambda: sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws,
-                                                                         **sel, **kw))
-        row[f"{mode}_attn_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C,
-                                                                            Lk, out=out, **kw))
+        sel = dict(SEL, correction=not union, final_chunk=final, union=union, head_subgroups=S)
+        ws = index_workspace(*args, **kw, **sel)
+
+        def build(m=None):
+            return sp.build_index(*args, **kw, **sel, workspace=ws, mean_cache=m)
+        idx = build()
+        row[f"{mode}_density"] = idx.density
+        if not union:
+            per_tile_density[S] = row[f"{mode}_density"]
+        else:
+            if S not in per_tile_density:  # the per-tile lists before the union: same selection, union=False
+                tile_sel = dict(sel, union=False)
+                per_tile_density[S] = sp.build_index(*args, **kw, **tile_sel,
+                                                     workspace=index_workspace(*args, **kw, **tile_sel)).density
+            row[f"{mode}_tile_density"] = per_tile_density[S]
+        row[f"{mode}_select_ms"] = time_ms(build)
+        attn = lambda: sp.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C, Lk, out=out, **kw)  # noqa
+        row[f"{mode}_attn_ms"] = time_ms(attn)
         row[f"{mode}_total_ms"] = row[f"{mode}_select_ms"] + row[f"{mode}_attn_ms"]
         row[f"speedup_{mode}"] = row["dense_attn_ms"] / row[f"{mode}_total_ms"]
         row[f"{mode}_select_share_of_dense"] = row[f"{mode}_select_ms"] / row["dense_attn_ms"]
         if means is not None:
-            idx_c = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw, mean_cache=means)
-            torch.cuda.synchronize()
-            row[f"{mode}_density_cached"] = idx_c.density()   # equal up to float32 rounding of the means
-            row[f"{mode}_select_cached_ms"] = time_ms(lambda: sp_cuda.build_index(
-                q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel, **kw, mean_cache=means))
+            idx_c = build(means)
+            row[f"{mode}_density_cached"] = idx_c.density   # equal up to float32 rounding of the means
+            row[f"{mode}_select_cached_ms"] = time_ms(lambda: build(means))
             row[f"{mode}_total_cached_ms"] = row[f"{mode}_select_cached_ms"] + row[f"{mode}_attn_ms"]
             row[f"speedup_{mode}_cached"] = row["dense_attn_ms"] / row[f"{mode}_total_cached_ms"]
             row[f"{mode}_select_cached_share_of_dense"] = row[f"{mode}_select_cached_ms"] / row["dense_attn_ms"]
             if graph and mode == "tile" and row.get("dense_attn_graph_ms"):
-                sel_g = time_graph_ms(lambda: sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, ws, **sel,
-                                                                  **kw, mean_cache=means))
-                attn_g = time_graph_ms(lambda: sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C, Lk,
-                                                                        out=out, **kw))
+                sel_g = time_graph_ms(lambda: build(means))
+                # (every build of this mode writes the same workspace, which `idx` reads: the attention below runs
+                # over the index the last build left there, as the shim's DeviceIndex did)
+                attn_g = time_graph_ms(attn)
                 if sel_g and attn_g:
                     dense_g = row["dense_attn_graph_ms"]
                     row.update(tile_select_cached_graph_ms=sel_g, tile_attn_graph_ms=attn_g,
                                speedup_tile_cached_graph=dense_g / (sel_g + attn_g),
                                tile_select_cached_graph_share_of_dense=sel_g / dense_g)
-    del ws
+                # The engine's one call: chunked_prefill with the mean cache and its workspace.
+                ws_step = workspace(sp.chunked_prefill_workspace_bytes(q, cache.k, cache.v, cu_q, cache.block_table,
+                                                                       used, C, Lk, **sel), q.device)
+                step = lambda: sp.chunked_prefill(q, cache.k, cache.v, cu_q, cache.block_table, used, C, Lk,  # noqa
+                                                  final_chunk=final, mean_cache=means, out=out, workspace=ws_step,
+                                                  **{k_: v_ for k_, v_ in sel.items() if k_ != "final_chunk"})
+                row["tile_step_call_ms"] = time_ms(step)
+                row["tile_step_graph_ms"] = time_graph_ms(step)
+                if row["tile_step_graph_ms"]:
+                    row["tile_step_call_over_graph"] = row["tile_step_call_ms"] / row["tile_step_graph_ms"]
+                del ws_step
+        del ws, idx
     return row
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "chunked_h200.json"))
-    ap.add_argument("--contexts", default="32768,65536,131072")
-    ap.add_argument("--chunks", default="1024,4096,8192")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--prompt", default="131072:8192", help="L:chunk of the whole-prompt rows ('' to skip)")
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "chunked_h200.json"))
+    ap.add_argument("--quick", action="store_true", help="short run (see above): about a minute on the H200")
+    ap.add_argument("--contexts", default=None, help=f"prompt lengths L (default {FULL['contexts']}; --quick "
+                                                     f"{QUICK['contexts']})")
+    ap.add_argument("--chunks", default=None, help=f"chunk sizes C (default {FULL['chunks']})")
+    ap.add_argument("--batches", default=None, help=f"batch sizes (default {FULL['batches']})")
+    ap.add_argument("--prompt", default=None, help=f"L:chunk of the whole-prompt rows ('' to skip; default "
+                                                   f"{FULL['prompt']}, --quick skips them)")
     ap.add_argument("--union-subgroups", default="", help="head_subgroups values S > 1: union rows union_s{S}_*")
-    args = ap.parse_args()
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    rows, prompts = [], []
+    args = apply_profile(ap.parse_args(argv), QUICK, FULL)
+    for name in ("contexts", "chunks", "batches", "union_subgroups"):
+        ints(getattr(args, name))  # fail on bad lists before the GPU work
+    if args.prompt:
+        parts = args.prompt.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            ap.error(f"--prompt: expected L:chunk, got {args.prompt!r}")
+    for L in ints(args.contexts):
+        if L % PAGE or L % SEL["block_size"]:
+            ap.error(f"--contexts: {L} is not a multiple of the page ({PAGE}) and block ({SEL['block_size']})")
+    return args
 
-    def save():  # after every row: a run cut short by the 10-minute limit still leaves its rows
-        res = dict(device=torch.cuda.get_device_name(), commit=commit(),
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                   workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
-                   selection=SEL, torch=torch.__version__, rows=rows, prompts=prompts)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-        return res
+
+def main(argv=None):
+    args = parse_args(argv)
+    sp = require_cuda()
+    rows, prompts = [], []
+    meta = dict(workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
+                selection=SEL, prompts=prompts)
+    sub = ints(args.union_subgroups)
     for batch in ints(args.batches):
         for L in ints(args.contexts):
             cache = Cache(L, batch)
             for C in ints(args.chunks):
                 row = dict(L=L, chunk=C, batch=batch, mode="last chunk", final_chunk=True)
                 means = cache.mean_cache(L - C)
-                sub = ints(args.union_subgroups)
-                row.update(measure_step(cache, L - C, L, True, means=means, graph=True, subgroups=sub))
-                mid = measure_step(cache, L - C, L, False, means=means, graph=True, subgroups=sub)
+                row.update(measure_step(sp, cache, L - C, L, True, means=means, graph=True, subgroups=sub))
+                mid = measure_step(sp, cache, L - C, L, False, means=means, graph=True, subgroups=sub)
                 del means
                 row.update({f"mid_{k}": v for k, v in mid.items() if k.startswith(("union", "tile", "speedup"))})
                 if "dense_attn_graph_ms" in mid:
                     row["mid_dense_attn_graph_ms"] = mid["dense_attn_graph_ms"]
                 row["dense_attn_total_ms"] = row["dense_attn_ms"]  # per step; prompt totals are in `prompts`
-                print(json.dumps(row), flush=True)
+                emit(row)
                 rows.append(row)
-                save()
+                write_results(args.out, rows, **meta)  # after every row: a run cut short still leaves its rows
             del cache
             torch.cuda.empty_cache()
     if args.prompt:
@@ -197,7 +227,7 @@ def main():
         means = cache.mean_cache(0)
         for c0 in range(0, L, C):
             c1 = min(L, c0 + C)
-            r = measure_step(cache, c0, c1, c1 == L, means=means)
+            r = measure_step(sp, cache, c0, c1, c1 == L, means=means)
             for key in keys:
                 tot[key] += r[key]
             tot["steps"] += 1
@@ -207,13 +237,10 @@ def main():
         tot["total_reduction_tile"] = tot["dense_attn_ms"] / tot["tile_total_ms"]
         tot["total_reduction_union_cached"] = tot["dense_attn_ms"] / tot["union_total_cached_ms"]
         tot["total_reduction_tile_cached"] = tot["dense_attn_ms"] / tot["tile_total_cached_ms"]
-        print(json.dumps(tot), flush=True)
+        emit(tot)
         prompts.append(tot)
-    res = save()
-    try:
-        plot(res, os.path.splitext(args.out)[0] + ".png")
-    except Exception as e:  # noqa: BLE001
-        print("plot skipped:", repr(e))
+    res = write_results(args.out, rows, **meta)
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
 
 
 def plot(res, path):

@@ -1,110 +1,49 @@
-"""Dense causal prefill benchmark on the GPU machine: ours (src/cuda via tests/gpu/sp_cuda.py) vs torch SDPA cuDNN,
-torch SDPA flash (FA2) and optionally FlexAttention, measured in the same process.
-Llama-3.1-8B head shape: Hq=32, Hkv=8, D=128, bf16, batch 1, causal. FLOPs = 4*L*L*D*Hq/2.
-Writes a JSON with keys device, commit, date, command, rows[{L, ours_ms, cudnn_ms, fa2_ms, ours_tflops, ...}].
-Usage: python3 bench/bench_dense.py --out bench/results/dense_h200.json [--lengths 4096,8192] [--flex] [--no-extra]
-Extra rows (on by default, --no-extra to skip; written to bench/results/dense_h200_paged_varlen.json or --extra-out):
+"""Dense causal prefill on the GPU machine through the installed package (sp.attention) vs torch SDPA cuDNN, torch SDPA
+flash (FA2) and optionally FlexAttention, measured in the same process.
+Llama-3.1-8B head shape: Hq=32, Hkv=8, D=128, bf16, batch 1, causal. FLOPs = 4*L*L*D*Hq/2. Ours writes out and lse
+into caller buffers and gets a caller workspace (the engine path: nothing allocated by the library per call).
+Writes a JSON with the header of bench/_common.py (through_package, device, commit, date, command) and
+rows[{L, ours_ms, cudnn_ms, fa2_ms, ours_tflops, ...}].
+Extra rows (on by default, --no-extra to skip; written to dense_h200_paged_varlen.json beside --out or --extra-out):
   * varlen: one causal varlen call over 8 sequences of fixed mixed lengths (VARLEN_MIX, 1K..8K, sum 32K) vs the same
     sequences run one call each (sum of their medians). Target: varlen within 5 % of the separate calls.
-  * paged: causal L = PAGED_LENGTHS, KV scattered into randomly permuted pages of PAGE_SIZES tokens vs the same
+  * paged: causal L = --paged-lengths, KV scattered into randomly permuted pages of --page-sizes tokens vs the same
     tokens contiguous, same process, timed in PAGED_ROUNDS interleaved rounds (median of the round medians).
     Target: paged within 5 % of contiguous.
-A/B of a build switch: SP_CUDA_LIB=build-cuda/libsp_cuda_test_<variant>.so in a separate process (two copies of the
-statically linked CUDA runtime in one process fail to launch: "invalid argument")."""
+--quick: lengths 8K, 32K, 128K; paged rows at 32K only (pages 64 and 128); no FlexAttention.
+Usage: python3 bench/bench_dense.py --out bench/results/dense_h200.json [--lengths 4096,8192] [--flex] [--no-extra]
+       python3 bench/bench_dense.py --plot bench/results/dense_h200.json     (re-draw the PNG of a results file)"""
 import argparse
-import datetime
 import json
-import math
 import os
-import subprocess
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-import sp_cuda  # noqa: E402
-
-
-def time_ms(fn, total_ms_budget=1500.0, max_iters=50):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    torch.cuda.synchronize()
-    one = s.elapsed_time(e)
-    iters = max(3, min(max_iters, int(total_ms_budget / max(one, 1e-3))))
-    times = []
-    for _ in range(iters):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]  # median
-
-
-def time_graph_ms(fn, reps=None, rounds=7):
-    """GPU time of one fn() call without the host's enqueue time: `reps` calls captured into one CUDA graph, replayed
-    between events, divided by reps (median of `rounds`). Per-call event timing (time_ms) also counts the host's launch
-    gaps when a call's GPU work is shorter than its Python + launch overhead (a ~0.1 ms index stage at chunk 1024 x
-    batch 1); an engine enqueues ahead of the GPU, so this is the time the step costs it. Returns None when fn cannot
-    be captured (a host sync or allocation inside)."""
-    one = time_ms(fn, total_ms_budget=50.0, max_iters=5)
-    reps = reps or max(1, min(50, int(20.0 / max(one, 1e-3))))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        print("graph timing unavailable:", repr(e)[:200], flush=True)
-        torch.cuda.synchronize()
-        return None
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    del graph
-    times.sort()
-    return times[len(times) // 2]
-
+from _common import (D, HKV, HQ, RESULTS, apply_profile, attention_workspace, emit, ints, median, require_cuda,
+                     sdpa_layout, time_ms, time_sdpa_peers, try_plot, write_results)
+from _common import commit, time_graph_ms  # noqa: F401  (re-exported: other scripts import them from here)
 
 VARLEN_MIX = [1024, 8192, 2048, 6144, 3072, 5120, 4096, 3072]  # sum 32768; fixed so runs compare
-PAGED_LENGTHS = [32768, 131072]
-PAGE_SIZES = [64, 128]
 PAGED_ROUNDS = 3
 
-
-def extra_rows(hq, hkv, d, dev, paged_lengths, varlen=True):
-    """Varlen-vs-separate and paged-vs-contiguous rows (see the module docstring)."""
-    rows = []
-    g = torch.Generator(device=dev).manual_seed(0)
-    if varlen:
-        rows += varlen_rows(hq, hkv, d, dev, g)
-    rows += paged_rows(hq, hkv, d, dev, g, paged_lengths)
-    return rows
+FULL = dict(lengths="4096,8192,16384,32768,65536,131072", paged_lengths="32768,131072", page_sizes="64,128")
+QUICK = dict(lengths="8192,32768,131072", paged_lengths="32768", page_sizes="64,128")
 
 
-def varlen_rows(hq, hkv, d, dev, g):
+class Ours:
+    """sp.attention with caller out / workspace (lse returned, as the shim's benchmark wrote it)."""
+
+    def __init__(self, sp, ws):
+        self.sp, self.ws = sp, ws
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, out, **kw):
+        return self.sp.attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, out=out, return_lse=True,
+                                 workspace=self.ws, **kw)
+
+
+def varlen_rows(ours, hq, hkv, d, dev, g):
     """One causal varlen call over VARLEN_MIX vs one call per sequence."""
-    rows = []
     tot = sum(VARLEN_MIX)
     q = torch.randn(tot, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     k = torch.randn(tot, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
@@ -114,30 +53,27 @@ def varlen_rows(hq, hkv, d, dev, g):
         cu_list.append(cu_list[-1] + L)
     cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
-    lse = torch.empty(hq, tot, dtype=torch.float32, device=dev)
-    varlen_ms = time_ms(lambda: sp_cuda.attention(q, k, v, cu, cu, max(VARLEN_MIX), max(VARLEN_MIX), causal=True,
-                                                  out=out, lse=lse))
+    mx = max(VARLEN_MIX)
+    varlen_ms = time_ms(lambda: ours(q, k, v, cu, cu, mx, mx, out))
     sep = []
     for b, L in enumerate(VARLEN_MIX):
         a, e = cu_list[b], cu_list[b + 1]
         qb, kb, vb = q[a:e].contiguous(), k[a:e].contiguous(), v[a:e].contiguous()
         cub = torch.tensor([0, L], dtype=torch.int32, device=dev)
         ob = torch.empty_like(qb)
-        lb = torch.empty(hq, L, dtype=torch.float32, device=dev)
-        sep.append(time_ms(lambda: sp_cuda.attention(qb, kb, vb, cub, cub, L, L, causal=True, out=ob, lse=lb)))
+        sep.append(time_ms(lambda: ours(qb, kb, vb, cub, cub, L, L, ob)))
     flops = sum(4 * L * L * d * hq / 2 for L in VARLEN_MIX)
     row = dict(kind="varlen_vs_separate", lengths=VARLEN_MIX, total_tokens=tot, varlen_ms=varlen_ms,
                separate_ms_sum=sum(sep), separate_ms=sep, varlen_over_separate=varlen_ms / sum(sep),
                varlen_tflops=flops / (varlen_ms * 1e-3) / 1e12)
-    print(json.dumps(row), flush=True)
-    rows.append(row)
-    del q, k, v, out, lse
+    emit(row)
+    del q, k, v, out
     torch.cuda.empty_cache()
-    return rows
+    return [row]
 
 
-def paged_rows(hq, hkv, d, dev, g, paged_lengths):
-    """Causal single sequence, KV in randomly permuted pages of PAGE_SIZES tokens vs contiguous."""
+def paged_rows(ours, hq, hkv, d, dev, g, paged_lengths, page_sizes):
+    """Causal single sequence, KV in randomly permuted pages of page_sizes tokens vs contiguous."""
     rows = []
     for L in paged_lengths:
         q = torch.randn(L, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
@@ -145,24 +81,26 @@ def paged_rows(hq, hkv, d, dev, g, paged_lengths):
         v = torch.randn(L, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
         cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
-        lse = torch.empty(hq, L, dtype=torch.float32, device=dev)
-        fns = {0: lambda: sp_cuda.attention(q, k, v, cu, cu, L, L, causal=True, out=out, lse=lse)}
+        fns = {0: lambda: ours(q, k, v, cu, cu, L, L, out)}
         fns[0]()
         ref = out.clone()
         flops = 4 * L * L * d * hq / 2
         caches = {}
-        for ps in PAGE_SIZES:
+        for ps in page_sizes:
             n_pages = (L + ps - 1) // ps
             perm = torch.randperm(n_pages, device=dev, generator=g).to(torch.int32)  # random page placement
             kc = torch.empty(n_pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
             vc = torch.empty_like(kc)
-            kc[perm.long()] = k.view(n_pages, ps, hkv, d)
-            vc[perm.long()] = v.view(n_pages, ps, hkv, d)
+            pad = n_pages * ps - L  # a last page only partly filled (L not a multiple of ps)
+            kp = torch.cat([k, k.new_zeros(pad, hkv, d)]) if pad else k
+            vp = torch.cat([v, v.new_zeros(pad, hkv, d)]) if pad else v
+            kc[perm.long()] = kp.view(n_pages, ps, hkv, d)
+            vc[perm.long()] = vp.view(n_pages, ps, hkv, d)
             bt = perm.view(1, n_pages).contiguous()
             su = torch.tensor([L], dtype=torch.int32, device=dev)
             caches[ps] = (kc, vc, bt, su)
-            fns[ps] = (lambda c=caches[ps]: sp_cuda.attention(q, c[0], c[1], cu, None, L, L, causal=True, out=out,
-                                                              lse=lse, block_table=c[2], seqused_k=c[3]))
+            fns[ps] = (lambda c=caches[ps]: ours(q, c[0], c[1], cu, None, L, L, out, block_table=c[2],
+                                                 seqused_k=c[3]))
         # Interleaved rounds (contiguous, page 64, page 128, contiguous, ...): long back-to-back runs drift with the
         # GPU's power/clock state (one 128K run measured page 128 at 1.006x, the next at 1.093x contiguous when
         # timed after it), so each variant is timed in every round and the median over rounds is reported.
@@ -170,88 +108,80 @@ def paged_rows(hq, hkv, d, dev, g, paged_lengths):
         for _ in range(PAGED_ROUNDS):
             for key, fn in fns.items():
                 per[key].append(time_ms(fn, total_ms_budget=500.0))
-        med = {key: sorted(v_)[len(v_) // 2] for key, v_ in per.items()}
-        for ps in PAGE_SIZES:
+        med = {key: median(v_) for key, v_ in per.items()}
+        for ps in page_sizes:
             fns[ps]()
             torch.cuda.synchronize()
             row = dict(kind="paged_vs_contiguous", L=L, page_size=ps, paged_ms=med[ps], contiguous_ms=med[0],
                        paged_over_contiguous=med[ps] / med[0], paged_tflops=flops / (med[ps] * 1e-3) / 1e12,
                        paged_ms_rounds=per[ps], contiguous_ms_rounds=per[0],
                        max_abs_diff_vs_contiguous=(out.float() - ref.float()).abs().max().item())
-            print(json.dumps(row), flush=True)
+            emit(row)
             rows.append(row)
-        del q, k, v, out, lse, ref, caches, fns
+        del q, k, v, out, ref, caches, fns
         torch.cuda.empty_cache()
     return rows
 
 
-def commit():
-    """SP_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git), else git's HEAD."""
-    if os.environ.get("SP_COMMIT"):
-        return os.environ["SP_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "dense_h200.json"))
-    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
-    ap.add_argument("--flex", action="store_true")
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. the build switch of an A/B run)")
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "dense_h200.json"))
+    ap.add_argument("--lengths", default=None, help=f"sequence lengths (default {FULL['lengths']}; "
+                                                    f"--quick {QUICK['lengths']})")
+    ap.add_argument("--quick", action="store_true", help="short run (see above): about a minute on the H200")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention (torch.compile: ~1 min extra)")
+    ap.add_argument("--hq", type=int, default=HQ)
+    ap.add_argument("--hkv", type=int, default=HKV)
+    ap.add_argument("--label", default="", help="free text stored in the JSON")
     ap.add_argument("--no-extra", dest="extra", action="store_false",
                     help="skip the varlen-vs-separate and paged-vs-contiguous rows")
-    ap.add_argument("--paged-lengths", default=",".join(str(x) for x in PAGED_LENGTHS),
-                    help="lengths of the paged-vs-contiguous rows")
+    ap.add_argument("--paged-lengths", default=None, help="lengths of the paged-vs-contiguous rows ('' to skip)")
     ap.add_argument("--no-varlen", dest="varlen", action="store_false", help="skip the varlen-vs-separate row")
-    ap.add_argument("--page-sizes", default=",".join(str(x) for x in PAGE_SIZES),
-                    help="page sizes of the paged-vs-contiguous rows")
+    ap.add_argument("--page-sizes", default=None, help="page sizes of the paged-vs-contiguous rows (any size >= 1)")
     ap.add_argument("--extra-out", default=None,
                     help="JSON for the extra rows (default: dense_h200_paged_varlen.json beside --out)")
-    args = ap.parse_args()
-    PAGE_SIZES[:] = [int(x) for x in args.page_sizes.split(",") if x]
-    hq, hkv, d = args.hq, args.hkv, 128
+    args = apply_profile(ap.parse_args(argv), QUICK, FULL)
+    ints(args.lengths), ints(args.paged_lengths), ints(args.page_sizes)  # fail on bad lists before the GPU work
+    if args.hq % args.hkv:
+        ap.error("--hq must be a multiple of --hkv")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sp = require_cuda()
+    page_sizes = ints(args.page_sizes)
+    hq, hkv, d = args.hq, args.hkv, D
     g = hq // hkv
     dev = "cuda"
+    ours = Ours(sp, attention_workspace(d))
     rows = []
     flex = None
     if args.flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention)
-    for L in [int(x) for x in args.lengths.split(",") if x]:
+    shape = dict(hq=hq, hkv=hkv, d=d, dtype="bfloat16", batch=1, causal=True)
+    meta = dict(shape=shape, label=args.label, call="sp.attention(out=, return_lse=True, workspace=)")
+    for L in ints(args.lengths):
         torch.manual_seed(0)
         q = torch.randn(L, hq, d, device=dev, dtype=torch.bfloat16)
         k = torch.randn(L, hkv, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn(L, hkv, d, device=dev, dtype=torch.bfloat16)
         cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
-        lse = torch.empty(hq, L, dtype=torch.float32, device=dev)
         flops = 4 * L * L * d * hq / 2
-        row = dict(L=L)
-
-        def ours():
-            sp_cuda.attention(q, k, v, cu, cu, L, L, causal=True, out=out, lse=lse)
-
-        row["ours_ms"] = time_ms(ours)
-        qt = q.unsqueeze(0).transpose(1, 2)                                   # [1, Hq, L, D] (BSHD strides)
-        kt = k.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
-        vt = v.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
-        for key, backend in (("cudnn_ms", SDPBackend.CUDNN_ATTENTION), ("fa2_ms", SDPBackend.FLASH_ATTENTION)):
-            try:
-                with sdpa_kernel(backend):
-                    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-                    row[key] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
-                if key == "cudnn_ms":  # sanity: ours vs cuDNN output
-                    row["max_abs_diff_vs_cudnn"] = (out.float() - ref[0].transpose(0, 1).float()).abs().max().item()
-                del ref
-            except Exception as e:  # noqa: BLE001
-                row[key] = None
-                row[key + "_error"] = repr(e)[:200]
+        row = dict(L=L, path=sp.attention_path(q, k, v, cu, cu, L, L))
+        row["ours_ms"] = time_ms(lambda: ours(q, k, v, cu, cu, L, L, out))
+        qt, kt, vt = sdpa_layout(q, k, v, g)
+        time_sdpa_peers(row, qt, kt, vt, is_causal=True)
+        if row.get("cudnn_ms"):  # sanity: ours vs cuDNN output
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            import torch.nn.functional as F
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            ours(q, k, v, cu, cu, L, L, out)
+            row["max_abs_diff_vs_cudnn"] = (out.float() - ref[0].transpose(0, 1).float()).abs().max().item()
+            del ref
         if flex is not None:
             try:
                 bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=dev)
@@ -262,32 +192,23 @@ def main():
         for key in ("ours", "cudnn", "fa2", "flex"):
             if row.get(key + "_ms"):
                 row[key + "_tflops"] = flops / (row[key + "_ms"] * 1e-3) / 1e12
-        print(json.dumps(row), flush=True)
+        emit(row)
         rows.append(row)
-        del q, k, v, qt, kt, vt, out, lse
+        res = write_results(args.out, rows, **meta)
+        del q, k, v, qt, kt, vt, out
         torch.cuda.empty_cache()
-    res = dict(device=torch.cuda.get_device_name(), commit=commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               shape=dict(hq=hq, hkv=hkv, d=d, dtype="bfloat16", batch=1, causal=True),
-               torch=torch.__version__, library=sp_cuda.lib_path(), label=args.label, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        plot(res, os.path.splitext(args.out)[0] + ".png")
-    except Exception as e:  # noqa: BLE001
-        print("plot skipped:", repr(e))
+    res = write_results(args.out, rows, **meta)
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
     if args.extra:
-        paged_lengths = [int(x) for x in args.paged_lengths.split(",") if x]
-        ex = dict(res, shape=dict(hq=hq, hkv=hkv, d=d, dtype="bfloat16", causal=True),
-                  varlen_mix=VARLEN_MIX if args.varlen else None, paged_lengths=paged_lengths,
-                  page_sizes=PAGE_SIZES, paged_rounds=PAGED_ROUNDS,
-                  rows=extra_rows(hq, hkv, d, dev, paged_lengths, args.varlen))
+        paged_lengths = ints(args.paged_lengths)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        extra = varlen_rows(ours, hq, hkv, d, dev, gen) if args.varlen else []
+        extra += paged_rows(ours, hq, hkv, d, dev, gen, paged_lengths, page_sizes)
         path = args.extra_out or os.path.join(os.path.dirname(os.path.abspath(args.out)),
                                               "dense_h200_paged_varlen.json")
-        with open(path, "w") as f:
-            json.dump(ex, f, indent=1)
+        write_results(path, extra, shape=dict(shape, batch=None), label=args.label,
+                      varlen_mix=VARLEN_MIX if args.varlen else None, paged_lengths=paged_lengths,
+                      page_sizes=page_sizes, paged_rounds=PAGED_ROUNDS)
 
 
 def plot(res, path):
@@ -297,8 +218,8 @@ def plot(res, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = res["rows"]
-    for key, label in (("ours", "ours (sm90a)"), ("cudnn", "torch SDPA cuDNN"), ("fa2", "torch SDPA flash (FA2)"),
-                       ("flex", "FlexAttention")):
+    for key, label in (("ours", "ours (sm90a, through the package)"), ("cudnn", "torch SDPA cuDNN"),
+                       ("fa2", "torch SDPA flash (FA2)"), ("flex", "FlexAttention")):
         pts = [(r["L"], r[f"{key}_tflops"]) for r in rows if r.get(f"{key}_tflops")]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label)

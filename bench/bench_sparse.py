@@ -1,12 +1,13 @@
-"""Block-sparse prefill benchmark on the GPU machine (issue 4): ours (GPU index stage + sparse kernel, through
-tests/gpu/sp_cuda.py) vs our dense kernel, torch SDPA cuDNN, torch SDPA flash (FA2) and FlexAttention running the very
-same block mask (its BlockMask built from our CSR), all in one process.
+"""Block-sparse prefill on the GPU machine (issue 4) through the installed package: ours (sp.build_index into a caller
+workspace + sp.sparse_attention over the device index) vs our dense kernel (sp.attention), torch SDPA cuDNN, torch
+SDPA flash (FA2) and FlexAttention running the very same block mask (its BlockMask built from our CSR), one process.
 
 Speed rows: the "topic" workload of DESIGN.md (Hq=32, Hkv=8, D=128, bf16, batch 1, causal), default selection
 parameters (alpha 0.1, block 128, sink 256, window 512, last_n 2, correction on):
-  density, index_ms, attn_ms (correction on), attn_no_corr_ms, total_ms = index_ms + attn_ms, fused_ms (both launched
-  back to back, timed together), dense_ms (ours), cudnn_ms, fa2_ms, flex_same_mask_ms (correction off: FlexAttention
-  has no mean correction, so compare it with attn_no_corr_ms).
+  density, index_ms, attn_ms (correction on), attn_no_corr_ms (an index built with correction=False: same
+  selection), total_ms = index_ms + attn_ms, fused_ms (both launched back to back, timed together),
+  sparse_prefill_ms (the one-call sp.sparse_prefill with its workspace), dense_ms (ours), cudnn_ms, fa2_ms,
+  flex_same_mask_ms (correction off: FlexAttention has no mean correction, so compare it with attn_no_corr_ms).
 Accuracy columns (same rows): rel_err / rel_err_no_correction = ||O_sparse - O_dense||_F / ||O_dense||_F on the
   structured workload at the same L (our dense kernel as full attention), and needle_ratio_min = the smallest, over
   the workload's retrieval needles, of cos(O_sparse, v_needle) / cos(O_dense, v_needle) averaged over the needle's
@@ -14,35 +15,29 @@ Accuracy columns (same rows): rel_err / rel_err_no_correction = ||O_sparse - O_d
 Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal block always kept), correction off:
   attn_ms against density * dense_ms; mask "query_block" draws per (KV head, 128 query positions) as a 128x128 block
   mask does, mask "tile" independently per 32-position PackGQA tile (no reuse of K/V between tiles: DRAM-bound at
-  high density).
+  high density). These run a host index (made from the random CSR) with a caller workspace.
+--quick: lengths 8K, 32K, 128K; peers and accuracy on; no FlexAttention (torch.compile), no sweep.
 Writes bench/results/sparse_h200.json (keys of DESIGN.md) and, with matplotlib, bench/results/sparse_h200.png.
-Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy]"""
+Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy] [--quick]"""
 import argparse
-import datetime
-import json
-import math
 import os
-import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-import sp_cuda  # noqa: E402
-from bench_dense import commit, time_ms  # noqa: E402
+from _common import (BLOCK, D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace,
+                     ints, floats, rel_err, require_cuda, sdpa_layout, time_ms, time_sdpa_peers, try_plot, workspace,
+                     write_results)
+from _common import commit  # noqa: F401  (re-exported: other scripts import it from here)
 
-HQ, HKV, D, BLOCK = 32, 8, 128, 128
-SEL = dict(alpha=0.1, block_size=128, sink=256, window=512, last_n=2)
+FULL = dict(lengths="4096,8192,16384,32768,65536,131072", sweep_lengths="65536,131072", flex=True, sweep=True)
+QUICK = dict(lengths="8192,32768,131072", sweep_lengths="", flex=False, sweep=False)
 
 
 def topic(L, hq=HQ, hkv=HKV, d=D, seed=0, dev="cuda"):
     """DESIGN.md's speed reference workload, generated on the GPU (same definition as sparse_prefill.workload.topic,
-    another random stream)."""
+    another random stream; kept so that densities compare with the earlier results files)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     nb = L // BLOCK
     t = torch.randn(hkv, nb, d, device=dev, generator=g)                     # topic per (KV head, block)
@@ -59,20 +54,28 @@ def topic(L, hq=HQ, hkv=HKV, d=D, seed=0, dev="cuda"):
     return q.to(bf), k.to(bf), v.to(bf)
 
 
+def csr_on_device(index, dev="cuda"):
+    """segment_start, segment_end, block_ids of an index as CUDA tensors (index.to_host() syncs once)."""
+    h = index.to_host().host
+    return tuple(torch.from_numpy(np.ascontiguousarray(h[n])).to(dev) for n in ("segment_start", "segment_end",
+                                                                                  "block_ids"))
+
+
 def flex_mask_from_csr(index, L, g, dev="cuda"):
     """A FlexAttention BlockMask with exactly our selection: query head h = kvh*g + j at position p is packed row
     p*g + j of tile (p*g + j) // 128; with g | 128 a tile is 128/g consecutive positions of all g heads, so the mask
     has query blocks of 128/g positions. The diagonal block is partial (causal mask_mod), the rest full."""
     from torch.nn.attention.flex_attention import BlockMask
+    seg_start, seg_end, block_ids = csr_on_device(index, dev)
     T = (L * g + 127) // 128
     nb = (L + BLOCK - 1) // BLOCK
     S = HKV * T
-    start = index.segment_start[:S].long()
-    lens = (index.segment_end[:S].long() - start)
+    start = seg_start[:S].long()
+    lens = (seg_end[:S].long() - start)
     seg = torch.repeat_interleave(torch.arange(S, device=dev), lens)
     pos = torch.repeat_interleave(start, lens) + (torch.arange(int(lens.sum()), device=dev) -
                                                   torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens))
-    ids = index.block_ids[pos].long()
+    ids = block_ids[pos].long()
     mask = torch.zeros(S, nb, dtype=torch.bool, device=dev)
     mask[seg, ids] = True
     qb = 128 // g
@@ -96,11 +99,29 @@ def flex_mask_from_csr(index, L, g, dev="cuda"):
                                     mask_mod=lambda b, h, qi, ki: qi >= ki, seq_lengths=(L, L))
 
 
-def random_index(L, density, g, seed=0, dev="cuda", per_query_block=False):
+def index_from_csr(sp, base, segment_start, segment_end, block_ids, kept, visible):
+    """A host sp.Index holding a caller CSR (correction off) for the problem `base` (an index built on the same
+    arrays; pass base.to_host() when calling this repeatedly) was built for. The package has no public constructor
+    of an index from caller arrays, so this goes through sp.Index's internal one (the dict the extension returns)
+    with base's binding."""
+    host = base.to_host()  # a host index returns itself
+    h = host.host
+    d = dict(binding=host.binding, block_size=host.block_size, group_size=host.group_size,
+             num_kv_heads=host.num_kv_heads, head_subgroups=host.head_subgroups, correction=False,
+             head_dim=host.head_dim, kept_blocks=int(kept), visible_blocks=int(visible),
+             segment_start=np.ascontiguousarray(segment_start, np.int32),
+             segment_end=np.ascontiguousarray(segment_end, np.int32),
+             block_ids=np.ascontiguousarray(block_ids, np.int32), cu_blocks=h["cu_blocks"], k_mean=h["k_mean"],
+             v_mean=h["v_mean"])
+    return sp.Index(d, host._lib, host._cu_seqlens_q, "tile")
+
+
+def random_index(sp, base, L, density, g, seed=0, dev="cuda", per_query_block=False):
     """A CSR index of fixed density over the visible blocks of each PackGQA tile: the diagonal block always, the
     others with probability `density` (sorted ids, compact CSR). per_query_block: one draw per (KV head, 128 query
     positions), shared by the g tiles of those positions (the granularity of a 128x128 block mask such as
-    FlexAttention's); otherwise an independent draw per 128/g-position tile (no K/V reuse between tiles in L2)."""
+    FlexAttention's); otherwise an independent draw per 128/g-position tile (no K/V reuse between tiles in L2).
+    Returns (host sp.Index, actual density)."""
     T = (L * g + 127) // 128
     nb = (L + BLOCK - 1) // BLOCK
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -117,43 +138,29 @@ def random_index(L, density, g, seed=0, dev="cuda", per_query_block=False):
     m = m.view(HKV * T, nb)
     counts = m.sum(1).to(torch.int32)
     ends = torch.cumsum(counts, 0).to(torch.int32)
-
-    class Idx:
-        pass
-    idx = Idx()
-    idx.segment_start = (ends - counts).contiguous()
-    idx.segment_end = ends.contiguous()
-    idx.block_ids = torch.nonzero(m)[:, 1].to(torch.int32).contiguous()
-    idx.cu_tiles = torch.tensor([0, T], dtype=torch.int32, device=dev)
-    idx.cu_blocks = torch.tensor([0, nb], dtype=torch.int32, device=dev)
-    idx.k_mean = idx.v_mean = None
-    idx.mean_rows, idx.block_size, idx.correction = 0, BLOCK, False
     kept = int(m.sum())
     vis = int(visible.sum()) * HKV
+    idx = index_from_csr(sp, base, (ends - counts).cpu().numpy(), ends.cpu().numpy(),
+                         torch.nonzero(m)[:, 1].to(torch.int32).cpu().numpy(), kept, vis)
     return idx, kept / vis
 
 
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def accuracy(L, dev="cuda"):
+def accuracy(sp, L, dev="cuda"):
     """rel_err with / without correction and the needle ratio on the structured workload at length L."""
-    import sparse_prefill as sp
     q, k, v = sp.workload.structured(L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, seed=1)
     needles = sp.workload.needle_positions(L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, seed=1)
     bf = torch.bfloat16
     q, k, v = (torch.from_numpy(a).to(dev).to(bf) for a in (q, k, v))
     cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
-    dense = sp_cuda.attention(q, k, v, cu, cu, L, L, return_lse=False)
-    ws = sp_cuda.index_workspace(q, k, v, cu, cu, L, L)
-    idx = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, correction=True, **SEL)
-    corr = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L)
-    plain = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, correction=False)
+    dense = sp.attention(q, k, v, cu, cu, L, L)
+    idx = sp.build_index(q, k, v, cu, cu, L, L, correction=True, **SEL)
+    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, correction=False, **SEL)
+    corr = sp.sparse_attention(q, k, v, idx, cu, cu, L, L)
+    plain = sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L)
     torch.cuda.synchronize()
     assert not torch.isnan(corr).any() and not torch.isnan(plain).any()
     res = dict(rel_err=rel_err(corr, dense), rel_err_no_correction=rel_err(plain, dense),
-               accuracy_density=idx.density())
+               accuracy_density=idx.density)
     g = HQ // HKV
     ratios = []
     for n in needles:
@@ -170,108 +177,117 @@ def accuracy(L, dev="cuda"):
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sparse_h200.json"))
-    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
-    ap.add_argument("--sweep-lengths", default="65536,131072")
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "sparse_h200.json"))
+    ap.add_argument("--lengths", default=None, help=f"default {FULL['lengths']}; --quick {QUICK['lengths']}")
+    ap.add_argument("--quick", action="store_true", help="short run (see above): one to two minutes on the H200")
+    ap.add_argument("--sweep-lengths", default=None, help=f"lengths of the random-mask sweep (default "
+                                                          f"{FULL['sweep_lengths']}; only those also in --lengths)")
     ap.add_argument("--densities", default="0.01,0.02,0.05,0.1,0.2,0.3,0.5")
+    ap.add_argument("--flex", dest="flex", action="store_true", default=None,
+                    help="FlexAttention on the same mask (default on; off with --quick)")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
+    ap.add_argument("--sweep", dest="sweep", action="store_true", default=None,
+                    help="random-mask sweep (default on; off with --quick)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
-    ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2 (quick runs)")
-    args = ap.parse_args()
+    ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2")
+    args = apply_profile(ap.parse_args(argv), QUICK, FULL)
+    ints(args.lengths), ints(args.sweep_lengths), floats(args.densities)  # fail on bad lists before the GPU work
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sp = require_cuda()
     dev, g = "cuda", HQ // HKV
     flex = None
     if args.flex:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention)
+    wsd = attention_workspace(D)
     rows, sweep = [], []
-    for L in [int(x) for x in args.lengths.split(",") if x]:
+    meta = dict(workload="topic (DESIGN.md), Hq=32 Hkv=8 D=128 bf16 batch 1 causal; accuracy: structured, seed 1",
+                selection=SEL, sweep=sweep)
+    sweep_lengths = ints(args.sweep_lengths)
+    for L in ints(args.lengths):
         q, k, v = topic(L)
         cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
         row = dict(L=L)
-        row["dense_ms"] = time_ms(lambda: sp_cuda.attention(q, k, v, cu, cu, L, L, out=out, return_lse=False))
+        row["dense_ms"] = time_ms(lambda: sp.attention(q, k, v, cu, cu, L, L, out=out, workspace=wsd))
         dense = out.clone()
-        ws = sp_cuda.index_workspace(q, k, v, cu, cu, L, L)
-        idx = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL)
-        torch.cuda.synchronize()
-        row["density"] = idx.density()
-        row["index_ms"] = time_ms(lambda: sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL))
-        row["attn_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
-        row["attn_no_corr_ms"] = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out,
-                                                                           correction=False))
+        ws = index_workspace(q, k, v, cu, cu, L, L, **SEL)
+        ws_nc = index_workspace(q, k, v, cu, cu, L, L, **SEL, correction=False)
+        ws_pf = workspace(sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L, **SEL), dev)
+
+        def build():
+            return sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **SEL)
+        idx = build()
+        idx_nc = sp.build_index(q, k, v, cu, cu, L, L, workspace=ws_nc, correction=False, **SEL)
+        row["density"] = idx.density
+        row["index_ms"] = time_ms(build)
+        row["attn_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
+        row["attn_no_corr_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L, out=out))
         row["total_ms"] = row["index_ms"] + row["attn_ms"]
 
         def fused():
-            i = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL)
-            sp_cuda.sparse_attention(q, k, v, i, cu, cu, L, L, out=out)
+            sp.sparse_attention(q, k, v, build(), cu, cu, L, L, out=out)
         row["fused_ms"] = time_ms(fused)
         row["topic_rel_err_vs_dense"] = rel_err(out, dense)
+        row["sparse_prefill_ms"] = time_ms(lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, **SEL, out=out,
+                                                                     workspace=ws_pf))
         row["correction_overhead"] = row["attn_ms"] / row["attn_no_corr_ms"] - 1
         row["attn_vs_ideal"] = row["attn_no_corr_ms"] / (row["density"] * row["dense_ms"])
         row["index_share_of_dense"] = row["index_ms"] / row["dense_ms"]
-        qt = q.unsqueeze(0).transpose(1, 2)
-        kt = k.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
-        vt = v.repeat_interleave(g, dim=1).unsqueeze(0).transpose(1, 2)
+        qt, kt, vt = sdpa_layout(q, k, v, g)
         if args.peers:
-            for key, backend in (("cudnn_ms", SDPBackend.CUDNN_ATTENTION), ("fa2_ms", SDPBackend.FLASH_ATTENTION)):
-                try:
-                    with sdpa_kernel(backend):
-                        row[key] = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
-                except Exception as e:  # noqa: BLE001
-                    row[key], row[key + "_error"] = None, repr(e)[:200]
+            time_sdpa_peers(row, qt, kt, vt, is_causal=True)
             if row.get("cudnn_ms"):
                 row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["total_ms"]
         row["flex_same_mask_ms"] = None
         if flex is not None:
             try:
-                bm = flex_mask_from_csr(idx, L, g)
-                fo = flex(qt, kt, vt, block_mask=bm, kernel_options={"BLOCK_M": 128 // g, "BLOCK_N": BLOCK})
-                ours_nc = sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, correction=False)
-                row["flex_vs_ours_no_corr_max_diff"] = (fo[0].transpose(0, 1).float() - ours_nc.float()).abs().max().item()
-                row["flex_same_mask_ms"] = time_ms(
-                    lambda: flex(qt, kt, vt, block_mask=bm, kernel_options={"BLOCK_M": 128 // g, "BLOCK_N": BLOCK}))
-                del bm, fo
+                bm = flex_mask_from_csr(idx_nc, L, g)
+                opts = {"BLOCK_M": 128 // g, "BLOCK_N": BLOCK}
+                fo = flex(qt, kt, vt, block_mask=bm, kernel_options=opts)
+                ours_nc = sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L)
+                row["flex_vs_ours_no_corr_max_diff"] = (fo[0].transpose(0, 1).float() -
+                                                        ours_nc.float()).abs().max().item()
+                row["flex_same_mask_ms"] = time_ms(lambda: flex(qt, kt, vt, block_mask=bm, kernel_options=opts))
+                del bm, fo, ours_nc
             except Exception as e:  # noqa: BLE001
                 row["flex_error"] = repr(e)[:300]
-        if args.accuracy:
-            del q, k, v, qt, kt, vt, out, dense, ws, idx
-            torch.cuda.empty_cache()
-            try:
-                row.update(accuracy(L))
-            except Exception as e:  # noqa: BLE001
-                row["rel_err"], row["rel_err_no_correction"], row["accuracy_error"] = None, None, repr(e)[:300]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        torch.cuda.empty_cache()
-        if args.sweep and str(L) in args.sweep_lengths.split(","):
-            q, k, v = topic(L)
+        del qt, kt, vt, dense, ws_pf
+        if args.sweep and L in sweep_lengths:
+            wsv, base = None, idx_nc.to_host()
             for mask in ("query_block", "tile"):
-                for dens in [float(x) for x in args.densities.split(",") if x]:
-                    ridx, actual = random_index(L, dens, g, per_query_block=mask == "query_block")
-                    ms = time_ms(lambda: sp_cuda.sparse_attention(q, k, v, ridx, cu, cu, L, L, correction=False))
+                for dens in floats(args.densities):
+                    ridx, actual = random_index(sp, base, L, dens, g, per_query_block=mask == "query_block")
+                    if wsv is None:  # its size does not depend on the CSR (correction off)
+                        wsv = workspace(sp.sparse_attention_workspace_bytes(q, k, v, ridx, cu, cu, L, L), dev)
+                    ms = time_ms(lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=wsv))
                     srow = dict(L=L, mask=mask, target_density=dens, density=actual, attn_ms=ms,
                                 dense_ms=row["dense_ms"], ideal_ms=actual * row["dense_ms"],
                                 ratio_to_ideal=ms / (actual * row["dense_ms"]))
-                    print(json.dumps(srow), flush=True)
+                    emit(srow)
                     sweep.append(srow)
                     del ridx
-            del q, k, v
+            del wsv, base
+        if args.accuracy:
+            del q, k, v, out, ws, ws_nc, idx, idx_nc
             torch.cuda.empty_cache()
-    res = dict(device=torch.cuda.get_device_name(), commit=commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               workload="topic (DESIGN.md), Hq=32 Hkv=8 D=128 bf16 batch 1 causal; accuracy: structured, seed 1",
-               selection=SEL, torch=torch.__version__, rows=rows, sweep=sweep)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        plot(res, os.path.splitext(args.out)[0] + ".png")
-    except Exception as e:  # noqa: BLE001
-        print("plot skipped:", repr(e))
+            try:
+                row.update(accuracy(sp, L))
+            except Exception as e:  # noqa: BLE001
+                row["rel_err"], row["rel_err_no_correction"], row["accuracy_error"] = None, None, repr(e)[:300]
+        emit(row)
+        rows.append(row)
+        write_results(args.out, rows, **meta)
+        torch.cuda.empty_cache()
+    res = write_results(args.out, rows, **meta)
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
 
 
 def plot(res, path):

@@ -1,25 +1,45 @@
-"""One chunked-prefill index build (selection with the pooled-means cache), repeated, for ncu / compute-sanitizer.
-Usage: ncu --clock-control none -k regex:score_select --launch-skip 2 --launch-count 1 \
-         python3 bench/profile_select.py [L] [C] [B]"""
-import os
-import sys
+"""One chunked-prefill index build (sp.build_index with the pooled-means cache, into a caller workspace), repeated,
+for ncu / compute-sanitizer, through the installed package.
+Usage: ncu --clock-control none -k regex:score_select --launch-skip 2 --launch-count 1 \\
+         python3 bench/profile_select.py [L] [C] [B]            (default 131072 1024 1; a few seconds without ncu)"""
+import argparse
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import sp_cuda  # noqa: E402
-from bench_chunked import Cache  # noqa: E402
-from bench_sparse import SEL  # noqa: E402
+from _common import SEL, index_workspace, require_cuda
+from bench_chunked import PAGE, Cache
 
-L, C, B = (int(x) for x in (sys.argv[1:4] + ["131072", "1024", "1"][len(sys.argv[1:4]):]))
-cache = Cache(L, B)
-q, cu_q, used, _, _ = cache.step(L - C, L)
-kw = dict(block_table=cache.block_table, seqused_k=used)
-means = cache.mean_cache(L - C)
-ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, L, **kw)
-for _ in range(4):
-    idx = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, L, ws, **SEL, **kw, mean_cache=means)
-torch.cuda.synchronize()
-print("density", idx.density())
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("L", nargs="?", type=int, default=131072, help="prompt length (multiple of 128)")
+    ap.add_argument("C", nargs="?", type=int, default=1024, help="chunk (queries per sequence)")
+    ap.add_argument("B", nargs="?", type=int, default=1, help="batch")
+    ap.add_argument("--repeats", type=int, default=4, help="index builds (default 4)")
+    a = ap.parse_args(argv)
+    if a.L <= 0 or a.L % 128 or a.L % PAGE:
+        ap.error(f"L: must be a positive multiple of 128, got {a.L}")
+    if not 0 < a.C <= a.L:
+        ap.error(f"C: must be in [1, L], got {a.C}")
+    if a.B <= 0 or a.repeats <= 0:
+        ap.error("B and --repeats must be positive")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    sp = require_cuda()
+    cache = Cache(a.L, a.B)
+    q, cu_q, used, C, Lk = cache.step(a.L - a.C, a.L)
+    kw = dict(block_table=cache.block_table, seqused_k=used)
+    args = (q, cache.k, cache.v, cu_q, None, C, Lk)
+    means = cache.mean_cache(a.L - a.C)
+    ws = index_workspace(*args, **kw, **SEL)
+    for _ in range(a.repeats):
+        idx = sp.build_index(*args, **kw, **SEL, workspace=ws, mean_cache=means)
+    torch.cuda.synchronize()
+    print("density", idx.density)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,38 +1,57 @@
-"""One sparse-attention launch at length L on the topic workload, for ncu / compute-sanitizer (the index is built and
-the kernel warmed up first; the launch to profile is the last one).
-Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel python3 bench/profile_sparse.py 131072
-       ... profile_sparse.py L corr|nocorr C B: the last C-query chunk of B L-token prompts (chunked prefill)"""
-import os
-import sys
+"""One sparse-attention launch at length L on the topic workload, for ncu / compute-sanitizer, through the installed
+package (the index is built into a caller workspace and the kernel warmed up first; the launch to profile is the
+last one). With C and B: the last C-query chunk of B L-token prompts over a paged cache (chunked prefill).
+Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \\
+         python3 bench/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
+import argparse
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import sp_cuda  # noqa: E402
-from bench_sparse import SEL, topic  # noqa: E402
+from _common import SEL, index_workspace, require_cuda
+from bench_sparse import topic
 
-L = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
-correction = len(sys.argv) > 2 and sys.argv[2] == "corr"
-if len(sys.argv) > 4:  # chunk C batch B: the last chunk of B L-token prompts over a paged cache (bench_chunked.py)
-    from bench_chunked import Cache  # noqa: E402
-    C, B = int(sys.argv[3]), int(sys.argv[4])
-    cache = Cache(L, B)
-    q, cu_q, used, _, _ = cache.step(L - C, L)
-    kw = dict(block_table=cache.block_table, seqused_k=used)
-    ws = sp_cuda.index_workspace(q, cache.k, cache.v, cu_q, None, C, L, **kw)
-    idx = sp_cuda.build_index(q, cache.k, cache.v, cu_q, None, C, L, ws, **dict(SEL, correction=correction), **kw)
-    for _ in range(3):
-        sp_cuda.sparse_attention(q, cache.k, cache.v, idx, cu_q, None, C, L, **kw)
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("L", nargs="?", type=int, default=131072, help="length (multiple of 128)")
+    ap.add_argument("correction", nargs="?", choices=("corr", "nocorr"), default="nocorr",
+                    help="index built with the mean correction (corr) or without (nocorr, default)")
+    ap.add_argument("C", nargs="?", type=int, default=None, help="chunk: profile the last C queries (needs B)")
+    ap.add_argument("B", nargs="?", type=int, default=None, help="batch of the chunked step")
+    ap.add_argument("--repeats", type=int, default=3, help="sparse-attention launches (default 3)")
+    a = ap.parse_args(argv)
+    if a.L <= 0 or a.L % 128:
+        ap.error(f"L: must be a positive multiple of 128, got {a.L}")
+    if (a.C is None) != (a.B is None):
+        ap.error("C and B go together")
+    if a.C is not None and not (0 < a.C <= a.L and a.B > 0):
+        ap.error("C must be in [1, L] and B positive")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    sp = require_cuda()
+    sel = dict(SEL, correction=a.correction == "corr")
+    if a.C is not None:  # the last chunk of B L-token prompts over a paged cache (bench_chunked.py)
+        from bench_chunked import Cache
+        cache = Cache(a.L, a.B)
+        q, cu_q, used, C, Lk = cache.step(a.L - a.C, a.L)
+        kw = dict(block_table=cache.block_table, seqused_k=used)
+        args = (q, cache.k, cache.v, cu_q, None, C, Lk)
+    else:
+        q, k, v = topic(a.L)
+        cu = torch.tensor([0, a.L], dtype=torch.int32, device="cuda")
+        kw = {}
+        args = (q, k, v, cu, cu, a.L, a.L)
+    ws = index_workspace(*args, **kw, **sel)
+    idx = sp.build_index(*args, **kw, **sel, workspace=ws)
+    out = torch.empty_like(q)
+    for _ in range(a.repeats):
+        sp.sparse_attention(args[0], args[1], args[2], idx, *args[3:], out=out, **kw)
     torch.cuda.synchronize()
-    print("density", idx.density())
-    sys.exit(0)
-q, k, v = topic(L)
-cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
-ws = sp_cuda.index_workspace(q, k, v, cu, cu, L, L)
-idx = sp_cuda.build_index(q, k, v, cu, cu, L, L, ws, **SEL)
-for _ in range(3):
-    sp_cuda.sparse_attention(q, k, v, idx, cu, cu, L, L, correction=correction)
-torch.cuda.synchronize()
-print("density", idx.density())
+    print("density", idx.density)
+
+
+if __name__ == "__main__":
+    main()

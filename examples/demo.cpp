@@ -22,16 +22,24 @@
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
 #include <cuda_runtime.h>
-
-#include "api/problem.h"
-#include "core/dtype_convert.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/index_stage.h"
 #endif
 
 namespace sp = sparse_prefill;
 
 namespace {
+
+// bfloat16 <-> float (round to nearest even; the demo's inputs are finite).
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+float bf16_to_float(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -128,7 +136,7 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
   auto to_bf16 = [](const std::vector<float>& x) {
     std::vector<uint16_t> y(x.size());
-    for (size_t i = 0; i < x.size(); ++i) y[i] = sp::float_to_bf16(x[i]);
+    for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_bf16(x[i]);
     return y;
   };
   const std::vector<uint16_t> qh = to_bf16(q), kh = to_bf16(k), vh = to_bf16(v);
@@ -178,26 +186,26 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   sp::attention(cpu, {sp::make_view(out_tail.data(), sp::DType::kBFloat16, {tail, Hq, D}), std::nullopt});
   double num = 0, den = 0;
   for (int64_t i = 0; i < tail * Hq * D; ++i) {
-    const double g = sp::bf16_to_float(out[(L - tail) * Hq * D + i]), r = sp::bf16_to_float(out_tail[i]);
+    const double g = bf16_to_float(out[(L - tail) * Hq * D + i]), r = bf16_to_float(out_tail[i]);
     num += (g - r) * (g - r);
     den += r * r;
   }
 
   // The GPU index stage.
-  const sp::Problem p = sp::validate_inputs(in, nullptr);
-  const size_t bytes = sp::cuda::index_workspace_bytes(in, p, sel);
+  // The GPU index stage into a workspace of our own (the engine path: no allocation, no synchronisation).
+  const int64_t bytes = sp::index_workspace_bytes(in, sel);
   void* ws = nullptr;
-  CHECK_CUDA(cudaMalloc(&ws, bytes));
-  sp::cuda::DeviceIndex index;
-  const float index_ms = median_ms([&] { index = sp::cuda::build_index(in, p, sel, ws, bytes); }, 5);
-  unsigned long long counters[2];
-  CHECK_CUDA(cudaMemcpy(counters, index.counters, sizeof(counters), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMalloc(&ws, size_t(bytes)));
+  const sp::TensorView workspace = sp::make_view(ws, sp::DType::kInt32, {(bytes + 3) / 4}, gpu);
+  sp::DeviceBlockIndex index;
+  const float index_ms = median_ms([&] { index = sp::build_index(in, sel, workspace); }, 5);
+  const auto [kept, visible] = sp::index_counts(index, nullptr);
 
   std::printf("  seqlen              %lld\n", (long long)L);
   std::printf("  dense attention     %.3f ms (%.0f TFLOP/s); rel. error vs CPU reference (last %lld queries) %.2e\n",
               dense_ms, tflops, (long long)tail, std::sqrt(num / den));
   std::printf("  index stage         %.3f ms (%.2f %% of dense); selected density %.2f %%\n", index_ms,
-              100.0 * index_ms / dense_ms, 100.0 * double(counters[0]) / double(counters[1]));
+              100.0 * index_ms / dense_ms, 100.0 * double(kept) / double(visible));
 
   // The sparse kernel over that index (the engine path: no allocation, no synchronisation), with and without the
   // mean correction; error against the GPU dense output.
@@ -210,18 +218,18 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
     CHECK_CUDA(cudaMemcpy(sparse_out.data(), dsparse, sparse_out.size() * 2, cudaMemcpyDeviceToHost));
     double n2 = 0, d2 = 0;
     for (size_t i = 0; i < out.size(); ++i) {
-      const double g = sp::bf16_to_float(sparse_out[i]), r = sp::bf16_to_float(out[i]);
+      const double g = bf16_to_float(sparse_out[i]), r = bf16_to_float(out[i]);
       n2 += (g - r) * (g - r);
       d2 += r * r;
     }
     return std::sqrt(n2 / d2);
   };
-  sp::cuda::DeviceIndex with = index, without = index;
-  with.correction = true;
-  without.correction = false;
-  const float corr_ms = median_ms([&] { sp::cuda::sparse_attention(in, sparse_outs, p, with); }, 5);
+  sp::DeviceBlockIndex with = index, without = index;  // the correction only decides whether the means are read
+  with.params.correction = true;
+  without.params.correction = false;
+  const float corr_ms = median_ms([&] { sp::sparse_attention(in, with, sparse_outs); }, 5);
   const double corr_err = rel_error_vs_dense();
-  const float plain_ms = median_ms([&] { sp::cuda::sparse_attention(in, sparse_outs, p, without); }, 5);
+  const float plain_ms = median_ms([&] { sp::sparse_attention(in, without, sparse_outs); }, 5);
   const double plain_err = rel_error_vs_dense();
   std::printf("  sparse attention    %.3f ms with correction (rel. error vs dense %.2e), %.3f ms without (%.2e)\n",
               corr_ms, corr_err, plain_ms, plain_err);

@@ -1,9 +1,25 @@
-// Dense attention: the contract of DESIGN.md ("The semantic contract").
+// Dense attention: the contract of docs/semantics.md.
 #pragma once
 
 #include "sparse_prefill/tensor.h"
 
 namespace sparse_prefill {
+
+// Kernel choices the library otherwise makes from the shapes; benchmarks and tests pin them for A/B runs. The
+// defaults are the measured best (bench/NOTES.md, bench/NOTES_sparse.md).
+struct LaunchOptions {
+  enum class DensePath : int {
+    kAuto = 0,         // the dense kernel, except short queries against long keys (decode, small chunks): PackGQA
+                       // tiles with split-KV, below half a wave of dense tiles (attention(), bench/NOTES.md)
+    kDenseKernel = 1,  // always the dense kernel (one 128-row tile per query head)
+    kSplitKV = 2,      // PackGQA tiles with split-KV wherever that path applies (head dim 128, no window, more keys
+                       // than queries, pages of a multiple of 64); the dense kernel elsewhere
+  };
+  DensePath dense_path = DensePath::kAuto;
+  // Sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q): split tiles heavier than an SM's share into
+  // split-KV units, planned on the device. false: one unit per tile.
+  bool split_kv = true;
+};
 
 // The keys and values one call attends to, contiguous or paged, and the queries. Shared by dense attention, index
 // building and sparse attention.
@@ -25,16 +41,20 @@ struct AttentionInputs {
   int window_left = -1;      // sliding window (-1 = unbounded), same alignment as causal
   int window_right = -1;
   void* stream = nullptr;    // cudaStream_t for the CUDA backend; ignored on the CPU
+  LaunchOptions options;     // CUDA kernel choices (ignored on the CPU)
 
   bool paged() const { return block_table.has_value(); }
 };
 
 // Outputs: out [total_q, Hq, D] in q's dtype (written in place), lse [Hq, total_q] float32 (optional).
-// workspace (optional, CUDA): scratch device memory for the path that runs short queries against long keys (decode,
-// small chunks) on PackGQA tiles with split-KV; it holds the float32 partials and the split plan. Without it that path
-// takes a stream-ordered temporary (cudaMallocAsync) per call; engines pass a buffer allocated once to keep the launch
-// path free of allocations. A contiguous 1-D array of any dtype on q's device, at least attention_workspace_bytes()
-// bytes, 256-byte aligned, not used by another stream while the call runs. Ignored by the CPU backend.
+// workspace (optional, CUDA): scratch device memory of the call. attention() uses it on the path that runs short
+// queries against long keys (decode, small chunks) on PackGQA tiles with split-KV (the float32 partials and the
+// split plan); sparse_prefill() for the index and the launch state; sparse_attention() over a caller's index view for
+// its prepared copies. Each entry point has a *_workspace_bytes() function computed from shapes and parameters alone.
+// With a workspace the call allocates nothing, never synchronises the host and can be captured in a CUDA graph;
+// without it the call takes a stream-ordered temporary (cudaMallocAsync). A contiguous 1-D array of any dtype on q's
+// device, at least the bytes its *_workspace_bytes() function gives, 256-byte aligned, not used by another launch
+// while the call runs. Ignored by the CPU backend.
 struct AttentionOutputs {
   TensorView out;
   std::optional<TensorView> lse;
@@ -47,5 +67,9 @@ int64_t attention_workspace_bytes(int head_dim);
 
 // out = softmax(q k^T * scale + mask) v. Rows that see no key get zeros and lse = -inf.
 void attention(const AttentionInputs& in, const AttentionOutputs& outs);
+
+// Which kernel attention() runs for these inputs (after in.options): kDenseKernel or kSplitKV on CUDA; the CPU
+// reference reports kDenseKernel. For tests and benchmarks; validates like attention().
+LaunchOptions::DensePath attention_path(const AttentionInputs& in);
 
 }  // namespace sparse_prefill

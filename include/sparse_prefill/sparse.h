@@ -1,12 +1,13 @@
 // Block-sparse prefill (FlashPrefill V2) and the chunked-prefill block union (CompactAttention).
 //
-// Semantics (DESIGN.md): key blocks of `block_size` tokens per KV head; PackGQA query tiles of 128 packed rows
+// Semantics (docs/semantics.md): key blocks of `block_size` tokens per KV head; PackGQA query tiles of 128 packed rows
 // (row r <-> position r / g, head kvh*g + r % g); a tile keeps block J iff its pooled energy
 // E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, plus sink / window / last_n blocks; kept blocks are listed per
 // segment (sequence, KV head, tile) in a CSR index; mean correction adds, for every block fully visible to the whole
 // tile and not kept, one virtual key (k_mean_J, v_mean_J) with weight |B_J|.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "sparse_prefill/attention.h"
@@ -34,6 +35,30 @@ struct SelectionParams {
   int head_subgroups = 1;
 };
 
+// What an index was built for: the problem (mask, scale, head geometry, lengths' bounds, dtype, device), the
+// selection parameters that shape its layout, and the addresses of the arrays it was built from. build_index fills
+// it; sparse_attention rejects an index whose binding does not match its call with an ArgumentError naming the first
+// argument that differs (an index built causal is never applied without the mask, an index of other data with the
+// same shapes is not taken for this data). Pass reuse_index = true to apply a selection to other arrays of the same
+// problem (e.g. another layer's K/V). A binding left unset (set == false, an index made by hand) is not checked.
+struct IndexBinding {
+  bool set = false;
+  bool causal = true;
+  int window_left = -1, window_right = -1;
+  float softmax_scale = 0.f;       // resolved
+  int block_size = 0, head_subgroups = 1;
+  bool union_lists = false, split_kv = true;
+  int batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t total_q = 0, total_k = 0, max_seqlen_q = 0, max_seqlen_k = 0;
+  bool paged = false;
+  int64_t page_size = 0;
+  DType dtype = DType::kFloat32;
+  Device device = Device::kCPU;
+  int device_id = 0;
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *cu_seqlens_q = nullptr, *cu_seqlens_k = nullptr,
+             *block_table = nullptr, *seqused_k = nullptr;
+};
+
 // Segment order: for sequence b with Lq_b queries, T_b = ceil(Lq_b * g / 128) tiles; segments of b start at
 // segment_offset(b) = sum_{b' < b} Hkv * T_b' and are ordered (kvh, tile): id = segment_offset(b) + kvh * T_b + t.
 // Segment s lists block_ids[segment_start[s] .. segment_end[s]) ascending (block ids are per sequence, 0-based).
@@ -45,6 +70,7 @@ struct SelectionParams {
 // holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads, group_size, the segment
 // order above and the pooled means' head axis are all in virtual heads (the means of v are those of K/V head v / S).
 struct BlockIndex {
+  IndexBinding binding;   // what it was built for
   int block_size = 128;
   int group_size = 1;     // query heads per (virtual) KV head: g / head_subgroups
   int num_kv_heads = 0;   // (virtual) KV heads: Hkv * head_subgroups
@@ -61,6 +87,7 @@ struct BlockIndex {
 
 // A view of an index held by the caller (Python keeps its arrays as numpy arrays).
 struct BlockIndexView {
+  IndexBinding binding;                              // what the index was built for (unset: trusted)
   int block_size = 128;
   bool correction = true;
   int head_subgroups = 1;                            // see BlockIndex: segments and means over Hkv * S heads
@@ -74,22 +101,46 @@ BlockIndexView view_of(BlockIndex& index);
 void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
              std::vector<float>& v_mean);
 
-// Selection: pooling, scoring, thresholding, always-kept rules and CSR compaction. CPU inputs run the reference;
-// CUDA inputs (bf16/fp16, causal, no attention window) run the GPU index stage and copy the index back to the host
-// (this convenience path allocates and synchronises; the graph-capturable GPU entry point with a caller workspace
-// is sparse_prefill::cuda::build_index in src/cuda/index_stage.h).
+// Selection on the host: pooling, scoring, thresholding, always-kept rules and CSR compaction. CPU inputs run the
+// reference; CUDA inputs (bf16/fp16, causal, no attention window) run the GPU index stage in a temporary and copy
+// the index back to the host (this inspection path allocates and synchronises; engines use the device index below).
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params);
 
-// Sparse attention over the index: every listed block of a row's segment (token-level causal / window masks still
+// Sparse attention over an index: every listed block of a row's segment (token-level causal / window masks still
 // apply), plus the mean correction when index.correction is set. CUDA inputs need the index arrays on the same GPU
 // (contiguous); their contents (segment count, ascending ids in range) are trusted there, as cu_seqlens are.
-void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs);
+// outs.workspace (CUDA, optional): sparse_attention_workspace_bytes(in, index) bytes.
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
+                      bool reuse_index = false);
+int64_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index);
 
-// build_index + sparse_attention in one call. On CUDA the index lives in a stream-ordered temporary workspace: no
-// host synchronisation (engines that reuse an index across layers call sparse_prefill::cuda::build_index and
-// sparse_prefill::cuda::sparse_attention with their own workspace). CUDA: causal, no attention window,
-// block_size % 128 == 0, bfloat16/float16, head dim 128.
+// The device index (CUDA, the engine path): build_index writes the CSR, the pooled means and the sparse launch's
+// state into the caller's `workspace` (index_workspace_bytes(in, params) bytes, computed from shapes and parameters
+// alone; 1-D, contiguous, 256-byte aligned, on q's device) on in.stream: no allocation, no host synchronisation,
+// capturable in a CUDA graph. The index is valid while the workspace is not reused; sparse_attention reads it in
+// place, and one index serves one sparse launch at a time (launches over it must be ordered on one stream).
+// to_host copies it to the host for inspection (it synchronises in.stream of the build). mean_cache: as for
+// sparse_prefill. CUDA: causal, no attention window, bfloat16/float16, head dim 64 or 128 (sparse attention: 128).
+struct MeanCache;  // below
+struct DeviceBlockIndex {
+  TensorView workspace;
+  SelectionParams params;
+  IndexBinding binding;
+};
+int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& params);
+DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& params, const TensorView& workspace,
+                             const MeanCache* mean_cache = nullptr);
+void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, const AttentionOutputs& outs,
+                      bool reuse_index = false);
+// kept and visible block counts (density = kept / visible); synchronises `stream`.
+std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream);
+BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
+
+// build_index + sparse_attention in one call. On CUDA the index lives in outs.workspace
+// (sparse_prefill_workspace_bytes(in, params) bytes) or, without it, a stream-ordered temporary: no host
+// synchronisation either way. CUDA: causal, no attention window, block_size % 128 == 0, bfloat16/float16, head dim 128.
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs);
+int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const SelectionParams& params);
 
 // Pooled-means cache beside a paged KV cache (chunked prefill): the means of complete key blocks, written once and
 // reused by the prompt's later chunks, so a step's selection pools only the blocks its chunk completes and the

@@ -1,6 +1,6 @@
 // Seeded synthetic Q/K/V generators for long contexts (float32, row-major):
 //   q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, D] for one sequence of length L.
-// - topic: the speed reference workload of DESIGN.md ("topic"), used for every speed figure.
+// - topic: the speed reference workload of docs/workload.md ("topic"), used for every speed figure.
 // - structured: the accuracy workload, with the structure real LLM attention shows (RoPE-rotated heads, attention
 //   sinks, local recency, semantic recall of a few earlier blocks, retrieval needles, vertical stripes). Its knobs are
 //   documented in StructuredParams and in docs/workload.md (with the measured FlashPrefill V2 densities).

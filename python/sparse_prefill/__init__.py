@@ -20,8 +20,9 @@ NotImplementedError). See sparse_prefill._api for shapes, masking and error conv
 """
 
 from . import _C
-from ._api import (Index, attention, attention_workspace_bytes, build_index, chunked_prefill, mean_cache, pool_kv,
-                   sparse_attention, sparse_prefill, union_index)
+from ._api import (Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index, chunked_prefill,
+                   chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv, sparse_attention,
+                   sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes, union_index)
 from . import workload
 
 with_cuda: bool = bool(_C.with_cuda)
@@ -29,5 +30,7 @@ with_cuda: bool = bool(_C.with_cuda)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_workspace_bytes", "build_index", "sparse_attention", "sparse_prefill",
-           "chunked_prefill", "union_index", "pool_kv", "mean_cache", "Index", "workload", "with_cuda", "__version__"]
+__all__ = ["attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
+           "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "chunked_prefill",
+           "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "Index", "LaunchOptions",
+           "workload", "with_cuda", "__version__"]

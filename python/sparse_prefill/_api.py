@@ -34,7 +34,8 @@ from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
-           "union_index", "pool_kv", "Index"]
+           "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes", "index_workspace_bytes",
+           "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 
 _TILE_ROWS = int(_C.tile_rows)
 
@@ -87,6 +88,44 @@ def _as_window(window: Any) -> Tuple[int, int]:
     return left, right
 
 
+class LaunchOptions:
+    """CUDA kernel choices the library otherwise makes from the shapes, for A/B benchmarks and tests (the defaults are
+    the measured best, bench/NOTES.md). Pass as `options=` to any compute function; ignored on the CPU.
+
+    dense_path: 'auto' (the dense kernel, except short queries against long keys: PackGQA tiles with split-KV below
+        half a wave of dense tiles), 'dense' (always the dense kernel) or 'split_kv' (PackGQA tiles with split-KV
+        wherever that path applies: head dim 128, no window, more keys than queries, pages of a multiple of 64).
+    split_kv: sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q) split tiles heavier than an SM's share
+        into split-KV units (default True); False runs one unit per tile.
+    """
+
+    _PATHS = {"auto": 0, "dense": 1, "split_kv": 2}
+    __slots__ = ("dense_path", "split_kv")
+
+    def __init__(self, dense_path: str = "auto", split_kv: bool = True):
+        if dense_path not in self._PATHS:
+            raise ValueError(f"dense_path: expected one of {sorted(self._PATHS)}, got {dense_path!r}")
+        self.dense_path = dense_path
+        self.split_kv = _as_bool("split_kv", split_kv)
+
+    def _codes(self) -> tuple:
+        return (self._PATHS[self.dense_path], self.split_kv)
+
+    def __repr__(self) -> str:
+        return f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv})"
+
+
+_DEFAULT_CODES = (0, True)
+
+
+def _option_codes(options: Any) -> tuple:
+    if options is None:
+        return _DEFAULT_CODES
+    if not isinstance(options, LaunchOptions):
+        raise TypeError(f"options: expected a sparse_prefill.LaunchOptions, got {type(options).__name__}")
+    return options._codes()
+
+
 class _Call:
     """One call's arrays, checked for kind and array library, converted for the extension.
 
@@ -133,7 +172,7 @@ class _Call:
         return x
 
     def inputs(self, max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, softmax_scale: Any,
-               window: Any = (-1, -1), stream: Any = None) -> tuple:
+               window: Any = (-1, -1), stream: Any = None, options: Any = None) -> tuple:
         a = self.arrays
         max_q = _as_int("max_seqlen_q", max_seqlen_q)
         max_k = _as_int("max_seqlen_k", max_seqlen_k)
@@ -147,7 +186,18 @@ class _Call:
         left, right = _as_window(window)
         return (a["q"], a["k"], a["v"], a["cu_seqlens_q"], a.get("cu_seqlens_k"), a.get("block_table"),
                 a.get("seqused_k"), max_q, max_k, _as_bool("causal", causal), scale, left, right,
-                resolve_stream(stream, self.lib))
+                resolve_stream(stream, self.lib)) + _option_codes(options)
+
+    def workspace(self, workspace: Any) -> Any:
+        """The caller's workspace as the extension takes it (same array library as q)."""
+        if workspace is None:
+            return None
+        other = library_of(workspace)
+        if other is None:
+            raise TypeError(f"workspace: expected an array, got {type(workspace).__name__}")
+        if other != self.lib.name:
+            raise TypeError(f"workspace: is a {other} array but q is a {self.lib.name} array")
+        return self._wrap(workspace)
 
     def outputs(self, out: Any, return_lse: bool):
         """(out for C++, lse for C++ or None, out to return)."""
@@ -180,13 +230,14 @@ def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> d
 # ---------------------------------------------------------------------------------------------------------------------
 
 def attention_workspace_bytes(head_dim: int = 128) -> int:
-    """Bytes of the `workspace` that attention() may use on the current CUDA device (0 without a CUDA build)."""
-    return int(_C.attention_workspace_bytes(int(head_dim)))
+    """Bytes of the `workspace` that attention() may use on the current CUDA device (0 without a CUDA build or GPU)."""
+    return int(_C.attention_workspace_bytes(_as_int32("head_dim", head_dim)))
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
-              return_lse: bool = False, block_table=None, seqused_k=None, stream=None, workspace=None):
+              return_lse: bool = False, block_table=None, seqused_k=None, stream=None, workspace=None,
+              options: Optional[LaunchOptions] = None):
     """Dense varlen attention: out = softmax(q k^T * softmax_scale + mask) v, per sequence and query head.
 
     Args:
@@ -213,16 +264,26 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
             least attention_workspace_bytes(D) bytes, 256-byte aligned (torch and cupy allocations are), e.g.
             torch.empty(sp.attention_workspace_bytes(128) // 4, dtype=torch.int32, device="cuda"). Allocate it once
             and pass it to every call on one stream: the launch path then allocates nothing.
+        options: LaunchOptions (CUDA kernel choices for A/B runs; default: the measured best).
 
     Returns:
         out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
-    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.attention(inputs, out_c, lse, workspace)
+    _C.attention(inputs, out_c, lse, call.workspace(workspace))
     return call.result(out_c, lse, out_ret, return_lse)
+
+
+def attention_path(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                   window: Tuple[int, int] = (-1, -1), block_table=None, seqused_k=None,
+                   options: Optional[LaunchOptions] = None) -> str:
+    """Which kernel attention() runs for these arguments: 'dense' (one 128-row tile per query head) or 'split_kv'
+    (PackGQA tiles with split-KV; CUDA only). For tests and benchmarks; reads shapes only."""
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    return str(_C.attention_path(call.inputs(max_seqlen_q, max_seqlen_k, causal, None, window, 0, options)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,52 +303,105 @@ class Index:
     num_kv_heads, group_size, kv_head in segment()/segment_id() and the head axis of k_mean/v_mean are all virtual
     (the means of virtual head v are those of K/V head v // S).
 
-    Attributes:
-        density: kept_blocks / visible_blocks (1.0 when nothing is visible).
-        kept_blocks, visible_blocks: summed over segments, counting only blocks the segment's tile can see.
-        block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union').
-        segment_start, segment_end: [S] int32.   block_ids: [N] int32.   cu_blocks: [B+1] int32 (block offsets).
-        k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block averages its valid
-        keys).
-        The arrays live in the array library and on the device of the inputs the index was built from (numpy for
-        CPU numpy and jax inputs; cupy for CUDA jax inputs). `host` holds numpy copies.
+    Where it lives. An index built from CUDA arrays stays on the device (`on_device` is True): its CSR, pooled means
+    and launch state live in one workspace array (`workspace`, in q's library, or the caller's `workspace=`), written
+    and read on the stream without a host synchronisation; `to_host()` copies it to the host for inspection (it
+    synchronises). An index built from CPU arrays, or returned by to_host() or union_index(), is a host index whose
+    arrays are numpy arrays (`host`), copied once to another device when passed with arrays there.
 
-    An index may be passed to sparse_attention() with inputs of another array library or device: its arrays are then
-    copied there once and cached.
+    What it is bound to. `binding` records what the index was built for (mask, softmax scale, head geometry, length
+    bounds, dtype, device, and the arrays it was built from); sparse_attention() rejects a call that differs, naming
+    the argument, unless reuse_index=True is passed to apply the selection to other arrays of the same problem.
+
+    Attributes:
+        density: kept_blocks / visible_blocks (1.0 when nothing is visible); reading them on a device index
+        synchronises its stream once.
+        block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union'),
+        on_device, binding.
+        Host indexes also: segment_start, segment_end: [S] int32; block_ids: [N] int32; cu_blocks: [B+1] int32
+        (block offsets); k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block
+        averages its valid keys), in the library of the inputs it was built from (numpy for to_host()); `host`
+        holds them as a dict of numpy arrays.
     """
 
     _ARRAYS = ("segment_start", "segment_end", "block_ids", "cu_blocks", "k_mean", "v_mean")
 
     def __init__(self, d: dict, lib: ArrayLib, cu_seqlens_q: Any, mode: str):
-        self.block_size = int(d["block_size"])
-        self.group_size = int(d["group_size"])
-        self.num_kv_heads = int(d["num_kv_heads"])
-        self.head_subgroups = int(d["head_subgroups"])
-        self.correction = bool(d["correction"])
-        self.kept_blocks = int(d["kept_blocks"])
-        self.visible_blocks = int(d["visible_blocks"])
-        self.mode = mode
+        """A host index from the dict the extension returns."""
+        self._init_common(d["binding"], lib, cu_seqlens_q, mode, int(d["block_size"]), bool(d["correction"]),
+                          int(d["head_subgroups"]))
+        self.on_device = False
+        self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]))
         self.host = {name: d[name] for name in self._ARRAYS}
-        self.head_dim = int(d["head_dim"])
+        self._cache = {}
+        for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
+            setattr(self, name, lib.from_numpy(self.host[name]))
+
+    def _init_common(self, binding, lib, cu_seqlens_q, mode, block_size, correction, head_subgroups):
+        self.binding = binding
+        self.block_size = block_size
+        self.correction = correction
+        self.head_subgroups = head_subgroups
+        self.num_kv_heads = binding.num_kv_heads * head_subgroups
+        self.group_size = binding.num_q_heads // self.num_kv_heads
+        self.head_dim = binding.head_dim
+        self.mode = mode
         self._lib = lib
         self._cu_seqlens_q = cu_seqlens_q  # read lazily (may be a device array)
         self._tiles = None
-        self._cache = {}
-        for name in self._ARRAYS:
-            setattr(self, name, self._host_to(lib, self.host[name]))
+
+    @classmethod
+    def _device(cls, workspace: Any, selection: tuple, binding, lib: ArrayLib, stream: int, cu_seqlens_q: Any,
+                mode: str) -> "Index":
+        self = cls.__new__(cls)
+        self._init_common(binding, lib, cu_seqlens_q, mode, selection[1], selection[5], selection[8])
+        self.on_device = True
+        self.workspace = workspace
+        self._selection = selection
+        self._stream = stream
+        self._counts = None
+        return self
+
+    def __getattr__(self, name: str):
+        # only reached for attributes that are not set: the host arrays of a device index
+        if name in Index._ARRAYS or name == "host":
+            raise AttributeError(f"{name}: this index lives on the device; call index.to_host() for its arrays")
+        raise AttributeError(name)
+
+    def to_host(self) -> "Index":
+        """A host copy of this index (numpy arrays). Synchronises the stream the index was built on."""
+        if not self.on_device:
+            return self
+        d = _C.device_index_to_host(self.workspace, self._selection, self.binding, self._stream)
+        return Index(d, ArrayLib("numpy", np.zeros(0)), self._cu_seqlens_q, self.mode)
 
     # -- geometry ---------------------------------------------------------------------------------------------------
-    @property
-    def density(self) -> float:
-        return self.kept_blocks / self.visible_blocks if self.visible_blocks else 1.0
+    def _read_counts(self) -> tuple:
+        if self._counts is None:
+            self._counts = tuple(int(c) for c in _C.device_index_counts(self.workspace, self._selection, self.binding,
+                                                                          self._stream))
+        return self._counts
 
     @property
-    def num_segments(self) -> int:
-        return int(self.host["segment_start"].shape[0])
+    def kept_blocks(self) -> int:
+        return self._read_counts()[0]
+
+    @property
+    def visible_blocks(self) -> int:
+        return self._read_counts()[1]
+
+    @property
+    def density(self) -> float:
+        kept, visible = self._read_counts()
+        return kept / visible if visible else 1.0
 
     @property
     def batch(self) -> int:
-        return int(self.host["cu_blocks"].shape[0]) - 1
+        return int(self.binding.batch)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.tiles.sum()) * self.num_kv_heads
 
     @property
     def tiles(self) -> np.ndarray:
@@ -316,25 +430,20 @@ class Index:
     def segment(self, b: int, kv_head: int, tile: int) -> np.ndarray:
         """The kept block ids (ascending, per-sequence numbering) of sequence b, KV head kv_head, query tile tile."""
         s = self.segment_id(b, kv_head, tile)
-        lo, hi = int(self.host["segment_start"][s]), int(self.host["segment_end"][s])
-        return self.host["block_ids"][lo:hi].copy()
+        h = self.host
+        lo, hi = int(h["segment_start"][s]), int(h["segment_end"][s])
+        return h["block_ids"][lo:hi].copy()
 
     def __repr__(self) -> str:
-        return (f"Index(mode={self.mode!r}, density={self.density:.4f}, kept_blocks={self.kept_blocks}, "
-                f"visible_blocks={self.visible_blocks}, segments={self.num_segments}, block_size={self.block_size}, "
+        where = "device" if self.on_device else f"host, density={self.density:.4f}"   # no sync on the host
+        return (f"Index(mode={self.mode!r}, on the {where}, block_size={self.block_size}, "
                 f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, "
                 f"head_subgroups={self.head_subgroups}, correction={self.correction})")
 
     # -- placement --------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _host_to(lib: ArrayLib, a: np.ndarray) -> Any:
-        return lib.from_numpy(a)
-
     def _arrays_for(self, lib: ArrayLib) -> tuple:
-        """The index arrays in the compute library and on the device of `lib` (copied once, then cached)."""
-        mine = self._lib
-        if lib.compute == mine.compute and lib.cuda == mine.cuda and (not lib.cuda or
-                                                                       lib.device_id == mine.device_id):
+        """The host index arrays in the compute library and on the device of `lib` (copied once, then cached)."""
+        if not lib.cuda and lib.compute == self._lib.compute:
             return tuple(getattr(self, n) for n in self._ARRAYS)
         key = (lib.compute, lib.cuda, lib.device_id if lib.cuda else 0,
                str(getattr(lib.ref, "device", "")) if lib.compute == "torch" else "")
@@ -343,13 +452,13 @@ class Index:
         return self._cache[key]
 
     def _view_tuple(self, lib: ArrayLib) -> tuple:
-        return (self.block_size, self.correction, self.head_subgroups) + self._arrays_for(lib)
+        return (self.block_size, self.correction, self.head_subgroups) + self._arrays_for(lib) + (self.binding,)
 
     def _host_tuple(self) -> tuple:
         h = self.host
         return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
                 h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
-                self.visible_blocks, self.head_subgroups)
+                self.visible_blocks, self.head_subgroups, self.binding)
 
 
 def _as_head_subgroups(value: Any) -> int:
@@ -371,7 +480,8 @@ def _selection_args(alpha, block_size, sink, window, last_n, correction, final_c
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
                 block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1) -> Index:
+                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
+                workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None) -> Index:
     """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
 
     For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
@@ -388,41 +498,125 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
     for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
     `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
-    'union'), built in the same call (on the GPU for CUDA inputs).
+    'union'), built in the same call.
 
     head_subgroups (S, default 1; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query
     heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
     [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads, group_size, segments and means
     are over these virtual heads). In union mode the union is then per sub-group rather than over the whole group.
 
+    CUDA inputs: the index stays on the device (Index.on_device), in `workspace` when given (a 1-D array of q's
+    library on q's device of at least index_workspace_bytes(...) bytes, 256-byte aligned: the call then allocates
+    nothing and can be captured in a CUDA graph; the index lives there until the buffer is reused) or else in a
+    workspace array allocated in q's library. mean_cache (paged KV): as for chunked_prefill().
+
     Returns:
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
-    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
-    d = _C.build_index(inputs, sel)
-    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union" if sel[7] else "tile")
+    mode = "union" if sel[7] else "tile"
+    mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
+    if not call.lib.cuda:
+        if mean_cache is not None:
+            raise ValueError("mean_cache: build_index() takes a mean cache on CUDA only (the CPU reference pools "
+                             "every block)")
+        return Index(_C.build_index(inputs, sel), call.lib, call.arrays["cu_seqlens_q"], mode)
+    ws = call.workspace(workspace)
+    if ws is None:
+        ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel)), 1),), "uint8")
+    binding = _C.build_index_device(inputs, sel, ws, mean_k, mean_v)
+    return Index._device(ws, sel, binding, call.lib, inputs[13], call.arrays["cu_seqlens_q"], mode)
+
+
+def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                          block_size: int = 128, block_table=None, seqused_k=None, union: bool = False,
+                          head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
+                          options: Optional[LaunchOptions] = None, **selection) -> int:
+    """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
+    0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out."""
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
+    sel = _selection_args(selection.get("alpha", 0.1), block_size, selection.get("sink", 256),
+                          selection.get("window", 512), selection.get("last_n", 2),
+                          selection.get("correction", True), selection.get("final_chunk", True), union,
+                          head_subgroups)
+    return int(_C.index_workspace_bytes(inputs, sel))
+
+
+def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                   block_size: int = 128, block_table=None, seqused_k=None, union: bool = False,
+                                   head_subgroups: int = 1, causal: bool = True,
+                                   softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
+                                   **selection) -> int:
+    """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays."""
+    return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
+                                 head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
+                                 options=options, **selection)
+
+
+def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
+                                    max_seqlen_k: int, block_size: int = 128, union: bool = False,
+                                    head_subgroups: int = 1, options: Optional[LaunchOptions] = None,
+                                    **selection) -> int:
+    """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
+    return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
+                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
+                                 head_subgroups=head_subgroups, options=options, **selection)
+
+
+def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                                     max_seqlen_k: int, block_table=None, seqused_k=None, causal: bool = True,
+                                     softmax_scale: Optional[float] = None,
+                                     options: Optional[LaunchOptions] = None) -> int:
+    """Bytes of the `workspace` of sparse_attention() over a host index with CUDA arrays (0 for a device index, which
+    carries its own, and for CPU arrays)."""
+    _check_index(index)
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    if index.on_device or not call.lib.cuda:
+        return 0
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
+    return int(_C.sparse_attention_workspace_bytes(inputs, index._view_tuple(call.lib)))
+
+
+def _check_index(index: Any) -> None:
+    if not isinstance(index, Index):
+        raise TypeError(f"index: expected a sparse_prefill.Index (from build_index or union_index), got "
+                        f"{type(index).__name__}")
 
 
 def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = True, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
-                     block_table=None, seqused_k=None, stream=None):
+                     block_table=None, seqused_k=None, stream=None, workspace=None, reuse_index: bool = False,
+                     options: Optional[LaunchOptions] = None):
     """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
     correction for the dropped, fully visible blocks when index.correction is set.
 
-    The KV arguments are those of attention(); `index` must come from build_index() or union_index() on inputs of
-    the same shapes and lengths (its head_subgroups travels with it). Returns out, or (out, lse) when return_lse is
-    True.
+    The KV arguments are those of attention(). `index` must come from build_index() or union_index() on these very
+    arrays (its binding is checked: a different mask, scale, shape, length bound or array raises an error naming the
+    argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
+    A device index is read in place; a host index with CUDA arrays is copied to the device once (cached) and
+    prepared in `workspace` (sparse_attention_workspace_bytes(...)) or a stream-ordered temporary.
+    Returns out, or (out, lse) when return_lse is True.
     """
-    if not isinstance(index, Index):
-        raise TypeError(f"index: expected a sparse_prefill.Index (from build_index or union_index), got "
-                        f"{type(index).__name__}")
+    _check_index(index)
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
-    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     return_lse = _as_bool("return_lse", return_lse)
+    reuse_index = _as_bool("reuse_index", reuse_index)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.sparse_attention(inputs, index._view_tuple(call.lib), out_c, lse)
+    if index.on_device:
+        if workspace is not None:
+            raise ValueError("workspace: a device index carries its own workspace; pass workspace= to build_index()")
+        lib_ws = library_of(index.workspace)
+        if lib_ws != call.lib.compute or not call.lib.cuda:
+            raise TypeError(f"index: lives on the device in a {lib_ws} array; pass {lib_ws} CUDA arrays (or use "
+                            "index.to_host())")
+        _C.sparse_attention_device(inputs, index.workspace, index._selection, index.binding, out_c, lse, reuse_index)
+    else:
+        _C.sparse_attention(inputs, index._view_tuple(call.lib), out_c, lse, call.workspace(workspace), reuse_index)
     return call.result(out_c, lse, out_ret, return_lse)
 
 
@@ -431,54 +625,55 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
-                   head_subgroups: int = 1):
+                   head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None):
     """build_index() + sparse_attention() in one call (same arguments as the two).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
     into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
     cache (see mean_cache() and chunked_prefill()), read for the blocks before each chunk and written for the blocks
-    the chunk completes. Without return_index the index never leaves the
-    device: on CUDA it lives in a stream-ordered temporary workspace
-    (no host synchronisation; CUDA-graph capturable). With return_index the index is built, copied to the host and
-    returned (build_index() + sparse_attention()).
+    the chunk completes. On CUDA the index never leaves the device: it lives in `workspace` (at least
+    sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned; the call then allocates nothing and can be captured
+    in a CUDA graph) or else in a stream-ordered temporary; no host synchronisation either way. return_index=True
+    returns the index as well (build_index() + sparse_attention(); on CUDA a device index).
 
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
-    mean_k, mean_v = _mean_cache_arrays(mean_cache)
-    if mean_cache is not None and _as_bool("return_index", return_index):
-        raise ValueError("mean_cache: not supported with return_index=True (that path builds the index on the host)")
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
-        for name, x in (("mean_cache.k_mean", mean_k), ("mean_cache.v_mean", mean_v)):
-            if x is not None and library_of(x) != call.lib.name:
-                raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
-                                "array; pass every array of a call from one array library")
-            if x is not None and call.lib.name == "jax":
-                raise TypeError(f"{name}: jax arrays are immutable; the mean cache is written in place")
-        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+        mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
+        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
-        _C.sparse_prefill(inputs, sel, out_c, lse, mean_k, mean_v)
+        _C.sparse_prefill(inputs, sel, out_c, lse, mean_k, mean_v, call.workspace(workspace))
         return call.result(out_c, lse, out_ret, return_lse)
+    if mean_cache is not None and library_of(q) is not None and not _Call(
+            _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)).lib.cuda:
+        raise ValueError("mean_cache: not supported with return_index=True on the CPU (that path builds the index "
+                         "with the reference, which pools every block)")
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
-                        stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups)
+                        stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
+                        workspace=workspace, mean_cache=mean_cache, options=options)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
-                           seqused_k=seqused_k, stream=stream)
-    if not _as_bool("return_index", return_index):
-        return res
+                           seqused_k=seqused_k, stream=stream, options=options)
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
 
 
-def _mean_cache_arrays(mean_cache) -> tuple:
+def _mean_cache_arrays(mean_cache, call: "_Call") -> tuple:
     if mean_cache is None:
         return None, None
     if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
         raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
                         f"{type(mean_cache).__name__}")
+    for name, x in (("mean_cache.k_mean", mean_cache[0]), ("mean_cache.v_mean", mean_cache[1])):
+        if library_of(x) != call.lib.name:
+            raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
+                            "array; pass every array of a call from one array library")
+        if call.lib.name == "jax":
+            raise TypeError(f"{name}: jax arrays are immutable; the mean cache is written in place")
     return mean_cache[0], mean_cache[1]
 
 
@@ -516,7 +711,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
                     sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
-                    mean_cache=None, head_subgroups: int = 1):
+                    mean_cache=None, head_subgroups: int = 1, workspace=None,
+                    options: Optional[LaunchOptions] = None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -534,6 +730,9 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
     completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
+
+    workspace (CUDA): at least chunked_prefill_workspace_bytes(...) bytes, allocated once and passed to every step on
+    one stream: the step then allocates nothing, never synchronises and can be captured in a CUDA graph.
 
     Checks beyond attention()'s: for host arrays, every chunk fits in its cache (chunk length <= seqused_k[b]) and
     max_seqlen_k bounds the cache lengths. Device arrays are trusted, as cu_seqlens are (reading them would
@@ -562,7 +761,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
-                          union=union, mean_cache=mean_cache, head_subgroups=head_subgroups)
+                          union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
+                          options=options)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -576,6 +776,7 @@ def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     """
     if not isinstance(index, Index):
         raise TypeError(f"index: expected a sparse_prefill.Index, got {type(index).__name__}")
+    index = index.to_host()
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
     d = _C.union_index(inputs, index._host_tuple())

@@ -2,7 +2,7 @@
 
     q [seqlen, num_q_heads, head_dim], k and v [seqlen, num_kv_heads, head_dim]
 
-topic       the speed reference workload of DESIGN.md: every speed figure uses it, so numbers compare across runs.
+topic       the speed reference workload of docs/workload.md: every speed figure uses it, so numbers compare across runs.
 structured  the accuracy workload (RoPE-rotated heads, attention sinks, local recency, semantic recall, retrieval
             needles, vertical stripes); needle_positions() tells where its needles are.
 

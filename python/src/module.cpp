@@ -12,10 +12,12 @@
 //
 // The attention inputs travel as one tuple, in this order (see _api.py `_Call.inputs`):
 //   (q, k, v, cu_seqlens_q, cu_seqlens_k | None, block_table | None, seqused_k | None,
-//    max_seqlen_q, max_seqlen_k, causal, softmax_scale | None, window_left, window_right, stream)
+//    max_seqlen_q, max_seqlen_k, causal, softmax_scale | None, window_left, window_right, stream, dense_path,
+//    split_kv)   (dense_path: LaunchOptions::DensePath as int)
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
@@ -144,7 +146,7 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
 }
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
-  if (nb::len(t) != 14) throw nb::value_error("internal: attention inputs tuple must have 14 entries");
+  if (nb::len(t) != 16) throw nb::value_error("internal: attention inputs tuple must have 16 entries");
   sp::AttentionInputs in;
   in.q = to_view(t[0], "q", held);
   in.k = to_view(t[1], "k", held);
@@ -160,6 +162,10 @@ sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   in.window_left = nb::cast<int>(t[11]);
   in.window_right = nb::cast<int>(t[12]);
   in.stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[13]));
+  const int path = nb::cast<int>(t[14]);
+  if (path < 0 || path > 2) throw sp::ArgumentError("dense_path", "unknown kernel path");
+  in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
+  in.options.split_kv = nb::cast<bool>(t[15]);
   return in;
 }
 
@@ -198,6 +204,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
 nb::dict index_to_dict(sp::BlockIndex&& idx) {
   const int64_t head_dim = idx.head_dim;
   nb::dict d;
+  d["binding"] = nb::cast(idx.binding);
   d["block_size"] = idx.block_size;
   d["group_size"] = idx.group_size;
   d["num_kv_heads"] = idx.num_kv_heads;
@@ -219,10 +226,11 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
 }
 
 // Index arrays passed back in: (block_size, correction, head_subgroups, segment_start, segment_end, block_ids,
-// cu_blocks, k_mean, v_mean).
+// cu_blocks, k_mean, v_mean, binding | None).
 sp::BlockIndexView make_index_view(nb::tuple t, Held& held) {
-  if (nb::len(t) != 9) throw nb::value_error("internal: index tuple must have 9 entries");
+  if (nb::len(t) != 10) throw nb::value_error("internal: index tuple must have 10 entries");
   sp::BlockIndexView v;
+  if (!t[9].is_none()) v.binding = nb::cast<sp::IndexBinding>(t[9]);
   v.block_size = nb::cast<int>(t[0]);
   v.correction = nb::cast<bool>(t[1]);
   v.head_subgroups = nb::cast<int>(t[2]);
@@ -368,6 +376,117 @@ NB_MODULE(_C, m) {
         },
         nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("workspace").none() = nb::none());
   m.def("attention_workspace_bytes", &sp::attention_workspace_bytes, nb::arg("head_dim"));
+  m.def("attention_path",
+        [](nb::tuple inputs) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          return sp::attention_path(in) == sp::LaunchOptions::DensePath::kSplitKV ? "split_kv" : "dense";
+        },
+        nb::arg("inputs"));
+
+  // What an index was built for (sparse.h); read-only, compared by sparse_attention.
+  nb::class_<sp::IndexBinding>(m, "IndexBinding")
+      .def_ro("causal", &sp::IndexBinding::causal)
+      .def_ro("softmax_scale", &sp::IndexBinding::softmax_scale)
+      .def_ro("block_size", &sp::IndexBinding::block_size)
+      .def_ro("head_subgroups", &sp::IndexBinding::head_subgroups)
+      .def_ro("union", &sp::IndexBinding::union_lists)
+      .def_ro("batch", &sp::IndexBinding::batch)
+      .def_ro("num_q_heads", &sp::IndexBinding::num_q_heads)
+      .def_ro("num_kv_heads", &sp::IndexBinding::num_kv_heads)
+      .def_ro("head_dim", &sp::IndexBinding::head_dim)
+      .def_ro("total_q", &sp::IndexBinding::total_q)
+      .def_ro("total_k", &sp::IndexBinding::total_k)
+      .def_ro("max_seqlen_q", &sp::IndexBinding::max_seqlen_q)
+      .def_ro("max_seqlen_k", &sp::IndexBinding::max_seqlen_k)
+      .def_ro("paged", &sp::IndexBinding::paged)
+      .def_ro("page_size", &sp::IndexBinding::page_size)
+      .def_prop_ro("dtype", [](const sp::IndexBinding& b) { return std::string(sp::dtype_name(b.dtype)); })
+      .def_prop_ro("device", [](const sp::IndexBinding& b) {
+        return std::string(b.device == sp::Device::kCPU ? "cpu" : "cuda:" + std::to_string(b.device_id));
+      })
+      .def("__repr__", [](const sp::IndexBinding& b) {
+        return "IndexBinding(causal=" + std::string(b.causal ? "True" : "False") + ", batch=" +
+               std::to_string(b.batch) + ", heads=" + std::to_string(b.num_q_heads) + "/" +
+               std::to_string(b.num_kv_heads) + ", head_dim=" + std::to_string(b.head_dim) + ", total_q=" +
+               std::to_string(b.total_q) + ", total_k=" + std::to_string(b.total_k) + ", block_size=" +
+               std::to_string(b.block_size) + ")";
+      });
+
+  // The device index (CUDA): built into a caller workspace, read in place (sparse.h).
+  m.def("index_workspace_bytes",
+        [](nb::tuple inputs, nb::tuple selection) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          return sp::index_workspace_bytes(in, selection_params(selection));
+        },
+        nb::arg("inputs"), nb::arg("selection"));
+  m.def("build_index_device",
+        [](nb::tuple inputs, nb::tuple selection, nb::handle workspace, nb::handle mean_k, nb::handle mean_v) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          const sp::SelectionParams p = selection_params(selection);
+          const sp::TensorView ws = to_writable_view(workspace, "workspace", held);
+          if (mean_k.is_none() != mean_v.is_none())
+            throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
+          std::optional<sp::MeanCache> cache;
+          if (!mean_k.is_none())
+            cache = sp::MeanCache{to_writable_view(mean_k, "mean_cache.k_mean", held),
+                                  to_writable_view(mean_v, "mean_cache.v_mean", held)};
+          nb::gil_scoped_release release;
+          return sp::build_index(in, p, ws, cache ? &*cache : nullptr).binding;
+        },
+        nb::arg("inputs"), nb::arg("selection"), nb::arg("workspace"), nb::arg("mean_k").none(),
+        nb::arg("mean_v").none());
+  m.def("sparse_attention_device",
+        [](nb::tuple inputs, nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding,
+           nb::handle out, nb::handle lse, bool reuse_index) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
+                                           selection_params(selection), binding};
+          const sp::AttentionOutputs outs = make_outputs(out, lse, held);
+          nb::gil_scoped_release release;
+          sp::sparse_attention(in, index, outs, reuse_index);
+        },
+        nb::arg("inputs"), nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("reuse_index"));
+  m.def("device_index_counts",
+        [](nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding, uintptr_t stream) {
+          Held held;
+          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
+                                           selection_params(selection), binding};
+          nb::gil_scoped_release release;
+          return sp::index_counts(index, reinterpret_cast<void*>(stream));
+        },
+        nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("stream"));
+  m.def("device_index_to_host",
+        [](nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding, uintptr_t stream) {
+          Held held;
+          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
+                                           selection_params(selection), binding};
+          sp::BlockIndex idx;
+          {
+            nb::gil_scoped_release release;
+            idx = sp::to_host(index, reinterpret_cast<void*>(stream));
+          }
+          return index_to_dict(std::move(idx));
+        },
+        nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("stream"));
+  m.def("sparse_attention_workspace_bytes",
+        [](nb::tuple inputs, nb::tuple index) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          return sp::sparse_attention_workspace_bytes(in, make_index_view(index, held));
+        },
+        nb::arg("inputs"), nb::arg("index"));
+  m.def("sparse_prefill_workspace_bytes",
+        [](nb::tuple inputs, nb::tuple selection) {
+          Held held;
+          const sp::AttentionInputs in = make_inputs(inputs, held);
+          return sp::sparse_prefill_workspace_bytes(in, selection_params(selection));
+        },
+        nb::arg("inputs"), nb::arg("selection"));
 
   m.def("build_index",
         [](nb::tuple inputs, nb::tuple selection) {
@@ -384,23 +503,27 @@ NB_MODULE(_C, m) {
         nb::arg("inputs"), nb::arg("selection"));
 
   m.def("sparse_attention",
-        [](nb::tuple inputs, nb::tuple index, nb::handle out, nb::handle lse) {
+        [](nb::tuple inputs, nb::tuple index, nb::handle out, nb::handle lse, nb::handle workspace,
+           bool reuse_index) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::BlockIndexView iv = make_index_view(index, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
+          if (!workspace.is_none()) outs.workspace = to_writable_view(workspace, "workspace", held);
           nb::gil_scoped_release release;
-          sp::sparse_attention(in, iv, outs);
+          sp::sparse_attention(in, iv, outs, reuse_index);
         },
-        nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none());
+        nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("workspace").none() = nb::none(), nb::arg("reuse_index") = false);
 
   // mean_k / mean_v: the pooled-means cache (both or neither).
   m.def("sparse_prefill",
         [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse, nb::handle mean_k,
-           nb::handle mean_v) {
+           nb::handle mean_v, nb::handle workspace) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
+          if (!workspace.is_none()) outs.workspace = to_writable_view(workspace, "workspace", held);
           const sp::SelectionParams p = selection_params(selection);
           if (mean_k.is_none() != mean_v.is_none())
             throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
@@ -415,16 +538,17 @@ NB_MODULE(_C, m) {
           sp::sparse_prefill(in, p, outs, cache);
         },
         nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none(),
-        nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none());
+        nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none(),
+        nb::arg("workspace").none() = nb::none());
 
   m.def("mean_cache_slots", &sp::mean_cache_slots, nb::arg("num_pages"), nb::arg("page_size"),
         nb::arg("block_size"));
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
-  //         k_mean, v_mean, kept_blocks, visible_blocks, head_subgroups), arrays as host numpy arrays.
+  //         k_mean, v_mean, kept_blocks, visible_blocks, head_subgroups, binding | None), arrays as host numpy arrays.
   m.def("union_index",
         [](nb::tuple inputs, nb::tuple index) {
-          if (nb::len(index) != 13) throw nb::value_error("internal: index tuple must have 13 entries");
+          if (nb::len(index) != 14) throw nb::value_error("internal: index tuple must have 14 entries");
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::BlockIndex idx;
@@ -442,6 +566,7 @@ NB_MODULE(_C, m) {
           idx.kept_blocks = nb::cast<int64_t>(index[10]);
           idx.visible_blocks = nb::cast<int64_t>(index[11]);
           idx.head_subgroups = nb::cast<int>(index[12]);
+          if (!index[13].is_none()) idx.binding = nb::cast<sp::IndexBinding>(index[13]);
           sp::BlockIndex u;
           {
             nb::gil_scoped_release release;

@@ -37,6 +37,15 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
 #endif
 }
 
+LaunchOptions::DensePath attention_path(const AttentionInputs& in) {
+  const Problem p = validate_inputs(in, nullptr);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  if (p.device != Device::kCPU && cuda::dense_uses_full_list(in, p)) return LaunchOptions::DensePath::kSplitKV;
+#endif
+  (void)p;
+  return LaunchOptions::DensePath::kDenseKernel;
+}
+
 int64_t attention_workspace_bytes(int head_dim) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
   return cuda::attention_workspace_bytes(head_dim);
@@ -55,26 +64,118 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
   reference::pool_kv(p, reference::gather_kv(in, p), block_size, cu_blocks, k_mean, v_mean);
 }
 
-BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
+namespace {
+
+// The problem of a selection call: parameters, inputs, head sub-groups, and the mean cache when given.
+Problem validate_selection(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs* outs,
+                           const MeanCache* cache = nullptr) {
   check_selection_params(params);
-  const Problem p = validate_inputs(in, nullptr);
+  const Problem p = validate_inputs(in, outs);
   check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
-  if (p.device == Device::kCPU) return reference::build_index(in, p, params);
-#ifdef SPARSE_PREFILL_WITH_CUDA
-  return cuda::build_index_to_host(in, p, params);
-#else
-  not_on_cuda("build_index");
-#endif
+  if (cache) validate_mean_cache(in, p, params.block_size, *cache);
+  return p;
 }
 
-void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs) {
+[[noreturn]] void device_index_on_cpu() {
+  throw NotImplementedError("the device index is built for CUDA inputs; on the CPU build_index() returns the index "
+                            "on the host");
+}
+
+}  // namespace
+
+BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
+  const Problem p = validate_selection(in, params, nullptr);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  BlockIndex index = p.device == Device::kCPU ? reference::build_index(in, p, params)
+                                              : cuda::build_index_to_host(in, p, params);
+#else
+  if (p.device != Device::kCPU) not_on_cuda("build_index");
+  BlockIndex index = reference::build_index(in, p, params);
+#endif
+  index.binding = bind_index(in, p, params);
+  return index;
+}
+
+void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
+                      bool reuse_index) {
   const Problem p = validate_inputs(in, &outs);
+  check_binding(index.binding, in, p, reuse_index);
   validate_index(p, index);
   if (p.device == Device::kCPU) return reference::sparse_attention(in, index, outs, p);
 #ifdef SPARSE_PREFILL_WITH_CUDA
   cuda::sparse_attention(in, index, outs, p);
 #else
   not_on_cuda("sparse_attention");
+#endif
+}
+
+int64_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index) {
+  const Problem p = validate_inputs(in, nullptr);
+  if (p.device == Device::kCPU) return 0;
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return int64_t(cuda::sparse_attention_workspace_bytes(in, index, p));
+#else
+  (void)index;
+  not_on_cuda("sparse_attention");
+#endif
+}
+
+int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& params) {
+  const Problem p = validate_selection(in, params, nullptr);
+  if (p.device == Device::kCPU) return 0;
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return int64_t(cuda::index_workspace_bytes(in, p, params));
+#else
+  not_on_cuda("build_index");
+#endif
+}
+
+int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const SelectionParams& params) {
+  return index_workspace_bytes(in, params);  // the index and the launch state of its sparse_attention
+}
+
+DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& params, const TensorView& workspace,
+                             const MeanCache* mean_cache) {
+  const Problem p = validate_selection(in, params, nullptr, mean_cache);
+  if (p.device == Device::kCPU) device_index_on_cpu();
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
+  cuda::build_index(in, p, params, workspace, mean_cache);
+  return index;
+#else
+  (void)workspace;
+  not_on_cuda("build_index");
+#endif
+}
+
+void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, const AttentionOutputs& outs,
+                      bool reuse_index) {
+  const Problem p = validate_inputs(in, &outs);
+  if (p.device == Device::kCPU) device_index_on_cpu();
+  if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
+  check_binding(index.binding, in, p, reuse_index);
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  cuda::sparse_attention(in, outs, p, index);
+#else
+  not_on_cuda("sparse_attention");
+#endif
+}
+
+std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return cuda::index_counts(index, stream);
+#else
+  (void)index, (void)stream;
+  not_on_cuda("index_counts");
+#endif
+}
+
+BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  return cuda::to_host(index, stream);
+#else
+  (void)index, (void)stream;
+  not_on_cuda("to_host");
 #endif
 }
 
@@ -108,10 +209,7 @@ void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIn
 
 void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                          const MeanCache* cache) {
-  check_selection_params(params);
-  const Problem p = validate_inputs(in, &outs);
-  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
-  if (cache) validate_mean_cache(in, p, params.block_size, *cache);
+  const Problem p = validate_selection(in, params, &outs, cache);
   if (p.device == Device::kCPU) {
     BlockIndex index = reference::build_index(in, p, params);
     if (cache) write_mean_cache(p, in, index, *cache);
@@ -138,12 +236,18 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index) {
   const Problem p = validate_host(in, nullptr, "union_index");
   BlockIndex copy = index;
-  validate_index(p, view_of(copy));
-  return reference::union_index(in, p, index);
+  const BlockIndexView view = view_of(copy);
+  check_binding(view.binding, in, p, /*reuse_index=*/true);  // the union depends on the problem's geometry only
+  validate_index(p, view);
+  BlockIndex u = reference::union_index(in, p, index);
+  u.binding = index.binding;
+  u.binding.union_lists = true;
+  return u;
 }
 
 BlockIndexView view_of(BlockIndex& index) {
   BlockIndexView v;
+  v.binding = index.binding;
   v.block_size = index.block_size;
   v.correction = index.correction;
   v.head_subgroups = index.head_subgroups;

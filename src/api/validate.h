@@ -28,6 +28,16 @@ inline int64_t num_blocks(int64_t k_len, int block_size) { return (k_len + block
 // block ids within each sequence's block count, pooled-mean shapes (segments and means over Hkv * S virtual heads).
 void validate_index(const Problem& p, const BlockIndexView& index);
 
+// A caller workspace: 1-D, contiguous, on q's device, at least `need` bytes (`sized_by` names the size function for
+// the message) and, when need > 0, 256-byte aligned.
+void check_workspace(const TensorView& w, const TensorView& q, int64_t need, const std::string& sized_by);
+
+// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h).
+IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+// Throws ArgumentError naming the first argument of the call that differs from what the index was built for (the
+// data addresses only when !reuse_index). An unset binding passes.
+void check_binding(const IndexBinding& b, const AttentionInputs& in, const Problem& p, bool reuse_index);
+
 // Checks a pooled-means cache against a resolved problem (paged KV, float32 [slots, Hkv, D] contiguous on q's
 // device, page size and block size dividing one another).
 void validate_mean_cache(const AttentionInputs& in, const Problem& p, int block_size, const MeanCache& cache);

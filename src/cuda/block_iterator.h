@@ -58,19 +58,16 @@ SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int ba
 }
 
 // The split-KV rule (split_kv.cu; sizes in SparseLaunchWorkspace, fwd_args.h): a tile with more planned steps than
-// cap = max(kMinCap, ceil(total / (U * SMs))) runs as nsplit = min(32, ceil(steps / cap)) units, U = units per SM
-// (1 by default, SP_SPLIT_UNITS_PER_SM up to kMaxUnitsPerSm). As steps > cap, nsplit < 2 * steps / cap: all split
-// units sum to < 2 * total / cap <= 2 U * SMs, and the split tiles number < U * SMs.
-// Measured (H200, 128K, last chunk, bench/NOTES_sparse.md): U = 1 beats 2 and 4 on every shape (chunk 1024 x batch 1
-// attention 0.68 / 0.77 / 1.10 ms): a tile no heavier than an SM's share needs no split, since the heaviest-first
-// order already runs it first, and every extra unit pays its partials and the combine.
+// cap = max(kMinCap, ceil(total / SMs)) runs as nsplit = min(32, ceil(steps / cap)) units. As steps > cap,
+// nsplit < 2 * steps / cap: all split units sum to < 2 * total / cap <= 2 * SMs, and the split tiles number < SMs.
+// Measured (H200, 128K, last chunk, bench/NOTES_sparse.md): one unit per SM beats 2 and 4 on every shape (chunk
+// 1024 x batch 1 attention 0.68 / 0.77 / 1.10 ms): a tile no heavier than an SM's share needs no split, since the
+// heaviest-first order already runs it first, and every extra unit pays its partials and the combine.
 struct SplitRule {
   static constexpr int kMinCap = 32;     // steps; below this a unit's fixed cost (Q gather, epilogue) dominates
   static constexpr int kMaxSplits = 32;  // one combine lane per split
-  static constexpr int kMaxUnitsPerSm = 2;  // sizes the workspace (fwd_args.h)
-  static constexpr int kDefaultUnitsPerSm = 1;
-  SP_HOST_DEVICE static int cap(unsigned long long total_steps, int num_sms, int units_per_sm = kDefaultUnitsPerSm) {
-    const unsigned long long parts = (unsigned long long)num_sms * (unsigned long long)units_per_sm;
+  SP_HOST_DEVICE static int cap(unsigned long long total_steps, int num_sms) {
+    const unsigned long long parts = (unsigned long long)num_sms;
     const unsigned long long share = (total_steps + parts - 1) / parts;
     const unsigned long long c = share > (unsigned long long)kMinCap ? share : (unsigned long long)kMinCap;
     return c < 0x7fffffffull ? int(c) : 0x7fffffff;
@@ -148,7 +145,7 @@ struct DenseBlockIterator {
   }
 };
 
-// Steps of one block-sparse tile (causal attention, no window; DESIGN.md / docs/semantics.md):
+// Steps of one block-sparse tile (causal attention, no window; docs/semantics.md / docs/semantics.md):
 //   1. the listed blocks of the tile's CSR segment (ascending ids, `block_size` keys each) from the last to the first,
 //      each as block_size / kBlockN kernel steps of kBlockN keys (the diagonal block comes first, as in the dense
 //      iterator);

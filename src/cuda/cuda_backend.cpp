@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include "api/validate.h"
 #include "cuda/fwd_args.h"
 #include "cuda/index_stage.h"
 
@@ -151,10 +152,24 @@ const int32_t* int_ptr(const TensorView& t, const char* name) {
   return t.ptr<const int32_t>();
 }
 
+// The caller's workspace (validated: size, alignment) or, without one, a stream-ordered temporary.
+struct Scratch {
+  std::optional<StreamBuffer> tmp;
+  void* ptr = nullptr;
+  Scratch(const AttentionInputs& in, const std::optional<TensorView>& workspace, size_t need, const char* sized_by) {
+    if (workspace) {
+      check_workspace(*workspace, in.q, int64_t(need), sized_by);
+      ptr = workspace->data;
+    } else {
+      ptr = tmp.emplace(need, static_cast<cudaStream_t>(in.stream)).ptr;
+    }
+  }
+};
+
 // Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu), when the
 // launch is planned (split_planned) and its workspace has the split arrays.
 void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s) {
-  s.launch.plan = split_planned(in.max_seqlen_q, in.max_seqlen_k) && s.launch.max_split_units > 0;
+  s.launch.plan = split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k) && s.launch.max_split_units > 0;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
@@ -178,47 +193,45 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   return s;
 }
 
+// Bytes of the host-index path's prepared copies: tiles per sequence, q-dtype pooled means, launch state.
+struct ViewLayout {
+  size_t tiles_pad, mean_pad, launch_bytes;
+  bool split;
+  size_t total() const { return tiles_pad + 2 * mean_pad + launch_bytes; }
+};
+size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
+ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
+  const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
+  ViewLayout l;
+  l.tiles_pad = pad256(size_t(p.batch + 1) * 4);
+  l.mean_pad = pad256(size_t(rows) * p.num_kv_heads * p.head_dim * 2);
+  l.split = split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k);
+  l.launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim, l.split);
+  return l;
+}
+
 }  // namespace
-
-// Only chunk shapes (fewer queries than keys) are planned: there a few tiles (the final chunk's dense last_n tiles)
-// can each outweigh an SM's share of the work. In one-shot prefill (Lq = Lk) the heaviest tile is far below that
-// share (128K: 1032 steps against ~3500 per SM) and the heaviest-first order balances the SMs; the plan and combine
-// launches would only add ~20 us (8K: 0.548 -> 0.567 ms, bench/NOTES_sparse.md). The plan needs the persistent
-// kernel's scheduler.
-bool split_planned(int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  static const bool enabled = [] {  // SP_SPARSE_SPLIT=0: never split (A/B runs of the split plan)
-    const char* e = std::getenv("SP_SPARSE_SPLIT");
-    return e == nullptr || e[0] != '0';
-  }();
-  return enabled && sparse_persistent() && max_seqlen_k > max_seqlen_q;
-}
-
-bool sparse_persistent() {
-  static const bool on = [] {
-    const char* e = std::getenv("SP_SPARSE_PERSISTENT");
-    return e == nullptr || e[0] != '0';
-  }();
-  return on;
-}
 
 int num_sms() {
   static int cache[64] = {0};
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+    throw std::runtime_error("sparse_prefill cuda: no current CUDA device");
   if (cache[dev] == 0) {
     int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    cache[dev] = n > 0 ? n : 132;
+    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    cache[dev] = n;
   }
   return cache[dev];
 }
 
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
-  const char* env = std::getenv("SP_DENSE_SPLIT");  // "0": always the dense kernel (A/B runs; read per call)
-  if ((env != nullptr && env[0] == '0') || p.head_dim != 128) return false;  // the sparse kernel is built for head dim 128
+  using Path = LaunchOptions::DensePath;
+  if (in.options.dense_path == Path::kDenseKernel || p.head_dim != 128) return false;  // sparse kernel: D = 128
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
-  if (!split_planned(in.max_seqlen_q, in.max_seqlen_k)) return false;  // only chunk and decode shapes
+  if (in.max_seqlen_k <= in.max_seqlen_q) return false;  // only chunk and decode shapes
   if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
+  if (in.options.dense_path == Path::kSplitKV) return true;
   const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
   // Measured (H200, Llama heads, bench/NOTES.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
   // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
@@ -226,69 +239,67 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
 }
 
 int64_t attention_workspace_bytes(int head_dim) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {  // a CUDA build on a machine without a GPU: nothing to size
+    (void)cudaGetLastError();
+    return 0;
+  }
   return int64_t(sparse_launch_workspace_bytes(num_sms(), head_dim, true));
 }
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   const FwdArgs a = make_fwd_args(in, outs, p);
   const size_t need = size_t(attention_workspace_bytes(p.head_dim));
-  void* ws = nullptr;
-  if (outs.workspace) {  // checked even when this call takes the dense kernel: a bad buffer fails on every shape
-    const TensorView& w = *outs.workspace;
-    const int64_t have = w.numel() * dtype_bytes(w.dtype);
-    if (have < int64_t(need))
-      throw ArgumentError("workspace", "needs at least attention_workspace_bytes(" + std::to_string(p.head_dim) +
-                                           ") = " + std::to_string(need) + " bytes, got " + std::to_string(have));
-    if ((reinterpret_cast<uintptr_t>(w.data) & 255) != 0)
-      throw ArgumentError("workspace", "must be 256-byte aligned");
-    ws = w.data;
-  }
+  // Checked even when this call takes the dense kernel: a bad buffer fails on every shape.
+  if (outs.workspace) check_workspace(*outs.workspace, in.q, int64_t(need), "attention_workspace_bytes(head_dim)");
   if (!dense_uses_full_list(in, p)) return run(a, p, nullptr);
   // Short queries against long keys: the sparse kernel's PackGQA tiles over the full block list, split-KV planned
   // on the device, float32 partials in the caller's workspace or a stream-ordered temporary.
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  std::optional<StreamBuffer> tmp;
-  if (ws == nullptr) ws = tmp.emplace(need, stream).ptr;
+  const Scratch ws(in, outs.workspace, need, "attention_workspace_bytes(head_dim)");
   SparseFwdArgs s;
   s.full_list = true;
   s.block_size = 128;
   s.correction = false;
-  s.launch = carve_sparse_launch_workspace(ws, num_sms(), p.head_dim, true);
-  run_sparse(in, a, p, s);
+  s.launch = carve_sparse_launch_workspace(ws.ptr, num_sms(), p.head_dim, true);
+  AttentionInputs split_in = in;
+  split_in.options.split_kv = true;  // the full-list path is planned by construction (more keys than queries)
+  run_sparse(split_in, a, p, s);
 }
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
-                      const DeviceIndex& index) {
-  check_sparse_supported(in, p, index.block_size);
-  run_sparse(in, make_fwd_args(in, outs, p), p, sparse_args_of(index));
+                      const DeviceBlockIndex& index) {
+  check_sparse_supported(in, p, index.params.block_size);
+  const FwdArgs a = make_fwd_args(in, outs, p);
+  const size_t need = index_workspace_bytes(in, p, index.params);
+  check_workspace(index.workspace, in.q, int64_t(need), "index_workspace_bytes(...)");
+  run_sparse(in, a, p, sparse_args_of(carve_index(index.binding, index.params, index.workspace.data)));
+}
+
+size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
+  return view_layout(in, index, p).total();
 }
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
   check_sparse_supported(in, p, index.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
-  const size_t tiles_bytes = size_t(p.batch + 1) * 4, tiles_pad = (tiles_bytes + 255) & ~size_t(255);
-  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2, mean_pad = (mean_bytes + 255) & ~size_t(255);
-  const bool split = split_planned(in.max_seqlen_q, in.max_seqlen_k);
-  const size_t launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim, split);
-  StreamBuffer tmp(tiles_pad + 2 * mean_pad + launch_bytes, stream);
-  char* base = static_cast<char*>(tmp.ptr);
+  const ViewLayout l = view_layout(in, index, p);
+  const Scratch ws(in, outs.workspace, l.total(), "sparse_attention_workspace_bytes(...)");
+  char* base = static_cast<char*>(ws.ptr);
   int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
-  prepare_index_view(in, p, index, cu_tiles, base + tiles_pad, base + tiles_pad + mean_pad);
+  prepare_index_view(in, p, index, cu_tiles, base + l.tiles_pad, base + l.tiles_pad + l.mean_pad);
   SparseFwdArgs s;
   s.segment_start = int_ptr(index.segment_start, "index.segment_start");
   s.segment_end = int_ptr(index.segment_end, "index.segment_end");
   s.block_ids = int_ptr(index.block_ids, "index.block_ids");
   s.cu_tiles = cu_tiles;
   s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");
-  s.k_mean = base + tiles_pad;
-  s.v_mean = base + tiles_pad + mean_pad;
-  s.mean_rows = rows;
-  s.launch = carve_sparse_launch_workspace(base + tiles_pad + 2 * mean_pad, num_sms(), p.head_dim, split);
+  s.k_mean = base + l.tiles_pad;
+  s.v_mean = base + l.tiles_pad + l.mean_pad;
+  s.mean_rows = index.correction ? index.k_mean.shape[0] : 0;
+  s.launch = carve_sparse_launch_workspace(base + l.tiles_pad + 2 * l.mean_pad, num_sms(), p.head_dim, l.split);
   s.block_size = index.block_size;
-  s.correction = index.correction && rows > 0;
+  s.correction = index.correction && s.mean_rows > 0;
   s.head_subgroups = index.head_subgroups;
   run_sparse(in, a, p, s);
 }
@@ -297,10 +308,25 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
                     const Problem& p, const MeanCache* cache) {
   check_sparse_supported(in, p, params.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   const size_t bytes = index_workspace_bytes(in, p, params);
-  StreamBuffer ws(bytes, stream);
+  const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
   run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)));
+}
+
+void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
+                 const TensorView& workspace, const MeanCache* cache) {
+  const size_t bytes = index_workspace_bytes(in, p, params);
+  check_workspace(workspace, in.q, int64_t(bytes), "index_workspace_bytes(...)");
+  build_index(in, p, params, workspace.data, bytes, cache);
+}
+
+std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {
+  return download_counts(carve_index(index.binding, index.params, index.workspace.data), stream);
+}
+
+BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
+  return download_index(carve_index(index.binding, index.params, index.workspace.data), index.binding, index.params,
+                        stream);
 }
 
 }  // namespace sparse_prefill::cuda

@@ -25,26 +25,32 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 // Bytes of outs.workspace attention() may use on the current device (the split path's plan and float32 partials).
 int64_t attention_workspace_bytes(int head_dim);
 
-// Whether attention() takes the PackGQA + split-KV path: head dim 128, no window, max_seqlen_k > max_seqlen_q
-// (split_planned), and either max_seqlen_q < 128 (a dense tile would be mostly empty rows; a PackGQA tile holds g
-// times more) or at most half as many dense tiles as SMs. SP_DENSE_SPLIT=0 turns it off (A/B runs).
+// Whether attention() takes the PackGQA + split-KV path (in.options.dense_path): head dim 128, no window, more keys
+// than queries, TMA pages; by default only when max_seqlen_q < 128 (a dense tile would be mostly empty rows; a PackGQA
+// tile holds g times more) or at most half as many dense tiles as SMs.
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p);
 
-struct DeviceIndex;
-
-// Block-sparse attention over an index built on the GPU (cuda::build_index, src/cuda/index_stage.h): the engine
-// path, no allocation, no synchronisation. Causal attention without a window; index.block_size % 128 == 0.
+// Block-sparse attention over a device index (build_index below): the engine path, no allocation, no
+// synchronisation. Causal attention without a window; index.params.block_size % 128 == 0.
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
-                      const DeviceIndex& index);
+                      const DeviceBlockIndex& index);
 
-// Block-sparse attention over a caller's index whose arrays are on the GPU (the public API's path): takes a small
-// stream-ordered temporary (tiles per sequence, q-dtype copies of the pooled means); no host synchronisation.
+// Block-sparse attention over a caller's index whose arrays are on the GPU: takes outs.workspace
+// (sparse_attention_workspace_bytes) or a small stream-ordered temporary (tiles per sequence, q-dtype copies of the
+// pooled means, launch state); no host synchronisation.
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p);
+size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p);
 
-// Index stage + sparse attention in one call, with a stream-ordered workspace (no host synchronisation).
-// cache: the pooled-means cache (validated by the API layer), or null.
+// Index stage + sparse attention in one call, in outs.workspace (index_workspace_bytes) or a stream-ordered
+// temporary (no host synchronisation either way). cache: the pooled-means cache (validated by the API layer), or null.
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const Problem& p, const MeanCache* cache = nullptr);
+
+// The device index in a caller workspace (validated here: size, alignment), and its host views.
+void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
+                 const TensorView& workspace, const MeanCache* cache);
+std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream);
+BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 
 }  // namespace sparse_prefill::cuda

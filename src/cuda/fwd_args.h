@@ -41,8 +41,7 @@ struct FwdArgs {
 //     (split 0 of every split tile, then split 1, ...): split s of entry e is unit counters[kSplitBase + s] + e, so
 //     the tiles that read the same key range at the same time (the g-head tiles of one KV head) share it in L2;
 //   o_partial [max_split_units, 128, D] / lse_partial [max_split_units, 128]: float32 partials, one slot per unit.
-// Split plan (SplitRule, block_iterator.h): fewer than kMaxUnitsPerSm * SMs split tiles and twice as many split
-// units, always.
+// Split plan (SplitRule, block_iterator.h): fewer than SMs split tiles and twice as many split units, always.
 struct SparseLaunchWorkspace {
   enum : int {
     kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kSplitBase = 8,
@@ -91,13 +90,15 @@ inline bool sparse_correction_on(const SparseFwdArgs& s) {
 size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split);
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split);
 
-// Whether a sparse launch with these bounds runs the split-KV plan: chunk shapes (max_seqlen_k > max_seqlen_q) with
-// the persistent kernel, unless SP_SPARSE_SPLIT=0. Sizes the launch workspace and gates the plan (cuda_backend.cpp).
-bool split_planned(int64_t max_seqlen_q, int64_t max_seqlen_k);
-
-// Whether sparse launches use the persistent kernel with its dynamic scheduler (default; SP_SPARSE_PERSISTENT=0 runs
-// one CTA per tile, for A/B runs). The split-KV plan needs it. Defined in cuda_backend.cpp.
-bool sparse_persistent();
+// Whether a sparse launch with these bounds runs the split-KV plan: chunk shapes (max_seqlen_k > max_seqlen_q) unless
+// LaunchOptions::split_kv is off. Sizes the launch workspace and gates the plan. Only chunk shapes are planned: there
+// a few tiles (the final chunk's dense last_n tiles) can each outweigh an SM's share of the work. In one-shot prefill
+// (Lq = Lk) the heaviest tile is far below that share (128K: 1032 steps against ~3500 per SM) and the heaviest-first
+// order balances the SMs; the plan and combine launches would only add ~20 us (8K: 0.548 -> 0.567 ms,
+// bench/NOTES_sparse.md).
+inline bool split_planned(bool split_kv, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  return split_kv && max_seqlen_k > max_seqlen_q;
+}
 
 // Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device
 // (cuda_backend.cpp).

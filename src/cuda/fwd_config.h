@@ -2,7 +2,7 @@
 //
 // Tile choice (hdim 128): 128 query rows x 128 keys per step, 2 consumer warpgroups of 64 rows each, 1 producer
 // warpgroup (one thread issues TMA). Q 32 KiB + K 3x32 KiB + V 3x32 KiB = 224 KiB smem -> 1 CTA/SM, 384 threads
-// (3-stage K/V pipelines by default; -DSP_KV_STAGES=2 builds the 160 KiB 2-stage variant).
+// (3-stage K/V pipelines).
 // S = Q K^T is an SS wgmma (64x128x16 atoms, 8 k-steps); O += P V is an RS wgmma with P in registers (64x128x16,
 // B = V^T read MN-major from the same smem tile, no transpose copy).
 #pragma once
@@ -23,12 +23,9 @@ struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 128;
-#ifndef SP_KV_STAGES
-// 3 stages by default (224 KiB smem, still 1 CTA/SM). Measured on the H200, A/B in one session with cuDNN:
-// causal 8K 0.885 ms vs 0.900 (2 stages), 32K 14.68 vs 14.94, 64K 58.49 vs 59.10. -DSP_KV_STAGES=2 for A/B runs.
-#define SP_KV_STAGES 3
-#endif
-  static constexpr int kStages = SP_KV_STAGES;
+  // 3 stages (224 KiB smem, still 1 CTA/SM). Measured on the H200, A/B in one session with cuDNN: causal 8K
+  // 0.885 ms vs 0.900 (2 stages), 32K 14.68 vs 14.94, 64K 58.49 vs 59.10.
+  static constexpr int kStages = 3;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + producer warpgroup

@@ -77,15 +77,9 @@ struct FwdParams {
   int full_list;
 };
 
-// Persistent mode is a build switch (-DSP_PERSISTENT=1): its tile loop costs registers (at 240 per consumer
-// thread ptxas spills ~60 bytes), so the default build keeps one tile per CTA and its loop has a trip count of 1,
-// which compiles to straight-line code.
-#ifndef SP_PERSISTENT
-#define SP_PERSISTENT 0
-#endif
-// kPersistent (a template parameter, set by the build switch for dense and at run time for sparse): one CTA per SM
-// loops over tiles (tile_first() / tile_next(t) of the role: a static stride for dense, the dynamic scheduler for
-// sparse); otherwise one tile per CTA and a loop of trip count 1.
+// Sparse launches are persistent (one CTA per SM, tiles from the dynamic scheduler); dense launches run one tile per
+// CTA, whose loop has a trip count of 1 and compiles to straight-line code. A persistent dense kernel was measured
+// (its tile loop costs registers: at 240 per consumer thread ptxas spilled ~60 bytes) and removed (bench/NOTES.md).
 #define SP_TILE_LOOP(t)                                                                              \
   for (int t = tile_first(), t##_n = 0; kPersistent ? (t < params.num_tiles) : (t##_n < 1);        \
        t = kPersistent ? tile_next(t) : t, ++t##_n)
@@ -195,13 +189,14 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
 // whole producer warpgroup gathers K/V with cp.async: each lane reads the block_table entry of one of its warp's 32
 // key rows once per block (gather_row), and each warp copies those rows as whole 256-byte rows (16 lanes per row, the
 // row's page offset shuffled from the lane that loaded it) into the same swizzled stage layout TMA writes.
-template <class Config, bool kSparse, bool kPersistent, bool kSplit = false, bool kGatherKV = false>
+template <class Config, bool kSparse, bool kSplit = false, bool kGatherKV = false>
 __global__ void __launch_bounds__(Config::kNumThreads, 1)
     fwd_kernel(CUTE_GRID_CONSTANT FwdParams<Config> const params) {
   using namespace cute;
   using Element = typename Config::Element;
   using SharedStorage = typename Config::SharedStorage;
-  static_assert(!kGatherKV || (!kSparse && !kPersistent), "the cp.async gather producer is dense, one tile per CTA");
+  constexpr bool kPersistent = kSparse;
+  static_assert(!kGatherKV || !kSparse, "the cp.async gather producer is dense, one tile per CTA");
   using Pipeline = std::conditional_t<kGatherKV, typename Config::PipelineGather, typename Config::Pipeline>;
   using PipelineState = typename Config::PipelineState;
   constexpr int kBlockM = Config::kBlockM;
@@ -234,7 +229,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
   // hundreds), so a static stride leaves SMs idle (measured 128K: 7.85 ms vs 6.79 ms one CTA per tile). The producer
   // thread takes tiles from an atomic counter (the next one fetched while the current one loads) and publishes each
   // in a two-slot mailbox; the consumers read it from there. Slot s is reused every second tile.
-  constexpr bool kDynamic = kSparse && kPersistent;
+  constexpr bool kDynamic = kPersistent;
   typename Pipeline::Params pipe_params;
   pipe_params.role = wg_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   auto make_pipeline = [&](typename Config::KVPipelineStorage& ps) {
@@ -329,10 +324,9 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
-      // loads). Default: computed at each K and at each V issue. -DSP_ROWS_PREFETCH=1 computes them once per block
-      // and one block ahead (loads in flight while the producer waits for a free stage); measured on the H200 at
-      // causal 128K (one A/B, 3 interleaved rounds per process) it did not help: paged/contiguous 1.057 (page 64)
-      // and 1.073 (page 128) with it vs 1.031 and 1.042 without (run-to-run spread is a few %), so it is off.
+      // loads), computed at each K and at each V issue. Computing them once per block and one block ahead was
+      // measured slower on the H200 at causal 128K (paged/contiguous 1.057 (page 64) and 1.073 (page 128) against
+      // 1.031 and 1.042) and removed (bench/NOTES.md).
       struct BlockRows {
         int r0, r1;
       };
@@ -470,10 +464,6 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         }
         load_v(rows_of(iter.block(i)));
       };
-#ifndef SP_ROWS_PREFETCH
-#define SP_ROWS_PREFETCH 0
-#endif
-#if !SP_ROWS_PREFETCH
       if constexpr (kGatherKV) {
         // One inlined copy of each gather (K and V), not three: page 16, causal 32K went from 1.35x to 1.20x the
         // contiguous time with this loop (H200).
@@ -489,20 +479,6 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         }
         load_v_step(n_count - 1);
       }
-#else
-      static_assert(!kSparse, "SP_ROWS_PREFETCH is a dense-only A/B switch");
-      BlockRows cur = rows_of(iter.block(0));                                    // block i - 1 (its V is next)
-      BlockRows nxt = n_count > 1 ? rows_of(iter.block(1)) : cur;                // block i
-      load_k(cur);
-      for (int i = 1; i < n_count; ++i) {
-        const BlockRows after = i + 1 < n_count ? rows_of(iter.block(i + 1)) : nxt;  // loads issued now, used next
-        load_k(nxt);
-        load_v(cur);
-        cur = nxt;
-        nxt = after;
-      }
-      load_v(cur);
-#endif
     }
     return;
   }
@@ -681,21 +657,8 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       }
     };
 
-    // Optional pingpong between the two consumer warpgroups (named barriers 3 and 4, build with -DSP_PINGPONG):
-    // warpgroup w issues the GEMMs of block i only after the other one issued its GEMMs of block i-1 (w = 0) or i
-    // (w = 1), so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores. Each barrier completes
-    // exactly as often as it is waited on: warpgroup 0 skips the wait for block 0, warpgroup 1 skips its arrive after
-    // its last block. Measured on the H200 (bench/NOTES.md): OFF is faster with this mainloop (causal 32K: 614 vs
-    // 580 TFLOP/s, 128K: 602 vs 593), so it is off by default.
-#ifdef SP_PINGPONG
-    auto scheduler_sync = [&]() { cutlass::arch::NamedBarrier::sync(2 * 128, 3 + cwg); };
-    auto scheduler_arrive = [&](bool last) {
-      if (!(cwg == 1 && last)) cutlass::arch::NamedBarrier::arrive(2 * 128, 3 + (1 - cwg));
-    };
-#else  // build switch for A/B measurements of the pingpong
-    auto scheduler_sync = [&]() {};
-    auto scheduler_arrive = [&](bool) {};
-#endif
+    // A pingpong between the two consumer warpgroups (named barriers ordering their GEMM issue) was measured slower
+    // with this mainloop on the H200 (causal 32K: 580 vs 614 TFLOP/s, 128K: 593 vs 602) and removed (bench/NOTES.md).
 
     // Paged KV: the rows of the last page beyond seqused_k are whatever the engine's cache holds (possibly NaN bit
     // patterns). Their keys are masked (the select replaces even a NaN logit by -inf, so P is exactly 0), but
@@ -778,9 +741,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
 
     // Block 0 (descending order: the diagonal block first under causal).
     wait_kv(pipeline_k, st);
-    if (cwg == 1) scheduler_sync();
     wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
-    scheduler_arrive(n_count == 1);
     prepare_step(0);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -794,13 +755,11 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       PipelineState st_v = st;  // V of block i-1
       ++st;
       wait_kv(pipeline_k, st);
-      scheduler_sync();
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       if (i > 1) rescale_o(o_scale);
       wait_kv(pipeline_v, st_v);
       sanitize_v(st_v.index(), v_block(i - 1));
       wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
-      scheduler_arrive(i == n_count - 1);
       prepare_step(i);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);

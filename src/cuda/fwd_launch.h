@@ -15,7 +15,6 @@
 
 namespace sparse_prefill::cuda {
 
-inline bool persistent_mode() { return SP_PERSISTENT != 0; }
 // Dense (sparse == nullptr) or block-sparse launch.
 // kWithSparse = false instantiates the dense kernel only (head dim 64: the block-sparse path is built for 128).
 template <class Element, int kHeadDim, bool kWithSparse = true>
@@ -137,29 +136,23 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_tiles = int(num_tiles);
 
-  // Dense: one CTA per tile by default (-DSP_PERSISTENT=1 builds the persistent variant). Sparse: persistent with
-  // the dynamic scheduler by default; it ties one CTA per tile on the H200 (128K: 6.64 vs 6.49 ms, NOTES_sparse.md)
-  // and is the base for overlapping tile switches. SP_SPARSE_PERSISTENT=0 selects one CTA per tile (A/B runs).
-  const bool persistent =
-      sparse != nullptr ? (sparse_persistent() && p.tile_counter != nullptr) : persistent_mode();
+  // Dense: one CTA per tile. Sparse: persistent with the dynamic scheduler (it tied one CTA per tile on the H200,
+  // 128K: 6.64 vs 6.49 ms, NOTES_sparse.md, and is the base for the split-KV plan), so it needs the launch counters.
+  if (sparse != nullptr && p.tile_counter == nullptr)
+    throw std::runtime_error("sparse_prefill cuda: a sparse launch needs its launch workspace (counters)");
   using Kernel = void (*)(FwdParams<Config>);
-  Kernel kernel =
-      gather ? fwd_kernel<Config, false, false, false, true> : fwd_kernel<Config, false, SP_PERSISTENT != 0>;
+  Kernel kernel = gather ? fwd_kernel<Config, false, false, true> : fwd_kernel<Config, false>;
   if constexpr (kWithSparse) {
-    if (sparse != nullptr)
-      kernel = p.plan != nullptr ? fwd_kernel<Config, true, true, true>
-               : persistent      ? fwd_kernel<Config, true, true>
-                                 : fwd_kernel<Config, true, false>;
+    if (sparse != nullptr) kernel = p.plan != nullptr ? fwd_kernel<Config, true, true> : fwd_kernel<Config, true>;
   }
   static const cudaError_t attr_err = [] {  // once per instantiation; not a stream operation
     cudaError_t e = cudaSuccess;
-    for (Kernel k : {fwd_kernel<Config, false, SP_PERSISTENT != 0>, fwd_kernel<Config, false, false, false, true>}) {
+    for (Kernel k : {fwd_kernel<Config, false>, fwd_kernel<Config, false, false, true>}) {
       const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
       if (r != cudaSuccess) e = r;
     }
     if constexpr (kWithSparse) {
-      for (Kernel k : {fwd_kernel<Config, true, true>, fwd_kernel<Config, true, true, true>,
-                       fwd_kernel<Config, true, false>}) {
+      for (Kernel k : {fwd_kernel<Config, true>, fwd_kernel<Config, true, true>}) {
         const cudaError_t r = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (r != cudaSuccess) e = r;
       }
@@ -169,7 +162,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   if (attr_err != cudaSuccess)
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   int grid = p.num_tiles;
-  if (persistent && !gather) grid = std::min(grid, num_sms());
+  if (sparse != nullptr) grid = std::min(grid, num_sms());
   // Sparse: the counters (tile counter, plan) were zeroed and the plan built on the stream by run_split_plan.
   kernel<<<grid, Config::kNumThreads, Config::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();

@@ -704,6 +704,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
 }
 
+// The scorer's dynamic shared memory limit: the opt-in maximum of an sm_90 CTA (227 KB).
+constexpr int kScoreSmemMax = 227 * 1024;
+
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
   bool split;  // the attention launch over this index may be split (split_planned): carve the split arrays
@@ -716,50 +719,55 @@ struct IndexHeads {
   int group;  // query heads per virtual KV head: g / S
   int split;  // S
 };
+IndexHeads index_heads(int num_kv_heads, int group_size, int head_subgroups) {
+  return {num_kv_heads * head_subgroups, group_size / head_subgroups, head_subgroups};
+}
 IndexHeads index_heads(const Problem& p, int head_subgroups) {
-  return {p.num_kv_heads * head_subgroups, p.group_size / head_subgroups, head_subgroups};
+  return index_heads(p.num_kv_heads, p.group_size, head_subgroups);
 }
 
-Bounds bounds_of(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
-  const IndexHeads h = index_heads(p, params.head_subgroups);
+// Workspace bounds from the shapes the index is bound to (no device reads): the layout of a device index is a
+// function of its binding and parameters alone, so sparse_attention and to_host re-carve the same pointers.
+Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
+  const IndexHeads h = index_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
   const int block_size = params.block_size;
   Bounds bd;
-  bd.max_tiles = p.total_q * h.group / kTileRows + p.batch;
-  bd.nb_max = (in.max_seqlen_k + block_size - 1) / block_size;
-  bd.max_blocks = int64_t(p.batch) * bd.nb_max;
-  if (!p.paged) bd.max_blocks = std::min(bd.max_blocks, p.total_k / block_size + p.batch);
+  bd.max_tiles = b.total_q * h.group / kTileRows + b.batch;
+  bd.nb_max = (b.max_seqlen_k + block_size - 1) / block_size;
+  bd.max_blocks = int64_t(b.batch) * bd.nb_max;
+  if (!b.paged) bd.max_blocks = std::min(bd.max_blocks, b.total_k / block_size + b.batch);
   bd.max_segments = int64_t(h.kv) * bd.max_tiles;
   bd.capacity = bd.max_segments * bd.nb_max;
-  bd.split = split_planned(in.max_seqlen_q, in.max_seqlen_k);
+  bd.split = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
 
 size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
 
 // Carves the workspace; with base == nullptr only sums the sizes.
-size_t carve(const Problem& p, const Bounds& bd, char* base, DeviceIndex* idx) {
+size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* idx) {
   size_t off = 0;
   auto take = [&](size_t bytes) {
     char* ptr = base ? base + off : nullptr;
     off += align_up(bytes);
     return ptr;
   };
-  const size_t pooled = size_t(bd.max_blocks) * p.num_kv_heads * p.head_dim;
+  const size_t pooled = size_t(bd.max_blocks) * b.num_kv_heads * b.head_dim;
   DeviceIndex d;
   d.segment_start = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
   d.segment_end = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
   d.block_ids = reinterpret_cast<int32_t*>(take(bd.capacity * 4));
-  d.cu_blocks = reinterpret_cast<int32_t*>(take((p.batch + 1) * 4));
-  d.cu_tiles = reinterpret_cast<int32_t*>(take((p.batch + 1) * 4));
-  d.cu_capacity = reinterpret_cast<int64_t*>(take((p.batch + 1) * 8));
+  d.cu_blocks = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
+  d.cu_tiles = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
+  d.cu_capacity = reinterpret_cast<int64_t*>(take((b.batch + 1) * 8));
   d.k_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.k_mean_lowp = take(pooled * 2);
   d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(32));
   const int sms = num_sms();
-  char* launch = take(sparse_launch_workspace_bytes(sms, p.head_dim, bd.split));
-  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, p.head_dim, bd.split);
+  char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split));
+  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split);
   if (idx) *idx = d;
   return off;
 }
@@ -768,13 +776,15 @@ template <typename T, int D>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D>;
-  // ~100 KB of dynamic shared memory, past the 48 KB default: opt in every time (no sync).
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)),
-             "cudaFuncSetAttribute(score_select_kernel)");
-  // All of the unified L1 as shared memory, so that two ~100 KB CTAs fit on an SM (the default carve-out may
-  // leave room for one).
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-             "cudaFuncSetAttribute(score_select_kernel carveout)");
+  // Up to ~200 KB of dynamic shared memory, past the 48 KB default, and all of the unified L1 as shared memory so
+  // that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one). Set once per instantiation
+  // with the largest size the scorer takes (attributes are not stream operations; no per-call host cost).
+  static const cudaError_t attr = [&] {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScoreSmemMax);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    return e;
+  }();
+  check_cuda(attr, "cudaFuncSetAttribute(score_select_kernel)");
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.split, kv_heads_mem,
                                                     d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
@@ -784,7 +794,21 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
 }  // namespace
 
 size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
-  return carve(p, bounds_of(in, p, params), nullptr, nullptr);
+  const IndexBinding b = bind_index(in, p, params);
+  return carve(b, bounds_of(b, params), nullptr, nullptr);
+}
+
+DeviceIndex carve_index(const IndexBinding& b, const SelectionParams& params, void* workspace) {
+  const Bounds bd = bounds_of(b, params);
+  DeviceIndex d;
+  carve(b, bd, static_cast<char*>(workspace), &d);
+  d.block_size = params.block_size;
+  d.correction = params.correction;
+  d.max_segments = bd.max_segments;
+  d.max_blocks = bd.max_blocks;
+  d.capacity = bd.capacity;
+  d.head_subgroups = params.head_subgroups;
+  return d;
 }
 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
@@ -799,25 +823,18 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
     throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
   }
-  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");  // engines call this entry directly
   const IndexHeads heads = index_heads(p, params.head_subgroups);
-  const Bounds bd = bounds_of(in, p, params);
+  const IndexBinding binding = bind_index(in, p, params);
+  const Bounds bd = bounds_of(binding, params);
   if (bd.capacity >= (int64_t(1) << 31)) {
     throw NotImplementedError("build_index on CUDA: index capacity exceeds 2^31 block ids for these shapes");
   }
-  const size_t need = carve(p, bd, nullptr, nullptr);
+  const size_t need = carve(binding, bd, nullptr, nullptr);
   if (workspace == nullptr || workspace_bytes < need) {
     throw ArgumentError("workspace", "needs " + std::to_string(need) + " bytes (index_workspace_bytes), got " +
                                          std::to_string(workspace_bytes));
   }
-  DeviceIndex d;
-  carve(p, bd, static_cast<char*>(workspace), &d);
-  d.block_size = params.block_size;
-  d.correction = params.correction;
-  d.max_segments = bd.max_segments;
-  d.max_blocks = bd.max_blocks;
-  d.capacity = bd.capacity;
-  d.head_subgroups = heads.split;
+  const DeviceIndex d = carve_index(binding, params, workspace);
 
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
   SeqArgs seq{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
@@ -911,7 +928,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
       using T = decltype(tag);
       constexpr int kD = decltype(dim)::value;
       const size_t dyn_smem = ScoreConfig<T, kD>::smem_bytes(bd.nb_max);
-      if (dyn_smem > 227 * 1024) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
+      if (dyn_smem > size_t(kScoreSmemMax)) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
         throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                   " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
       }
@@ -959,39 +976,32 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
   check_cuda(cudaGetLastError(), "prepare_view_kernel launch");
 }
 
-BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
-  const size_t bytes = index_workspace_bytes(in, p, params);
-  void* ws = nullptr;
-  check_cuda(cudaMalloc(&ws, bytes), "cudaMalloc(index workspace)");
-  struct Free {
-    void* ptr;
-    ~Free() { cudaFree(ptr); }
-  } free_ws{ws};
-  const DeviceIndex d = build_index(in, p, params, ws, bytes);
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const SelectionParams& params, void* stream_) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_);
   check_cuda(cudaStreamSynchronize(stream), "build_index");
-
   auto download = [&](const void* src, size_t n_bytes, void* dst) {
     if (n_bytes) check_cuda(cudaMemcpy(dst, src, n_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy(index)");
   };
-  std::vector<int32_t> cu_tiles(p.batch + 1);
-  std::vector<int64_t> cu_capacity(p.batch + 1);
+  const int batch = b.batch, D = b.head_dim, hkv = b.num_kv_heads;
+  std::vector<int32_t> cu_tiles(batch + 1);
+  std::vector<int64_t> cu_capacity(batch + 1);
   unsigned long long counters[2] = {0, 0};
   BlockIndex idx;
-  const IndexHeads heads = index_heads(p, params.head_subgroups);
+  const IndexHeads heads = index_heads(hkv, b.num_q_heads / hkv, params.head_subgroups);
+  idx.binding = b;
   idx.block_size = params.block_size;
   idx.group_size = heads.group;
   idx.num_kv_heads = heads.kv;
   idx.head_subgroups = heads.split;
-  idx.head_dim = p.head_dim;
+  idx.head_dim = D;
   idx.correction = params.correction;
-  idx.cu_blocks.resize(p.batch + 1);
+  idx.cu_blocks.resize(batch + 1);
   download(d.cu_tiles, cu_tiles.size() * 4, cu_tiles.data());
   download(d.cu_capacity, cu_capacity.size() * 8, cu_capacity.data());
   download(d.cu_blocks, idx.cu_blocks.size() * 4, idx.cu_blocks.data());
   download(d.counters, sizeof(counters), counters);
-  const size_t segments = size_t(cu_tiles[p.batch]) * heads.kv;
-  std::vector<int32_t> start(segments), end(segments), ids(static_cast<size_t>(cu_capacity[p.batch]));
+  const size_t segments = size_t(cu_tiles[batch]) * heads.kv;
+  std::vector<int32_t> start(segments), end(segments), ids(static_cast<size_t>(cu_capacity[batch]));
   download(d.segment_start, segments * 4, start.data());
   download(d.segment_end, segments * 4, end.data());
   download(d.block_ids, ids.size() * 4, ids.data());
@@ -1007,7 +1017,7 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
     idx.block_ids.insert(idx.block_ids.end(), ids.begin() + start[s], ids.begin() + end[s]);
     idx.segment_end[s] = int32_t(idx.block_ids.size());
   }
-  const size_t pooled = size_t(idx.cu_blocks[p.batch]) * p.num_kv_heads * p.head_dim;
+  const size_t pooled = size_t(idx.cu_blocks[batch]) * hkv * D;
   std::vector<float> km(pooled), vm(pooled);
   download(d.k_mean, pooled * 4, km.data());
   download(d.v_mean, pooled * 4, vm.data());
@@ -1015,12 +1025,12 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
     idx.k_mean = std::move(km);
     idx.v_mean = std::move(vm);
   } else {  // the index's means are over virtual heads: head h * S + s repeats KV head h
-    const size_t rows = size_t(idx.cu_blocks[p.batch]), D = size_t(p.head_dim);
+    const size_t rows = size_t(idx.cu_blocks[batch]);
     idx.k_mean.resize(pooled * heads.split);
     idx.v_mean.resize(pooled * heads.split);
     for (size_t r = 0; r < rows; ++r)
       for (int v = 0; v < heads.kv; ++v) {
-        const size_t src = (r * p.num_kv_heads + v / heads.split) * D, dst = (r * heads.kv + v) * D;
+        const size_t src = (r * hkv + v / heads.split) * D, dst = (r * heads.kv + v) * D;
         std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
         std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
       }
@@ -1028,6 +1038,27 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
   idx.kept_blocks = int64_t(counters[0]);
   idx.visible_blocks = int64_t(counters[1]);
   return idx;
+}
+
+std::pair<int64_t, int64_t> download_counts(const DeviceIndex& d, void* stream) {
+  unsigned long long counters[2] = {0, 0};
+  check_cuda(cudaMemcpyAsync(counters, d.counters, sizeof(counters), cudaMemcpyDeviceToHost,
+                             static_cast<cudaStream_t>(stream)),
+             "cudaMemcpyAsync(index counts)");
+  check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "index counts");
+  return {int64_t(counters[0]), int64_t(counters[1])};
+}
+
+BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  const size_t bytes = index_workspace_bytes(in, p, params);
+  void* ws = nullptr;
+  check_cuda(cudaMalloc(&ws, bytes), "cudaMalloc(index workspace)");
+  struct Free {
+    void* ptr;
+    ~Free() { cudaFree(ptr); }
+  } free_ws{ws};
+  const DeviceIndex d = build_index(in, p, params, ws, bytes);
+  return download_index(d, bind_index(in, p, params), params, in.stream);
 }
 
 }  // namespace sparse_prefill::cuda

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "api/problem.h"
 #include "cuda/fwd_args.h"
@@ -67,5 +68,14 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
                         void* k_lowp, void* v_lowp);
 
 BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+
+// The pointers of a device index in `workspace`: a function of its binding and parameters alone (the layout
+// build_index wrote).
+DeviceIndex carve_index(const IndexBinding& binding, const SelectionParams& params, void* workspace);
+// Synchronises `stream`, then copies the index to the host, compacted (what the CPU reference returns).
+BlockIndex download_index(const DeviceIndex& d, const IndexBinding& binding, const SelectionParams& params,
+                          void* stream);
+// Synchronises `stream`; (kept, visible) block counts.
+std::pair<int64_t, int64_t> download_counts(const DeviceIndex& d, void* stream);
 
 }  // namespace sparse_prefill::cuda

@@ -49,7 +49,6 @@ struct PlanArgs {
   const int32_t* seg_end;
   int block_size, correction, num_coord_tiles, num_sms;
   int full_list, causal;  // SparseFwdArgs::full_list: dense PackGQA tiles, no index arrays
-  int units_per_sm;  // SplitRule::cap's divisor, 1..kMaxUnitsPerSm
   int* counters;
   int32_t* split_tiles;
   int32_t* slot_tile;
@@ -89,8 +88,7 @@ __global__ void __launch_bounds__(256) plan_total_kernel(PlanArgs a) {
 }
 
 __device__ int plan_cap(const PlanArgs& a) {
-  return SplitRule::cap(*reinterpret_cast<const unsigned long long*>(a.counters + LW::kTotalLo), a.num_sms,
-                        a.units_per_sm);
+  return SplitRule::cap(*reinterpret_cast<const unsigned long long*>(a.counters + LW::kTotalLo), a.num_sms);
 }
 
 __global__ void __launch_bounds__(256) plan_split_kernel(PlanArgs a) {
@@ -256,13 +254,13 @@ size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
 
 size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split) {
   if (!with_split) return pad256(LW::kCounters * 4);
-  const size_t units = size_t(2 * SplitRule::kMaxUnitsPerSm) * num_sms, tiles = size_t(SplitRule::kMaxUnitsPerSm) * num_sms;
+  const size_t units = size_t(2) * num_sms, tiles = size_t(num_sms);  // bounds of SplitRule
   return pad256(LW::kCounters * 4) + pad256(tiles * 16) + pad256(units * 4) + pad256(units * kRows * head_dim * 4) +
          pad256(units * kRows * 4);
 }
 
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split) {
-  if (SplitRule::kMaxUnitsPerSm * num_sms > kOrderMax)
+  if (num_sms > kOrderMax)
     throw std::runtime_error("sparse_prefill cuda: the split plan is built for at most 1024 SMs");
   SparseLaunchWorkspace w;
   w.num_sms = num_sms;
@@ -274,8 +272,8 @@ SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int
   };
   w.counters = reinterpret_cast<int*>(take(LW::kCounters * 4));
   if (!with_split) return w;
-  w.max_split_units = 2 * SplitRule::kMaxUnitsPerSm * num_sms;
-  w.max_split_tiles = SplitRule::kMaxUnitsPerSm * num_sms;
+  w.max_split_units = 2 * num_sms;
+  w.max_split_tiles = num_sms;
   w.split_tiles = reinterpret_cast<int32_t*>(take(size_t(w.max_split_tiles) * 16));
   w.slot_tile = reinterpret_cast<int32_t*>(take(size_t(w.max_split_units) * 4));
   w.o_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * head_dim * 4));
@@ -306,12 +304,6 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
   p.num_coord_tiles = int(coord);
   p.num_sms = w.num_sms;
-  static const int units_per_sm = [] {  // SP_SPLIT_UNITS_PER_SM=1..kMaxUnitsPerSm (A/B runs)
-    const char* e = std::getenv("SP_SPLIT_UNITS_PER_SM");
-    const int v = e ? std::atoi(e) : SplitRule::kDefaultUnitsPerSm;
-    return v < 1 ? 1 : (v > SplitRule::kMaxUnitsPerSm ? SplitRule::kMaxUnitsPerSm : v);
-  }();
-  p.units_per_sm = units_per_sm;
   p.counters = w.counters;
   p.split_tiles = w.split_tiles;
   p.slot_tile = w.slot_tile;
@@ -342,7 +334,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   c.l_hs = a.lse_head_stride;
   c.l_rs = a.lse_row_stride;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  const int grid = w.max_split_units;  // 2 * kMaxUnitsPerSm CTAs of 8 warps per SM
+  const int grid = w.max_split_units;  // 2 CTAs of 8 warps per SM
   if (bf16)
     split_combine_kernel<__nv_bfloat16, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
   else

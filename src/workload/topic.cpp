@@ -1,4 +1,4 @@
-// The speed reference workload "topic" (DESIGN.md): per KV head and key block a topic vector, keys = topic + noise,
+// The speed reference workload "topic" (docs/workload.md): per KV head and key block a topic vector, keys = topic + noise,
 // query groups of `block` positions recall `targets` earlier blocks (shared by the g heads of the KV head).
 #include <stdexcept>
 #include <vector>

@@ -1,5 +1,5 @@
 // naive64: an independent, deliberately naive float64 implementation of the SparsePrefill contract
-// (DESIGN.md "The semantic contract", block-sparse and chunked sections), used as the test oracle for the reference
+// (docs/semantics.md "The semantic contract", block-sparse and chunked sections), used as the test oracle for the reference
 // backend. It works on logical per-sequence K/V (no paging, no strides) so that layout bugs in the code under test
 // cannot be mirrored here. Every rule is evaluated literally from the mask predicate `sees(b, i, j)`.
 #pragma once

@@ -436,6 +436,37 @@ TEST_F(Errors, BuildIndexValidatesInputs) {
 }
 
 // ---- index ------------------------------------------------------------------------------------------------------
+// An index is bound to the call it was built for (IndexBinding): another mask, scale, length bound or array is
+// refused with the argument's name; reuse_index applies the selection to other arrays of the same problem.
+TEST_F(Errors, IndexBoundToItsProblem) {
+  BlockIndex idx = index_for(*C);
+  ASSERT_TRUE(idx.binding.set);
+  AttentionInputs in = C->in;
+  in.causal = false;
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "causal");
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co, /*reuse_index=*/true), "causal");
+  in = C->in;
+  in.softmax_scale = 0.3f;
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "softmax_scale");
+  in = C->in;
+  in.max_seqlen_k += 1;
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "max_seqlen_k");
+  // Another array of the same shape (the paged case's q is a different buffer of C's shape class): data check.
+  HostTensor q2 = C->q;
+  in = C->in;
+  in.q.data = q2.data();
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "q");
+  EXPECT_NO_THROW(sparse_attention(in, view_of(idx), co, /*reuse_index=*/true));
+  // An index of the paged case used with the contiguous one: the KV layout differs.
+  BlockIndex ip = index_for(*P);
+  EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(ip), co, true), "k", "cu_seqlens_q", "q");
+  // A view made by hand (binding unset) is trusted as before.
+  BlockIndex hand = idx;
+  hand.binding = IndexBinding{};
+  in = C->in;
+  in.q.data = q2.data();
+  EXPECT_NO_THROW(sparse_attention(in, view_of(hand), co));
+}
 TEST_F(Errors, IndexSegmentCount) {
   BlockIndex idx = index_for(*C);
   idx.segment_start.pop_back();
@@ -548,8 +579,13 @@ TEST_F(Errors, IndexOfAnotherProblem) {
   in.cu_seqlens_k = make_view(cu_k.data(), DType::kInt32, {3});
   in.k.shape[0] = 70;
   in.v.shape[0] = 70;
-  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "index*");
-  EXPECT_ARG_ERROR(union_index(in, idx), "index*");
+  // The binding names the first argument that differs (k's rows); a hand-made view (no binding) fails on its arrays.
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(idx), co), "k");
+  EXPECT_ARG_ERROR(union_index(in, idx), "k");
+  BlockIndex hand = idx;
+  hand.binding = IndexBinding{};
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(hand), co), "index*");
+  EXPECT_ARG_ERROR(union_index(in, hand), "index*");
 }
 TEST_F(Errors, SparseAttentionValidatesInputsAndOutputs) {
   BlockIndex idx = index_for(*C);

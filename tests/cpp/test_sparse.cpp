@@ -219,12 +219,12 @@ TEST(Sparse, CorrectionExactForConstantBlocks) {
 // An index built under one mask used with another (causal index, non-causal / windowed attention): the contract
 // defines the result from the attention call's own mask (listed blocks with the token mask, correction for blocks
 // fully visible to the tile under that mask).
-TEST(Sparse, IndexUsedWithAnotherMask) {
+// An index built for a non-causal or windowed problem: sparse attention over its lists under that mask.
+TEST(Sparse, IndexOfAnotherMask) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
   Case c = sc(4, 1, 64, F32, {300}, {500}, true, 16);
   auto B = build(c, rng);
-  BlockIndex idx = build_index(B->in, sp(0.4f, 64, 0, 64, 0, true));
   naive64::Pooled pl = naive64::pool(B->np, 64);
   for (int variant = 0; variant < 2; ++variant) {
     AttentionInputs in = B->in;
@@ -237,11 +237,12 @@ TEST(Sparse, IndexUsedWithAnotherMask) {
     Built& Bref = *B;
     std::swap(Bref.in, in);
     std::swap(Bref.np, P);
+    BlockIndex idx = build_index(Bref.in, sp(0.4f, 64, 0, 64, 0, true));
     for (bool corr : {true, false}) {
       idx.correction = corr;
       sparse_attention(Bref.in, view_of(idx), Bref.outputs());
       expect_matches(Bref, naive64::sparse(Bref.np, pl, lists_of(idx), corr), true,
-                     std::string(variant ? "window_left=150" : "non-causal") + " attention over a causal index, correction=" +
+                     std::string(variant ? "window_left=150" : "non-causal") + " attention over its index, correction=" +
                          (corr ? "on" : "off"));
     }
     std::swap(Bref.in, in);

@@ -106,7 +106,7 @@ TEST(Workload, StructuredD64) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Topic statistics (DESIGN.md "The speed reference workload")
+// Topic statistics (docs/workload.md "The speed reference workload")
 
 TEST(Workload, TopicKeysClusterByBlock) {
   const Shape s{1024, 4, 2, 128};

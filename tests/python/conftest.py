@@ -66,3 +66,7 @@ def topic_batch(q_lens, k_lens, hq=4, hkv=2, d=64, seed=0, block=64):
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
     return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU and a CUDA build (skipped elsewhere)")

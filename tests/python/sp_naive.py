@@ -1,4 +1,4 @@
-"""Naive float64 numpy implementations of the semantic contract (DESIGN.md), independent of the C++ library."""
+"""Naive float64 numpy implementations of the semantic contract (docs/semantics.md), independent of the C++ library."""
 
 import numpy as np
 

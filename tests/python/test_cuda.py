@@ -1,6 +1,6 @@
 """The CUDA backend through the Python package (torch CUDA tensors), checked against the CPU reference backend on the
-same bf16 inputs. Skipped without a GPU or without a CUDA build (CI runs them nowhere; scripts/gpu_validate.sh runs
-them on the H200)."""
+same bf16 inputs. Skipped without a GPU or without a CUDA build (CI has no GPU; scripts/gpu.sh runs them on the
+H200)."""
 
 import numpy as np
 import pytest
@@ -179,8 +179,12 @@ def test_build_index_on_gpu_matches_cpu():
     cpu = [_to(a, "cpu", torch.bfloat16) for a in (q, k, v)] + [_to(cu, "cpu"), _to(cu, "cpu")]
     gpu = [a.cuda() for a in cpu]
     ref = sp.build_index(*cpu, L, L)
-    got = sp.build_index(*gpu, L, L)
-    assert got.segment_start.is_cuda and got.num_segments == ref.num_segments
+    dev = sp.build_index(*gpu, L, L)
+    assert dev.on_device and dev.workspace.is_cuda and dev.num_segments == ref.num_segments
+    with pytest.raises(AttributeError, match="to_host"):
+        dev.segment_start
+    got = dev.to_host()
+    assert got.kept_blocks == dev.kept_blocks and got.visible_blocks == dev.visible_blocks
     assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
     differ = 0
     for t in range(int(ref.tiles[0])):
@@ -212,10 +216,10 @@ def _bf16_means(index):
     """Rounds the index's pooled means to bf16 in place (before any use), as the kernel's correction keys are: the
     CPU reference then computes with the very values the GPU does, and the LSE agrees to accumulation order.
     (With float32 means on the CPU the logits of corrected blocks differ by up to |s| * 2^-9.)"""
+    assert not index.on_device and not index._cache
     for name in ("k_mean", "v_mean"):
         a = index.host[name]
         a[...] = torch.from_numpy(a).to(torch.bfloat16).float().numpy()
-        setattr(index, name, index._host_to(index._lib, a))
     return index
 
 
@@ -240,8 +244,8 @@ def test_build_index_q_without_16_byte_alignment_equals_aligned():
     wide[:, :, 2:2 + d] = qg
     q_view = wide[:, :, 2:2 + d]  # base 4 bytes past a 16-byte boundary
     assert q_view.data_ptr() % 16 != 0
-    a = sp.build_index(qg, kg, vg, cu, cu, L, L, alpha=0.2)
-    b = sp.build_index(q_view, kg, vg, cu, cu, L, L, alpha=0.2)
+    a = sp.build_index(qg, kg, vg, cu, cu, L, L, alpha=0.2).to_host()
+    b = sp.build_index(q_view, kg, vg, cu, cu, L, L, alpha=0.2).to_host()
     for key in ("segment_start", "segment_end", "block_ids"):
         assert np.array_equal(a.host[key], b.host[key]), key
     assert a.kept_blocks == b.kept_blocks
@@ -260,7 +264,8 @@ def test_sparse_attention_matches_cpu_reference(q_lens, k_lens, hq, hkv, correct
     assert 0 < index.density < 1                                     # some blocks are dropped (and corrected)
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))                       # poisoned: every element must be written
-    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True,
+                                   reuse_index=True)
     torch.cuda.synchronize()
     assert got is out
     _check_close(out, lse, ref, ref_lse)
@@ -283,11 +288,15 @@ def test_sparse_paged_matches_contiguous(page_size):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [300, 1100], [1500, 2100], 8, 2)
     index = sp.build_index(*cpu, mq, mk)
-    contiguous = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk)
+    contiguous = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, reuse_index=True)
     kc, vc, bt, used = to_paged(rng, cpu[1].float().numpy(), cpu[2].float().numpy(), cpu[4].numpy(), page_size)
     g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
-    paged = sp.sparse_attention(gpu[0], g(kc, torch.bfloat16), g(vc, torch.bfloat16), index, gpu[3], None, mq, mk,
-                                block_table=g(bt), seqused_k=g(used))
+    paged_index = sp.build_index(*cpu[:1], _to(kc, "cpu", torch.bfloat16), _to(vc, "cpu", torch.bfloat16), cpu[3],
+                                 None, mq, mk, block_table=_to(bt, "cpu"), seqused_k=_to(used, "cpu"))
+    for name in ("segment_start", "segment_end", "block_ids"):   # the same selection, paged or not
+        np.testing.assert_array_equal(paged_index.host[name], index.host[name])
+    paged = sp.sparse_attention(gpu[0], g(kc, torch.bfloat16), g(vc, torch.bfloat16), paged_index, gpu[3], None, mq,
+                                mk, block_table=g(bt), seqused_k=g(used), reuse_index=True)
     torch.cuda.synchronize()
     assert torch.equal(contiguous, paged)
 
@@ -307,7 +316,7 @@ def test_sparse_block_size_256_matches_cpu_reference():
     cpu, gpu, mq, mk = _structured_varlen(rng, [1900], [1900], 8, 2)
     index = _bf16_means(sp.build_index(*cpu, mq, mk, block_size=256, alpha=0.2))
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
-    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True)
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, reuse_index=True)
     torch.cuda.synchronize()
     _check_close(got, lse, ref, ref_lse)
 
@@ -322,7 +331,8 @@ def test_sparse_split_heavy_tiles_matches_cpu_reference(correction):
     index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2))
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))
-    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True,
+                                   reuse_index=True)
     torch.cuda.synchronize()
     _check_close(out, lse, ref, ref_lse)
 
@@ -335,9 +345,9 @@ def test_sparse_unsupported_on_cuda_is_a_clear_error():
     q64, k64, v64 = (t[..., :64].contiguous() for t in gpu[:3])    # dense runs at head dim 64, sparse does not
     with pytest.raises(NotImplementedError, match="head dim"):
         sp.sparse_prefill(q64, k64, v64, *gpu[3:], mq, mk)
-    index = sp.build_index(*cpu, mq, mk)
+    index = sp.build_index(*cpu, mq, mk, causal=False)
     with pytest.raises(NotImplementedError, match="causal"):
-        sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)
+        sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False, reuse_index=True)
 
 
 def test_union_mode_on_gpu_matches_cpu_union_of_the_gpu_index():
@@ -347,10 +357,11 @@ def test_union_mode_on_gpu_matches_cpu_union_of_the_gpu_index():
     union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True)
     ref = sp.union_index(tiles, *cpu, mq, mk)
     assert union.mode == "union" and union.kept_blocks == ref.kept_blocks and union.density > tiles.density
+    host = union.to_host()
     for name in ("segment_start", "segment_end", "block_ids"):
-        np.testing.assert_array_equal(union.host[name], ref.host[name])
+        np.testing.assert_array_equal(host.host[name], ref.host[name])
     got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False)
-    want = sp.sparse_attention(*cpu[:3], union, *cpu[3:], mq, mk)
+    want = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
     torch.cuda.synchronize()
     assert (got.float().cpu() - want.float()).abs().max().item() <= 2e-2
 
@@ -432,7 +443,7 @@ def test_head_subgroups_index_on_gpu_matches_cpu():
     cpu, gpu, mq, mk = _structured_varlen(rng, [1500, 400], [1500, 3000], 8, 2)   # g = 4
     for S in (2, 4):
         ref = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=S)
-        got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S)
+        got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S).to_host()
         assert got.head_subgroups == S and got.num_segments == ref.num_segments
         assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
         differ = sum(len(set(ref.segment(b, h, t)) ^ set(got.segment(b, h, t)))
@@ -448,7 +459,8 @@ def test_head_subgroups_sparse_attention_matches_cpu_reference(correction):
     assert 0 < index.density < 1
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))
-    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True)
+    got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True,
+                                   reuse_index=True)
     torch.cuda.synchronize()
     _check_close(out, lse, ref, ref_lse)
 
@@ -463,10 +475,10 @@ def test_head_subgroups_union_and_chunks_on_gpu():
     ref = sp.union_index(tiles, *cpu, mq, mk)
     assert union.kept_blocks == ref.kept_blocks
     for name in ("segment_start", "segment_end", "block_ids"):
-        np.testing.assert_array_equal(union.host[name], ref.host[name])
+        np.testing.assert_array_equal(union.to_host().host[name], ref.host[name])
     assert union.num_segments == tiles.num_segments and union.density >= tiles.density
     got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False, head_subgroups=2)
-    want = sp.sparse_attention(*cpu[:3], union, *cpu[3:], mq, mk)
+    want = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
     dense = sp.attention(*gpu, mq, mk)
     alpha0 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, union=True, head_subgroups=2)
     torch.cuda.synchronize()
@@ -495,3 +507,106 @@ def test_head_subgroups_not_dividing_the_group_is_a_clear_error_on_gpu():
     _, gpu, mq, mk = _structured_varlen(rng, [300], [300], 8, 2)
     with pytest.raises(ValueError, match="head_subgroups"):
         sp.sparse_prefill(*gpu, mq, mk, head_subgroups=3)
+
+
+# The engine path: a device index and caller workspaces (no allocation, no host synchronisation, graph capture).
+
+def _pool_used_high(reset=False):
+    """High watermark of the device's default stream-ordered pool (what cudaMallocAsync temporaries draw from)."""
+    cupy = pytest.importorskip("cupy")
+    rt = cupy.cuda.runtime
+    pool = rt.deviceGetDefaultMemPool(torch.cuda.current_device())
+    used_high = 0x8  # cudaMemPoolAttrUsedMemHigh
+    if reset:
+        rt.memPoolSetAttribute(pool, used_high, 0)
+    return int(rt.memPoolGetAttribute(pool, used_high))
+
+
+def test_device_index_two_steps_equal_one_call():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 400], [1763, 3000], 8, 2)
+    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, return_lse=True)
+    index = sp.build_index(*gpu, mq, mk, alpha=0.2)
+    assert index.on_device and index.workspace.is_cuda
+    two, lse2 = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(one, two) and torch.equal(lse1, lse2)
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.2)
+    assert abs(index.density - ref.density) <= 0.01
+    with pytest.raises(ValueError, match="^causal"):
+        sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)
+    with pytest.raises(ValueError, match="^k: is not the array"):
+        sp.sparse_attention(gpu[0], gpu[1].clone(), gpu[2], index, *gpu[3:], mq, mk)
+    again = sp.sparse_attention(gpu[0], gpu[1].clone(), gpu[2].clone(), index, *gpu[3:], mq, mk, reuse_index=True)
+    torch.cuda.synchronize()
+    assert torch.equal(again, two)        # the same values in other arrays: the same result
+
+
+def test_workspace_paths_allocate_nothing_and_replay_in_a_cuda_graph():
+    """sparse_prefill, chunked_prefill (with the mean cache) and build_index + sparse_attention with caller
+    workspaces: bit-equal to the calls that take temporaries, no draw on the stream-ordered pool (the temporaries'
+    source, whose watermark the calls without a workspace do raise), and each captured in a CUDA graph and replayed
+    after its inputs changed equals eager on the new inputs."""
+    rng = np.random.default_rng()
+    L, C = 4000, 1024
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
+    step = _chunk_step(qg, kc, vc, bt, L - C, L)
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    _, gpu, _, _ = _structured_varlen(rng, [L], [L], 8, 2)
+    one_shot = (*gpu, L, L)
+
+    n_pref = sp.sparse_prefill_workspace_bytes(*one_shot)
+    n_chunk = sp.chunked_prefill_workspace_bytes(*step)
+    assert n_pref > 0 and n_chunk > 0
+    ws_pref = torch.empty(n_pref, dtype=torch.uint8, device="cuda")
+    ws_chunk = torch.empty(n_chunk, dtype=torch.uint8, device="cuda")
+    means = sp.mean_cache(kc)
+
+    def run(with_ws):
+        a = sp.sparse_prefill(*one_shot, workspace=ws_pref if with_ws else None)
+        b = sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, workspace=ws_chunk if with_ws else None)
+        return a, b
+
+    torch.cuda.synchronize()
+    _pool_used_high(reset=True)
+    ref = run(False)
+    torch.cuda.synchronize()
+    assert _pool_used_high() > 0                                   # the probe sees the temporaries
+    _pool_used_high(reset=True)
+    got = run(True)
+    torch.cuda.synchronize()
+    assert _pool_used_high() == 0                                  # with workspaces: nothing
+    assert all(torch.equal(x, y) for x, y in zip(got, ref))
+
+    outs = [torch.empty_like(r) for r in ref]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                  # warm-up outside the capture
+        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref)
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, out=outs[1], workspace=ws_chunk)
+    for t in (gpu[0], step[0]):                                     # new query values, same buffers
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    want = run(False)
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(outs, want))
+
+
+def test_device_index_workspace_errors():
+    rng = np.random.default_rng()
+    _, gpu, mq, mk = _structured_varlen(rng, [500], [500], 8, 2)
+    n = sp.index_workspace_bytes(*gpu, mq, mk)
+    with pytest.raises(ValueError, match="^workspace: needs at least"):
+        sp.build_index(*gpu, mq, mk, workspace=torch.empty(n // 2, dtype=torch.uint8, device="cuda"))
+    big = torch.empty(n + 256, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="^workspace: must be 256-byte aligned"):
+        sp.build_index(*gpu, mq, mk, workspace=big[1:])
+    with pytest.raises(TypeError, match="^workspace"):
+        sp.sparse_prefill(*gpu, mq, mk, workspace=np.empty(n, np.uint8))
+    index = sp.build_index(*gpu, mq, mk, workspace=big[:n])
+    host = index.to_host()
+    assert not host.on_device and host.kept_blocks == index.kept_blocks

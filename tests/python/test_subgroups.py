@@ -89,11 +89,11 @@ def test_sparse_attention_equals_repeated_model(batch, correction, union):
     q, k, v, cu_q, cu_k = batch
     S = 2
     kw = dict(SEL, alpha=0.2, correction=correction, union=union)
+    kr, vr = rep(k, S), rep(v, S)
     idx = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **kw)
-    ref = sp.build_index(*args(q, rep(k, S), rep(v, S), cu_q, cu_k), **kw)
+    ref = sp.build_index(*args(q, kr, vr, cu_q, cu_k), **kw)
     out, lse = sp.sparse_attention(q, k, v, idx, *args(q, k, v, cu_q, cu_k)[3:], return_lse=True)
-    want, want_lse = sp.sparse_attention(q, rep(k, S), rep(v, S), ref, *args(q, k, v, cu_q, cu_k)[3:],
-                                         return_lse=True)
+    want, want_lse = sp.sparse_attention(q, kr, vr, ref, *args(q, k, v, cu_q, cu_k)[3:], return_lse=True)
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(lse, want_lse)
     # the float64 naive semantics on the repeated model, over the S index's lists

@@ -1,17 +1,20 @@
 // Host-side exhaustive check of the block iterators (src/cuda/block_iterator.h), the producer/consumer seam.
 // Dense: every visible (row, key) lies in a visited block, a block reported as needing no mask is fully visible to
-// every valid row of the tile, and the per-row column range used by the mask equals the visibility rule of DESIGN.md.
+// every valid row of the tile, and the per-row column range used by the mask equals the visibility rule of docs/semantics.md.
 // Sparse: for random CSR lists (block sizes 128 and 256, many chunk counts), the real steps visit exactly the listed
 // blocks' keys, an unmasked step is fully visible to every row, and the correction steps (chunks x listed bits)
 // select exactly the blocks docs/semantics.md corrects: fully visible to the whole tile and not listed.
-// Build and run (no GPU): g++ -std=c++17 -O2 -Isrc tests/gpu/test_block_iterator.cpp -o /tmp/t && /tmp/t
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <set>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "cuda/block_iterator.h"
+
+namespace {
 
 using sparse_prefill::cuda::DenseBlockIterator;
 using sparse_prefill::cuda::SeqSpan;
@@ -193,9 +196,7 @@ long check_full_list(long& checked) {
   return failures;
 }
 
-// The split plan's workspace bounds (fewer than U * SMs split tiles and 2 U * SMs split units, for every U up to
-// kMaxUnitsPerSm) for step
-// distributions from uniform to one huge tile among many tiny ones, and tiny totals (cap = kMinCap).
+// The split plan's workspace bounds (fewer than SMs split tiles and 2 * SMs split units) for step distributions from uniform to one huge tile among many tiny ones, and tiny totals (cap = kMinCap).
 long check_split_rule() {
   using sparse_prefill::cuda::SplitRule;
   std::mt19937 rng(11);
@@ -213,8 +214,7 @@ long check_split_rule() {
       }
       unsigned long long total = 0;
       for (int s : steps) total += s;
-      const int per_sm = 1 + trial % SplitRule::kMaxUnitsPerSm;
-      const int cap = SplitRule::cap(total, sms, per_sm);
+      const int cap = SplitRule::cap(total, sms);
       long units = 0, split_tiles = 0;
       for (int s : steps) {
         const int n = SplitRule::nsplit(s, cap);
@@ -224,7 +224,7 @@ long check_split_rule() {
           ++split_tiles;
         }
       }
-      if ((units > 0 && units >= 2L * per_sm * sms) || (split_tiles > 0 && split_tiles >= long(per_sm) * sms)) {
+      if ((units > 0 && units >= 2L * sms) || (split_tiles > 0 && split_tiles >= long(sms))) {
         if (failures < 5) std::printf("FAIL split bound: %ld units, %ld tiles, %d SMs\n", units, split_tiles, sms);
         ++failures;
       }
@@ -232,7 +232,7 @@ long check_split_rule() {
   return failures;
 }
 
-int main() {
+long check_dense(long& checked_out) {
   constexpr int M = 128, N = 128;
   using It = DenseBlockIterator<M, N>;
   const std::vector<int> lens = {1, 11, 127, 128, 129, 300, 1000, 1763};
@@ -268,18 +268,30 @@ int main() {
             if (it.block(i) != it.block(i - 1) - 1 && failures++ < 10) std::printf("FAIL order\n");
         }
       }
-  std::printf("dense block iterator: %ld (row, key) pairs checked, %ld failures\n", checked, failures);
-  long sparse_checked = 0;
-  const long sparse_failures = check_sparse(sparse_checked);
-  std::printf("sparse block iterator: %ld steps checked, %ld failures\n", sparse_checked, sparse_failures);
-  failures += sparse_failures;
-  long full_checked = 0;
-  const long full_failures = check_full_list(full_checked);
-  std::printf("full-list (dense PackGQA) iterator: %ld (row, key) pairs checked, %ld failures\n", full_checked,
-              full_failures);
-  failures += full_failures;
-  const long plan_failures = check_split_rule();
-  std::printf("split rule: %ld failures\n", plan_failures);
-  failures += plan_failures;
-  return failures == 0 ? 0 : 1;
+  checked_out = checked;
+  return failures;
 }
+
+}  // namespace
+
+// Host-side exhaustive check of the CUDA kernel's block iterators (the seam between producer and consumers) and of
+// the split rule's workspace bounds: no GPU needed.
+TEST(BlockIterator, DenseRangeCoversExactlyTheVisibleKeys) {
+  long checked = 0;
+  EXPECT_EQ(check_dense(checked), 0);
+  EXPECT_GT(checked, 0);
+}
+
+TEST(BlockIterator, SparseListAndCorrectionSteps) {
+  long checked = 0;
+  EXPECT_EQ(check_sparse(checked), 0);
+  EXPECT_GT(checked, 0);
+}
+
+TEST(BlockIterator, FullListOfPackGqaTiles) {
+  long checked = 0;
+  EXPECT_EQ(check_full_list(checked), 0);
+  EXPECT_GT(checked, 0);
+}
+
+TEST(BlockIterator, SplitRuleWorkspaceBounds) { EXPECT_EQ(check_split_rule(), 0); }

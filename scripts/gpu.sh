@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU machine's one script: installs the package from this tree (one build tree, build-gpu/), then runs the phases
+# asked for; logs and JSON go to the folder OUT.
+#
+#   scripts/gpu.sh OUT [phase ...]          (default phases: test)
+#
+#   build     always first: `pip install` of this tree with the CUDA backend (no network: --no-build-isolation; the
+#             CUTLASS headers from $SP_CUTLASS_ROOT or .deps/cutlass, holding include/ and tools/util/include/);
+#             a no-op rebuild when build-gpu/ is already there
+#   sass      ptxas registers/spills of every kernel and the SASS summary (HGMMA, local memory) of each CUDA object
+#   test      the whole pytest suite through the installed package (its CUDA cases run here)
+#   sanitize  compute-sanitizer memcheck and racecheck on small CUDA cases (dense, sparse, chunked, workspaces)
+#   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
+#             unless SP_BENCH_FULL=1)
+#   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
+#
+# Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min, ab ~3 min: one
+# device command runs 10 minutes at most, so split the phases over calls (build-gpu/ and the install stay while the
+# machine is warm).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|bench|ab ...]}"
+shift
+PHASES=("$@")
+(( ${#PHASES[@]} )) || PHASES=(test)
+mkdir -p "$OUT"
+cd "$ROOT"
+export SP_COMMIT="${SP_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export PYTHONUNBUFFERED=1
+CUT="${SP_CUTLASS_ROOT:-$ROOT/.deps/cutlass}"
+PY="${PYTHON:-python3}"
+step() { echo "== $* ($(date +%T))"; }
+rc=0
+
+step "build (commit $SP_COMMIT)"
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+if ! "$PY" -m pip install -v --no-build-isolation --no-deps --no-index -C build-dir=build-gpu \
+     -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  echo "build failed"
+  exit 1
+fi
+# Import from outside the tree: the installed package, not python/ of the source tree.
+(cd /tmp && "$PY" -c "import sparse_prefill as sp; assert sp.with_cuda, 'no CUDA backend'; print('package', sp.__file__)") ||
+  { echo "import failed"; exit 1; }
+
+for phase in "${PHASES[@]}"; do
+  case "$phase" in
+    build) ;;
+    sass)
+      step "ptxas and SASS summary"
+      grep -E "registers|spill" "$OUT/build.log" | sed 's/^ *//' | sort | uniq -c | sort -rn > "$OUT/ptxas_summary.txt"
+      for o in $(find build-gpu -name '*.cu.o' | sort); do
+        s=$(cuobjdump --dump-sass "$o" 2>&1)
+        echo "$(basename "$o"): HGMMA=$(grep -c HGMMA <<< "$s") LDL/STL=$(grep -cE 'LDL|STL' <<< "$s")"
+      done | tee "$OUT/sass_summary.txt"
+      ;;
+    test)
+      step "pytest (CPU and CUDA cases) through the installed package"
+      timeout 540 "$PY" -m pytest -q -p no:cacheprovider tests/python > "$OUT/pytest.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -15 "$OUT/pytest.log"
+      ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        step "$tool"
+        timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider \
+          tests/python/test_cuda.py tests/python/test_dense_cuda.py \
+          -k "L=129 or varlen_causal_mixed or ps=16_varlen or split_decode_Lq or matches_cpu_reference or workspace or device_index" \
+          > "$OUT/${tool}.log" 2>&1
+        r=$?; (( r == 0 )) || rc=$r
+        echo "$tool rc=$r"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}.log" | tail -3
+      done
+      ;;
+    bench)
+      full=()
+      [[ -n "${SP_BENCH_FULL:-}" ]] || full=(--quick)
+      for b in bench_dense bench_sparse bench_chunked bench_decode bench_host_overhead; do
+        [[ -f "bench/$b.py" ]] || continue
+        step "$b"
+        timeout 300 "$PY" "bench/$b.py" --out "$OUT/${b#bench_}_h200.json" "${full[@]}" > "$OUT/$b.log" 2>&1
+        r=$?; (( r == 0 )) || rc=$r
+        tail -8 "$OUT/$b.log"
+      done
+      ;;
+    ab)
+      step "A/B: the a07fdec ctypes shim against the package"
+      if [[ ! -f .deps/a07fdec.tar ]]; then echo "missing .deps/a07fdec.tar (git archive a07fdec)"; rc=1; continue; fi
+      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .deps/a07fdec.tar -C /tmp/old
+      (cd /tmp/old && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFILL_TESTS=OFF \
+         -DSP_CUTLASS_ROOT="$CUT" -DPython_EXECUTABLE="$(command -v "$PY")" > "$OUT/ab_build.log" 2>&1 &&
+       cmake --build build -j"$(nproc)" --target sp_cuda_test >> "$OUT/ab_build.log" 2>&1) ||
+        { tail -20 "$OUT/ab_build.log"; rc=1; continue; }
+      timeout 400 "$PY" bench/ab_binding_paths.py --shim-lib /tmp/old/build/libsp_cuda_test.so \
+        --shim-py /tmp/old/tests/gpu --out "$OUT/ab_binding_paths_h200.json" > "$OUT/ab.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -12 "$OUT/ab.log"
+      ;;
+    *) echo "unknown phase $phase"; rc=2 ;;
+  esac
+done
+step "done rc=$rc"
+exit "$rc"
