@@ -15,7 +15,8 @@ Per variant (row):
   graph_gpu_us       CUDA-event time per replay of a graph holding `--graph-calls` calls (GPU time without the
                      replay's own launch);
   eager_over_graph   eager_us / graph_us (issue 14 target for the torch op: <= 1.3).
-Variants: public (sp.chunked_prefill), public_out (out=), op (torch_ops.chunked_prefill), op_out (out=), with
+Variants: public (sp.chunked_prefill), public_out (out=), public_ws (out= and a workspace allocated once, CUDA), op
+(torch_ops.chunked_prefill), op_out (out=), with
 --custom-op custom_op (the operator's kernel registered through torch.library.custom_op), and with --no-mean-cache
 the same without the mean cache.
 
@@ -149,6 +150,11 @@ def variants(step, use_means, custom_op=None):
         "op" + sfx: lambda: spt.chunked_prefill(*a, final_chunk=False, mean_cache=mc),
         "op_out" + sfx: lambda: spt.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out),
     }
+    if step.q.is_cuda and hasattr(sp, "chunked_prefill_workspace_bytes"):
+        n = sp.chunked_prefill_workspace_bytes(*a, final_chunk=False)
+        ws = torch.empty(((n + 3) // 4 or 1,), dtype=torch.int32, device=step.q.device)  # allocated once
+        v["public_ws" + sfx] = lambda: sp.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out,
+                                                          workspace=ws)
     if custom_op is not None:
         v["custom_op" + sfx] = lambda: custom_op(*a, False, mean_k=mk, mean_v=mv)
     return v

@@ -54,6 +54,9 @@ _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+# The extension's launch-option codes (sparse_prefill.LaunchOptions(): dense_path 'auto', split_kv on): the operators
+# always run the measured defaults.
+_LAUNCH_DEFAULTS = (0, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -86,36 +89,35 @@ def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> t
     return torch.empty(((n + 3) // 4,), dtype=_I32, device=q.device)
 
 
-# _C.sparse_prefill(..., workspace=) and sp.sparse_prefill_workspace_bytes() arrive with issue 14's workspace entry
-# points; until both exist the sparse operators run with the library's stream-ordered temporary on CUDA.
 def _c_takes_workspace(fn: Any) -> bool:
+    """Whether an extension function has a `workspace` argument (its nanobind signature is the docstring's first
+    line): the sparse entry points gained theirs with issue 14."""
     doc = getattr(fn, "__doc__", None) or ""
-    return "workspace" in doc.split(")", 1)[0] if doc else False
+    return "workspace" in doc.split(")", 1)[0]
 
 
-_SPARSE_WS_FN = getattr(_api, "sparse_prefill_workspace_bytes", None)
-_SPARSE_WS_IN_C = _c_takes_workspace(_C.sparse_prefill)
-SPARSE_WORKSPACE = _SPARSE_WS_FN is not None and _SPARSE_WS_IN_C
-"""True when the sparse operators pass a torch-allocated workspace on CUDA (else: the library's stream-ordered
-temporary, which a CUDA graph captures as a memory node outside torch's pool)."""
+SPARSE_WORKSPACE = _c_takes_workspace(_C.sparse_prefill) and hasattr(_C, "sparse_prefill_workspace_bytes")
+"""True when the sparse operators pass a torch-allocated workspace on CUDA (else, with an older extension, the
+library's stream-ordered temporary, which a CUDA graph records as a memory node outside torch's pool)."""
 
 _sparse_ws_cache: dict = {}
 
 
-def _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
-                      block_size, union, head_subgroups, final_chunk, mean_k, mean_v, device_index) -> torch.Tensor:
-    # shape-only: the size depends on shapes and parameters, never on values
+def _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale, sel, device_index) -> torch.Tensor:
+    # The size depends on shapes and parameters only, never on values: cached per shape (an engine's steps repeat
+    # their shapes, up to the lengths bounds).
     key = (q.shape, k.shape, q.dtype, k.dtype, cu_seqlens_q.shape,
            None if cu_seqlens_k is None else cu_seqlens_k.shape, None if block_table is None else block_table.shape,
-           max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, final_chunk,
-           None if mean_k is None else mean_k.shape, device_index)
+           max_seqlen_q, max_seqlen_k, causal, softmax_scale, sel, device_index)
     n = _sparse_ws_cache.get(key)
     if n is None:
+        # fresh capsules: the call's own are consumed by the extension
+        inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
+                  _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, 0,
+                  *_LAUNCH_DEFAULTS)
         with torch.cuda.device(device_index):
-            n = int(_SPARSE_WS_FN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  block_table=block_table, seqused_k=seqused_k, block_size=block_size, union=union,
-                                  head_subgroups=head_subgroups, final_chunk=final_chunk,
-                                  mean_cache=None if mean_k is None else (mean_k, mean_v)))
+            n = int(_C.sparse_prefill_workspace_bytes(inputs, sel))
         if len(_sparse_ws_cache) >= 4096:  # engines step through many lengths: keep the cache bounded
             _sparse_ws_cache.clear()
         _sparse_ws_cache[key] = n
@@ -170,7 +172,8 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         stream, ws = 0, None
     lse = _lse_for(q, return_lse)
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
-              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream)
+              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream,
+              0, True)  # _LAUNCH_DEFAULTS
     _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
     return lse
 
@@ -205,11 +208,12 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
-              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream)
+              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
+              0, True)  # _LAUNCH_DEFAULTS
     lse_c = _to_dlpack(lse) if return_lse else None
     if dev >= 0 and SPARSE_WORKSPACE:
-        ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                               seqused_k, block_size, union, head_subgroups, final_chunk, mean_k, mean_v, dev)
+        ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,
+                               max_seqlen_k, causal, softmax_scale, sel, dev)
         _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v), workspace=_to_dlpack(ws))
     else:
         _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v))
