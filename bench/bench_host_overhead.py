@@ -16,7 +16,7 @@ Per variant (row):
                      replay's own launch);
   eager_over_graph   eager_us / graph_us (issue 14 target for the torch op: <= 1.3).
 Variants: public (sp.chunked_prefill), public_out (out=), public_ws (out= and a workspace allocated once, CUDA), op
-(torch_ops.chunked_prefill), op_out (out=), with
+(torch_ops.chunked_prefill), op_out (out=), op_kernel_direct (the operator's kernel without the torch dispatcher), with
 --custom-op custom_op (the operator's kernel registered through torch.library.custom_op), and with --no-mean-cache
 the same without the mean cache.
 
@@ -155,6 +155,8 @@ def variants(step, use_means, custom_op=None):
         ws = torch.empty(((n + 3) // 4 or 1,), dtype=torch.int32, device=step.q.device)  # allocated once
         v["public_ws" + sfx] = lambda: sp.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out,
                                                           workspace=ws)
+    # the operator's kernel called without the dispatcher: what dispatching through torch.ops costs per call
+    v["op_kernel_direct" + sfx] = lambda: spt._chunked_out_kernel(*a, out, False, mean_k=mk, mean_v=mv)
     if custom_op is not None:
         v["custom_op" + sfx] = lambda: custom_op(*a, False, mean_k=mk, mean_v=mv)
     return v
@@ -290,9 +292,13 @@ def main():
                    mean_cache=not name.endswith("_no_mean_cache"), host_us=h_med, host_min_us=h_min,
                    eager_us=eager_us(fn, dev, args.loop))
         if cuda and not args.python_only:
-            g, g_gpu = graph_us(fn, args.loop, args.graph_calls)
-            row.update(graph_us=g, graph_gpu_us=g_gpu, eager_over_graph=row["eager_us"] / g,
-                       host_over_graph=h_med / g)
+            try:
+                g, g_gpu = graph_us(fn, args.loop, args.graph_calls)
+                row.update(graph_us=g, graph_gpu_us=g_gpu, eager_over_graph=row["eager_us"] / g,
+                           host_over_graph=h_med / g)
+            except Exception as e:  # noqa: BLE001  (a variant that cannot be captured: recorded, not fatal)
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize()
         if args.profile:
             row["profile"] = profile_top(fn, 2000)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)

@@ -338,8 +338,8 @@ def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k,
 # Registration
 # ---------------------------------------------------------------------------------------------------------------------
 
-_ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
-              "int max_seqlen_k")
+_ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+              "SymInt max_seqlen_k")
 _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -1], bool return_lse=False, "
               "Tensor? block_table=None, Tensor? seqused_k=None")
 _SPARSE_OPTS = ("float alpha=0.1, int block_size=128, int sink=256, int window=512, int last_n=2, "
@@ -347,7 +347,7 @@ _SPARSE_OPTS = ("float alpha=0.1, int block_size=128, int sink=256, int window=5
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
                 "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
-               "int max_seqlen_q, int max_seqlen_k")
+               "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = ("bool final_chunk, bool union=False, float alpha=0.1, int block_size=128, int sink=256, "
                "int window=512, int last_n=2, bool? correction=None, float? softmax_scale=None, "
                "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")

@@ -327,6 +327,26 @@ def test_compile_dynamic_shapes(device):
         _equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_growing_max_seqlen_k_does_not_recompile_each_step(device):
+    """An engine's chunked steps pass a new max_seqlen_k (the cache length) every step: the operators take it as a
+    SymInt, so after dynamo's first recompile (which makes the int dynamic) further values reuse the graph."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    args = chunk_problem(device)
+    counter = CompileCounter() if device == "cpu" else None
+    backend = counter if device == "cpu" else "inductor"
+    frames = torch._dynamo.utils.counters["stats"]
+    before = frames["unique_graphs"]
+    fn = torch.compile(lambda *a: spt.chunked_prefill(*a, final_chunk=False), fullgraph=True, backend=backend)
+    for extra in (0, 7, 64, 300):  # larger bounds than the caches are valid
+        _equal(fn(*args[:7], args[7] + extra), sp.chunked_prefill(*args[:7], args[7] + extra, final_chunk=False))
+    assert frames["unique_graphs"] - before <= 2
+    if counter is not None:
+        assert counter.frame_count <= 2
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CUDA: graph capture and replay; no allocation outside torch
 # ---------------------------------------------------------------------------------------------------------------------
@@ -496,6 +516,8 @@ def test_cuda_allocation_checks_detect_the_stream_ordered_temporary():
     (short queries against long keys, D = 128) takes its partials from cudaMallocAsync, which both checks see."""
     _native_allocator()
     args, kw = dense_problem("cuda", 128, "chunk")
+    if hasattr(sp, "attention_path"):
+        assert sp.attention_path(*args, **kw) == "split_kv"
     out = torch.empty_like(args[0])
     sp.attention(*args, out=out)
     with _PoolWatch() as w:
