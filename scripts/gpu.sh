@@ -118,8 +118,15 @@ for phase in "${PHASES[@]}"; do
     accuracy)
       step "accuracy harness (bench/accuracy)"
       [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
-      PYTHONPATH="/tmp/acc-site${PYTHONPATH:+:$PYTHONPATH}" timeout 480 "$PY" -m bench.accuracy.run \
-        ${SP_ACCURACY_ARGS:-} --out "$OUT/accuracy_h200.json" > "$OUT/accuracy.log" 2>&1
+      # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates
+      lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
+      (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
+       timeout 300 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+         --configs default,default_nocorr,s3_a001,s3_a003,rowmax_a01,rowmax_a03 --chunked 512,1024 \
+         --chunked-configs default,s3_a001,rowmax_a01 --out "$OUT/accuracy_h200.json" &&
+       timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+         --configs "default,s3_a001,agg=rowmax;alpha=0.1,agg=rowmax;alpha=0.3,agg=rowcum;gamma=0.8,agg=rowcum;gamma=0.7" \
+         --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -30 "$OUT/accuracy.log"
       ;;

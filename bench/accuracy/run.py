@@ -5,7 +5,8 @@
     python -m accuracy.run --backend emulate --configs default,s3_a001 --tasks copy,ppl,kv --lengths 2048,4096
   H200, through the public package (q/k/v bf16 CUDA, head_dim zero-padded to 128):
     python -m accuracy.run --backend sp --device cuda --configs sp_all --lengths 2048,4096,8192 --chunked 512,1024
-  (run from bench/, with PYTHONPATH holding python/; --chunked adds chunked-prefill rows at the longest length)
+  (run from bench/ with the package installed, `pip install .`; --chunked adds chunked-prefill rows at the longest
+  length)
 Dense reference rows use torch sdpa (emulate) or sp.attention (sp) in the same precision path.
 """
 import argparse
@@ -20,8 +21,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(HERE))  # `accuracy` as a package; sparse_prefill is the installed one
 
 from accuracy import tasks as T  # noqa: E402
 from accuracy.model import Model, ROUTER  # noqa: E402
@@ -33,6 +33,11 @@ CONFIGS = {
     "s3_a001": (dict(subgroups=3, alpha=0.01), dict(alpha=0.01, head_subgroups=3)),
     "s3_a003": (dict(subgroups=3, alpha=0.03), dict(alpha=0.03, head_subgroups=3)),
     "s3_a01": (dict(subgroups=3, alpha=0.1), dict(alpha=0.1, head_subgroups=3)),
+    # the per-row rule (issue 13 research): in the library as rule='row_max' once built
+    "rowmax_a01": (dict(agg="rowmax", alpha=0.1, correction=False), dict(alpha=0.1, rule="row_max",
+                                                                       correction=False)),
+    "rowmax_a03": (dict(agg="rowmax", alpha=0.3, correction=False), dict(alpha=0.3, rule="row_max",
+                                                                       correction=False)),
 }
 SP_ALL = ["dense_sp", "default", "default_nocorr", "s3_a001", "s3_a003"]
 
@@ -59,6 +64,8 @@ def parse_config(name):
 
 
 def commit():
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
@@ -87,8 +94,10 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     m = Model(args.gguf, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
     out = args.out or os.path.join(HERE, f"results_{args.backend}.json")
-    doc = dict(kind=("CPU torch emulation of the selection rules (bench/accuracy/emulate.py), NOT the library"
-                     if args.backend == "emulate" else "public sparse_prefill package on " + args.device),
+    doc = dict(kind=(f"torch emulation of the selection rules on {args.device} (bench/accuracy/emulate.py), NOT the "
+                     "library" if args.backend == "emulate" else "public sparse_prefill package on " + args.device),
+               through_package=args.backend == "sp",
+               device=torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                model=m.name, commit=commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                command=" ".join(sys.argv), backend=args.backend, rows=[])
     if os.path.exists(out):
