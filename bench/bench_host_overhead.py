@@ -61,9 +61,10 @@ def commit():
         return "unknown"
 
 
-def topic(L, hq, hkv, d, dev, seed=0):
+def topic(L, hq, hkv, d, dev, seed=0, q_from=0):
     """The topic workload of DESIGN.md (float32, on `dev`): per (KV head, 128-key block) a topic t; keys = topic +
-    noise; query group p (128 positions) of each KV head sums 4 topics drawn from blocks [0, max(p, 1))."""
+    noise; query group p (128 positions) of each KV head sums 4 topics drawn from blocks [0, max(p, 1)). Returns the
+    queries of positions [q_from, L) and all keys and values."""
     g = torch.Generator(device=dev).manual_seed(seed)
     nb = (L + BLOCK - 1) // BLOCK
     t = torch.randn(hkv, nb, d, device=dev, generator=g)
@@ -73,8 +74,9 @@ def topic(L, hq, hkv, d, dev, seed=0):
     tgt = (torch.rand(hkv, nb, 4, device=dev, generator=g) * hi[None, :, None]).long()
     tq = torch.gather(t, 1, tgt.reshape(hkv, nb * 4, 1).expand(hkv, nb * 4, d)).reshape(hkv, nb, 4, d).sum(2)
     g_size = hq // hkv
-    q = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)[:L]                      # [L, hkv, d]
-    q = q[:, :, None, :].expand(L, hkv, g_size, d).reshape(L, hq, d) + torch.randn(L, hq, d, device=dev, generator=g)
+    n = L - q_from
+    q = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)[q_from:L]                # [n, hkv, d]
+    q = q[:, :, None, :].expand(n, hkv, g_size, d).reshape(n, hq, d) + torch.randn(n, hq, d, device=dev, generator=g)
     return q, k, v
 
 
@@ -85,9 +87,9 @@ class Step:
         pages = (L + PAGE - 1) // PAGE
         qs, ks, vs = [], [], []
         for b in range(B):
-            q, k, v = topic(L, hq, hkv, d, dev, seed=b)
+            q, k, v = topic(L, hq, hkv, d, dev, seed=b, q_from=L - C)
             pad = pages * PAGE - L
-            qs.append(q[L - C:].to(dtype))
+            qs.append(q.to(dtype))
             ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).to(dtype).view(pages, PAGE, hkv, d))
             vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).to(dtype).view(pages, PAGE, hkv, d))
         perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(1)).to(dev)
@@ -268,7 +270,10 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--custom-op", action="store_true",
                     help="also the same kernel registered through torch.library.custom_op (variant custom_op)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (scripts/gpu.sh bench phase)")
     args = ap.parse_args()
+    if args.quick:
+        args.batches, args.loop = min(args.batches, 40), min(args.loop, 200)
     dev = args.device
     cuda = dev != "cpu"
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))

@@ -313,8 +313,10 @@ def test_compile_dynamic_shapes(device):
     symbolic."""
     import torch._dynamo
     torch._dynamo.reset()
+    # aot_eager on both devices: what is tested is tracing with symbolic shapes (inductor's code generation is covered
+    # by test_compile_fullgraph_equals_eager and would add minutes to the GPU suite)
     fn = torch.compile(lambda *a: spt.attention(*a, return_lse=True), fullgraph=True, dynamic=True,
-                       backend="aot_eager" if device == "cpu" else "inductor")
+                       backend="aot_eager")
     rng = np.random.default_rng(8)
     for q_lens in ([37, 130], [5, 64, 99]):
         q, k, v, cu_q, cu_k = make_varlen(rng, q_lens, q_lens, hq=HQ, hkv=HKV, d=64)
@@ -335,16 +337,11 @@ def test_compile_growing_max_seqlen_k_does_not_recompile_each_step(device):
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     args = chunk_problem(device)
-    counter = CompileCounter() if device == "cpu" else None
-    backend = counter if device == "cpu" else "inductor"
-    frames = torch._dynamo.utils.counters["stats"]
-    before = frames["unique_graphs"]
-    fn = torch.compile(lambda *a: spt.chunked_prefill(*a, final_chunk=False), fullgraph=True, backend=backend)
+    counter = CompileCounter()  # dynamo frames only (eager backend): recompiles are what is counted
+    fn = torch.compile(lambda *a: spt.chunked_prefill(*a, final_chunk=False), fullgraph=True, backend=counter)
     for extra in (0, 7, 64, 300):  # larger bounds than the caches are valid
         _equal(fn(*args[:7], args[7] + extra), sp.chunked_prefill(*args[:7], args[7] + extra, final_chunk=False))
-    assert frames["unique_graphs"] - before <= 2
-    if counter is not None:
-        assert counter.frame_count <= 2
+    assert counter.frame_count <= 2  # with an `int` schema: one per value (4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
