@@ -187,9 +187,10 @@ def time_graph_ms(fn, reps=None, rounds=7):
 # ---------------------------------------------------------------------------------------------------------------------
 
 def workspace(nbytes, device="cuda"):
-    """A uint8 CUDA buffer of nbytes (at least 1) for the package's workspace= arguments (torch allocations are
-    256-byte aligned)."""
-    return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
+    """A buffer of at least nbytes (and at least 4) for the package's workspace= arguments (torch allocations are
+    256-byte aligned). int32 elements: the extension's array conversion takes int32 but (at the time of writing)
+    not uint8, and a workspace may have any dtype it accepts."""
+    return torch.empty(max((int(nbytes) + 3) // 4, 1), dtype=torch.int32, device=device)
 
 
 def attention_workspace(head_dim=D, device="cuda"):

@@ -142,22 +142,24 @@ def measure_step(sp, cache, c0, c1, final, modes=("tile", "union"), means=None, 
             row[f"{mode}_total_cached_ms"] = row[f"{mode}_select_cached_ms"] + row[f"{mode}_attn_ms"]
             row[f"speedup_{mode}_cached"] = row["dense_attn_ms"] / row[f"{mode}_total_cached_ms"]
             row[f"{mode}_select_cached_share_of_dense"] = row[f"{mode}_select_cached_ms"] / row["dense_attn_ms"]
-            if graph and mode == "tile" and row.get("dense_attn_graph_ms"):
-                sel_g = time_graph_ms(lambda: build(means))
-                # (every build of this mode writes the same workspace, which `idx` reads: the attention below runs
-                # over the index the last build left there, as the shim's DeviceIndex did)
-                attn_g = time_graph_ms(attn)
-                if sel_g and attn_g:
-                    dense_g = row["dense_attn_graph_ms"]
-                    row.update(tile_select_cached_graph_ms=sel_g, tile_attn_graph_ms=attn_g,
-                               speedup_tile_cached_graph=dense_g / (sel_g + attn_g),
-                               tile_select_cached_graph_share_of_dense=sel_g / dense_g)
+            if graph and mode == "tile":
+                if row.get("dense_attn_graph_ms"):
+                    sel_g = time_graph_ms(lambda: build(means))
+                    # (every build of this mode writes the same workspace, which `idx` reads: the attention below
+                    # runs over the index the last build left there, as the shim's DeviceIndex did)
+                    attn_g = time_graph_ms(attn)
+                    if sel_g and attn_g:
+                        dense_g = row["dense_attn_graph_ms"]
+                        row.update(tile_select_cached_graph_ms=sel_g, tile_attn_graph_ms=attn_g,
+                                   speedup_tile_cached_graph=dense_g / (sel_g + attn_g),
+                                   tile_select_cached_graph_share_of_dense=sel_g / dense_g)
                 # The engine's one call: chunked_prefill with the mean cache and its workspace.
                 ws_step = workspace(sp.chunked_prefill_workspace_bytes(q, cache.k, cache.v, cu_q, cache.block_table,
                                                                        used, C, Lk, **sel), q.device)
+                one = {k_: v_ for k_, v_ in sel.items() if k_ != "final_chunk"}
                 step = lambda: sp.chunked_prefill(q, cache.k, cache.v, cu_q, cache.block_table, used, C, Lk,  # noqa
                                                   final_chunk=final, mean_cache=means, out=out, workspace=ws_step,
-                                                  **{k_: v_ for k_, v_ in sel.items() if k_ != "final_chunk"})
+                                                  **one)
                 row["tile_step_call_ms"] = time_ms(step)
                 row["tile_step_graph_ms"] = time_graph_ms(step)
                 if row["tile_step_graph_ms"]:

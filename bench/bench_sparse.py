@@ -153,8 +153,10 @@ def accuracy(sp, L, dev="cuda"):
     q, k, v = (torch.from_numpy(a).to(dev).to(bf) for a in (q, k, v))
     cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
     dense = sp.attention(q, k, v, cu, cu, L, L)
-    idx = sp.build_index(q, k, v, cu, cu, L, L, correction=True, **SEL)
-    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, correction=False, **SEL)
+    idx = sp.build_index(q, k, v, cu, cu, L, L, correction=True, **SEL,
+                         workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL))
+    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, correction=False, **SEL,
+                            workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL, correction=False))
     corr = sp.sparse_attention(q, k, v, idx, cu, cu, L, L)
     plain = sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L)
     torch.cuda.synchronize()

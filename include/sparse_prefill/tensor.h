@@ -12,7 +12,8 @@
 
 namespace sparse_prefill {
 
-enum class DType : int { kFloat32, kFloat16, kBFloat16, kInt32, kFloat8E4M3 };
+// kUInt8: raw bytes (workspaces; never a compute dtype).
+enum class DType : int { kFloat32, kFloat16, kBFloat16, kInt32, kFloat8E4M3, kUInt8 };
 enum class Device : int { kCPU, kCUDA };
 
 const char* dtype_name(DType dtype);

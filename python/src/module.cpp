@@ -78,12 +78,14 @@ sp::TensorView view_from(const Array& a, const char* name) {
   else if (code == C::Float && dt.bits == 16) t.dtype = sp::DType::kFloat16;
   else if (code == C::Bfloat && dt.bits == 16) t.dtype = sp::DType::kBFloat16;
   else if (code == C::Int && dt.bits == 32) t.dtype = sp::DType::kInt32;
+  else if (code == C::UInt && dt.bits == 8) t.dtype = sp::DType::kUInt8;  // workspaces
   else if ((code == C::Float8_E4M3FN || code == C::Float8_E4M3) && dt.bits == 8) t.dtype = sp::DType::kFloat8E4M3;
   else {
     char buf[32];
     throw sp::ArgumentError(name,
                             std::string("unsupported dtype ") + dl_dtype_name(dt, buf, sizeof buf) +
-                                " (supported: float32, float16, bfloat16, float8_e4m3fn, and int32 for index arrays)",
+                                " (supported: float32, float16, bfloat16, float8_e4m3fn, int32 for index arrays, uint8 for "
+                                "workspaces)",
                             true);
   }
   switch (a.device_type()) {

@@ -9,6 +9,7 @@ const char* dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kFloat8E4M3: return "float8_e4m3fn";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
@@ -18,6 +19,7 @@ int dtype_bytes(DType dtype) {
     case DType::kFloat32: case DType::kInt32: return 4;
     case DType::kFloat16: case DType::kBFloat16: return 2;
     case DType::kFloat8E4M3: return 1;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }
