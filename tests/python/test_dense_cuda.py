@@ -190,8 +190,7 @@ def test_dense_cuda(name, lq_list, lk_list, hq, hkv, kw):
     cu_q = torch.tensor([0] + torch.tensor(lq_list).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     cu_k = torch.tensor([0] + torch.tensor(lk_list).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     mq, mk = max(lq_list), max(lk_list)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((hq, tq), float("nan"), device=dev, dtype=torch.float32)
+    out = torch.full_like(q, float("nan"))   # poisoned: every element must be written
     if paged:
         kc, vc, block_table, seqused = make_paged(k, v, lk_list, paged, gen, nan_fill)
         kv = dict(block_table=block_table, seqused_k=seqused)
@@ -204,8 +203,8 @@ def test_dense_cuda(name, lq_list, lk_list, hq, hkv, kw):
     assert got is out
     if kw.get("vs_contiguous"):  # same blocks in the same order: paged must equal contiguous bit for bit
         out_c, lse_c = sp.attention(q, k, v, cu_q, cu_k, mq, mk, causal=causal, window=window, return_lse=True)
-        assert torch.equal(out, out_c)
-        assert torch.equal(lse.nan_to_num(0.0), lse_c.nan_to_num(0.0))
+        assert torch.equal(got, out_c)
+        assert torch.equal(got_lse, lse_c)
     torch.cuda.synchronize()
     ref, ref_lse = ref_attention(q, k, v, lq_list, lk_list, causal, window, 1.0 / math.sqrt(d), lowp=False)
     low, low_lse = ref_attention(q, k, v, lq_list, lk_list, causal, window, 1.0 / math.sqrt(d), lowp=True)
