@@ -24,7 +24,9 @@ int64_t check_rowmax(const Case& c, SelectionParams p, std::mt19937_64& rng) {
   for (float alpha : {p.alpha, 0.9f, 1.0f}) {
     p.alpha = alpha;
     const BlockIndex idx = build_index(B->in, p);
-    const naive64::Selection S = naive64::select(B->np, pl, naive_params(p));
+    naive64::SelParams np = naive_params(p);
+    if (!p.final_chunk) np.last_n = 0;  // final_chunk = false: the rules with last_n 0 (docs/semantics.md)
+    const naive64::Selection S = naive64::select(B->np, pl, np);
     const int64_t f = compare_selection(*B, idx, S, p);
     std::cout << "[rowmax] " << c.str() << " alpha " << p.alpha << ": density " << idx.density() << " ("
               << idx.kept_blocks << "/" << idx.visible_blocks << ")" << (f ? ", ties flipped " : "")
