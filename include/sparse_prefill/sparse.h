@@ -2,7 +2,8 @@
 //
 // Semantics (docs/semantics.md): key blocks of `block_size` tokens per KV head; PackGQA query tiles of 128 packed rows
 // (row r <-> position r / g, head kvh*g + r % g); a tile keeps block J iff its pooled energy
-// E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, plus sink / window / last_n blocks; kept blocks are listed per
+// E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ (SelectionRule::kTileEnergy; kRowMax thresholds per row),
+// plus sink / window / last_n blocks; kept blocks are listed per
 // segment (sequence, KV head, tile) in a CSR index; mean correction adds, for every block fully visible to the whole
 // tile and not kept, one virtual key (k_mean_J, v_mean_J) with weight |B_J|.
 #pragma once
@@ -16,8 +17,19 @@ namespace sparse_prefill {
 
 constexpr int kTileRows = 128;  // packed query rows per selection tile
 
+// The threshold rule of a tile (docs/semantics.md, "Selection rules"). Both score s_rJ = scale * q_r . k_mean_J over
+// the blocks J each packed row r sees; alpha = 0 keeps every visible block under either rule.
+enum class SelectionRule : int {
+  // FlashPrefill V2: keep J iff E_J = sum_r exp(s_rJ - M) >= alpha * max_J E_J, M the tile-wide maximum score.
+  kTileEnergy = 0,
+  // Per row: m_r = max_J s_rJ over the blocks row r sees; keep J iff max_r (s_rJ - m_r) >= ln(alpha) over the
+  // tile's rows that see J, i.e. J is within a factor alpha of the top block of at least one row.
+  kRowMax = 1,
+};
+
 struct SelectionParams {
-  float alpha = 0.1f;     // keep J iff E_IJ >= alpha * max_J E_IJ; alpha = 0 keeps every visible block (dense)
+  float alpha = 0.1f;     // the threshold of `rule`; alpha = 0 keeps every visible block (dense)
+  SelectionRule rule = SelectionRule::kTileEnergy;  // how a tile's scores are thresholded (SelectionRule above)
   int block_size = 128;   // tokens per key block; a positive multiple of 64
   int sink = 256;         // the blocks holding the first `sink` tokens are always kept
   int window = 512;       // the blocks meeting the `window` tokens before each query are always kept

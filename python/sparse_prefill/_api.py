@@ -468,26 +468,43 @@ def _as_head_subgroups(value: Any) -> int:
     return s
 
 
+# Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
+_RULES = {"tile_energy": 0, "row_max": 1}
+
+
+def _as_rule(value: Any) -> int:
+    if not isinstance(value, str) or value not in _RULES:
+        raise ValueError(f"rule: must be one of {', '.join(repr(r) for r in _RULES)}, got {value!r}")
+    return _RULES[value]
+
+
 def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=1) -> tuple:
+                    head_subgroups=1, rule="tile_energy") -> tuple:
     """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
     the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
             _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
-            _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups))
+            _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
+            _as_rule(rule))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
                 block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
-                workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None) -> Index:
+                workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
+                rule: str = "tile_energy") -> Index:
     """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
 
     For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
     E_IJ = sum_r exp(q_r . kmean_J * scale - M_I) >= alpha * max_J E_IJ, plus the blocks of the first `sink` tokens,
     the blocks meeting the `window` tokens before each query, and every visible block for the last `last_n` tiles of
     each sequence. alpha=0 keeps every visible block (sparse_attention then equals attention).
+
+    rule: how the scores are thresholded. 'tile_energy' (default) is the energy rule above; 'row_max' normalises
+    per row first: with m_r = max_J s_rJ over the blocks packed row r sees, keep J iff
+    max over the rows r that see J of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top
+    block of at least one row (docs/semantics.md "Selection rules"). The always-kept blocks are the same.
 
     KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None).
     `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
@@ -515,7 +532,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
+                          rule)
     mode = "union" if sel[7] else "tile"
     mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
@@ -541,7 +559,7 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     sel = _selection_args(selection.get("alpha", 0.1), block_size, selection.get("sink", 256),
                           selection.get("window", 512), selection.get("last_n", 2),
                           selection.get("correction", True), selection.get("final_chunk", True), union,
-                          head_subgroups)
+                          head_subgroups, selection.get("rule", "tile_energy"))
     return int(_C.index_workspace_bytes(inputs, sel))
 
 
@@ -625,8 +643,9 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
-                   head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None):
-    """build_index() + sparse_attention() in one call (same arguments as the two).
+                   head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
+                   rule: str = "tile_energy"):
+    """build_index() + sparse_attention() in one call (same arguments as the two; rule as in build_index()).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
     into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
@@ -638,7 +657,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
 
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
+                          rule)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
         mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
@@ -655,7 +675,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
                         stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
-                        workspace=workspace, mean_cache=mean_cache, options=options)
+                        workspace=workspace, mean_cache=mean_cache, options=options, rule=rule)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream, options=options)
@@ -712,7 +732,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
                     mean_cache=None, head_subgroups: int = 1, workspace=None,
-                    options: Optional[LaunchOptions] = None):
+                    options: Optional[LaunchOptions] = None, rule: str = "tile_energy"):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -724,8 +744,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     defaults to True for per-tile lists and False for unions. head_subgroups (S, dividing Hq // Hkv): each GQA group
     is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
     sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
-    at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). Everything
-    else is sparse_prefill()'s.
+    at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). rule: as in
+    build_index() ('tile_energy' or 'row_max'). Everything else is sparse_prefill()'s.
 
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
@@ -762,7 +782,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
                           union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
-                          options=options)
+                          options=options, rule=rule)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -186,10 +186,10 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
   return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape, owner));
 }
 
-// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups), checked by
-// _api._selection_args.
+// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups, rule), checked
+// by _api._selection_args (rule: the int of sp::SelectionRule, range-checked by the library's validation).
 sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 9) throw nb::value_error("internal: the selection tuple must have 9 entries");
+  if (nb::len(t) != 10) throw nb::value_error("internal: the selection tuple must have 10 entries");
   sp::SelectionParams p;
   p.alpha = nb::cast<float>(t[0]);
   p.block_size = nb::cast<int>(t[1]);
@@ -200,6 +200,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
   p.final_chunk = nb::cast<bool>(t[6]);
   p.union_lists = nb::cast<bool>(t[7]);
   p.head_subgroups = nb::cast<int>(t[8]);
+  p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
   return p;
 }
 

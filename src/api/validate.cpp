@@ -54,6 +54,10 @@ void check_selection_params(const SelectionParams& params) {
   if (!(params.alpha >= 0.f && params.alpha <= 1.f)) {
     throw ArgumentError("alpha", "must lie in [0, 1], got " + std::to_string(params.alpha));
   }
+  if (params.rule != SelectionRule::kTileEnergy && params.rule != SelectionRule::kRowMax) {
+    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0) or kRowMax (1), got " +
+                                    std::to_string(int(params.rule)));
+  }
   if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
   if (params.window < 0) throw ArgumentError("window", "must be >= 0");
   if (params.last_n < 0) throw ArgumentError("last_n", "must be >= 0");

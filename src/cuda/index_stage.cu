@@ -465,11 +465,27 @@ __device__ __forceinline__ void butterfly_step(float (&v)[32], int lane) {
   }
 }
 
+// butterfly_step with max in place of the sum (the per-row rule's column maxima).
+template <int kBit>
+__device__ __forceinline__ void butterfly_max_step(float (&v)[32], int lane) {
+  const bool upper = lane & kBit;
+#pragma unroll
+  for (int k = 0; k < kBit; ++k) {
+    const float keep = upper ? v[k + kBit] : v[k], give = upper ? v[k] : v[k + kBit];
+    v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, give, kBit));
+  }
+}
+
 // One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
 // thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
 // groups of the warp (28 shuffles) leaves each lane 4 column sums; 128 threads combine the 8 warps after the
 // chunk's barrier. The last tiles (last_n), which keep every visible block, skip the GEMM.
-template <typename T, int D>
+// kRowMax (SelectionRule::kRowMax): two passes over the chunks through the same double-buffered pipeline. Pass 1
+// keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2 recomputes the GEMM
+// (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over the rows that see J
+// of s_rJ - m_r (raw dot products; the scale is folded into the threshold), by a max butterfly over the warp's rows
+// and a max over the 8 warps, into energy[]; keep iff C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
+template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int kv_split, int kv_heads_mem,
     const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
@@ -583,10 +599,15 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
   const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
-  for (int c = 0; c < nchunks; ++c) {
-    const int buf = c & 1;
-    if (c + 1 < nchunks) {
-      stage_chunk(c + 1, buf ^ 1);  // its stage was last read by chunk c-1's wgmma, finished before its barrier
+  // Steps: the chunks once (kRowMax: twice, pass 1 then pass 2); chunk c of step `step` is step % nchunks.
+  const int steps = kRowMax ? 2 * nchunks : nchunks;
+  float row_max[2] = {-INFINITY, -INFINITY};  // kRowMax: m_r of this thread's 2 rows (raw dot products)
+  for (int step = 0; step < steps; ++step) {
+    const int c = kRowMax && step >= nchunks ? step - nchunks : step;
+    const int buf = step & 1;
+    if (step + 1 < steps) {
+      // its stage was last read by the previous step's wgmma, finished before its barrier
+      stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
@@ -596,6 +617,57 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 
     wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
     warpgroup_wait<0>();
+
+    if constexpr (kRowMax) {
+      const int chunk_first = c * kN;
+      const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
+      if (!unmasked) {  // -inf where the row does not see the block (or lies past the tile)
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) {
+            const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+            if (J > row_last_block[i]) S(i, k) = -INFINITY;
+          }
+      }
+      if (step < nchunks) {  // pass 1: row maxima
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) row_max[i] = fmaxf(row_max[i], S(i, k));
+        if (step == nchunks - 1) {
+          CUTE_UNROLL
+          for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad hold one row's columns
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+            if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
+          }
+        }
+        __syncthreads();  // every wgmma of this step is done before the next step refills the other stage
+        continue;
+      }
+      // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
+      float v[kCols];
+      CUTE_UNROLL
+      for (int k = 0; k < kCols; ++k) v[k] = fmaxf(S(0, k) - row_max[0], S(1, k) - row_max[1]);
+      butterfly_max_step<16>(v, lane);
+      butterfly_max_step<8>(v, lane);
+      butterfly_max_step<4>(v, lane);
+      {
+        const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
+        const int col = 8 * (c0 / 2) + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
+      }
+      __syncthreads();
+      if (threadIdx.x < kN) {  // max over the warps: C_J of the tile (-inf: no row sees J)
+        float cm = sm.partial[0][threadIdx.x];
+        for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.partial[w][threadIdx.x]);
+        const int J = chunk_first + threadIdx.x;
+        if (J < nb32) energy[J] = cm;
+      }
+      continue;
+    }
 
     // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max; the scale
     // is folded into the exp2 argument: one FFMA per element).
@@ -653,23 +725,28 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
   __syncthreads();
 
-  // Rescale every chunk's energies to the tile maximum M; E_max.
-  float tile_max = -INFINITY;
-  for (int c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
-  float local_emax = 0.f;
-  for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
-    const float cm = chunk_max[J / kN];
-    const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
-    energy[J] = e;
-    local_emax = fmaxf(local_emax, e);
+  float threshold;
+  if constexpr (kRowMax) {
+    threshold = log2f(sel.alpha) / sel.scale_log2;  // ln(alpha) / scale; alpha = 0: -inf, every visible block
+  } else {
+    // Rescale every chunk's energies to the tile maximum M; E_max.
+    float tile_max = -INFINITY;
+    for (int c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
+    float local_emax = 0.f;
+    for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
+      const float cm = chunk_max[J / kN];
+      const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
+      energy[J] = e;
+      local_emax = fmaxf(local_emax, e);
+    }
+    for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
+    __syncthreads();
+    if (lane == 0) sm.red[warp] = local_emax;
+    __syncthreads();
+    float emax = sm.red[0];
+    for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
+    threshold = sel.alpha * emax;
   }
-  for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
-  __syncthreads();
-  if (lane == 0) sm.red[warp] = local_emax;
-  __syncthreads();
-  float emax = sm.red[0];
-  for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
-  const float threshold = sel.alpha * emax;
 
   // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
   // energies were never computed: `last_tile ||` comes first).
@@ -772,10 +849,10 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   return off;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kRowMax>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
-  auto kernel = score_select_kernel<T, D>;
+  auto kernel = score_select_kernel<T, D, kRowMax>;
   // Up to ~200 KB of dynamic shared memory, past the 48 KB default, and all of the unified L1 as shared memory so
   // that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one). Set once per instantiation
   // with the largest size the scorer takes (attributes are not stream operations; no per-call host cost).
@@ -932,7 +1009,11 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
         throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                   " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
       }
-      launch_score<T, kD>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+      if (params.rule == SelectionRule::kRowMax) {
+        launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+      } else {
+        launch_score<T, kD, false>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+      }
     };
     using D64 = std::integral_constant<int, 64>;
     using D128 = std::integral_constant<int, 128>;

@@ -3,7 +3,8 @@
 //   2. pool:  block means of K and V (float32, plus a bf16/fp16 copy of the K means for the tensor-core scorer);
 //   3. score: one CTA per (tile, KV head): S = Q_tile . K_mean^T on tensor cores (SS wgmma, 128 pooled blocks per
 //             step, Q and two stages of pooled keys in swizzled shared memory), running chunk maxima and block
-//             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold, sink / window / last_n
+//             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold (or the per-row rule,
+//             SelectionRule::kRowMax: a second pass over the chunks), sink / window / last_n
 //             / diagonal rules, and in-CTA compaction of the kept ids into the CSR.
 // The CSR is laid out "in place": segment s owns a fixed slice of `block_ids` of capacity nb_b (the number of blocks
 // of its sequence) and segment_start/end delimit its kept ids inside that slice, so no global compaction pass and no

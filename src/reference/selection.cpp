@@ -1,6 +1,7 @@
 // FlashPrefill V2 selection, exactly: pooled block means, per-tile scores s_rJ = scale * q_r . k_mean_J over the
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
-// threshold, the always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
+// threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score), the
+// always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
 
@@ -129,16 +130,37 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         tile_max = std::max(tile_max, sc);
       }
     }
-    // Block energies and their maximum.
-    std::vector<double> energy(size_t(nb), 0.0);
-    double energy_max = 0;
-    for (int64_t J = 0; J < nb; ++J) {
-      if (!visible[J]) continue;
+    // The threshold test of each visible block (SelectionParams::rule).
+    std::vector<char> above(size_t(nb), 0);
+    constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+    if (params.rule == SelectionRule::kRowMax) {
+      // Per row: m_r = max_J s_rJ over the blocks the row sees; C_J = max over the rows that see J of s_rJ - m_r;
+      // keep iff C_J >= ln(alpha) (ln 0 = -inf: every visible block).
+      std::vector<double> closeness(size_t(nb), kNegInf);
       for (int64_t r = 0; r < rows; ++r) {
-        const double sc = score[size_t(r * nb + J)];
-        if (sc != -std::numeric_limits<double>::infinity()) energy[J] += std::exp(sc - tile_max);
+        const double* sr = &score[size_t(r * nb)];
+        double row_max = kNegInf;
+        for (int64_t J = 0; J < nb; ++J) row_max = std::max(row_max, sr[J]);
+        if (row_max == kNegInf) continue;  // the row sees no block
+        for (int64_t J = 0; J < nb; ++J) {
+          if (sr[J] != kNegInf) closeness[J] = std::max(closeness[J], sr[J] - row_max);
+        }
       }
-      energy_max = std::max(energy_max, energy[J]);
+      const double log_alpha = params.alpha > 0.f ? std::log(double(params.alpha)) : kNegInf;
+      for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
+    } else {
+      // Block energies and their maximum.
+      std::vector<double> energy(size_t(nb), 0.0);
+      double energy_max = 0;
+      for (int64_t J = 0; J < nb; ++J) {
+        if (!visible[J]) continue;
+        for (int64_t r = 0; r < rows; ++r) {
+          const double sc = score[size_t(r * nb + J)];
+          if (sc != kNegInf) energy[J] += std::exp(sc - tile_max);
+        }
+        energy_max = std::max(energy_max, energy[J]);
+      }
+      for (int64_t J = 0; J < nb; ++J) above[J] = energy[J] >= double(params.alpha) * energy_max;
     }
     // Keep: above threshold, or always kept (not prunable, sink, window band, last tiles).
     const bool last_tile = tile >= tiles - (params.final_chunk ? params.last_n : 0);
@@ -155,7 +177,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     std::vector<int32_t>& list = lists[size_t(seg)];
     for (int64_t J = 0; J < nb; ++J) {
       if (!visible[J]) continue;
-      const bool keep = last_tile || energy[J] >= double(params.alpha) * energy_max || J * B < params.sink ||
+      const bool keep = last_tile || above[J] || J * B < params.sink ||
                         band[J] || !block_fully_visible(in, s, geo, J, B);
       if (keep) list.push_back(int32_t(J));
     }

@@ -179,7 +179,17 @@ Selection select(const Problem& P, const Pooled& pl, const SelParams& sp) {
     double maxE = 0;
     for (int64_t J = 0; J < nb; ++J)
       if (tb.visible[J]) maxE = std::max(maxE, E[J]);
-    const double thr = sp.alpha * maxE;
+    double thr = sp.alpha * maxE;
+    if (sp.row_max) {  // E becomes C_J = max over rows r seeing J of s_rJ - (row r's maximum score)
+      std::fill(E.begin(), E.end(), kNegInf);
+      for (const std::vector<double>& row : sc) {
+        double m = kNegInf;
+        for (double x : row) m = std::max(m, x);
+        for (int64_t J = 0; J < nb; ++J)
+          if (row[J] != kNegInf) E[J] = std::max(E[J], row[J] - m);
+      }
+      thr = sp.alpha > 0 ? std::log(sp.alpha) : kNegInf;
+    }
     // always-kept blocks
     std::vector<char> forced(nb, 0);
     for (int64_t J = 0; J < nb; ++J) {
@@ -203,7 +213,7 @@ Selection select(const Problem& P, const Pooled& pl, const SelParams& sp) {
         ++S.kept;
       }
       if (forced[J]) fl.push_back(int(J));
-      else if (std::fabs(E[J] - thr) <= 1e-6 * thr) amb.push_back(int(J));
+      else if (sp.row_max ? std::fabs(E[J] - thr) <= 1e-9 : std::fabs(E[J] - thr) <= 1e-6 * thr) amb.push_back(int(J));
     }
     S.lists.push_back(list);
     S.forced.push_back(fl);

@@ -60,14 +60,18 @@ TileBlocks analyze(const Problem& P, const Segment& s, int bs);
 struct SelParams {
   double alpha = 0.1;
   int bs = 128, sink = 256, window = 512, last_n = 2;
+  // The per-row rule (SelectionRule::kRowMax): keep J iff max over the rows r that see J of (s_rJ - max_J' s_rJ')
+  // >= ln(alpha). Selection::energy then holds that per-block maximum and threshold ln(alpha).
+  bool row_max = false;
 };
 
 struct Selection {
   std::vector<std::vector<int>> lists;      // per segment, ascending
   std::vector<std::vector<int>> forced;     // per segment: always-kept blocks (subset of lists)
-  std::vector<std::vector<int>> ambiguous;  // per segment: threshold ties (|E - alpha max E| <= 1e-6 rel)
+  std::vector<std::vector<int>> ambiguous;  // per segment: threshold ties (|E - alpha max E| <= 1e-6 rel; row_max:
+                                            // |C - ln alpha| <= 1e-9)
   std::vector<std::vector<double>> energy;  // per segment per block (0 for invisible)
-  std::vector<double> threshold;            // per segment: alpha * max E
+  std::vector<double> threshold;            // per segment: alpha * max E (row_max: ln alpha)
   int64_t kept = 0, visible = 0;
 };
 // Scores use the pooled means rounded to float32 (the contract's k_mean is float32).

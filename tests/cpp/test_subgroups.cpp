@@ -293,3 +293,31 @@ TEST(Subgroups, MeanCachePaged) {
 
 }  // namespace
 }  // namespace sptest
+
+namespace sptest {
+namespace {
+
+// The per-row rule (SelectionRule::kRowMax) with sub-groups: the index equals the repeated model's with S = 1 (per
+// tile and in union mode), and naive64's on that model.
+TEST(Subgroups, RowMaxIndexEqualsRepeatedModel) {
+  SP_SEED_TRACE();
+  std::mt19937_64 rng(test_seed());
+  for (const SubCase& sc_ : sub_cases()) {
+    SCOPED_TRACE(sc_.c.str() + " S=" + std::to_string(sc_.S));
+    auto B = build(sc_.c, rng);
+    auto R = repeat_kv(*B, sc_.S);
+    SelectionParams p = sc_.p;
+    p.rule = SelectionRule::kRowMax;
+    for (bool union_lists : {false, true})
+      expect_same_index(build_index(B->in, with_subgroups(p, sc_.S, union_lists)),
+                        build_index(R->in, with_subgroups(p, 1, union_lists)));
+    Built V = *B;
+    V.np = R->np;
+    V.c.Hkv = sc_.c.Hkv * sc_.S;
+    compare_selection(V, build_index(B->in, with_subgroups(p, sc_.S)),
+                      naive64::select(R->np, naive64::pool(R->np, p.block_size), naive_params(p)), p);
+  }
+}
+
+}  // namespace
+}  // namespace sptest

@@ -473,6 +473,7 @@ inline naive64::SelParams naive_params(const SelectionParams& p) {
   s.sink = p.sink;
   s.window = p.window;
   s.last_n = p.last_n;
+  s.row_max = p.rule == SelectionRule::kRowMax;
   return s;
 }
 

@@ -146,3 +146,67 @@ def sparse_attention(q, k, v, cu_q, cu_k, index_host, block_size, correction, ca
                     lse[head, qs[b] + i] = np.log(p.sum()) + m
         seg += hkv * tiles
     return out, lse
+
+
+def select(q, k, cu_q, cu_k, alpha, block_size, sink=0, window=0, last_n=0, rule="tile_energy", scale=None,
+           final_chunk=True, head_subgroups=1, tie=1e-5):
+    """The selection (causal, bottom-right) from the contract, in float64, one row at a time: per segment (b,
+    virtual KV head, tile) in contract order, (kept block ids, ids within `tie` of the threshold). rule
+    'tile_energy': E_J = sum_r exp(s_rJ - M) >= alpha * max_J E_J (tie relative); 'row_max':
+    max_r (s_rJ - m_r) >= ln(alpha), m_r = max_J s_rJ (tie absolute). The pooled means are float64 here (the
+    libraries use float32), hence the tie band."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    total_q, hq, d = q.shape
+    hkv = k.shape[1]
+    S = head_subgroups
+    gs = hq // hkv // S  # query heads per virtual KV head
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    kmean, cu_blocks = pool(k, cu_k, block_size)
+    qs, lqs = seq_lens(cu_q)
+    _, lks = seq_lens(cu_k)
+    out = []
+    for b in range(len(lqs)):
+        lq, lk = int(lqs[b]), int(lks[b])
+        tiles = (lq * gs + TILE_ROWS - 1) // TILE_ROWS
+        nb = (lk + block_size - 1) // block_size
+        for v in range(hkv * S):
+            for t in range(tiles):
+                r0, r1 = tile_rows(t, lq, gs)
+                sc = np.full((r1 - r0, nb), -np.inf)
+                diags = []
+                for r in range(r0, r1):
+                    i, head = r // gs, v * gs + r % gs
+                    diag = i + lk - lq
+                    diags.append(diag)
+                    for J in range(nb):
+                        if diag >= 0 and J * block_size <= diag:
+                            sc[r - r0, J] = scale * float(q[qs[b] + i, head] @ kmean[cu_blocks[b] + J, v // S])
+                visible = [J for J in range(nb) if np.isfinite(sc[:, J]).any()]
+                if rule == "row_max":
+                    crit = np.full(nb, -np.inf)
+                    for row in sc:
+                        if np.isfinite(row).any():
+                            m = row.max()
+                            for J in range(nb):
+                                if np.isfinite(row[J]):
+                                    crit[J] = max(crit[J], row[J] - m)
+                    thr = np.log(alpha) if alpha > 0 else -np.inf
+                    near = lambda c: abs(c - thr) <= tie
+                else:
+                    M = sc.max() if visible else 0.0
+                    crit = np.array([np.exp(sc[np.isfinite(sc[:, J]), J] - M).sum() for J in range(nb)])
+                    thr = alpha * (crit[visible].max() if visible else 0.0)
+                    near = lambda c: abs(c - thr) <= tie * thr
+                last_tile = t >= tiles - (last_n if final_chunk else 0)
+                dmin = min(diags) if diags else -1
+                kept, ties = [], []
+                for J in visible:
+                    lo, hi = J * block_size, min((J + 1) * block_size, lk) - 1
+                    band = window > 0 and any(lo <= dg and hi >= dg - window + 1 for dg in diags if dg >= 0)
+                    forced = last_tile or lo < sink or hi > dmin or band
+                    if forced or crit[J] >= thr:
+                        kept.append(J)
+                    if not forced and near(crit[J]):
+                        ties.append(J)
+                out.append((kept, set(ties)))
+    return out

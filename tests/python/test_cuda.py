@@ -610,3 +610,97 @@ def test_device_index_workspace_errors():
     index = sp.build_index(*gpu, mq, mk, workspace=big[:n])
     host = index.to_host()
     assert not host.on_device and host.kept_blocks == index.kept_blocks
+
+
+# The per-row rule (rule='row_max'): the GPU index stage's two passes (row maxima, then per block the max of s - m_r)
+# against the CPU reference index on the same bf16 inputs. bf16 pooled keys and fp32 dot products on the GPU vs
+# double on the CPU: only blocks near the threshold (max_r (s_rJ - m_r) ~ ln alpha) may flip.
+
+def _segments_differ(ref, got, batch, heads):
+    return sum(len(set(ref.segment(b, h, t)) ^ set(got.segment(b, h, t)))
+               for b in range(batch) for h in range(heads) for t in range(int(ref.tiles[b])))
+
+
+@pytest.mark.parametrize("q_lens,k_lens,hkv", [
+    ([1, 129, 1763], [1, 129, 1763], 2),     # odd lengths, GQA 4
+    ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
+    ([3000], [3000], 2),
+])
+@pytest.mark.parametrize("alpha", [0.01, 0.1, 0.5])
+def test_row_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="row_max")
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="row_max").to_host()
+    assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
+    differ = _segments_differ(ref, got, len(q_lens), hkv)
+    assert differ <= max(2, ref.kept_blocks // 200), differ
+    assert abs(got.density - ref.density) <= 0.01
+    tile = sp.build_index(*gpu, mq, mk, alpha=alpha)    # the default rule's index is a different selection
+    assert got.kept_blocks != tile.kept_blocks or alpha == 0.01
+
+
+def test_row_max_index_on_gpu_d64_and_fp16():
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, [700, 129], [2000, 129], hq=8, hkv=2, d=64)
+    for dt in (torch.bfloat16, torch.float16):
+        cpu = [_to(a, "cpu", dt) for a in (q, k, v)] + [_to(cu_q, "cpu"), _to(cu_k, "cpu")]
+        gpu = [a.cuda() for a in cpu]
+        ref = sp.build_index(*cpu, 700, 2000, alpha=0.3, rule="row_max")
+        got = sp.build_index(*gpu, 700, 2000, alpha=0.3, rule="row_max").to_host()
+        assert _segments_differ(ref, got, 2, 2) <= max(2, ref.kept_blocks // 200)
+
+
+def test_row_max_alpha0_is_dense_and_alpha1_keeps_row_tops():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.0, rule="row_max")
+    assert idx.kept_blocks == idx.visible_blocks
+    out = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, rule="row_max")
+    dense = sp.attention(*gpu, mq, mk)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
+    ref = sp.build_index(*cpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0)
+    got = sp.build_index(*gpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0).to_host()
+    assert _segments_differ(ref, got, 2, 2) <= max(2, ref.kept_blocks // 100)
+
+
+def test_row_max_head_subgroups_union_and_paged_on_gpu():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 301], [5001, 3000], 8, 2)
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2)
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2)
+    assert _segments_differ(ref, tiles.to_host(), 2, 4) <= max(2, ref.kept_blocks // 200)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", union=True, head_subgroups=2)
+    want = sp.union_index(tiles, *cpu, mq, mk)
+    for name in ("segment_start", "segment_end", "block_ids"):
+        np.testing.assert_array_equal(union.to_host().host[name], want.host[name])
+    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.1, rule="row_max", union=True, correction=False,
+                            head_subgroups=2)
+    out = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
+    torch.cuda.synchronize()
+    assert (got.float().cpu() - out.float()).abs().max().item() <= 2e-2
+
+
+def test_row_max_chunked_paged_mean_cache_on_gpu():
+    """Chunks of 1024 over a paged cache with the mean cache equal the steps that re-pool (bit for bit), and each
+    step's GPU index matches the CPU reference's on the step's inputs (ties only)."""
+    rng = np.random.default_rng()
+    L, C = 4000, 1024
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
+    means = sp.mean_cache(kc)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        step = _chunk_step(qg, kc, vc, bt, c0, c1)
+        for union in (False, True):
+            got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means if not union else None,
+                                     alpha=0.1, rule="row_max")
+            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.1, rule="row_max")
+            torch.cuda.synchronize()
+            assert not torch.isnan(got).any() and torch.equal(got, want)
+        q, k, v, cu_q, bt_, used, mq, mk = step
+        ref = sp.build_index(*(a.cpu() for a in (q, k, v, cu_q)), None, mq, mk, block_table=bt_.cpu(),
+                             seqused_k=used.cpu(), alpha=0.1, rule="row_max", final_chunk=c1 == L)
+        dev = sp.build_index(q, k, v, cu_q, None, mq, mk, block_table=bt_, seqused_k=used, alpha=0.1,
+                             rule="row_max", final_chunk=c1 == L).to_host()
+        assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)

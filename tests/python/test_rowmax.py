@@ -1,0 +1,122 @@
+"""The per-row selection rule (rule='row_max') through the Python API on the CPU reference, against sp_naive.select
+(an independent float64 implementation of both rules): varlen, GQA, paged, head sub-groups, union mode, chunks;
+alpha = 0 equals dense; the keyword's validation."""
+
+import numpy as np
+import pytest
+
+import sparse_prefill as sp
+import sp_naive as naive
+from conftest import to_paged
+from conftest import topic_batch as conftest_topic_batch
+
+BS = 64
+
+
+def batch(q_lens, k_lens, hq=4, hkv=2, seed=0):
+    return conftest_topic_batch(q_lens, k_lens, hq, hkv, 64, seed, block=BS)
+
+
+def lists(index):
+    h = index.host
+    return [h["block_ids"][a:e].tolist() for a, e in zip(h["segment_start"], h["segment_end"])]
+
+
+def compare(index, want):
+    got = lists(index)
+    assert len(got) == len(want)
+    flips = 0
+    for s, (g, (w, ties)) in enumerate(zip(got, want)):
+        diff = set(g) ^ set(w)
+        assert diff <= ties, (s, sorted(diff - ties), g, w)
+        flips += len(diff)
+    return flips
+
+
+CASES = [
+    ([700, 130, 64], [700, 600, 64], 4, 2),   # varlen, a chunk, GQA 2
+    ([333], [900], 6, 2),                     # g = 3: positions straddle tiles
+    ([129, 11], [1763, 11], 8, 1),            # GQA 8, a chunk against a long cache
+]
+
+
+@pytest.mark.parametrize("q_lens,k_lens,hq,hkv", CASES)
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 1.0])
+@pytest.mark.parametrize("rule", ["row_max", "tile_energy"])
+def test_selection_matches_naive(q_lens, k_lens, hq, hkv, alpha, rule):
+    q, k, v, cu_q, cu_k = batch(q_lens, k_lens, hq, hkv)
+    sel = dict(block_size=BS, sink=64, window=64, last_n=1)
+    index = sp.build_index(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), alpha=alpha, rule=rule, **sel)
+    compare(index, naive.select(q, k, cu_q, cu_k, alpha, rule=rule, **sel))
+    if rule == "row_max" and alpha > 0.05:
+        assert index.density < 1
+
+
+def test_row_max_differs_from_tile_energy_and_keeps_more():
+    q, k, v, cu_q, cu_k = batch([1500], [1500], 4, 1)
+    a = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0)
+    r = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0,
+                       rule="row_max")
+    assert lists(a) != lists(r) and r.density < 1
+
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("union", [False, True])
+def test_head_subgroups_and_union(S, union):
+    q_lens, k_lens = [300, 129], [900, 129]
+    q, k, v, cu_q, cu_k = batch(q_lens, k_lens, 8, 2)
+    sel = dict(block_size=BS, sink=64, window=64, last_n=1)
+    index = sp.build_index(q, k, v, cu_q, cu_k, 300, 900, alpha=0.2, rule="row_max", head_subgroups=S,
+                           union=union, **sel)
+    want = naive.select(q, k, cu_q, cu_k, 0.2, rule="row_max", head_subgroups=S, **sel)
+    if not union:
+        compare(index, want)
+        return
+    tiles = sp.build_index(q, k, v, cu_q, cu_k, 300, 900, alpha=0.2, rule="row_max", head_subgroups=S, **sel)
+    flips = compare(tiles, want)
+    assert lists(index) == lists(sp.union_index(tiles, q, k, v, cu_q, cu_k, 300, 900))
+    if flips == 0:  # the union per (sequence, sub-group) of naive's lists
+        seg, got = 0, lists(index)
+        for b, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+            tiles_b = (lq * (8 // 2 // S) + 127) // 128
+            for vh in range(2 * S):
+                u = sorted(set().union(*[set(want[seg + vh * tiles_b + t][0]) for t in range(tiles_b)]))
+                for t in range(tiles_b):
+                    assert got[seg + vh * tiles_b + t] == u
+            seg += 2 * S * tiles_b
+
+
+def test_chunked_prefill_paged_matches_contiguous_and_naive():
+    rng = np.random.default_rng(0)
+    L, C = 1000, 256
+    q, k, v, cu, _ = batch([L], [L], 4, 2)
+    kc, vc, bt, _ = to_paged(rng, k, v, np.array([0, L], np.int32), 16)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        cu_q, used = np.array([0, c1 - c0], np.int32), np.array([c1], np.int32)
+        kw = dict(alpha=0.1, block_size=BS, sink=64, window=64, last_n=1, rule="row_max", correction=False)
+        got = sp.chunked_prefill(q[c0:c1], kc, vc, cu_q, bt, used, c1 - c0, c1, final_chunk=c1 == L, **kw)
+        cu_k = np.array([0, c1], np.int32)
+        idx = sp.build_index(q[c0:c1], k[:c1], v[:c1], cu_q, cu_k, c1 - c0, c1, final_chunk=c1 == L, **kw)
+        compare(idx, naive.select(q[c0:c1], k[:c1], cu_q, cu_k, 0.1, BS, 64, 64, 1, "row_max",
+                                  final_chunk=c1 == L))
+        want = sp.sparse_attention(q[c0:c1], k[:c1], v[:c1], idx, cu_q, cu_k, c1 - c0, c1)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_alpha_zero_is_dense():
+    q, k, v, cu_q, cu_k = batch([700, 130], [700, 600], 4, 2)
+    index = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="row_max")
+    assert index.kept_blocks == index.visible_blocks
+    out = sp.sparse_prefill(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="row_max")
+    dense = sp.attention(q, k, v, cu_q, cu_k, 700, 700)
+    np.testing.assert_allclose(out, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_rule_is_a_value_error():
+    q, k, v, cu_q, cu_k = batch([100], [100], 4, 2)
+    for bad in ("rowmax", 1, None):
+        with pytest.raises(ValueError, match="rule"):
+            sp.build_index(q, k, v, cu_q, cu_k, 100, 100, rule=bad)
+        with pytest.raises(ValueError, match="rule"):
+            sp.sparse_prefill(q, k, v, cu_q, cu_k, 100, 100, rule=bad)
