@@ -1,5 +1,6 @@
 """pytest setup for the Python package tests: import sparse_prefill from <repo>/python when it is not installed."""
 
+import importlib.util
 import os
 import sys
 
@@ -8,8 +9,14 @@ import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PKG = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "python")
-if _PKG not in sys.path:
+# An installed package (pip install ., scripts/test.sh) or PYTHONPATH=python wins; else the in-tree build.
+# SP_TEST_INSTALLED=1 (scripts/test.sh) asserts that the tests run against the installed package, not <repo>/python.
+if importlib.util.find_spec("sparse_prefill") is None and _PKG not in sys.path:
     sys.path.insert(0, _PKG)
+if os.environ.get("SP_TEST_INSTALLED") == "1":
+    _found = os.path.realpath(importlib.util.find_spec("sparse_prefill").origin)
+    assert not _found.startswith(os.path.realpath(_PKG) + os.sep), (
+        f"SP_TEST_INSTALLED=1 but sparse_prefill resolves to the source tree ({_found}), not the installed package")
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
