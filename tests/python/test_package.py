@@ -78,6 +78,24 @@ def test_versions_agree():
     assert py_version == cmake_version == sp.__version__
 
 
+def test_readme_python_example_runs(tmp_path):
+    """The README's Python example runs as written (CPU arrays: the exact reference backend, about 10 s)."""
+    readme = os.path.join(_REPO, "README.md")
+    if not os.path.exists(readme):
+        pytest.skip("no source tree beside the tests")
+    with open(readme) as f:
+        text = f.read()
+    section = text[text.index("### Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env = dict(os.environ)   # the sparse_prefill under test, wherever it was imported from
+    paths = [os.path.dirname(_PKG_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "paged == contiguous: True" in r.stdout, r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # numpy defaults: int64 index arrays and float64 data
 # ---------------------------------------------------------------------------------------------------------------------
