@@ -65,7 +65,7 @@ PYEOF
   "$VPY" -m pip install -q "${build_reqs[@]}"
   pip_args+=(--no-build-isolation)
 fi
-step "pip install '.[test]' into $VENV (builds $BUILD; first time with CUDA: 10+ minutes on 2 cores; log: $log)"
+step "pip install '.[test]' into $VENV (builds $BUILD; first time with CUDA: about 11 minutes on 2 cores; log: $log)"
 if ! CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$VPY" -m pip install -v ".[test]" "${pip_args[@]}" > "$log" 2>&1; then
   tail -60 "$log"; say "pip install failed (full log: $log)"; exit 1
 fi
