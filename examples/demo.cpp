@@ -2,17 +2,19 @@
 // V2 selection + sparse attention with mean correction). Prints sequence length, selected density, relative error
 // against dense attention (with and without correction) and times.
 //
-//   sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu]
+//   sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu] [--help]
 // With a GPU and the CUDA backend it first runs the GPU path (default L = 32768, Llama-3.1-8B heads: Hq=32, Hkv=8):
 // dense attention on the GPU (checked against the CPU reference on the last 64 queries), the GPU index stage
 // (density, time) and the sparse kernel with and without correction (time, error against the GPU dense output).
 // Then the CPU reference backend on a small input (default L = 4096, Hq=4, Hkv=1), the only path without a GPU.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Progress on stdout, flushed at once: the exact CPU reference takes seconds to minutes on long inputs.
+void progress(const std::string& what) {
+  std::printf("[demo] %s\n", what.c_str());
+  std::fflush(stdout);
+}
+
 double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -56,6 +64,7 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
 
 void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
   const int64_t L = shape.seqlen, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
+  progress("generating the structured workload (L=" + std::to_string(L) + ") for the CPU reference backend");
   std::vector<float> q(L * Hq * D), k(L * Hkv * D), v(L * Hkv * D);
   sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
 
@@ -72,13 +81,16 @@ void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   std::printf("SparsePrefill demo, CPU reference backend: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld\n",
               (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
   std::vector<float> dense(q.size()), sparse(q.size()), sparse_nc(q.size());
+  progress("dense attention (exact, double accumulation)...");
   auto t0 = std::chrono::steady_clock::now();
   sp::attention(in, {sp::make_view(dense.data(), sp::DType::kFloat32, {L, Hq, D}), std::nullopt});
   const double t_dense = seconds_since(t0);
 
+  progress("index stage (block selection)...");
   t0 = std::chrono::steady_clock::now();
   sp::BlockIndex index = sp::build_index(in, sel);
   const double t_index = seconds_since(t0);
+  progress("sparse attention over the selected blocks, with and without the mean correction...");
   t0 = std::chrono::steady_clock::now();
   sp::sparse_attention(in, sp::view_of(index), {sp::make_view(sparse.data(), sp::DType::kFloat32, {L, Hq, D}), {}});
   const double t_sparse = seconds_since(t0);
@@ -139,6 +151,7 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
     for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_bf16(x[i]);
     return y;
   };
+  progress("generating the structured workload (L=" + std::to_string(L) + ") and copying it to the GPU");
   const std::vector<uint16_t> qh = to_bf16(q), kh = to_bf16(k), vh = to_bf16(v);
   std::vector<int32_t> cu = {0, int32_t(L)};
   void *dq, *dk, *dv, *dout, *dcu;
@@ -163,6 +176,7 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
 
   std::printf("SparsePrefill demo, GPU path: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld, bf16\n",
               (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
+  progress("GPU dense attention (median of 5)...");
   const float dense_ms = median_ms([&] { sp::attention(in, outs); }, 5);
   const double tflops = 4.0 * double(L) * double(L) * double(D) * double(Hq) / 2.0 / (dense_ms * 1e-3) / 1e12;
 
@@ -191,6 +205,7 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
     den += r * r;
   }
 
+  progress("GPU index stage (median of 5)...");
   // The GPU index stage.
   // The GPU index stage into a workspace of our own (the engine path: no allocation, no synchronisation).
   const int64_t bytes = sp::index_workspace_bytes(in, sel);
@@ -224,6 +239,7 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
     }
     return std::sqrt(n2 / d2);
   };
+  progress("GPU sparse attention, with and without the mean correction (median of 5 each)...");
   sp::DeviceBlockIndex with = index, without = index;  // the correction only decides whether the means are read
   with.params.correction = true;
   without.params.correction = false;
@@ -239,6 +255,47 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
 }
 #endif
 
+constexpr const char* kUsage =
+    "usage: sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu] [--help]\n"
+    "\n"
+    "Dense attention against block-sparse prefill (FlashPrefill V2 selection + sparse attention, with and without\n"
+    "the mean correction) on one sequence of the structured workload: density, relative error, times.\n"
+    "\n"
+    "  --seqlen L      sequence length of the CPU reference run (default 4096; Hq=4, Hkv=1, D=128, float32)\n"
+    "  --gpu-seqlen L  sequence length of the GPU run (default 32768; Hq=32, Hkv=8, D=128, bf16)\n"
+    "  --alpha A       selection threshold in [0, 1] (default 0.1; 0 keeps every visible block)\n"
+    "  --seed S        workload seed (default 1)\n"
+    "  --cpu           skip the GPU run even where there is a GPU\n"
+    "  --help, -h      print this help and exit\n"
+    "Values may also be given as --option=value.\n";
+
+// A command-line error: names the argument, prints the usage hint, exit code 2.
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "sparse_prefill_demo: error: %s\n(run sparse_prefill_demo --help for the options)\n",
+               message.c_str());
+  return 2;
+}
+
+bool parse_int(const std::string& text, long long lo, long long hi, long long* value) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
+  *value = v;
+  return true;
+}
+
+bool parse_float(const std::string& text, double lo, double hi, double* value) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text.c_str(), &end);
+  if (errno != 0 || *end != '\0' || !(v >= lo && v <= hi)) return false;
+  *value = v;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -247,21 +304,59 @@ int main(int argc, char** argv) {
   sp::SelectionParams sel;
   uint64_t seed = 1;
   bool force_cpu = false;
+  constexpr long long kMaxSeqlen = 1ll << 20;  // the contract's range (4K to 1M tokens)
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : "";
-    if (a == "--cpu") { force_cpu = true; continue; }
-    if (i + 1 >= argc) { std::fprintf(stderr, "option %s needs a value\n", a.c_str()); return 2; }
-    ++i;
-    if (a == "--seqlen") cpu_shape.seqlen = std::atoll(v);
-    else if (a == "--gpu-seqlen") gpu_shape.seqlen = std::atoll(v);
-    else if (a == "--alpha") sel.alpha = float(std::atof(v));
-    else if (a == "--seed") seed = std::strtoull(v, nullptr, 10);
-    else { std::fprintf(stderr, "unknown option %s (options: --seqlen L, --gpu-seqlen L, --alpha A, --seed S, --cpu)\n", a.c_str()); return 2; }
+    std::string a = argv[i], value;
+    bool has_value = false;
+    if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+      has_value = true;
+    }
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (a == "--cpu") {
+      if (has_value) return usage_error("--cpu takes no value, got '" + value + "'");
+      force_cpu = true;
+      continue;
+    }
+    if (a != "--seqlen" && a != "--gpu-seqlen" && a != "--alpha" && a != "--seed")
+      return usage_error("unknown argument '" + a + "'");
+    if (!has_value) {
+      if (i + 1 >= argc) return usage_error(a + " needs a value");
+      value = argv[++i];
+    }
+    long long n = 0;
+    double x = 0;
+    if (a == "--seqlen" || a == "--gpu-seqlen") {
+      if (!parse_int(value, 1, kMaxSeqlen, &n))
+        return usage_error(a + ": expected an integer in [1, " + std::to_string(kMaxSeqlen) + "], got '" + value +
+                           "'");
+      (a == "--seqlen" ? cpu_shape : gpu_shape).seqlen = n;
+    } else if (a == "--alpha") {
+      if (!parse_float(value, 0.0, 1.0, &x))
+        return usage_error("--alpha: expected a number in [0, 1], got '" + value + "'");
+      sel.alpha = float(x);
+    } else {  // --seed
+      if (!parse_int(value, 0, std::numeric_limits<long long>::max(), &n))
+        return usage_error("--seed: expected a non-negative integer, got '" + value + "'");
+      seed = uint64_t(n);
+    }
   }
   try {
 #ifdef SPARSE_PREFILL_WITH_CUDA
-    if (!force_cpu && have_gpu()) run_gpu(gpu_shape, sel, seed);
+    if (force_cpu) {
+      progress("--cpu: skipping the GPU run");
+    } else if (have_gpu()) {
+      progress("GPU found: running the GPU path first (L=" + std::to_string(gpu_shape.seqlen) + ")");
+      run_gpu(gpu_shape, sel, seed);
+    } else {
+      progress("no GPU found: running the CPU reference backend only");
+    }
+#else
+    progress("built without the CUDA backend (no nvcc, or SPARSE_PREFILL_CUDA=OFF): CPU reference backend only");
 #endif
     run_cpu(cpu_shape, sel, seed);
   } catch (const std::exception& e) {

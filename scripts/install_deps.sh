@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything SparsePrefill needs to build and test on a fresh Debian machine:
-#   Debian: cmake, ninja, g++, GoogleTest;  PyPI: nanobind, numpy, pytest, CUTLASS/CuTe headers (nvidia-cutlass).
+#   Debian: cmake, ninja, g++, GoogleTest, python3-venv;  PyPI: nanobind, numpy, pytest, CUTLASS/CuTe headers
+#   (nvidia-cutlass). pip install . fetches its own build requirements (pyproject.toml: scikit-build-core, nanobind).
 # Idempotent: each step is skipped when already satisfied. The CUDA toolkit (nvcc) is optional and not installed
 # here; when present, the CUDA backend is compiled too.
 set -euo pipefail
@@ -11,6 +12,8 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+# scripts/test.sh installs the package into a fresh virtual environment (Debian's python3 needs python3-venv for that)
+$PY -c "import ensurepip, venv" 2>/dev/null || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "[deps] apt-get install ${need_apt[*]}"

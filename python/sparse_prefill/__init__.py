@@ -17,12 +17,43 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
 
 CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
 NotImplementedError). See sparse_prefill._api for shapes, masking and error conventions.
+
+dtypes: q/k/v are float32 (CPU only), float16 or bfloat16 (or float8_e4m3fn); float64 is refused with a TypeError
+naming the argument. Index arrays (cu_seqlens_q/k, block_table, seqused_k) are int32; numpy's default int64 is accepted
+on the host and converted to int32 (a small host copy) when every value fits, and refused on CUDA ("pass int32").
+
+Install: `pip install .` (or `pip install -e .` for development) from the repository root; a plain CMake build
+(`bash scripts/build.sh`) writes the extension into python/sparse_prefill for `PYTHONPATH=python`.
 """
 
-from . import _C
-from ._api import (Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index, chunked_prefill,
-                   chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv, sparse_attention,
-                   sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes, union_index)
+
+def _load_extension():
+    """The compiled extension sparse_prefill._C, or an ImportError that says how to build it."""
+    try:
+        from . import _C as ext
+    except ImportError:
+        import glob
+        import importlib.util
+        import os
+        if importlib.util.find_spec(__name__ + "._C") is not None:
+            raise  # the extension is there but does not load: the original error says why
+        here = os.path.dirname(os.path.abspath(__file__))
+        others = sorted(os.path.basename(f) for f in glob.glob(os.path.join(here, "_C*")) if not f.endswith(".py"))
+        note = (f" (found {', '.join(others)}: built for another Python version or platform)" if others else "")
+        raise ImportError(
+            f"sparse_prefill: the compiled extension sparse_prefill._C is missing from {here}{note}. This looks like a "
+            "source tree that has not been built. Build and install it from the repository root with "
+            "`pip install .` (or `pip install -e .` for an editable development install), or build it in place "
+            "with `bash scripts/build.sh` and use PYTHONPATH=python.", name=__name__ + "._C", path=here) from None
+    return ext
+
+
+_C = _load_extension()
+del _load_extension
+from ._api import (Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index,
+                   chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
+                   sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
+                   union_index)
 from . import workload
 
 with_cuda: bool = bool(_C.with_cuda)

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
+from ._arrays import normalize_dtypes
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes", "index_workspace_bytes",
@@ -160,6 +161,7 @@ class _Call:
             if other != name:
                 raise TypeError(f"out: is a {other or type(out).__name__} array but {ref} is a {name} array")
         self.arrays = {k: self._wrap(x) for k, x in arrays.items()}
+        self.arrays = normalize_dtypes(self.arrays, self.lib)  # numpy defaults: int64 / float64 rule (_arrays.py)
         if "q" in self.arrays:
             qw = self.arrays["q"]
             if len(qw.shape) != 3:

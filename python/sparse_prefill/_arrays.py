@@ -12,6 +12,16 @@ Supported libraries
 Any other DLPack producer on the CPU is read through numpy.from_dlpack and gets numpy outputs.
 torch, cupy and jax are never imported by this package: a library is only recognised when the caller already
 imported it (it is found in sys.modules).
+
+dtypes (normalize_dtypes, applied to every call's inputs before the extension sees them)
+    q, k, v       float64 is refused (TypeError naming the argument, saying to pass float32 (CPU), float16 or
+                  bfloat16): silently halving the precision of the caller's data would hide a mistake.
+    cu_seqlens_q, cu_seqlens_k, block_table, seqused_k
+                  int32. numpy's default int64 is accepted on the host (numpy, torch CPU, jax CPU, other DLPack)
+                  and converted to int32 when every value fits (a host copy of a few bytes per sequence or page);
+                  a value outside int32 is a ValueError. On CUDA an int64 index array is refused (TypeError: pass
+                  int32, e.g. x.to(torch.int32)): a conversion there would allocate and launch on the caller's stream.
+    Other dtypes go to the extension, which names the argument and lists the supported dtypes.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["library_of", "is_cuda", "ArrayLib", "resolve_stream"]
+__all__ = ["library_of", "is_cuda", "ArrayLib", "resolve_stream", "normalize_dtypes"]
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -212,3 +222,66 @@ def resolve_stream(stream: Any, lib: ArrayLib) -> int:
     if not 0 <= value < 2**64:
         raise ValueError(f"stream: must be a non-negative 64-bit handle, got {value}")
     return value
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# numpy defaults (int64 index arrays, float64 data): the rule in the module docstring
+# ---------------------------------------------------------------------------------------------------------------------
+
+INDEX_ARRAYS = ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k")
+DATA_ARRAYS = ("q", "k", "v")
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+
+
+def _dtype_name(x: Any) -> str:
+    """'int64', 'float64', ... for numpy, torch and cupy arrays ('' when unknown)."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return ""
+    return str(dt).replace("torch.", "")
+
+
+def _cast_hint(name: str, lib: ArrayLib, dtype: str) -> str:
+    if lib.compute == "torch":
+        return f"{name}.to(torch.{dtype})"
+    if lib.compute == "cupy":
+        return f"{name}.astype(cupy.{dtype})"
+    return f"{name}.astype(np.{dtype})"
+
+
+def _host_int64_to_int32(name: str, x: Any, lib: ArrayLib) -> Any:
+    if lib.compute == "torch":
+        lo, hi = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+    else:
+        a = np.asarray(x)
+        lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    if lo < _INT32_MIN or hi > _INT32_MAX:
+        bad = hi if hi > _INT32_MAX else lo
+        raise ValueError(f"{name}: int64 value {bad} does not fit in int32 (index arrays are int32); pass int32 "
+                         f"values, e.g. {_cast_hint(name, lib, 'int32')}")
+    if lib.compute == "torch":
+        import torch
+        return x.to(torch.int32)
+    return np.asarray(x).astype(np.int32)
+
+
+def normalize_dtypes(arrays: dict, lib: ArrayLib) -> dict:
+    """The call's input arrays (already through ArrayLib.wrap_in) with the dtype rule applied: host int64 index
+    arrays converted to int32, float64 data and CUDA int64 index arrays refused. Other arrays are returned as
+    they are (the extension checks them)."""
+    out = dict(arrays)
+    for name in DATA_ARRAYS:
+        x = out.get(name)
+        if x is not None and _dtype_name(x) == "float64":
+            hint = _cast_hint(name, lib, "bfloat16" if lib.cuda else "float32")
+            raise TypeError(f"{name}: float64 is not supported; pass float16 or bfloat16 (CPU and CUDA) or float32 "
+                            f"(CPU), e.g. {hint}")
+    for name in INDEX_ARRAYS:
+        x = out.get(name)
+        if x is None or _dtype_name(x) != "int64":
+            continue
+        if is_cuda(x):
+            raise TypeError(f"{name}: int64 is not supported on CUDA; pass int32 (e.g. "
+                            f"{_cast_hint(name, lib, 'int32')})")
+        out[name] = _host_int64_to_int32(name, x, lib)
+    return out

@@ -1,5 +1,6 @@
 """pytest setup for the Python package tests: import sparse_prefill from <repo>/python when it is not installed."""
 
+import importlib.util
 import os
 import sys
 
@@ -8,7 +9,15 @@ import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PKG = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "python")
-if _PKG not in sys.path:
+# SP_TEST_INSTALLED=1 (scripts/test.sh): the tests run against the pip-installed package, never <repo>/python.
+# Otherwise the in-tree build (scripts/build.sh) comes first, as before; an editable install still answers first.
+if os.environ.get("SP_TEST_INSTALLED") == "1":
+    _spec = importlib.util.find_spec("sparse_prefill")
+    assert _spec is not None, "SP_TEST_INSTALLED=1 but sparse_prefill is not installed (pip install .)"
+    _found = os.path.realpath(_spec.origin)
+    assert not _found.startswith(os.path.realpath(_PKG) + os.sep), (
+        f"SP_TEST_INSTALLED=1 but sparse_prefill resolves to the source tree ({_found}), not the installed package")
+elif _PKG not in sys.path:
     sys.path.insert(0, _PKG)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)

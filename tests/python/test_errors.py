@@ -57,7 +57,7 @@ ATTENTION_CASES = [
     ("q_float64", base(q=Q.astype(np.float64)), TypeError, "q"),
     ("k_dtype_mismatch", base(k=K.astype(np.float16)), TypeError, "k"),
     ("v_dtype_mismatch", base(v=V.astype(np.float16)), TypeError, "v"),
-    ("cu_seqlens_q_int64", base(cu_seqlens_q=CU_Q.astype(np.int64)), TypeError, "cu_seqlens_q"),
+    ("cu_seqlens_q_int16", base(cu_seqlens_q=CU_Q.astype(np.int16)), TypeError, "cu_seqlens_q"),  # int64: test_package
     ("cu_seqlens_k_float", base(cu_seqlens_k=CU_K.astype(np.float32)), TypeError, "cu_seqlens_k"),
     # cu_seqlens values
     ("cu_seqlens_q_not_monotone", base(cu_seqlens_q=np.array([0, 21, 20], np.int32), max_seqlen_q=21),
@@ -109,7 +109,7 @@ ATTENTION_CASES = [
     ("seqused_k_length", paged(seqused_k=USED[:1]), ValueError, "seqused_k"),
     ("paged_with_cu_seqlens_k", paged(cu_seqlens_k=CU_K), ValueError, "cu_seqlens_k"),
     ("block_table_rows", paged(block_table=BT[:1]), ValueError, "block_table"),
-    ("block_table_int64", paged(block_table=BT.astype(np.int64)), TypeError, "block_table"),
+    ("block_table_int16", paged(block_table=BT.astype(np.int16)), TypeError, "block_table"),  # int64: test_package
     ("paged_k_rank3", paged(k=K, v=V), ValueError, "k"),
     # workspace (used by the CUDA split path; its shape, layout and writability are checked everywhere)
     ("workspace_2d", base(workspace=np.zeros((4, 4), np.int32)), ValueError, "workspace"),
