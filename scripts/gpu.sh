@@ -30,6 +30,7 @@ mkdir -p "$OUT"
 cd "$ROOT"
 export SP_COMMIT="${SP_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
+export SP_TEST_INSTALLED=1   # tests run against the installed package, never python/ of this tree
 CUT="${SP_CUTLASS_ROOT:-$ROOT/.deps/cutlass}"
 if [[ ! -d "$CUT/include/cute" && -f "$ROOT/.deps/cutlass.tar.xz" ]]; then  # headers carried compressed (1 MB, not 28)
   CUT=/tmp/cutlass

@@ -35,8 +35,8 @@ from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
 from ._arrays import normalize_dtypes
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
-           "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes", "index_workspace_bytes",
-           "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
+           "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
+           "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 
 _TILE_ROWS = int(_C.tile_rows)
 

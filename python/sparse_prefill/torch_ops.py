@@ -195,7 +195,7 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
-                mean_k, mean_v, head_subgroups, out) -> torch.Tensor:
+                mean_k, mean_v, head_subgroups, rule, out) -> torch.Tensor:
     if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
             _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
             1 <= head_subgroups <= _INT32_MAX):
@@ -205,7 +205,9 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {head_subgroups}")
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
-    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups)
+    if rule not in (0, 1):
+        raise ValueError(f"rule: must be 0 ('tile_energy') or 1 ('row_max'), got {rule}")
+    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
@@ -226,22 +228,22 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
                    sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=1):
+                   head_subgroups=1, rule=0):
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
-                      union, mean_k, mean_v, head_subgroups, out)
+                      union, mean_k, mean_v, head_subgroups, rule, out)
     return out, lse
 
 
 def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1,
                        block_size=128, sink=256, window=512, last_n=2, correction=True, causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
-                       union=False, mean_k=None, mean_v=None, head_subgroups=1):
+                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=0):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                       final_chunk, union, mean_k, mean_v, head_subgroups, out)
+                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -265,26 +267,28 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                     final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
                     correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=1):
+                    head_subgroups=1, rule=0):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                       window, last_n, (not union) if correction is None else correction, True, softmax_scale,
-                      return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, out)
+                      return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
+                      out)
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                         final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
                         correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=1):
+                        head_subgroups=1, rule=0):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, (not union) if correction is None else correction, True, softmax_scale,
-                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, out)
+                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
+                      out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,27 +314,27 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
                  sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=1):
+                 head_subgroups=1, rule=0):
     return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
 def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1, block_size=128,
                      sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=1):
+                     mean_v=None, head_subgroups=1, rule=0):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
                   union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=None,
-                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1):
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=0):
     return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                       final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
                       correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=1):
+                      head_subgroups=1, rule=0):
     return _fake_lse(q, return_lse)
 
 
@@ -345,12 +349,13 @@ _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -
 _SPARSE_OPTS = ("float alpha=0.1, int block_size=128, int sink=256, int window=512, int last_n=2, "
                 "bool correction=True, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
-                "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")
+                "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule=0")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = ("bool final_chunk, bool union=False, float alpha=0.1, int block_size=128, int sink=256, "
                "int window=512, int last_n=2, bool? correction=None, float? softmax_scale=None, "
-               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1")
+               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, "
+               "int rule=0")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -416,18 +421,19 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
                    correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
-                   union: bool = False, mean_cache=None, head_subgroups: int = 1):
+                   union: bool = False, mean_cache=None, head_subgroups: int = 1,
+                   rule: str = "tile_energy"):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
     Returns out, or (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                               window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                              final_chunk, union, mean_k, mean_v, head_subgroups)
+                              final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
                              sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
-                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups)
+                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
     return (out, lse) if return_lse else out
 
 
@@ -435,16 +441,16 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
                     sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = 1):
+                    head_subgroups: int = 1, rule: str = "tile_energy"):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
     (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
-                               return_lse, mean_k, mean_v, head_subgroups)
+                               return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
-                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups)
+                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
     return (out, lse) if return_lse else out
