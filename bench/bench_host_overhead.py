@@ -44,7 +44,6 @@ from typing import Optional, Tuple
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
 import sparse_prefill as sp  # noqa: E402
 import sparse_prefill.torch_ops as spt  # noqa: E402
 

@@ -195,6 +195,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2")
+    ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"), choices=["tile_energy", "row_max"],
+                    help="selection rule (docs/semantics.md); the rows record it")
+    ap.add_argument("--alpha", type=float, default=SEL["alpha"])
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
     ints(args.lengths), ints(args.sweep_lengths), floats(args.densities)  # fail on bad lists before the GPU work
     return args
@@ -202,6 +205,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    SEL.update(rule=args.rule, alpha=args.alpha)   # every build below uses it
     sp = require_cuda()
     dev, g = "cuda", HQ // HKV
     flex = None
@@ -210,7 +214,7 @@ def main(argv=None):
         flex = torch.compile(flex_attention)
     wsd = attention_workspace(D)
     rows, sweep = [], []
-    meta = dict(workload="topic (DESIGN.md), Hq=32 Hkv=8 D=128 bf16 batch 1 causal; accuracy: structured, seed 1",
+    meta = dict(workload="topic (docs/workload.md), Hq=32 Hkv=8 D=128 bf16 batch 1 causal; accuracy: structured, seed 1",
                 selection=SEL, sweep=sweep)
     sweep_lengths = ints(args.sweep_lengths)
     for L in ints(args.lengths):

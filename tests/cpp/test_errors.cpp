@@ -32,6 +32,8 @@ class Errors : public ::testing::Test {
   BlockIndex index_for(Built& B, int bs = 64) {
     SelectionParams p;
     p.block_size = bs;
+    p.correction = true;  // the index checks below include its pooled means
+    p.rule = SelectionRule::kTileEnergy;
     return build_index(B.in, p);
   }
 };

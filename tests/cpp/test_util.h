@@ -211,8 +211,10 @@ inline Case sc(int Hq, int Hkv, int D, DType dt, std::vector<int> lq, std::vecto
   return c;
 }
 
+// FlashPrefill V2's tile-energy rule (the tests written for it; the row-max rule's tests take rowmax(sp(...))).
 inline SelectionParams sp(float alpha, int bs, int sink, int window, int last_n, bool corr = true) {
   SelectionParams p;
+  p.rule = SelectionRule::kTileEnergy;
   p.alpha = alpha;
   p.block_size = bs;
   p.sink = sink;

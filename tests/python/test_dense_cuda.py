@@ -245,5 +245,5 @@ def test_dense_cuda_unsupported_head_dim_raises():
     q = torch.randn(64, 8, 96, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(64, 2, 96, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="head dim"):
+    with pytest.raises(ValueError, match="^q: unsupported head dim 96"):   # validated before any kernel runs
         sp.attention(q, kv, kv, cu, cu, 64, 64)
