@@ -216,7 +216,7 @@ class _Call:
             raise TypeError(f"workspace: expected an array, got {type(workspace).__name__}")
         if other != self.lib.name:
             raise TypeError(f"workspace: is a {other} array but q is a {self.lib.name} array")
-        return self.c(self._wrap(workspace))
+        return self._wrap(workspace)
 
     def outputs(self, out: Any, return_lse: bool):
         """(out for C++, lse for C++ or None, out to return)."""
@@ -292,7 +292,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.attention(inputs, call.c(out_c), call.c(lse), call.workspace(workspace))
+    _C.attention(inputs, call.c(out_c), call.c(lse), call.c(call.workspace(workspace)))
     return call.result(out_c, lse, out_ret, return_lse)
 
 
@@ -563,6 +563,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     ws = call.workspace(workspace)
     if ws is None:
         ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel)), 1),), "uint8")
+        # torch arrays travel as DLPack capsules, which the extension consumes once: fresh ones for the build
+        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     binding = _C.build_index_device(inputs, sel, call.c(ws), call.c(mean_k), call.c(mean_v))
     return Index._device(ws, sel, binding, call.lib, inputs[13], call.arrays["cu_seqlens_q"], mode)
 
@@ -655,7 +657,7 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
                                    call.c(lse), reuse_index)
     else:
         _C.sparse_attention(inputs, index._view_tuple(call.lib), call.c(out_c), call.c(lse),
-                            call.workspace(workspace), reuse_index)
+                            call.c(call.workspace(workspace)), reuse_index)
     return call.result(out_c, lse, out_ret, return_lse)
 
 
@@ -687,7 +689,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
         _C.sparse_prefill(inputs, sel, call.c(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
-                          call.workspace(workspace))
+                          call.c(call.workspace(workspace)))
         return call.result(out_c, lse, out_ret, return_lse)
     if mean_cache is not None and library_of(q) is not None and not _Call(
             _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)).lib.cuda:
