@@ -1,4 +1,4 @@
-"""Chunked prefill accuracy on the GPU machine (issue 5 "Check"): a whole L-token structured prompt (DESIGN.md, the
+"""Chunked prefill accuracy on the GPU machine (issue 5 "Check"): a whole L-token structured prompt (docs/workload.md, the
 accuracy workload) run chunk by chunk over a paged cache (page 64) with the pooled-means cache, against one-shot
 dense attention of the same prompt:
   alpha=0           every visible block kept: must equal dense (max abs diff, rel err);
@@ -73,7 +73,7 @@ def main():
     res = dict(device=torch.cuda.get_device_name(), commit=commit(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               workload=f"structured (DESIGN.md), seed 1, Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, "
+               workload=f"structured (docs/workload.md), seed 1, Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, "
                         "pooled-means cache, final_chunk on the last chunk only",
                selection=SEL, torch=torch.__version__, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -2,7 +2,7 @@
 sequence (the last C positions of an L-token prompt, their K/V already in a paged cache, page 64) against the
 sequence's whole cache, causal.
 
-Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the topic workload (DESIGN.md):
+Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the topic workload (docs/workload.md):
   dense_attn_ms     our dense paged step (sp.attention as it dispatches, caller workspace);
   tile_*            per-tile CSR (FlashPrefill V2 selection, correction on): select_ms (sp.build_index into a caller
                     workspace, pooling of the whole cache included), select_cached_ms (with the pooled-means cache
@@ -197,7 +197,7 @@ def main(argv=None):
     args = parse_args(argv)
     sp = require_cuda()
     rows, prompts = [], []
-    meta = dict(workload=f"topic (DESIGN.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
+    meta = dict(workload=f"topic (docs/workload.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",
                 selection=SEL, prompts=prompts)
     sub = ints(args.union_subgroups)
     for batch in ints(args.batches):

@@ -2,7 +2,7 @@
 operator (sparse_prefill.torch_ops), for chunk C x batch B against an L-token paged cache.
 
 Default (the issue's target case): the last-but-one chunk of a 128K prompt, C = 1024, B = 1, page 64, Hq 32, Hkv 8,
-D 128, bf16, final_chunk=False, topic workload (DESIGN.md; generated here on the device), per-tile selection with
+D 128, bf16, final_chunk=False, topic workload (docs/workload.md; generated here on the device), per-tile selection with
 the pooled-means cache as the earlier steps leave it (they are run first, through the public function).
 
 Per variant (row):
@@ -61,7 +61,7 @@ def commit():
 
 
 def topic(L, hq, hkv, d, dev, seed=0, q_from=0):
-    """The topic workload of DESIGN.md (float32, on `dev`): per (KV head, 128-key block) a topic t; keys = topic +
+    """The topic workload of docs/workload.md (float32, on `dev`): per (KV head, 128-key block) a topic t; keys = topic +
     noise; query group p (128 positions) of each KV head sums 4 topics drawn from blocks [0, max(p, 1)). Returns the
     queries of positions [q_from, L) and all keys and values."""
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -312,7 +312,7 @@ def main():
                command=" ".join([os.path.basename(sys.executable)] + sys.argv), through_package=True,
                python_only=args.python_only, torch=torch.__version__,
                sparse_workspace=spt.SPARSE_WORKSPACE,
-               workload=f"topic (DESIGN.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, paged KV page "
+               workload=f"topic (docs/workload.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, paged KV page "
                         f"{PAGE}, chunk [L - C, L) of every prompt, final_chunk=False, per-tile selection",
                target="op eager_over_graph <= 1.3 (issue 14)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -2,7 +2,7 @@
 workspace + sp.sparse_attention over the device index) vs our dense kernel (sp.attention), torch SDPA cuDNN, torch
 SDPA flash (FA2) and FlexAttention running the very same block mask (its BlockMask built from our CSR), one process.
 
-Speed rows: the "topic" workload of DESIGN.md (Hq=32, Hkv=8, D=128, bf16, batch 1, causal), default selection
+Speed rows: the "topic" workload of docs/workload.md (Hq=32, Hkv=8, D=128, bf16, batch 1, causal), default selection
 parameters (alpha 0.1, block 128, sink 256, window 512, last_n 2, correction on):
   density, index_ms, attn_ms (correction on), attn_no_corr_ms (an index built with correction=False: same
   selection), total_ms = index_ms + attn_ms, fused_ms (both launched back to back, timed together),
@@ -17,7 +17,7 @@ Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal bloc
   mask does, mask "tile" independently per 32-position PackGQA tile (no reuse of K/V between tiles: DRAM-bound at
   high density). These run a host index (made from the random CSR) with a caller workspace.
 --quick: lengths 8K, 32K, 128K; peers and accuracy on; no FlexAttention (torch.compile), no sweep.
-Writes bench/results/sparse_h200.json (keys of DESIGN.md) and, with matplotlib, bench/results/sparse_h200.png.
+Writes bench/results/sparse_h200.json (keys of the design brief) and, with matplotlib, bench/results/sparse_h200.png.
 Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy] [--quick]"""
 import argparse
 import os
@@ -36,7 +36,7 @@ QUICK = dict(lengths="8192,32768,131072", sweep_lengths="", flex=False, sweep=Fa
 
 
 def topic(L, hq=HQ, hkv=HKV, d=D, seed=0, dev="cuda"):
-    """DESIGN.md's speed reference workload, generated on the GPU (same definition as sparse_prefill.workload.topic,
+    """The speed reference workload (docs/workload.md), generated on the GPU (same definition as sparse_prefill.workload.topic,
     another random stream; kept so that densities compare with the earlier results files)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     nb = L // BLOCK
