@@ -1,6 +1,6 @@
 """Exact torch emulation (CPU) of SparsePrefill's block-sparse prefill selection, plus candidate rules.
 
-Everything follows DESIGN.md "Block-sparse prefill (FlashPrefill V2)" and src/reference/selection.cpp:
+Everything follows docs/semantics.md (the FlashPrefill V2 selection) and src/reference/selection.cpp:
 PackGQA tiles of 128 packed rows per (virtual) KV head (row r <-> position r // g, head kvh * g + r % g), key blocks
 of `block` tokens, pooled means, bottom-right causal with Lq == Lk (one sequence, one-shot prefill).
 
