@@ -36,7 +36,7 @@ import torch
 
 from _common import (D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace, ints,
                      require_cuda, time_graph_ms, time_ms, try_plot, workspace, write_results)
-from bench_sparse import topic
+from _common import topic
 
 PAGE = 64
 

@@ -36,7 +36,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from typing import Optional, Tuple
@@ -46,37 +45,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import sparse_prefill as sp  # noqa: E402
 import sparse_prefill.torch_ops as spt  # noqa: E402
+from _common import commit, topic  # noqa: E402
 
 PAGE, BLOCK = 64, 128
-
-
-def commit():
-    if os.environ.get("SP_COMMIT"):
-        return os.environ["SP_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def topic(L, hq, hkv, d, dev, seed=0, q_from=0):
-    """The topic workload of docs/workload.md (float32, on `dev`): per (KV head, 128-key block) a topic t; keys = topic +
-    noise; query group p (128 positions) of each KV head sums 4 topics drawn from blocks [0, max(p, 1)). Returns the
-    queries of positions [q_from, L) and all keys and values."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    nb = (L + BLOCK - 1) // BLOCK
-    t = torch.randn(hkv, nb, d, device=dev, generator=g)
-    k = t.transpose(0, 1).repeat_interleave(BLOCK, 0)[:L] + torch.randn(L, hkv, d, device=dev, generator=g)
-    v = torch.randn(L, hkv, d, device=dev, generator=g)
-    hi = torch.clamp(torch.arange(nb, device=dev), min=1).float()
-    tgt = (torch.rand(hkv, nb, 4, device=dev, generator=g) * hi[None, :, None]).long()
-    tq = torch.gather(t, 1, tgt.reshape(hkv, nb * 4, 1).expand(hkv, nb * 4, d)).reshape(hkv, nb, 4, d).sum(2)
-    g_size = hq // hkv
-    n = L - q_from
-    q = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)[q_from:L]                # [n, hkv, d]
-    q = q[:, :, None, :].expand(n, hkv, g_size, d).reshape(n, hq, d) + torch.randn(n, hq, d, device=dev, generator=g)
-    return q, k, v
 
 
 class Step:
@@ -86,7 +57,8 @@ class Step:
         pages = (L + PAGE - 1) // PAGE
         qs, ks, vs = [], [], []
         for b in range(B):
-            q, k, v = topic(L, hq, hkv, d, dev, seed=b, q_from=L - C)
+            q, k, v = topic(L, hq, hkv, d, seed=b, dev=dev, dtype=torch.float32)
+            q = q[L - C:]
             pad = pages * PAGE - L
             qs.append(q.to(dtype))
             ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).to(dtype).view(pages, PAGE, hkv, d))

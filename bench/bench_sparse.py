@@ -29,29 +29,10 @@ import torch.nn.functional as F
 from _common import (BLOCK, D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace,
                      ints, floats, rel_err, require_cuda, sdpa_layout, time_ms, time_sdpa_peers, try_plot, workspace,
                      write_results)
-from _common import commit  # noqa: F401  (re-exported: other scripts import it from here)
+from _common import commit, topic  # noqa: F401  (re-exported: other scripts import them from here)
 
 FULL = dict(lengths="4096,8192,16384,32768,65536,131072", sweep_lengths="65536,131072", flex=True, sweep=True)
 QUICK = dict(lengths="8192,32768,131072", sweep_lengths="", flex=False, sweep=False)
-
-
-def topic(L, hq=HQ, hkv=HKV, d=D, seed=0, dev="cuda"):
-    """The speed reference workload (docs/workload.md), generated on the GPU (same definition as sparse_prefill.workload.topic,
-    another random stream; kept so that densities compare with the earlier results files)."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    nb = L // BLOCK
-    t = torch.randn(hkv, nb, d, device=dev, generator=g)                     # topic per (KV head, block)
-    k = t.transpose(0, 1).repeat_interleave(BLOCK, 0) + torch.randn(L, hkv, d, device=dev, generator=g)
-    v = torch.randn(L, hkv, d, device=dev, generator=g)
-    p = torch.arange(nb, device=dev)
-    hi = torch.clamp(p, min=1).float()                                        # group p draws from [0, max(p, 1))
-    targets = (torch.rand(hkv, nb, 4, device=dev, generator=g) * hi[None, :, None]).long()   # [hkv, nb, 4]
-    tq = torch.gather(t, 1, targets.reshape(hkv, nb * 4)[..., None].expand(hkv, nb * 4, d)).reshape(hkv, nb, 4, d)
-    tq = tq.sum(2)                                                            # [hkv, nb, d]
-    qg = tq.transpose(0, 1).repeat_interleave(BLOCK, 0)                       # [L, hkv, d]
-    q = qg.repeat_interleave(hq // hkv, 1) + torch.randn(L, hq, d, device=dev, generator=g)
-    bf = torch.bfloat16
-    return q.to(bf), k.to(bf), v.to(bf)
 
 
 def csr_on_device(index, dev="cuda"):

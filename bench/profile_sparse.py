@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from _common import SEL, index_workspace, require_cuda
-from bench_sparse import topic
+from _common import topic
 
 
 def parse_args(argv=None):

@@ -13,16 +13,15 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # `accuracy` as a package; sparse_prefill is the installed one
 
+from _common import commit  # noqa: E402  (bench/_common.py: SP_COMMIT, else git HEAD)
 from accuracy import tasks as T  # noqa: E402
 from accuracy.model import Model, ROUTER  # noqa: E402
 
@@ -61,15 +60,6 @@ def parse_config(name):
                     pass
         rule[key] = val
     return rule, None
-
-
-def commit():
-    if os.environ.get("SP_COMMIT"):
-        return os.environ["SP_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def main():

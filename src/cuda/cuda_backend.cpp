@@ -166,13 +166,17 @@ struct Scratch {
   }
 };
 
-// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu), when the
-// launch is planned (split_planned) and its workspace has the split arrays.
-void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s) {
-  s.launch.plan = split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k) && s.launch.max_split_units > 0;
+// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu). `plan`: the
+// launch runs the split-KV plan (split_planned for indexes; always for the dense full-list path), when its workspace
+// has the split arrays.
+void run_sparse(const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
+  s.launch.plan = plan && s.launch.max_split_units > 0;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16);
+}
+bool planned(const AttentionInputs& in) {
+  return split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k);
 }
 
 // The kernel's view of an index built on the GPU.
@@ -205,7 +209,7 @@ ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, c
   ViewLayout l;
   l.tiles_pad = pad256(size_t(p.batch + 1) * 4);
   l.mean_pad = pad256(size_t(rows) * p.num_kv_heads * p.head_dim * 2);
-  l.split = split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k);
+  l.split = planned(in);
   l.launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim, l.split);
   return l;
 }
@@ -261,18 +265,16 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   s.block_size = 128;
   s.correction = false;
   s.launch = carve_sparse_launch_workspace(ws.ptr, num_sms(), p.head_dim, true);
-  AttentionInputs split_in = in;
-  split_in.options.split_kv = true;  // the full-list path is planned by construction (more keys than queries)
-  run_sparse(split_in, a, p, s);
+  run_sparse(a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)
 }
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
                       const DeviceBlockIndex& index) {
   check_sparse_supported(in, p, index.params.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
-  const size_t need = index_workspace_bytes(in, p, index.params);
-  check_workspace(index.workspace, in.q, int64_t(need), "index_workspace_bytes(...)");
-  run_sparse(in, a, p, sparse_args_of(carve_index(index.binding, index.params, index.workspace.data)));
+  const DeviceIndex d = carve_index(index.binding, index.params, index.workspace.data);  // pointers only: no access
+  check_workspace(index.workspace, in.q, int64_t(d.workspace_bytes), "index_workspace_bytes(...)");
+  run_sparse(a, p, sparse_args_of(d), planned(in));
 }
 
 size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
@@ -301,7 +303,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.block_size = index.block_size;
   s.correction = index.correction && s.mean_rows > 0;
   s.head_subgroups = index.head_subgroups;
-  run_sparse(in, a, p, s);
+  run_sparse(a, p, s, planned(in));
 }
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
@@ -310,7 +312,7 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   const size_t bytes = index_workspace_bytes(in, p, params);
   const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
-  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)));
+  run_sparse(a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)), planned(in));
 }
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,

@@ -452,29 +452,24 @@ struct ScoreConfig {
   }
 };
 
-// One step of the column-sum butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32
-// apart for 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is
-// set, and add the partner's copy of that half.
-template <int kBit>
-__device__ __forceinline__ void butterfly_step(float (&v)[32], int lane) {
+// One step of the column butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32 apart for
+// 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is set, and
+// combine them with the partner's copy of that half: a sum (tile energies) or a max (the per-row rule's column maxima).
+template <int kBit, class Combine>
+__device__ __forceinline__ void butterfly_step(float (&v)[32], int lane, Combine combine) {
   const bool upper = lane & kBit;
 #pragma unroll
   for (int k = 0; k < kBit; ++k) {
     const float keep = upper ? v[k + kBit] : v[k], give = upper ? v[k] : v[k + kBit];
-    v[k] = keep + __shfl_xor_sync(0xffffffffu, give, kBit);
+    v[k] = combine(keep, __shfl_xor_sync(0xffffffffu, give, kBit));
   }
 }
-
-// butterfly_step with max in place of the sum (the per-row rule's column maxima).
-template <int kBit>
-__device__ __forceinline__ void butterfly_max_step(float (&v)[32], int lane) {
-  const bool upper = lane & kBit;
-#pragma unroll
-  for (int k = 0; k < kBit; ++k) {
-    const float keep = upper ? v[k + kBit] : v[k], give = upper ? v[k] : v[k + kBit];
-    v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, give, kBit));
-  }
-}
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
 
 // One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
 // thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
@@ -650,9 +645,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
       float v[kCols];
       CUTE_UNROLL
       for (int k = 0; k < kCols; ++k) v[k] = fmaxf(S(0, k) - row_max[0], S(1, k) - row_max[1]);
-      butterfly_max_step<16>(v, lane);
-      butterfly_max_step<8>(v, lane);
-      butterfly_max_step<4>(v, lane);
+      butterfly_step<16>(v, lane, MaxOp{});
+      butterfly_step<8>(v, lane, MaxOp{});
+      butterfly_step<4>(v, lane, MaxOp{});
       {
         const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
         const int col = 8 * (c0 / 2) + 2 * (lane % 4);
@@ -697,9 +692,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     // Butterfly over the row groups (lane bits 4, 3, 2): each step keeps half of the columns and adds the partner's
     // half, so after 16 + 8 + 4 shuffles lane holds columns c0 .. c0+3 (c0 = 16 h4 + 8 h3 + 4 h2) summed over the
     // warp's 16 rows.
-    butterfly_step<16>(v, lane);
-    butterfly_step<8>(v, lane);
-    butterfly_step<4>(v, lane);
+    butterfly_step<16>(v, lane, SumOp{});
+    butterfly_step<8>(v, lane, SumOp{});
+    butterfly_step<4>(v, lane, SumOp{});
     {
       const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
       const int col = 8 * (c0 / 2) + 2 * (lane % 4);  // columns of c0, c0+1; c0+2, c0+3 are 8 further
@@ -878,7 +873,8 @@ size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const 
 DeviceIndex carve_index(const IndexBinding& b, const SelectionParams& params, void* workspace) {
   const Bounds bd = bounds_of(b, params);
   DeviceIndex d;
-  carve(b, bd, static_cast<char*>(workspace), &d);
+  const size_t bytes = carve(b, bd, static_cast<char*>(workspace), &d);
+  d.workspace_bytes = bytes;
   d.block_size = params.block_size;
   d.correction = params.correction;
   d.max_segments = bd.max_segments;

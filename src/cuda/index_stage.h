@@ -30,6 +30,7 @@ struct DeviceIndex {
   int64_t max_segments = 0;      // >= Hkv * S * sum_b T_b
   int64_t max_blocks = 0;        // >= sum_b nb_b (pooled rows)
   int64_t capacity = 0;          // block_ids slots
+  size_t workspace_bytes = 0;    // of the whole layout (index_workspace_bytes)
   int32_t* segment_start = nullptr;  // [max_segments]; entries beyond the real count are unused
   int32_t* segment_end = nullptr;
   int32_t* block_ids = nullptr;      // [capacity]

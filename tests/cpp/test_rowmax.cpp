@@ -169,26 +169,10 @@ TEST(RowMax, ChunkedSteps) {
 TEST(RowMax, RandomSweep) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
-  const int lens[] = {1, 11, 64, 127, 129, 200, 333, 600};
-  const int groups[] = {1, 3, 4, 6, 8};
-  const int pss[] = {1, 16, 64, 128};
-  const DType dts[] = {F32, F16, BF16};
   const float alphas[] = {0.f, 0.01f, 0.1f, 0.3f, 0.7f, 1.f};
   int64_t flips = 0;
   for (int it = 0; it < 30; ++it) {
-    const int g = groups[rng() % 5];
-    const int Hkv = 1 + int(rng() % 2);
-    std::vector<int> lq, lk;
-    const int nseq = 1 + int(rng() % 2);
-    for (int b = 0; b < nseq; ++b) {
-      lq.push_back(lens[rng() % 8]);
-      lk.push_back(rng() % 2 ? lq.back() : lens[rng() % 8]);
-    }
-    const bool causal = rng() % 4 != 0;
-    Case c = sc(g * Hkv, Hkv, 64, dts[rng() % 3], lq, lk, rng() % 2, pss[rng() % 4], causal,
-                rng() % 2 ? -1 : int(rng() % 300), rng() % 2 ? -1 : int(rng() % 50));
-    SelectionParams p = sp(alphas[rng() % 6], 64 * (1 + int(rng() % 3)), int(rng() % 300), int(rng() % 300),
-                           int(rng() % 3));
+    const auto [c, p] = random_selection_case(rng, [&](std::mt19937_64& r) { return alphas[r() % 6]; });
     SCOPED_TRACE(c.str());
     flips += check_rowmax(c, p, rng);
   }

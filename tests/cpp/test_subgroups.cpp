@@ -90,13 +90,17 @@ std::vector<SubCase> sub_cases() {
   };
 }
 
-// (1) build_index with S equals build_index on the repeated model with S = 1, field by field, in every mode; the
-// pooled means of virtual head v are those of K/V head v / S; the selection also matches naive64 on that model.
+// (1) build_index with S equals build_index on the repeated model with S = 1, field by field, in every mode and under
+// both selection rules; the pooled means of virtual head v are those of K/V head v / S; the selection also matches
+// naive64 on that model.
 TEST(Subgroups, IndexEqualsRepeatedModel) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
-  for (const SubCase& sc_ : sub_cases()) {
-    SCOPED_TRACE(sc_.c.str() + " S=" + std::to_string(sc_.S));
+  for (const SubCase& sc_ : sub_cases())
+  for (SelectionRule rule : {SelectionRule::kTileEnergy, SelectionRule::kRowMax}) {
+    SCOPED_TRACE(sc_.c.str() + " S=" + std::to_string(sc_.S) + " rule " + std::to_string(int(rule)));
+    SelectionParams p = sc_.p;
+    p.rule = rule;
     auto B = build(sc_.c, rng);
     auto R = repeat_kv(*B, sc_.S);
     const int Hkv = sc_.c.Hkv, g = sc_.c.Hq / Hkv, S = sc_.S, D = sc_.c.D;
@@ -104,8 +108,8 @@ TEST(Subgroups, IndexEqualsRepeatedModel) {
       for (bool final_chunk : {true, false}) {
         SCOPED_TRACE(std::string("union ") + (union_lists ? "on" : "off") + ", final_chunk " +
                      (final_chunk ? "true" : "false"));
-        const BlockIndex idx = build_index(B->in, with_subgroups(sc_.p, S, union_lists, final_chunk));
-        const BlockIndex ref = build_index(R->in, with_subgroups(sc_.p, 1, union_lists, final_chunk));
+        const BlockIndex idx = build_index(B->in, with_subgroups(p, S, union_lists, final_chunk));
+        const BlockIndex ref = build_index(R->in, with_subgroups(p, 1, union_lists, final_chunk));
         EXPECT_EQ(idx.head_subgroups, S);
         EXPECT_EQ(ref.head_subgroups, 1);
         EXPECT_EQ(idx.num_kv_heads, Hkv * S);
@@ -113,8 +117,8 @@ TEST(Subgroups, IndexEqualsRepeatedModel) {
         expect_same_index(idx, ref);
       }
     }
-    const BlockIndex idx = build_index(B->in, with_subgroups(sc_.p, S));
-    const BlockIndex one = build_index(B->in, with_subgroups(sc_.p, 1));
+    const BlockIndex idx = build_index(B->in, with_subgroups(p, S));
+    const BlockIndex one = build_index(B->in, with_subgroups(p, 1));
     ASSERT_EQ(idx.k_mean.size(), one.k_mean.size() * S);
     for (size_t blk = 0; blk < size_t(one.cu_blocks.back()); ++blk)
       for (int v = 0; v < Hkv * S; ++v)
@@ -126,8 +130,8 @@ TEST(Subgroups, IndexEqualsRepeatedModel) {
     Built V = *B;
     V.np = R->np;
     V.c.Hkv = Hkv * S;
-    const naive64::Selection sel = naive64::select(R->np, naive64::pool(R->np, sc_.p.block_size), naive_params(sc_.p));
-    compare_selection(V, idx, sel, sc_.p);
+    const naive64::Selection sel = naive64::select(R->np, naive64::pool(R->np, p.block_size), naive_params(p));
+    compare_selection(V, idx, sel, p);
   }
 }
 
@@ -288,34 +292,6 @@ TEST(Subgroups, MeanCachePaged) {
       ASSERT_EQ(km[slot * Hkv * D + e], k_mean[size_t(J) * Hkv * D + e]) << "block " << J;
       ASSERT_EQ(vm[slot * Hkv * D + e], v_mean[size_t(J) * Hkv * D + e]) << "block " << J;
     }
-  }
-}
-
-}  // namespace
-}  // namespace sptest
-
-namespace sptest {
-namespace {
-
-// The per-row rule (SelectionRule::kRowMax) with sub-groups: the index equals the repeated model's with S = 1 (per
-// tile and in union mode), and naive64's on that model.
-TEST(Subgroups, RowMaxIndexEqualsRepeatedModel) {
-  SP_SEED_TRACE();
-  std::mt19937_64 rng(test_seed());
-  for (const SubCase& sc_ : sub_cases()) {
-    SCOPED_TRACE(sc_.c.str() + " S=" + std::to_string(sc_.S));
-    auto B = build(sc_.c, rng);
-    auto R = repeat_kv(*B, sc_.S);
-    SelectionParams p = sc_.p;
-    p.rule = SelectionRule::kRowMax;
-    for (bool union_lists : {false, true})
-      expect_same_index(build_index(B->in, with_subgroups(p, sc_.S, union_lists)),
-                        build_index(R->in, with_subgroups(p, 1, union_lists)));
-    Built V = *B;
-    V.np = R->np;
-    V.c.Hkv = sc_.c.Hkv * sc_.S;
-    compare_selection(V, build_index(B->in, with_subgroups(p, sc_.S)),
-                      naive64::select(R->np, naive64::pool(R->np, p.block_size), naive_params(p)), p);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <utility>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -223,6 +224,36 @@ inline SelectionParams sp(float alpha, int bs, int sink, int window, int last_n,
   p.correction = corr;
   return p;
 }
+
+// A random selection problem for the sweeps: 1-2 sequences of odd lengths, GQA 1-8, any dtype, contiguous or paged,
+// causal or not, windows, and selection parameters (tile-energy rule) with the alpha `alpha(rng)` returns.
+template <class Alpha>
+std::pair<Case, SelectionParams> random_selection_case(std::mt19937_64& rng, Alpha alpha) {
+  const int lens[] = {1, 11, 64, 127, 129, 200, 333, 600};
+  const int groups[] = {1, 3, 4, 6, 8};
+  const int pss[] = {1, 16, 64, 128};
+  const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  const int g = groups[rng() % 5];
+  const int Hkv = 1 + int(rng() % 2);
+  std::vector<int> lq, lk;
+  const int nseq = 1 + int(rng() % 2);
+  for (int b = 0; b < nseq; ++b) {
+    lq.push_back(lens[rng() % 8]);
+    lk.push_back(rng() % 2 ? lq.back() : lens[rng() % 8]);
+  }
+  const DType dt = dts[rng() % 3];
+  const bool paged = rng() % 2;
+  const int ps = pss[rng() % 4];
+  const bool causal = rng() % 4 != 0;
+  const int wl = rng() % 2 ? -1 : int(rng() % 300);
+  const int wr = rng() % 2 ? -1 : int(rng() % 50);
+  Case c = sc(g * Hkv, Hkv, 64, dt, lq, lk, paged, ps, causal, wl, wr);
+  const float a = alpha(rng);
+  const int bs = 64 * (1 + int(rng() % 3)), sink = int(rng() % 300), window = int(rng() % 300),
+            last_n = int(rng() % 3);
+  return {c, sp(a, bs, sink, window, last_n)};
+}
+
 
 struct Built {
   Case c;
