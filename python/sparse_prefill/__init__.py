@@ -7,7 +7,8 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
     out = sp.attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
                        block_table=block_table, seqused_k=seqused_k)                      # paged KV
     index = sp.build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=True)
+                           alpha=0.1, rule='row_max', block_size=128, sink=256, window=512, last_n=2,
+                           correction=False)                            # = sp.SELECTION_DEFAULTS
     out = sp.sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
     out = sp.chunked_prefill(q_chunk, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk,
@@ -50,7 +51,7 @@ def _load_extension():
 
 _C = _load_extension()
 del _load_extension
-from ._api import (Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index,
+from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index,
                    chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
                    sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
                    union_index)
@@ -64,4 +65,4 @@ __version__ = "0.1.0"
 __all__ = ["attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "chunked_prefill",
            "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "Index", "LaunchOptions",
-           "workload", "with_cuda", "__version__"]
+           "workload", "with_cuda", "__version__", "SELECTION_DEFAULTS"]

@@ -39,6 +39,15 @@ __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "ch
            "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 
 _TILE_ROWS = int(_C.tile_rows)
+
+# Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
+_RULES = {"tile_energy": 0, "row_max": 1}
+_C_DEFAULTS = dict(_C.selection_defaults())
+SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
+                          rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
+"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, rule,
+block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
+_D = SELECTION_DEFAULTS
 _to_dlpack = None
 
 
@@ -487,10 +496,6 @@ def _as_head_subgroups(value: Any) -> int:
     return s
 
 
-# Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
-_RULES = {"tile_energy": 0, "row_max": 1}
-
-
 def _as_rule(value: Any) -> int:
     if not isinstance(value, str) or value not in _RULES:
         raise ValueError(f"rule: must be one of {', '.join(repr(r) for r in _RULES)}, got {value!r}")
@@ -498,7 +503,7 @@ def _as_rule(value: Any) -> int:
 
 
 def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=1, rule="tile_energy") -> tuple:
+                    head_subgroups=1, rule=_D["rule"]) -> tuple:
     """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
     the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
@@ -507,29 +512,34 @@ def _selection_args(alpha, block_size, sink, window, last_n, correction, final_c
             _as_rule(rule))
 
 
-def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
-                block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2, correction: bool = True,
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
+                block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                last_n: int = _D["last_n"], correction: bool = _D["correction"],
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = "tile_energy") -> Index:
-    """The FlashPrefill-V2 selection: pooled block means, per-tile scores, max-based threshold, CSR index.
+                rule: str = _D["rule"]) -> Index:
+    """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
-    For every (sequence, KV head, 128-row PackGQA query tile) keeps key block J iff
-    E_IJ = sum_r exp(q_r . kmean_J * scale - M_I) >= alpha * max_J E_IJ, plus the blocks of the first `sink` tokens,
-    the blocks meeting the `window` tokens before each query, and every visible block for the last `last_n` tiles of
-    each sequence. alpha=0 keeps every visible block (sparse_attention then equals attention).
-
-    rule: how the scores are thresholded. 'tile_energy' (default) is the energy rule above; 'row_max' normalises
-    per row first: with m_r = max_J s_rJ over the blocks packed row r sees, keep J iff
-    max over the rows r that see J of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top
-    block of at least one row (docs/semantics.md "Selection rules"). The always-kept blocks are the same.
+    Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
+    s_rJ = scale * q_r . kmean_J. rule (how the scores are thresholded):
+      'row_max' (default): with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see
+          J of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top block of at least one row;
+      'tile_energy' (FlashPrefill V2): keep J iff E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, M_I the
+          tile's maximum score. It loses 47 points of copy top-1 at 8K on a real LM (SmolLM2-135M), row_max 2
+          (bench/accuracy/NOTES.md): a block that only a few rows need, with low scores of their own, drowns in the
+          tile-wide sum.
+    Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
+    before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
+    visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
 
     KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None).
     `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
-    block_size must be a positive multiple of 64. `correction` is recorded in the index: sparse_attention then adds,
-    for every dropped block fully visible to the whole tile, one virtual key kmean_J with value vmean_J and
-    weight |B_J|.
+    block_size must be a positive multiple of 64. `correction` (default off) is recorded in the index:
+    sparse_attention then adds, for every dropped block fully visible to the whole tile, one virtual key kmean_J with
+    value vmean_J and weight |B_J|. It halves the error on the structured workload but changed nothing measurable on
+    SmolLM2 (the mean logit underestimates a peaked block's mass) and costs +30 % (32K) to +66 % (128K) of the sparse
+    attention time, hence off by default.
 
     Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
     for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
@@ -570,22 +580,22 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 
 def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                          block_size: int = 128, block_table=None, seqused_k=None, union: bool = False,
+                          block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                           head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, **selection) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
     0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out."""
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
-    sel = _selection_args(selection.get("alpha", 0.1), block_size, selection.get("sink", 256),
-                          selection.get("window", 512), selection.get("last_n", 2),
-                          selection.get("correction", True), selection.get("final_chunk", True), union,
-                          head_subgroups, selection.get("rule", "tile_energy"))
+    sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
+                          selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
+                          selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
+                          head_subgroups, selection.get("rule", _D["rule"]))
     return int(_C.index_workspace_bytes(inputs, sel))
 
 
 def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                                   block_size: int = 128, block_table=None, seqused_k=None, union: bool = False,
+                                   block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                                    head_subgroups: int = 1, causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
                                    **selection) -> int:
@@ -597,7 +607,7 @@ def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
-                                    max_seqlen_k: int, block_size: int = 128, union: bool = False,
+                                    max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
                                     head_subgroups: int = 1, options: Optional[LaunchOptions] = None,
                                     **selection) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
@@ -661,13 +671,13 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     return call.result(out_c, lse, out_ret, return_lse)
 
 
-def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
-                   block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
-                   correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
+                   block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                   last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
                    head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
-                   rule: str = "tile_energy"):
+                   rule: str = _D["rule"]):
     """build_index() + sparse_attention() in one call (same arguments as the two; rule as in build_index()).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
@@ -752,11 +762,12 @@ def mean_cache(k_cache, block_size: int = 128):
 
 
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                    *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
-                    sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
+                    *, final_chunk: bool, union: bool = False, alpha: float = _D["alpha"],
+                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                    last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
                     mean_cache=None, head_subgroups: int = 1, workspace=None,
-                    options: Optional[LaunchOptions] = None, rule: str = "tile_energy"):
+                    options: Optional[LaunchOptions] = None, rule: str = _D["rule"]):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -764,12 +775,11 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles run
     dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. union: one block list per
     (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
-    faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). correction
-    defaults to True for per-tile lists and False for unions. head_subgroups (S, dividing Hq // Hkv): each GQA group
+    faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). head_subgroups (S, dividing Hq // Hkv): each GQA group
     is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
     sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
     at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). rule: as in
-    build_index() ('tile_energy' or 'row_max'). Everything else is sparse_prefill()'s.
+    build_index() ('row_max', the default, or 'tile_energy'). Everything else is sparse_prefill()'s.
 
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
@@ -784,7 +794,6 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     """
     final_chunk = _as_bool("final_chunk", final_chunk)
     union = _as_bool("union", union)
-    correction = (not union) if correction is None else _as_bool("correction", correction)
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
     call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k), out)

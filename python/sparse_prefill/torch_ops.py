@@ -57,6 +57,10 @@ _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 # The extension's launch-option codes (sparse_prefill.LaunchOptions(): dense_path 'auto', split_kv on): the operators
 # always run the measured defaults.
 _LAUNCH_DEFAULTS = (0, True)
+# The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
+# wrappers below take theirs from here.
+_D = _api.SELECTION_DEFAULTS
+_RULE_D = _api._as_rule(_D["rule"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -225,10 +229,10 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return lse
 
 
-def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
-                   sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
+def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
+                   sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=1, rule=0):
+                   head_subgroups=1, rule=_RULE_D):
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
@@ -236,10 +240,10 @@ def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out, lse
 
 
-def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1,
-                       block_size=128, sink=256, window=512, last_n=2, correction=True, causal=True,
+def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"],
+                       block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
-                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=0):
+                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
@@ -265,28 +269,28 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 
 
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-                    final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
-                    correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=1, rule=0):
+                    final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
+                    correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                    head_subgroups=1, rule=_RULE_D):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                      window, last_n, (not union) if correction is None else correction, True, softmax_scale,
+                      window, last_n, correction, True, softmax_scale,
                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
                       out)
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
-                        final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
-                        correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=1, rule=0):
+                        final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
+                        correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                        head_subgroups=1, rule=_RULE_D):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                       window, last_n, (not union) if correction is None else correction, True, softmax_scale,
+                       window, last_n, correction, True, softmax_scale,
                        return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
                       out)
 
@@ -311,30 +315,30 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return _fake_lse(q, return_lse)
 
 
-def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1, block_size=128,
-                 sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None, return_lse=False,
+def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
+                 sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=1, rule=0):
+                 head_subgroups=1, rule=_RULE_D):
     return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
-def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=0.1, block_size=128,
-                     sink=256, window=512, last_n=2, correction=True, causal=True, softmax_scale=None,
+def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"], block_size=_D["block_size"],
+                     sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=1, rule=0):
+                     mean_v=None, head_subgroups=1, rule=_RULE_D):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
-                  union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2, correction=None,
-                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=0):
+                  union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D):
     return q.new_empty(q.shape), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
-                      final_chunk, union=False, alpha=0.1, block_size=128, sink=256, window=512, last_n=2,
-                      correction=None, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=1, rule=0):
+                      final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
+                      correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
+                      head_subgroups=1, rule=_RULE_D):
     return _fake_lse(q, return_lse)
 
 
@@ -346,16 +350,16 @@ _ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seq
               "SymInt max_seqlen_k")
 _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -1], bool return_lse=False, "
               "Tensor? block_table=None, Tensor? seqused_k=None")
-_SPARSE_OPTS = ("float alpha=0.1, int block_size=128, int sink=256, int window=512, int last_n=2, "
-                "bool correction=True, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
+_SEL_OPTS = (f"float alpha={_D['alpha']!r}, int block_size={_D['block_size']}, int sink={_D['sink']}, "
+             f"int window={_D['window']}, int last_n={_D['last_n']}, bool correction={_D['correction']}")
+_SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
-                "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule=0")
+                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule={_RULE_D}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
-_CHUNK_OPTS = ("bool final_chunk, bool union=False, float alpha=0.1, int block_size=128, int sink=256, "
-               "int window=512, int last_n=2, bool? correction=None, float? softmax_scale=None, "
+_CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
                "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, "
-               "int rule=0")
+               f"int rule={_RULE_D}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -417,12 +421,12 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     return (out, lse) if return_lse else out
 
 
-def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = 0.1,
-                   block_size: int = 128, sink: int = 256, window: int = 512, last_n: int = 2,
-                   correction: bool = True, causal: bool = True, softmax_scale: Optional[float] = None, out=None,
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
+                   block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                   last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
                    union: bool = False, mean_cache=None, head_subgroups: int = 1,
-                   rule: str = "tile_energy"):
+                   rule: str = _D["rule"]):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
     Returns out, or (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
@@ -438,10 +442,11 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
 
 
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                    *, final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128,
-                    sink: int = 256, window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
+                    *, final_chunk: bool, union: bool = False, alpha: float = _D["alpha"],
+                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                    last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = 1, rule: str = "tile_energy"):
+                    head_subgroups: int = 1, rule: str = _D["rule"]):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
     (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)

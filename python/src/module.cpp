@@ -417,6 +417,19 @@ NB_MODULE(_C, m) {
       });
 
   // The device index (CUDA): built into a caller workspace, read in place (sparse.h).
+  m.def("selection_defaults", [] {  // SelectionParams{}: the one source of the Python defaults
+    sp::SelectionParams p;
+    nb::dict d;
+    d["alpha"] = p.alpha;
+    d["rule"] = int(p.rule);
+    d["block_size"] = p.block_size;
+    d["sink"] = p.sink;
+    d["window"] = p.window;
+    d["last_n"] = p.last_n;
+    d["correction"] = p.correction;
+    d["head_subgroups"] = p.head_subgroups;
+    return d;
+  });
   m.def("index_workspace_bytes",
         [](nb::tuple inputs, nb::tuple selection) {
           Held held;

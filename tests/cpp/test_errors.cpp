@@ -634,6 +634,7 @@ TEST_F(Errors, IndexHeadSubgroups) {
   SelectionParams p;
   p.block_size = 64;
   p.head_subgroups = 2;
+  p.correction = true;  // the means are read (and checked) with the correction only
   BlockIndex two = build_index(C->in, p);
   ASSERT_EQ(one.segment_start.size(), 6u);
   ASSERT_EQ(two.segment_start.size(), 8u);

@@ -32,14 +32,14 @@ def random_qkv(L, seed):
     return q, k, v
 
 
-def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512):
+def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax"):
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
     kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
-              head_subgroups=subgroups)
+              head_subgroups=subgroups, rule={"rowmax": "row_max", "sum": "tile_energy"}[agg])
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
-    rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window)
+    rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg)
     sel = emulate.select(q, k, v, rule, SCALE)
     V, T, nb = sel.keep.shape
     mismatched = 0
@@ -64,9 +64,10 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512):
 @pytest.mark.parametrize("subgroups", [1, 3])
 @pytest.mark.parametrize("correction", [True, False])
 @pytest.mark.parametrize("geometry", [(256, 512), (0, 128)])
-def test_random(L, subgroups, correction, geometry):
+@pytest.mark.parametrize("agg", ["rowmax", "sum"])
+def test_random(L, subgroups, correction, geometry, agg):
     q, k, v = random_qkv(L, L + subgroups)
-    d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1])
+    d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1], agg=agg)
     if geometry[1] < 512:
         assert d < 1.0  # something was pruned
 
@@ -104,5 +105,6 @@ def test_real_model_qkv():
     for layer, (q, k, v) in captured.items():
         for L in (1000, 2100):
             for s in (1, 3):
-                check(q[:L].contiguous(), k[:L].contiguous(), v[:L].contiguous(), s, True,
-                      alpha=0.1 if s == 1 else 0.01)
+                for agg in ("rowmax", "sum"):
+                    check(q[:L].contiguous(), k[:L].contiguous(), v[:L].contiguous(), s, True,
+                          alpha=0.1 if s == 1 else 0.01, agg=agg)

@@ -227,3 +227,28 @@ def test_torch_cuda_int64_refused():
     with pytest.raises(TypeError) as e:
         sp.attention(t[0].double(), t[1], t[2], cu_q.int(), cu_k, 40, 70)
     assert str(e.value).startswith("q: float64 is not supported") and "q.to(torch.bfloat16)" in str(e.value)
+
+
+def test_selection_defaults_come_from_the_library():
+    """One source for the selection's defaults: the C++ SelectionParams{} (sp.SELECTION_DEFAULTS); every public
+    function's keyword defaults (numpy API and torch wrappers) and the torch schemas are those."""
+    import inspect
+    D = sp.SELECTION_DEFAULTS
+    assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.1
+    c = dict(sp._C.selection_defaults())
+    assert {k: v for k, v in D.items() if k not in ("rule", "alpha")} == {k: v for k, v in c.items()
+                                                                          if k not in ("rule", "alpha")}
+    fns = [sp.build_index, sp.sparse_prefill, sp.chunked_prefill]
+    try:
+        import sparse_prefill.torch_ops as spt
+        fns += [spt.sparse_prefill, spt.chunked_prefill]
+        for name in ("sparse_prefill", "chunked_prefill"):
+            schema = {a.name: a.default_value for a in spt.OPS[name]._schema.arguments}
+            assert schema["correction"] == D["correction"] and schema["rule"] == sp._api._as_rule(D["rule"])
+            assert abs(schema["alpha"] - D["alpha"]) < 1e-7
+    except ImportError:
+        pass
+    for fn in fns:
+        params = inspect.signature(fn).parameters
+        for key in ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction"):
+            assert params[key].default == D[key], (fn.__qualname__, key, params[key].default)

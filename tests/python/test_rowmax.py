@@ -54,7 +54,8 @@ def test_selection_matches_naive(q_lens, k_lens, hq, hkv, alpha, rule):
 
 def test_row_max_differs_from_tile_energy_and_keeps_more():
     q, k, v, cu_q, cu_k = batch([1500], [1500], 4, 1)
-    a = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0)
+    a = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0,
+                       rule="tile_energy")
     r = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0,
                        rule="row_max")
     assert lists(a) != lists(r) and r.density < 1

@@ -58,7 +58,8 @@ def test_index_structure(batch):
     assert isinstance(index, sp.Index) and index.mode == "tile"
     g, hkv = 2, 2
     assert (index.block_size, index.group_size, index.num_kv_heads, index.head_dim) == (BS, g, hkv, 64)
-    assert index.correction is True
+    assert index.correction is False  # the default (SELECTION_DEFAULTS)
+    assert sp.build_index(*args(batch), alpha=0.1, correction=True, **SEL).correction is True
     for name in ("segment_start", "segment_end", "block_ids", "cu_blocks"):
         a = getattr(index, name)
         assert isinstance(a, np.ndarray) and a.dtype == np.int32 and a.ndim == 1
@@ -128,7 +129,7 @@ def test_selection_rule(batch):
     """Kept blocks are forced (sink / window / last_n) or pass E_IJ >= alpha * max_J E_IJ; dropped ones fail it."""
     q, k, v, cu_q, cu_k = batch
     alpha = 0.1
-    index = sp.build_index(*args(batch), alpha=alpha, **SEL)
+    index = sp.build_index(*args(batch), alpha=alpha, rule="tile_energy", **SEL)
     g, hkv, d = 2, 2, 64
     scale = 1 / np.sqrt(d)
     km, cub = naive.pool(k, cu_k, BS)
@@ -304,10 +305,12 @@ def test_chunked_prefill_step(rng):
     q, kc, vc, cu_q, bt, used, C, L = _paged_chunk(rng)
     for final in (True, False):
         for union in (False, True):
-            got = sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L, final_chunk=final, union=union, **SEL)
-            want = sp.sparse_prefill(q, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used, final_chunk=final,
-                                     union=union, correction=not union, **SEL)
-            np.testing.assert_array_equal(got, want)
+            for extra in ({}, dict(correction=True, rule="tile_energy")):
+                got = sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L, final_chunk=final, union=union, **extra,
+                                         **SEL)
+                want = sp.sparse_prefill(q, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used,
+                                         final_chunk=final, union=union, **extra, **SEL)
+                np.testing.assert_array_equal(got, want)
     dense = sp.attention(q, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used)
     np.testing.assert_allclose(sp.chunked_prefill(q, kc, vc, cu_q, bt, used, C, L, final_chunk=False, alpha=0.0,
                                                   **SEL), dense, atol=2e-5, rtol=0)

@@ -201,7 +201,7 @@ def test_bad_head_subgroups(batch, rng, S, exc):
 def test_index_view_with_mismatched_head_subgroups(batch):
     q, k, v, cu_q, cu_k = batch
     a = args(q, k, v, cu_q, cu_k)
-    idx = sp.build_index(*a, head_subgroups=2, **SEL)
+    idx = sp.build_index(*a, head_subgroups=2, correction=True, **SEL)  # correction: the means are read
     idx.head_subgroups = 1                       # segments laid out for 2 sub-groups
     with pytest.raises(ValueError, match="^index.segment_start") as e:
         sp.sparse_attention(q, k, v, idx, *a[3:])
@@ -230,16 +230,17 @@ def test_chunked_prefill_mean_cache_with_subgroups(rng, page, block):
     sel = dict(SEL, block_size=block, alpha=0.2)
     means = sp.mean_cache(kc, block_size=block)
     assert means[0].shape[1] == HKV
-    for union in (False, True):
+    for union, corr in ((False, False), (False, True), (True, False)):
         for c0 in range(0, L, C):
             c1 = min(L, c0 + C)
             step = (q[c0:c1], kc, vc, np.array([0, c1 - c0], np.int32), bt, np.array([c1], np.int32), c1 - c0, c1)
             got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means, head_subgroups=2,
-                                     **sel)
-            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, head_subgroups=2, **sel)
+                                     correction=corr, **sel)
+            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, head_subgroups=2, correction=corr,
+                                      **sel)
             np.testing.assert_array_equal(got, want)
             same = sp.sparse_prefill(step[0], kc, vc, step[3], None, c1 - c0, c1, block_table=bt, seqused_k=step[5],
-                                     final_chunk=c1 == L, union=union, correction=not union, head_subgroups=2, **sel)
+                                     final_chunk=c1 == L, union=union, correction=corr, head_subgroups=2, **sel)
             np.testing.assert_array_equal(want, same)
     k_mean, v_mean, _ = sp.pool_kv(k, v, cu_k, block_size=block)
     for J in range(L // block):
