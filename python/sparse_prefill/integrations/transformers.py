@@ -118,6 +118,26 @@ def _unsupported(query, dropout, kwargs) -> Optional[str]:
     return None
 
 
+def _sdpa_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """transformers' sdpa with the 4-D mask it expects (we registered the flash-style 2-D padding mask): bottom-right
+    causal and padding, so chunked prompts against a cache stay right too."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    B, Lq, Lk = query.shape[0], query.shape[2], key.shape[2]
+    mask4 = None
+    if Lq > 1 or attention_mask is not None:
+        i = torch.arange(Lq, device=query.device)[:, None]
+        j = torch.arange(Lk, device=query.device)[None, :]
+        mask4 = (j <= i + (Lk - Lq))[None, None].expand(B, 1, Lq, Lk)
+        if attention_mask is not None:
+            pad = attention_mask.to(device=query.device, dtype=torch.bool)
+            pad = torch.nn.functional.pad(pad, (0, Lk - pad.shape[1]))
+            mask4 = mask4 & pad[:, None, None, :]
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal",)}
+    return sdpa_attention_forward(module, query, key, value, mask4, scaling=scaling, dropout=dropout,
+                                  is_causal=False, **kwargs)
+
+
 def make_attention_forward(dispatch: VarlenDispatch):
     layouts = _Layouts()
 
@@ -130,9 +150,7 @@ def make_attention_forward(dispatch: VarlenDispatch):
                 raise NotImplementedError(f"sparse_prefill: {why} is not supported (fallback='raise')")
             warn_once("hf:" + why, f"sparse_prefill: {why} is not supported by the kernels; running transformers' "
                       "sdpa for these calls (set fallback='raise' to make this an error)")
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                          dropout=dropout, **kwargs)
+            return _sdpa_fallback(module, query, key, value, attention_mask, scaling, dropout, kwargs)
         B, Hq, Lq, D = query.shape
         Hkv, Lk = key.shape[1], key.shape[2]
         q = query.transpose(1, 2).reshape(B * Lq, Hq, D)
