@@ -7,11 +7,11 @@ prefill rows, page reuse. Checked against the CPU reference. Conformance tests r
 import dataclasses
 
 import pytest
-import torch
 
-import sparse_prefill as sp
-from engine_sim import Engine, Request, Tables, next_token, reference_rows
-from sparse_prefill.integrations import SparsePrefillConfig
+torch = pytest.importorskip("torch")
+import sparse_prefill as sp  # noqa: E402
+from engine_sim import Engine, Request, Tables, next_token, reference_rows  # noqa: E402
+from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import vllm as spv
 
 PAGE = 64
