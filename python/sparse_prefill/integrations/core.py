@@ -1,0 +1,416 @@
+"""The engine-agnostic core of the adapters: one configuration, one varlen dispatch, the mean cache of a paged KV cache.
+
+Everything here needs torch (imported lazily, on first use); nothing imports an engine. The three adapters
+(`transformers.py`, `vllm.py`, `sglang.py`) translate their engine's metadata into the arguments of
+`VarlenDispatch.__call__` and route their engine's KV-cache writes through `MeanCacheTracker.on_write`.
+
+Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
+`SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
+defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups)
+are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when its defaults
+change; nothing here keeps a second copy of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+import warnings
+from typing import Any, Optional
+
+import sparse_prefill as sp
+
+__all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch", "MeanCacheTracker", "layer_index"]
+
+# The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
+SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups")
+
+
+def library_selection_defaults() -> dict:
+    """The library's default selection, from `sp.DEFAULT_SELECTION` when the package has one, else from the keyword
+    defaults of `sp.sparse_prefill` (one source of truth: the library)."""
+    table = getattr(sp, "DEFAULT_SELECTION", None)
+    sig = inspect.signature(sp.sparse_prefill).parameters
+    out = {}
+    for name in SELECTION_FIELDS:
+        if isinstance(table, dict) and name in table:
+            out[name] = table[name]
+        else:
+            out[name] = sig[name].default
+    return out
+
+
+def _env_name(field: str) -> str:
+    return "SPARSE_PREFILL_" + field.upper()
+
+
+_FINAL_CHUNK = ("always", "never")
+_MEAN_CACHE = ("auto", "off")
+_FALLBACK = ("sdpa", "raise")
+
+
+@dataclasses.dataclass
+class SparsePrefillConfig:
+    """What the adapters run. Selection fields default to the library's defaults (see library_selection_defaults);
+    the engine fields:
+
+    dense_layers: the first N layers always run dense attention (accuracy: early layers attend broadly).
+    min_sparse_q_len: a call runs sparse only when its longest query row (chunk) has at least this many tokens;
+        shorter calls (decode, short chunks) run dense.
+    min_sparse_kv_len: ... and when its longest key row has at least this many tokens (below ~8K dense is as fast:
+        bench/results/sparse_h200.json, topic workload 8K = 1.0x cuDNN).
+    final_chunk: engines do not say whether a prefill chunk ends its prompt. 'always' treats every chunk as final
+        (its last `last_n` query tiles run dense: FlashPrefill V2's behaviour, the safe choice for the prompt's last
+        tokens); 'never' treats every chunk as mid-prompt (cheaper, but the prompt's final queries are then selected
+        sparsely too).
+    mean_cache: 'auto' keeps a pooled-means cache per layer beside a paged KV cache whose page size is a multiple of
+        block_size (MeanCacheTracker: valid through decode writes, prefix hits and rewrites); 'off' re-pools the whole
+        cache at every chunk (always correct, O(cache) per step).
+    fallback: what the transformers adapter does with calls the kernels do not support (head dim other than 64/128,
+        float32 on CUDA, dropout, softcap, attention sinks): 'sdpa' runs transformers' sdpa with a one-time warning,
+        'raise' raises NotImplementedError.
+    """
+
+    alpha: float = None
+    block_size: int = None
+    sink: int = None
+    window: int = None
+    last_n: int = None
+    correction: Optional[bool] = None
+    rule: str = None
+    union: bool = None
+    head_subgroups: int = None
+    dense_layers: int = 0
+    min_sparse_q_len: int = 128
+    min_sparse_kv_len: int = 8192
+    final_chunk: str = "always"
+    mean_cache: str = "auto"
+    fallback: str = "sdpa"
+
+    def __post_init__(self):
+        lib = library_selection_defaults()
+        for name in SELECTION_FIELDS:
+            if getattr(self, name) is None and name != "correction":
+                setattr(self, name, lib[name])
+        if self.correction is None:
+            self.correction = lib["correction"]
+        self._check()
+
+    # -- loading ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, config_file: Optional[str] = None, environ: Optional[dict] = None, **kwargs) -> "SparsePrefillConfig":
+        """kwargs > SPARSE_PREFILL_* variables > JSON file (config_file or $SPARSE_PREFILL_CONFIG) > library defaults."""
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {}
+        path = config_file if config_file is not None else env.get("SPARSE_PREFILL_CONFIG")
+        if path:
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError(f"SPARSE_PREFILL_CONFIG: {path} must hold a JSON object, got {type(data).__name__}")
+            for key, value in data.items():
+                if key not in fields:
+                    raise ValueError(f"{key}: unknown sparse_prefill setting in {path} (known: {', '.join(fields)})")
+                values[key] = _coerce(key, value, fields[key])
+        for name, f in fields.items():
+            raw = env.get(_env_name(name))
+            if raw is not None and raw != "":
+                values[name] = _coerce(_env_name(name), raw, f)
+        for key, value in kwargs.items():
+            if key not in fields:
+                raise TypeError(f"{key}: unknown sparse_prefill setting (known: {', '.join(fields)})")
+            values[key] = value
+        return cls(**values)
+
+    def _check(self):
+        if self.final_chunk not in _FINAL_CHUNK:
+            raise ValueError(f"final_chunk: expected one of {_FINAL_CHUNK}, got {self.final_chunk!r}")
+        if self.mean_cache not in _MEAN_CACHE:
+            raise ValueError(f"mean_cache: expected one of {_MEAN_CACHE}, got {self.mean_cache!r}")
+        if self.fallback not in _FALLBACK:
+            raise ValueError(f"fallback: expected one of {_FALLBACK}, got {self.fallback!r}")
+        for name in ("dense_layers", "min_sparse_q_len", "min_sparse_kv_len"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+    def selection(self) -> dict:
+        """The selection keywords for sp.sparse_prefill / sp.chunked_prefill."""
+        return {name: getattr(self, name) for name in SELECTION_FIELDS}
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
+    kind = {"alpha": float, "correction": bool, "union": bool}.get(f.name)
+    if kind is None:
+        kind = str if f.name in ("rule", "final_chunk", "mean_cache", "fallback") else int
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean (1/0/true/false), got {value!r}")
+    try:
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def layer_index(name: Any) -> Optional[int]:
+    """The layer number in an engine's layer name ('model.layers.3.self_attn.attn' -> 3), or an int passed through."""
+    if isinstance(name, int):
+        return name
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", str(name))
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The varlen dispatch
+# ---------------------------------------------------------------------------------------------------------------------
+
+class VarlenDispatch:
+    """One attention call of an engine: picks sparse or dense, writes `out` in place, uses preallocated workspaces,
+    never synchronises the host (the lengths it needs come as host ints: max_seqlen_q / max_seqlen_k).
+
+    Sparse runs when: layer_idx >= dense_layers, max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len,
+    causal, no sliding window and no softcap, and (CUDA) head dim 128, bf16/fp16, block_size % 128 == 0, pages of a
+    multiple of 64 tokens. Everything else runs dense `sp.attention` (any page size, windows, decode rows).
+
+    Workspaces: one `attention_workspace_bytes(D)` buffer per device, and one sparse buffer per device sized by
+    `sparse_prefill_workspace_bytes` (computed from shapes once per distinct shape and cached: the layers of one
+    engine step share it) that grows when a larger step comes; `reserve_sparse()` preallocates it for the largest step.
+    """
+
+    def __init__(self, config: Optional[SparsePrefillConfig] = None):
+        self.config = config if config is not None else SparsePrefillConfig.load()
+        self._dense_ws: dict = {}
+        self._sparse_ws: dict = {}
+        self._ws_bytes: dict = {}
+        self.calls = {"sparse": 0, "dense": 0}
+        self.last_path: Optional[str] = None
+        self.last_reason: Optional[str] = None
+
+    # -- the decision ------------------------------------------------------------------------------------------------
+    def sparse_reason(self, q, k, max_seqlen_q: int, max_seqlen_k: int, *, layer_idx: Optional[int] = 0,
+                      paged: bool = False, window=(-1, -1), softcap: float = 0.0, causal: bool = True) -> Optional[str]:
+        """None when the call runs sparse, else why it runs dense (for logs and tests; reads shapes only)."""
+        c = self.config
+        if not causal:
+            return "not causal"
+        if layer_idx is None:
+            if c.dense_layers:
+                return "unknown layer index with dense_layers set"
+        elif layer_idx < c.dense_layers:
+            return f"layer {layer_idx} < dense_layers {c.dense_layers}"
+        if max_seqlen_q < max(c.min_sparse_q_len, 1):
+            return f"max_seqlen_q {max_seqlen_q} < min_sparse_q_len {c.min_sparse_q_len}"
+        if max_seqlen_k < c.min_sparse_kv_len:
+            return f"max_seqlen_k {max_seqlen_k} < min_sparse_kv_len {c.min_sparse_kv_len}"
+        if tuple(window) != (-1, -1):
+            return "sliding window"
+        if softcap:
+            return "softcap"
+        if q.is_cuda:
+            import torch
+            if q.shape[-1] != 128:
+                return f"head dim {q.shape[-1]} (the sparse CUDA kernels take 128)"
+            if q.dtype not in (torch.bfloat16, torch.float16):
+                return f"dtype {q.dtype}"
+            if c.block_size % 128:
+                return f"block_size {c.block_size} (CUDA sparse needs a multiple of 128)"
+            if paged and k.shape[1] % 64:
+                return f"page size {k.shape[1]} (CUDA sparse needs a multiple of 64)"
+        return None
+
+    # -- workspaces --------------------------------------------------------------------------------------------------
+    def _dense_workspace(self, q):
+        if not q.is_cuda:
+            return None
+        key = (q.device.index, q.shape[-1])
+        ws = self._dense_ws.get(key)
+        if ws is None:
+            import torch
+            n = int(sp.attention_workspace_bytes(q.shape[-1]))
+            ws = torch.empty(max((n + 3) // 4, 1), dtype=torch.int32, device=q.device)
+            self._dense_ws[key] = ws
+        return ws
+
+    def _sparse_workspace(self, q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_k):
+        if not q.is_cuda:
+            return None
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, tuple(cu_q.shape), max_q, max_k,
+               None if block_table is None else tuple(block_table.shape))
+        nbytes = self._ws_bytes.get(key)
+        if nbytes is None:
+            c = self.config
+            nbytes = int(sp.sparse_prefill_workspace_bytes(
+                q, k, v, cu_q, cu_k, max_q, max_k, block_size=c.block_size, block_table=block_table,
+                seqused_k=seqused_k, union=c.union, head_subgroups=c.head_subgroups, **{
+                    n: getattr(c, n) for n in ("alpha", "sink", "window", "last_n", "correction", "rule")}))
+            if len(self._ws_bytes) > 256:
+                self._ws_bytes.clear()
+            self._ws_bytes[key] = nbytes
+        return self._buffer(q.device, nbytes)
+
+    def _buffer(self, device, nbytes: int):
+        ws = self._sparse_ws.get(device.index)
+        if ws is None or ws.numel() * 4 < nbytes:
+            import torch
+            # grow by 1/8 more than asked so that a slowly growing cache does not reallocate every step
+            n = max((nbytes + nbytes // 8 + 3) // 4, 1)
+            ws = torch.empty(n, dtype=torch.int32, device=device)
+            self._sparse_ws[device.index] = ws
+        return ws
+
+    def reserve_sparse(self, device, nbytes: int) -> None:
+        """Preallocate the sparse workspace (e.g. before an engine's memory profiling)."""
+        import torch
+        self._buffer(torch.device(device), int(nbytes))
+
+    # -- the call ----------------------------------------------------------------------------------------------------
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, out,
+                 layer_idx: Optional[int] = 0, softmax_scale: Optional[float] = None, block_table=None,
+                 seqused_k=None, window=(-1, -1), softcap: float = 0.0, mean_cache=None,
+                 final_chunk: Optional[bool] = None, causal: bool = True, force_dense: bool = False):
+        """Attention of q [total_q, Hq, D] over k/v (contiguous with cu_seqlens_k, or paged with block_table and
+        seqused_k), written into `out` [total_q, Hq, D]; returns `out`. max_seqlen_q/k are host ints (bounds)."""
+        max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+        paged = block_table is not None
+        reason = "forced dense" if force_dense else self.sparse_reason(
+            q, k, max_q, max_k, layer_idx=layer_idx, paged=paged, window=window, softcap=softcap, causal=causal)
+        self.last_reason = reason
+        if reason is not None:
+            self.last_path = "dense"
+            self.calls["dense"] += 1
+            sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,
+                         softmax_scale=softmax_scale, window=tuple(window), out=out, block_table=block_table,
+                         seqused_k=seqused_k, workspace=self._dense_workspace(q))
+            return out
+        self.last_path = "sparse"
+        self.calls["sparse"] += 1
+        c = self.config
+        if final_chunk is None:
+            final_chunk = c.final_chunk == "always"
+        ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k)
+        if paged:
+            sp.chunked_prefill(q, k, v, cu_seqlens_q, block_table, seqused_k, max_q, max_k, final_chunk=final_chunk,
+                               softmax_scale=softmax_scale, out=out, mean_cache=mean_cache, workspace=ws,
+                               **c.selection())
+        else:
+            sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=softmax_scale,
+                              out=out, workspace=ws, final_chunk=final_chunk, **c.selection())
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The mean cache inside an engine
+# ---------------------------------------------------------------------------------------------------------------------
+
+class MeanCacheTracker:
+    """Per-layer pooled-means caches (`sp.mean_cache` layout) of an engine's paged KV cache, kept valid by every
+    write to the cache, whoever makes it.
+
+    The hazard: `sp.chunked_prefill(mean_cache=...)` reads the means of the blocks that end before its chunk from the
+    cache and pools only the blocks its chunk completes. Blocks completed by decode steps, pages restored by prefix
+    caching after another request's decode, and tokens an engine writes twice (vLLM recomputes the last token of a
+    fully cached prompt; rejected speculative tokens are overwritten) would otherwise leave stale means there.
+
+    The fix: every KV write updates a running mean. For each block slot the tracker keeps the sum of its written keys
+    and values divided by block_size and the count n of positions written so far in the block's current use. A token
+    written at position p of its block (p = slot % block_size; pages hold whole blocks) starts a new use when p == 0
+    (sum and count reset), adds its key when p >= n, and replaces its old key (read from the cache before the write)
+    when p < n. A complete block's entry is therefore the exact mean of what the cache holds, the value the library
+    would pool, written or not by the library itself. All of it is a few fixed-shape device ops per write (O(tokens)),
+    no host synchronisation, so it works inside CUDA graphs (padded slots < 0 go to a spare row).
+
+    Requires page_size % block_size == 0 (then the mean slot of a token is slot // block_size, which needs no block
+    table); with other page sizes `get()` returns None and the library re-pools every chunk. Writes that bypass the
+    engine's KV write (KV connectors, host offload: LMCache, HiCache, PD transfer) are not seen: disable the mean
+    cache there (`mean_cache='off'`).
+    """
+
+    def __init__(self, block_size: int, enabled: bool = True):
+        self.block_size = int(block_size)
+        self.enabled = bool(enabled)
+        self._caches: dict = {}
+
+    def compatible(self, page_size: int) -> bool:
+        return self.enabled and page_size % self.block_size == 0
+
+    def _state(self, key, k_cache):
+        st = self._caches.get(key)
+        if st is None:
+            import torch
+            num_pages, page_size, hkv, d = (int(s) for s in k_cache.shape)
+            slots = int(sp._C.mean_cache_slots(num_pages, page_size, self.block_size))
+            assert slots == num_pages * page_size // self.block_size
+            z = dict(dtype=torch.float32, device=k_cache.device)
+            st = {"k": torch.zeros(slots + 1, hkv, d, **z), "v": torch.zeros(slots + 1, hkv, d, **z),
+                  "n": torch.zeros(slots + 1, dtype=torch.int32, device=k_cache.device), "slots": slots}
+            self._caches[key] = st
+        return st
+
+    def get(self, key, k_cache):
+        """(k_mean, v_mean) for `sp.chunked_prefill(mean_cache=...)` of the layer `key`, or None (disabled, or pages
+        that do not hold whole blocks). Allocated on first use: 2 x float32 [slots, Hkv, D] = 1/(2 block_size/4) of a
+        bf16 KV cache's bytes (1/64 at block 128)."""
+        if not self.compatible(int(k_cache.shape[1])):
+            return None
+        st = self._state(key, k_cache)
+        s = st["slots"]
+        return st["k"][:s], st["v"][:s]
+
+    def on_write(self, key, k_cache, v_cache, loc, new_k, new_v) -> None:
+        """Account for the engine writing new_k/new_v [T, Hkv, D] at token slots `loc` [T] (< 0: padding) of the layer
+        `key` whose paged caches are k_cache/v_cache [num_pages, page_size, Hkv, D]. Call it BEFORE the write."""
+        if not self.compatible(int(k_cache.shape[1])):
+            return
+        import torch
+        st = self._state(key, k_cache)
+        bs, trash = self.block_size, st["slots"]
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        t = min(int(loc.numel()), int(new_k.shape[0]))   # shapes only: engines pad one or the other
+        loc = loc.reshape(-1)[:t].long()
+        new_k, new_v = new_k[:t], new_v[:t]
+        valid = loc >= 0
+        locc = loc.clamp(min=0)
+        p = locc % bs
+        ms = torch.where(valid, locc // bs, torch.full_like(locc, trash))
+        kflat = k_cache.view(-1, hkv, d)
+        vflat = v_cache.view(-1, hkv, d)
+        old_k = kflat.index_select(0, locc).float()
+        old_v = vflat.index_select(0, locc).float()
+        n_old = st["n"].index_select(0, ms)
+        start = valid & (p == 0)
+        zero_idx = torch.where(start, ms, torch.full_like(ms, trash))
+        reset = torch.zeros(trash + 1, dtype=torch.bool, device=loc.device)
+        reset.index_fill_(0, zero_idx, True)
+        replaced = valid & (p < n_old) & ~reset.index_select(0, ms)
+        for name in ("k", "v", "n"):
+            st[name].index_fill_(0, zero_idx, 0)
+        w = replaced[:, None, None]
+        inv = 1.0 / bs
+        st["k"].index_add_(0, ms, (new_k.reshape(-1, hkv, d).float() - torch.where(w, old_k, 0.0)) * inv)
+        st["v"].index_add_(0, ms, (new_v.reshape(-1, hkv, d).float() - torch.where(w, old_v, 0.0)) * inv)
+        st["n"].scatter_reduce_(0, ms, (p + 1).to(torch.int32), reduce="amax")
+        # the spare row collects padding and resets: keep it harmless
+        st["n"][trash] = 0
+
+
+_warned: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

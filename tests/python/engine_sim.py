@@ -1,0 +1,161 @@
+"""A tiny paged-KV serving engine for the adapters' contract tests: requests, a page pool with a prefix cache over
+full pages, chunked prefill, decode, page reuse. K/V/Q of a token depend on (layer, token id, position) only, so two
+requests with the same prefix hold the same K/V there (what a real model gives) and the reference attention of any
+row can be computed from the token list alone.
+
+Engines differ in one place, what a full prefix hit leaves to compute (`full_hit`):
+- 'vllm': all matched pages stay; the prompt's last token is recomputed and rewritten into its shared page;
+- 'sglang': the match is cut to the pages before the last token (the last token lands in a fresh page).
+"""
+
+import numpy as np
+import torch
+
+
+class Tables:
+    def __init__(self, layers=2, hq=4, hkv=2, d=64, vocab=61, max_pos=4096, seed=0):
+        g = np.random.default_rng(seed)
+        self.layers, self.hq, self.hkv, self.d = layers, hq, hkv, d
+        # a few "topics" so that selection has something to select
+        self.k = torch.from_numpy(g.standard_normal((layers, vocab, hkv, d)).astype(np.float32))
+        self.v = torch.from_numpy(g.standard_normal((layers, vocab, hkv, d)).astype(np.float32))
+        self.q = torch.from_numpy(g.standard_normal((layers, vocab, hq, d)).astype(np.float32))
+        self.pos = torch.from_numpy(0.3 * g.standard_normal((max_pos, 1, d)).astype(np.float32))
+
+    def kv(self, layer, tokens, start=0):
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        p = self.pos[start:start + len(t)]
+        return self.k[layer, t] + p, self.v[layer, t] - p
+
+    def qs(self, layer, tokens, start=0):
+        t = torch.as_tensor(tokens, dtype=torch.long)
+        return self.q[layer, t] + self.pos[start:start + len(t)]
+
+
+class Request:
+    def __init__(self, rid, prompt, max_new):
+        self.rid, self.tokens, self.prompt_len, self.max_new = rid, list(prompt), len(prompt), max_new
+        self.pages = []
+        self.computed = 0           # tokens whose K/V are in the cache
+        self.done = False
+
+    @property
+    def generated(self):
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    def __init__(self, num_pages, page_size, full_hit="vllm", chunk=96):
+        self.page_size, self.full_hit, self.chunk = page_size, full_hit, chunk
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.cache = {}           # tuple(tokens of full pages) -> page id
+        self.ref = {}
+        self.running = []
+        self.stats = {"prefix_hit_tokens": 0, "decode_completed_pages": set(), "reused_pages": 0}
+        self.used_once = set()
+
+    def _alloc(self):
+        page = self.free.pop()
+        if page in self.used_once:
+            self.stats["reused_pages"] += 1
+        self.used_once.add(page)
+        self.ref[page] = 1
+        return page
+
+    def add(self, req):
+        P = self.page_size
+        n_full = len(req.tokens) // P
+        matched = 0
+        for i in range(n_full):
+            page = self.cache.get(tuple(req.tokens[: (i + 1) * P]))
+            if page is None:
+                break
+            req.pages.append(page)
+            self.ref[page] = self.ref.get(page, 0) + 1
+            matched = (i + 1) * P
+        if matched >= len(req.tokens):            # a full hit: something must still be computed
+            if self.full_hit == "vllm":
+                matched = len(req.tokens) - 1
+            else:
+                keep = (len(req.tokens) - 1) // P
+                for page in req.pages[keep:]:
+                    self.ref[page] -= 1
+                req.pages = req.pages[:keep]
+                matched = keep * P
+        req.computed = matched
+        self.stats["prefix_hit_tokens"] += matched
+        self.running.append(req)
+
+    def _ensure_pages(self, req, upto):
+        while len(req.pages) * self.page_size < upto:
+            req.pages.append(self._alloc())
+
+    def schedule(self, budget=10**9):
+        """One step: [(req, start, num_tokens, is_decode)], decodes first (vLLM's order), then prefill chunks."""
+        rows = []
+        for req in self.running:
+            if req.done or req.computed < len(req.tokens) - 1 or req.computed == 0:
+                continue
+            if req.computed == len(req.tokens) - 1 and req.generated > 0:
+                rows.append((req, req.computed, 1, True))
+        for req in self.running:
+            if req.done or any(r[0] is req for r in rows):
+                continue
+            left = len(req.tokens) - req.computed
+            if left <= 0:
+                continue
+            n = min(left, self.chunk, budget)
+            rows.append((req, req.computed, n, n == 1))
+        for req, start, n, _ in rows:
+            self._ensure_pages(req, start + n)
+        return rows
+
+    def slots(self, req, start, n):
+        P = self.page_size
+        return [req.pages[p // P] * P + p % P for p in range(start, start + n)]
+
+    def commit(self, rows, next_token):
+        """After a step: advance, register full pages in the prefix cache, append a token to requests that finished
+        their prompt or decoded (next_token(req) -> id)."""
+        P = self.page_size
+        for req, start, n, is_decode in rows:
+            req.computed = start + n
+            for i in range(start // P, req.computed // P):
+                key = tuple(req.tokens[: (i + 1) * P])
+                if key not in self.cache:
+                    self.cache[key] = req.pages[i]
+                    if is_decode or start >= req.prompt_len:
+                        self.stats["decode_completed_pages"].add(req.pages[i])
+            if req.computed == len(req.tokens):
+                if req.generated < req.max_new:
+                    req.tokens.append(next_token(req))
+                else:
+                    self.finish(req)
+
+    def finish(self, req):
+        req.done = True
+        self.running.remove(req)
+        cached = set(self.cache.values())
+        for page in req.pages:
+            self.ref[page] -= 1
+            if self.ref[page] == 0 and page not in cached:
+                self.free.append(page)
+
+
+def next_token(req):
+    return (sum(req.tokens[-7:]) * 31 + len(req.tokens)) % 61
+
+
+def reference_rows(tables, layer, req, start, n, config=None):
+    """The expected output of rows [start, start + n) of req: dense (config None or alpha 0) or the library's sparse
+    selection on the contiguous sequence (same parameters), on the CPU reference."""
+    import sparse_prefill as sp
+    toks = req.tokens[: start + n]
+    k, v = tables.kv(layer, toks)
+    q = tables.qs(layer, req.tokens[start:start + n], start)
+    cu_q = torch.tensor([0, n], dtype=torch.int32)
+    cu_k = torch.tensor([0, start + n], dtype=torch.int32)
+    if config is None:
+        return sp.attention(q, k, v, cu_q, cu_k, n, start + n)
+    return sp.sparse_prefill(q, k, v, cu_q, cu_k, n, start + n, final_chunk=config.final_chunk == "always",
+                             **config.selection())
