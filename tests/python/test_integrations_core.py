@@ -17,10 +17,11 @@ def test_defaults_come_from_the_library(monkeypatch):
     c = SparsePrefillConfig.load(environ={})
     for name in ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups"):
         assert getattr(c, name) == sig[name].default, name
-    # a library table, when there is one, wins (the lead may move the defaults there)
-    monkeypatch.setattr(sp, "DEFAULT_SELECTION", {"alpha": 0.25, "rule": "row_max"}, raising=False)
+    assert (c.rule, c.correction) == (sp.SELECTION_DEFAULTS["rule"], sp.SELECTION_DEFAULTS["correction"])
+    # the library's table is the source: moving a default there moves the adapters' default
+    monkeypatch.setitem(sp.SELECTION_DEFAULTS, "alpha", 0.25)
     c = SparsePrefillConfig.load(environ={})
-    assert (c.alpha, c.rule) == (0.25, "row_max")
+    assert c.alpha == 0.25
     assert library_selection_defaults()["sink"] == sig["sink"].default
 
 

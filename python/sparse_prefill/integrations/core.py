@@ -30,17 +30,10 @@ SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correcti
 
 
 def library_selection_defaults() -> dict:
-    """The library's default selection, from `sp.DEFAULT_SELECTION` when the package has one, else from the keyword
-    defaults of `sp.sparse_prefill` (one source of truth: the library)."""
-    table = getattr(sp, "DEFAULT_SELECTION", None)
+    """The library's default selection: sp.SELECTION_DEFAULTS (from the C++ SelectionParams{}), and sp.sparse_prefill's
+    keyword defaults for the fields that table does not hold (union)."""
     sig = inspect.signature(sp.sparse_prefill).parameters
-    out = {}
-    for name in SELECTION_FIELDS:
-        if isinstance(table, dict) and name in table:
-            out[name] = table[name]
-        else:
-            out[name] = sig[name].default
-    return out
+    return {name: sp.SELECTION_DEFAULTS.get(name, sig[name].default) for name in SELECTION_FIELDS}
 
 
 def _env_name(field: str) -> str:
