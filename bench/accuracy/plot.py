@@ -1,0 +1,93 @@
+"""Accuracy frontier plots (issue 13) from measured JSON only:
+  left   metric vs density at one L (SmolLM2-135M; copy / kv top-1 in points against dense, NLL in % against dense),
+         the library's rows (bench/results/accuracy_h200.json) and the emulated estimators
+         (accuracy_estimators_emulated_h200.json, accuracy_emulated_h200.json: torch emulation on the H200, NOT the
+         library)
+  right  copy top-1 against dense vs the 128K topic-workload time of the same selection through the package
+         (bench/results/sparse_h200.json: tile energy; sparse_rowmax_h200.json: row max; index + attention, with or
+         without correction as the configuration says). Only configurations whose speed was measured appear.
+Usage (from bench/): python -m accuracy.plot [--L 8192] [--out results/accuracy_frontier_h200.png]
+"""
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "results")
+
+
+def load(name):
+    path = os.path.join(RESULTS, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def delta(row):
+    """Metric against dense: points of top-1 (higher is better), or % of NLL (lower is better, sign flipped so that
+    up is better on every panel)."""
+    if row["metric_name"] == "nll":
+        return -100.0 * (row["metric"] / row["dense_metric"] - 1.0)
+    return 100.0 * (row["metric"] - row["dense_metric"])
+
+
+def topic_time_128k(rule, correction):
+    doc = load("sparse_rowmax_h200.json" if rule == "row_max" else "sparse_h200.json")
+    if doc is None:
+        return None
+    for r in doc["rows"]:
+        if r.get("L") == 131072:
+            return r["index_ms"] + (r["attn_ms"] if correction else r["attn_no_corr_ms"])
+    return None
+
+
+# The library configurations of run.py's CONFIGS whose rule and correction the topic benchmark measured.
+SPEED_OF = {"default": ("row_max", False), "rowmax_a01": ("row_max", False), "fpv2": ("tile_energy", True),
+            "fpv2_nocorr": ("tile_energy", False), "default_nocorr": ("tile_energy", False)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=8192)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "accuracy_frontier_h200.png"))
+    args = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lib = load("accuracy_h200.json")
+    emu = [d for d in (load("accuracy_estimators_emulated_h200.json"), load("accuracy_emulated_h200.json")) if d]
+    tasks = ["copy", "kv", "ppl"]
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(6 * (len(tasks) + 1), 5))
+    for ax, task in zip(axes, tasks):
+        for doc, marker, what in [(lib, "o", "library")] + [(d, "x", "emulated") for d in emu]:
+            if doc is None:
+                continue
+            for r in doc["rows"]:
+                if r["task"] != task or r["L"] != args.L or r["config"] == "dense" or r.get("chunk"):
+                    continue
+                ax.scatter(r["density"], delta(r), marker=marker, c="C0" if what == "library" else "C1")
+                ax.annotate(r["config"][:28], (r["density"], delta(r)), fontsize=6)
+        ax.axhline(0, c="k", lw=0.5)
+        ax.axhline(-1 if task != "ppl" else -0.5, c="r", lw=0.5, ls="--")
+        ax.axvline(0.42, c="r", lw=0.5, ls="--")
+        ax.set_xlabel("density (kept / visible blocks)")
+        ax.set_ylabel("points vs dense" if task != "ppl" else "-% NLL vs dense")
+        ax.set_title(f"SmolLM2-135M {task} L={args.L} (o library, x emulated)")
+    ax = axes[-1]
+    if lib is not None:
+        for r in lib["rows"]:
+            if r["task"] != "copy" or r["L"] != args.L or r["config"] not in SPEED_OF or r.get("chunk"):
+                continue
+            t = topic_time_128k(*SPEED_OF[r["config"]])
+            if t is not None:
+                ax.scatter(t, delta(r), c="C0")
+                ax.annotate(r["config"], (t, delta(r)), fontsize=8)
+    ax.axhline(0, c="k", lw=0.5)
+    ax.set_xlabel("topic workload 128K: index + attention (ms, H200)")
+    ax.set_ylabel("copy top-1, points vs dense")
+    ax.set_title(f"accuracy vs time (copy L={args.L})")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
