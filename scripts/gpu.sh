@@ -10,6 +10,11 @@
 #   sass      ptxas registers/spills of every kernel and the SASS summary (HGMMA, local memory) of each CUDA object
 #   test      the whole pytest suite through the installed package (its CUDA cases run here)
 #   sanitize  compute-sanitizer memcheck and racecheck on small CUDA cases (dense, sparse, chunked, workspaces)
+#   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, valid and invalid calls,
+#             bad device values included) under compute-sanitizer memcheck, then racecheck on the kernel matrix and
+#             the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
+#   abguards  issue 19: the kernels of this tree against a base build (main: .deps/base.tar, built into
+#             $SP_AB_BASE_SITE or /tmp/ab-base-site) in one call, alternating processes: bench/ab_guards.py
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
@@ -27,7 +32,7 @@
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|bench|ab|model|accuracy|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abguards|bench|ab|model|accuracy|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -87,6 +92,68 @@ for phase in "${PHASES[@]}"; do
         r=$?; (( r == 0 )) || rc=$r
         echo "$tool rc=$r"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/${tool}.log" | tail -3
       done
+      ;;
+    fuzz)
+      n="${SP_FUZZ_CUDA_CASES:-600}"
+      step "fuzz: $n CUDA cases under compute-sanitizer memcheck"
+      timeout 360 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 100 "$PY" -m pytest -q \
+        -p no:cacheprovider -rfE tests/fuzz --fuzz-device cuda --fuzz-cases "$n" --fuzz-time 320 \
+        --fuzz-report "$OUT/fuzz_report.json" > "$OUT/fuzz_memcheck.log" 2>&1
+      r_mem=$?; (( r_mem == 0 )) || rc=$r_mem
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/fuzz_memcheck.log" | tail -3
+      step "fuzz: racecheck on the kernel matrix and the device-check tests"
+      timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/python/test_cuda.py tests/python/test_dense_cuda.py tests/python/test_guards_cuda.py \
+        -k "forced_paths_agree or device_index_two_steps or block_table_page_out_of_range or index_view_bad_values" \
+        > "$OUT/fuzz_racecheck.log" 2>&1
+      r_race=$?; (( r_race == 0 )) || rc=$r_race
+      grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/fuzz_racecheck.log" | tail -3
+      "$PY" - "$OUT" "$r_mem" "$r_race" "$n" <<'PYEOF' || rc=1
+import datetime, json, os, re, subprocess, sys
+out, r_mem, r_race, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def read(name):
+    p = os.path.join(out, name)
+    return open(p, errors="replace").read() if os.path.exists(p) else ""
+mem, race = read("fuzz_memcheck.log"), read("fuzz_racecheck.log")
+def count(pattern, text):
+    m = re.findall(pattern, text)
+    return int(m[-1]) if m else None
+rep = json.loads(read("fuzz_report.json") or "{}")
+dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+crashes = rep.get("crashes", 0) + (1 if r_mem not in (0, 1, 9) else 0)  # 0 passed, 1 test failures, 9 memcheck
+row = {"device": dev.stdout.strip() or "unknown", "commit": os.environ.get("SP_COMMIT", "unknown"),
+       "date": datetime.date.today().isoformat(), "through_package": True,
+       "command": f"compute-sanitizer --tool memcheck pytest tests/fuzz --fuzz-device cuda --fuzz-cases {n}",
+       "cases": rep.get("cuda_calls", 0), "crashes": crashes,
+       "memcheck_errors": count(r"ERROR SUMMARY: (\d+) error", mem),
+       "racecheck_hazards": count(r"RACECHECK SUMMARY: (\d+) hazard", race),
+       "racecheck_errors": count(r"ERROR SUMMARY: (\d+) error", race),
+       "pytest_memcheck_rc": r_mem, "pytest_racecheck_rc": r_race,
+       "summary": {k: rep.get(k) for k in ("valid", "invalid_host", "invalid_device", "flagged_by_check_errors",
+                                           "raised_in_checked_mode", "unsupported", "failures", "skipped_for_time",
+                                           "kinds", "mutations", "seconds", "seed")},
+       "failed_cases": rep.get("failed_cases", [])[:20]}
+json.dump(row, open(os.path.join(out, "fuzz_h200.json"), "w"), indent=1)
+print(json.dumps({k: row[k] for k in ("cases", "crashes", "memcheck_errors", "racecheck_hazards")}))
+PYEOF
+      ;;
+    abguards)
+      # The base: $SP_AB_BASE_SITE, or built here (once per warm machine, ~2 min) from .deps/base.tar, made on the
+      # development machine with `git archive main > .deps/base.tar` and carried (run's carry: [".deps/base.tar"]).
+      site="${SP_AB_BASE_SITE:-/tmp/ab-base-site}"
+      if [[ ! -d "$site/sparse_prefill" ]]; then
+        step "A/B base: building .deps/base.tar into $site"
+        [[ -f .deps/base.tar ]] || { echo "missing .deps/base.tar (git archive main > .deps/base.tar)"; rc=1; continue; }
+        rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xf .deps/base.tar -C /tmp/ab-base
+        "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "$site" -C build-dir=/tmp/ab-base-build \
+          -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" /tmp/ab-base \
+          > "$OUT/ab_guards_base_build.log" 2>&1 || { tail -20 "$OUT/ab_guards_base_build.log"; rc=1; continue; }
+      fi
+      step "A/B of the device-side guards: the installed package (this tree) against $site"
+      timeout 500 "$PY" bench/ab_guards.py --base-site "$site" ${SP_AB_QUICK:+--quick} \
+        --out "$OUT/ab_guards_h200.json" > "$OUT/ab_guards.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -20 "$OUT/ab_guards.log"
       ;;
     bench)
       full=()

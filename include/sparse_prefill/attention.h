@@ -19,6 +19,13 @@ struct LaunchOptions {
   // Sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q): split tiles heavier than an SM's share into
   // split-KV units, planned on the device. false: one unit per tile.
   bool split_kv = true;
+  // Checked mode, for debugging and tests: before the launch, copy the device-resident index values (cu_seqlens_q/k,
+  // seqused_k, block_table and, for sparse_attention over a caller's index view, its arrays) to the host and validate
+  // them as CPU arrays are validated; after the launch, check_errors(stream). It synchronises the stream twice and
+  // allocates host memory: never in an engine's hot path, never inside CUDA-graph capture. Off: no host read at all;
+  // the kernels bound every access by construction and report a bad value through the device error word
+  // (check_errors below).
+  bool checked = false;
 };
 
 // The keys and values one call attends to, contiguous or paged, and the queries. Shared by dense attention, index
@@ -71,5 +78,16 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs);
 // Which kernel attention() runs for these inputs (after in.options): kDenseKernel or kSplitKV on CUDA; the CPU
 // reference reports kDenseKernel. For tests and benchmarks; validates like attention().
 LaunchOptions::DensePath attention_path(const AttentionInputs& in);
+
+// Device-side checks (docs/engine.md, "Bad values on the device"). The CUDA kernels never read or write outside the
+// arrays they are given, whatever the values of cu_seqlens, seqused_k, block_table or an index: a sequence whose values
+// are out of range is skipped and its rows of out (and lse) come out NaN, a bad page or block id costs a zero-filled
+// load and makes its tile's rows NaN. The first such violation on a device is recorded in a small device error word
+// (one per device: no allocation, CUDA-graph safe, independent of workspaces). check_errors() synchronises `stream`
+// (a cudaStream_t; nullptr: the legacy default stream) on the current device, reads and clears the word, and throws
+// the ArgumentError naming the argument, e.g. "seqused_k: seqused_k[0] = 5000 exceeds the 16 rows that block_table
+// row 0's pages hold". It reports violations of every stream of the device since the last check. A no-op in a build
+// without CUDA or on a machine without a GPU.
+void check_errors(void* stream = nullptr);
 
 }  // namespace sparse_prefill

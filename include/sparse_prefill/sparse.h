@@ -171,8 +171,12 @@ int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const Selectio
 // from the cache, so every earlier chunk of the prompt must have gone through a call with the same cache (the first
 // chunk finds nothing to read); it pools and writes the blocks its own chunk completes. The CPU backend recomputes
 // every mean (the reference) and writes the cache the same way.
+// block_size: the block size the cache was made for, when known (0: not recorded). A call selecting with another
+// block size is rejected (ArgumentError naming mean_cache): slot counts of two block sizes can coincide (page_size <=
+// both), so the shape alone cannot tell. The Python mean_cache() records it.
 struct MeanCache {
   TensorView k_mean, v_mean;
+  int block_size = 0;
 };
 int64_t mean_cache_slots(int64_t num_pages, int64_t page_size, int block_size);
 

@@ -51,8 +51,8 @@ def _load_extension():
 
 _C = _load_extension()
 del _load_extension
-from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, attention, attention_path, attention_workspace_bytes, build_index,
-                   chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
+from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, MeanCache, attention, attention_path,
+                   attention_workspace_bytes, build_index, check_errors, chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
                    sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
                    union_index)
 from . import workload
@@ -64,5 +64,6 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "chunked_prefill",
-           "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "Index", "LaunchOptions",
+           "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "LaunchOptions",
+           "check_errors",
            "workload", "with_cuda", "__version__", "SELECTION_DEFAULTS"]

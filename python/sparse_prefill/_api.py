@@ -35,6 +35,7 @@ from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
 from ._arrays import normalize_dtypes
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
+           "MeanCache", "check_errors",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
            "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 
@@ -116,25 +117,55 @@ class LaunchOptions:
         wherever that path applies: head dim 128, no window, more keys than queries, pages of a multiple of 64).
     split_kv: sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q) split tiles heavier than an SM's share
         into split-KV units (default True); False runs one unit per tile.
+    checked: debugging and tests (default False). CUDA calls copy the device-resident index values (cu_seqlens_q/k,
+        seqused_k, block_table, and a caller's index arrays) to the host and validate them as CPU arrays are
+        validated before the launch, and call check_errors() after it: a bad value raises at once, naming the
+        argument. It synchronises the stream (never use it inside CUDA-graph capture or an engine's hot path). Off,
+        the kernels still never read or write out of bounds; they record a bad value for check_errors().
     """
 
     _PATHS = {"auto": 0, "dense": 1, "split_kv": 2}
-    __slots__ = ("dense_path", "split_kv")
+    __slots__ = ("dense_path", "split_kv", "checked")
 
-    def __init__(self, dense_path: str = "auto", split_kv: bool = True):
+    def __init__(self, dense_path: str = "auto", split_kv: bool = True, checked: bool = False):
         if dense_path not in self._PATHS:
             raise ValueError(f"dense_path: expected one of {sorted(self._PATHS)}, got {dense_path!r}")
         self.dense_path = dense_path
         self.split_kv = _as_bool("split_kv", split_kv)
+        self.checked = _as_bool("checked", checked)
 
     def _codes(self) -> tuple:
-        return (self._PATHS[self.dense_path], self.split_kv)
+        return (self._PATHS[self.dense_path], self.split_kv, self.checked)
 
     def __repr__(self) -> str:
-        return f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv})"
+        return f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv}, checked={self.checked})"
 
 
-_DEFAULT_CODES = (0, True)
+_DEFAULT_CODES = (0, True, False)
+
+
+def check_errors(stream=None) -> None:
+    """Raises the first bad device value a CUDA kernel met since the last call, and clears it.
+
+    The CUDA kernels never read or write outside the arrays they are given, whatever the values of cu_seqlens_q/k,
+    seqused_k, block_table or an index hold; reading those values on the host would synchronise every call, so they
+    are checked on the device instead: a sequence whose values are out of range is skipped and its rows of out (and
+    lse) come out NaN, a bad page or block id makes its tile's rows NaN, and the first violation is recorded in a
+    small error word on the device (one per device: no allocation, safe inside CUDA graphs). check_errors()
+    synchronises `stream` (default: the current torch stream, as for the compute functions; an int handle, a
+    torch.cuda.Stream or a cupy Stream also work) on the current device, and raises ValueError naming the argument,
+    e.g. "seqused_k: seqused_k[0] = 5000 exceeds the 16 rows that block_table row 0's pages hold (detected on the
+    device)", with `.argument` set. It reports violations from every stream of the device. A no-op without CUDA.
+    """
+    if not bool(_C.with_cuda):
+        return
+    if stream is None:
+        from ._arrays import _module
+        torch = _module("torch")
+        handle = int(torch.cuda.current_stream().cuda_stream) if torch is not None and torch.cuda.is_available() else 0
+    else:
+        handle = resolve_stream(stream, ArrayLib("numpy", np.zeros(0)))
+    _C.check_errors(handle)
 
 
 def _option_codes(options: Any) -> tuple:
@@ -564,7 +595,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule)
     mode = "union" if sel[7] else "tile"
-    mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
+    mean_k, mean_v = _mean_cache_arrays(mean_cache, call, sel[1])
     if not call.lib.cuda:
         if mean_cache is not None:
             raise ValueError("mean_cache: build_index() takes a mean cache on CUDA only (the CPU reference pools "
@@ -694,7 +725,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                           rule)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
-        mean_k, mean_v = _mean_cache_arrays(mean_cache, call)
+        mean_k, mean_v = _mean_cache_arrays(mean_cache, call, sel[1])
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
@@ -716,12 +747,32 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
 
 
-def _mean_cache_arrays(mean_cache, call: "_Call") -> tuple:
+class MeanCache(tuple):
+    """The pair (k_mean, v_mean) that mean_cache() returns, which remembers the block size it was made for (a step
+    with another block size raises a ValueError naming mean_cache, also when the slot counts coincide)."""
+
+    block_size: int
+
+    def __new__(cls, k_mean, v_mean, block_size: int):
+        self = super().__new__(cls, (k_mean, v_mean))
+        self.block_size = int(block_size)
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.block_size)
+
+
+def _mean_cache_arrays(mean_cache, call: "_Call", block_size: Optional[int] = None) -> tuple:
     if mean_cache is None:
         return None, None
     if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
         raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
                         f"{type(mean_cache).__name__}")
+    built_for = getattr(mean_cache, "block_size", None)
+    if block_size is not None and built_for is not None and int(block_size) != built_for:
+        raise ValueError(f"mean_cache: was made for block_size {built_for} (mean_cache(k_cache, block_size="
+                         f"{built_for})) but this call selects with block_size {int(block_size)}; its means would be "
+                         "read as blocks of the wrong size")
     for name, x in (("mean_cache.k_mean", mean_cache[0]), ("mean_cache.v_mean", mean_cache[1])):
         if library_of(x) != call.lib.name:
             raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
@@ -758,7 +809,7 @@ def mean_cache(k_cache, block_size: int = 128):
         raise ValueError(f"block_size: page_size ({page_size}) and block_size ({block_size}) must divide one another")
     lib = ArrayLib(library_of(k_cache), k_cache)
     slots = int(_C.mean_cache_slots(num_pages, page_size, block_size))
-    return lib.zeros((slots, hkv, d), "float32"), lib.zeros((slots, hkv, d), "float32")
+    return MeanCache(lib.zeros((slots, hkv, d), "float32"), lib.zeros((slots, hkv, d), "float32"), block_size)
 
 
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,

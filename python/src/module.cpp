@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -148,7 +150,9 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
 }
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
-  if (nb::len(t) != 16) throw nb::value_error("internal: attention inputs tuple must have 16 entries");
+  // 16 entries, or 17 with LaunchOptions::checked (callers that build the tuple themselves, e.g. torch_ops, pass 16).
+  if (nb::len(t) != 16 && nb::len(t) != 17)
+    throw nb::value_error("internal: attention inputs tuple must have 16 or 17 entries");
   sp::AttentionInputs in;
   in.q = to_view(t[0], "q", held);
   in.k = to_view(t[1], "k", held);
@@ -168,6 +172,7 @@ sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   if (path < 0 || path > 2) throw sp::ArgumentError("dense_path", "unknown kernel path");
   in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
   in.options.split_kv = nb::cast<bool>(t[15]);
+  if (nb::len(t) == 17) in.options.checked = nb::cast<bool>(t[16]);
   return in;
 }
 
@@ -279,6 +284,30 @@ sp::workload::Shape workload_shape(int64_t seqlen, int num_q_heads, int num_kv_h
   return shape;
 }
 
+// The float32 buffers of a generated workload ([L, Hq, D] and twice [L, Hkv, D]); a size that does not fit in
+// memory raises an ArgumentError naming seqlen (MemoryError would not say which argument), before any allocation
+// when the byte count overflows.
+void allocate_workload(const sp::workload::Shape& shape, std::vector<float>& q, std::vector<float>& k,
+                       std::vector<float>& v) {
+  const double floats = double(shape.seqlen) * double(shape.num_q_heads + 2 * shape.num_kv_heads) * shape.head_dim;
+  auto too_large = [&](const std::string& why) {
+    return sp::ArgumentError("seqlen", std::to_string(shape.seqlen) + " tokens need " +
+                                           std::to_string(floats * 4.0 / 1e9) + " GB of float32 q, k and v: " + why);
+  };
+  if (floats * 4.0 > double(SIZE_MAX) / 2) throw too_large("more than the address space");
+  try {
+    q.resize(size_t(shape.seqlen) * size_t(shape.num_q_heads) * size_t(shape.head_dim));
+    k.resize(size_t(shape.seqlen) * size_t(shape.num_kv_heads) * size_t(shape.head_dim));
+    v.resize(k.size());
+  } catch (const std::bad_alloc&) {
+    q = {}, k = {}, v = {};
+    throw too_large("cannot allocate that much memory");
+  } catch (const std::length_error&) {
+    q = {}, k = {}, v = {};
+    throw too_large("more than a vector holds");
+  }
+}
+
 // The knobs of StructuredParams by name (the Python keyword arguments of sparse_prefill.workload.structured).
 template <typename F>
 void for_each_structured_knob(sp::workload::StructuredParams& p, F&& f) {
@@ -360,6 +389,15 @@ NB_MODULE(_C, m) {
       PyErr_SetString(PyExc_NotImplementedError, e.what());
     }
   });
+
+  // The device error word (sparse_prefill/attention.h): synchronises `stream`, raises the first violation recorded
+  // on the current device since the last call (ValueError / TypeError naming the argument) and clears it.
+  m.def("check_errors",
+        [](uintptr_t stream) {
+          nb::gil_scoped_release release;
+          sp::check_errors(reinterpret_cast<void*>(stream));
+        },
+        nb::arg("stream"));
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
   m.attr("with_cuda") = true;
@@ -623,7 +661,8 @@ NB_MODULE(_C, m) {
           params.block = block;
           params.targets = targets;
           const size_t L = size_t(seqlen), D = size_t(head_dim);
-          std::vector<float> q(L * size_t(num_q_heads) * D), k(L * size_t(num_kv_heads) * D), v(k.size());
+          std::vector<float> q, k, v;
+          allocate_workload(shape, q, k, v);
           {
             nb::gil_scoped_release release;
             sp::workload::generate_topic(shape, params, seed, q.data(), k.data(), v.data());
@@ -642,7 +681,8 @@ NB_MODULE(_C, m) {
           const sp::workload::Shape shape = workload_shape(seqlen, num_q_heads, num_kv_heads, head_dim);
           const sp::workload::StructuredParams params = structured_params(knobs);
           const size_t L = size_t(seqlen), D = size_t(head_dim);
-          std::vector<float> q(L * size_t(num_q_heads) * D), k(L * size_t(num_kv_heads) * D), v(k.size());
+          std::vector<float> q, k, v;
+          allocate_workload(shape, q, k, v);
           {
             nb::gil_scoped_release release;
             sp::workload::generate_structured(shape, params, seed, q.data(), k.data(), v.data());

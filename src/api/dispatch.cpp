@@ -25,13 +25,54 @@ Problem validate_host(const AttentionInputs& in, const AttentionOutputs* outs, c
   return p;
 }
 
+#ifdef SPARSE_PREFILL_WITH_CUDA
+// Checked mode (LaunchOptions::checked), before a CUDA launch: the device-resident index values copied to the host
+// and validated as CPU arrays are (synchronises in.stream); with `view`, the caller's index arrays too. Returns the
+// host-resolved problem (p.seqs filled) for the index check.
+void checked_before(const AttentionInputs& in, const Problem& p, const BlockIndexView* view = nullptr) {
+  if (!in.options.checked || p.device == Device::kCPU) return;
+  std::vector<int32_t> cu_q, cu_k, bt, used;
+  const TensorView h_cu_q = cuda::download_int32(in.cu_seqlens_q, in.stream, cu_q);
+  std::optional<TensorView> h_cu_k, h_bt, h_used;
+  if (in.cu_seqlens_k) h_cu_k = cuda::download_int32(*in.cu_seqlens_k, in.stream, cu_k);
+  if (in.block_table) h_bt = cuda::download_int32(*in.block_table, in.stream, bt);
+  if (in.seqused_k) h_used = cuda::download_int32(*in.seqused_k, in.stream, used);
+  Problem hp = p;
+  hp.device = Device::kCPU;
+  validate_values(in, h_cu_q, h_cu_k ? &*h_cu_k : nullptr, h_bt ? &*h_bt : nullptr, h_used ? &*h_used : nullptr, hp);
+  if (view == nullptr) return;
+  std::vector<int32_t> s0, s1, ids, cu_blocks;
+  BlockIndexView hv = *view;
+  hv.segment_start = cuda::download_int32(view->segment_start, in.stream, s0);
+  hv.segment_end = cuda::download_int32(view->segment_end, in.stream, s1);
+  hv.block_ids = cuda::download_int32(view->block_ids, in.stream, ids);
+  hv.cu_blocks = cuda::download_int32(view->cu_blocks, in.stream, cu_blocks);
+  hv.k_mean.device = hv.v_mean.device = Device::kCPU;  // shapes only: validate_index never reads the means
+  validate_index(hp, hv);
+}
+// ... and after it: the kernels' own checks (the device error word), synchronising in.stream.
+void checked_after(const AttentionInputs& in) {
+  if (in.options.checked) check_errors(in.stream);
+}
+#endif
+
 }  // namespace
+
+void check_errors(void* stream) {
+#ifdef SPARSE_PREFILL_WITH_CUDA
+  if (std::optional<ArgumentError> e = cuda::take_device_error(stream)) throw *e;
+#else
+  (void)stream;
+#endif
+}
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
   const Problem p = validate_inputs(in, &outs);
   if (p.device == Device::kCPU) return reference::attention(in, outs, p);
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  checked_before(in, p);
   cuda::attention(in, outs, p);
+  checked_after(in);
 #else
   throw NotImplementedError("attention: this build has no CUDA backend (nvcc was not found when it was configured)");
 #endif
@@ -86,8 +127,10 @@ Problem validate_selection(const AttentionInputs& in, const SelectionParams& par
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
   const Problem p = validate_selection(in, params, nullptr);
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  if (p.device != Device::kCPU) checked_before(in, p);
   BlockIndex index = p.device == Device::kCPU ? reference::build_index(in, p, params)
                                               : cuda::build_index_to_host(in, p, params);
+  if (p.device != Device::kCPU) checked_after(in);
 #else
   if (p.device != Device::kCPU) not_on_cuda("build_index");
   BlockIndex index = reference::build_index(in, p, params);
@@ -103,7 +146,9 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   validate_index(p, index);
   if (p.device == Device::kCPU) return reference::sparse_attention(in, index, outs, p);
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  checked_before(in, p, &index);
   cuda::sparse_attention(in, index, outs, p);
+  checked_after(in);
 #else
   not_on_cuda("sparse_attention");
 #endif
@@ -140,7 +185,9 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& p
   if (p.device == Device::kCPU) device_index_on_cpu();
 #ifdef SPARSE_PREFILL_WITH_CUDA
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
+  checked_before(in, p);
   cuda::build_index(in, p, params, workspace, mean_cache);
+  checked_after(in);
   return index;
 #else
   (void)workspace;
@@ -155,7 +202,9 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  checked_before(in, p);
   cuda::sparse_attention(in, outs, p, index);
+  checked_after(in);
 #else
   not_on_cuda("sparse_attention");
 #endif
@@ -216,7 +265,9 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& param
     return reference::sparse_attention(in, view_of(index), outs, p);
   }
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  checked_before(in, p);
   cuda::sparse_prefill(in, params, outs, p, cache);
+  checked_after(in);
 #else
   not_on_cuda("sparse_prefill");
 #endif

@@ -249,22 +249,35 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
     if (outs->workspace.has_value()) check_workspace(*outs->workspace, in.q, 0, "");
   }
 
-  // Element checks need host-readable index tensors; the CUDA path trusts them (no synchronisation).
+  // Element checks need host-readable index tensors. The CUDA path never reads them on the host (no
+  // synchronisation): its kernels check them on the device (device_checks.h), and checked mode
+  // (LaunchOptions::checked) copies them here first (dispatch.cpp).
   if (p.device != Device::kCPU) return p;
+  validate_values(in, in.cu_seqlens_q, in.cu_seqlens_k ? &*in.cu_seqlens_k : nullptr,
+                  in.block_table ? &*in.block_table : nullptr, in.seqused_k ? &*in.seqused_k : nullptr, p);
+  return p;
+}
+
+void validate_values(const AttentionInputs& in, const TensorView& cu_seqlens_q, const TensorView* cu_seqlens_k,
+                     const TensorView* block_table, const TensorView* seqused_k, Problem& p) {
   std::vector<int64_t> q_starts, q_lens, k_starts, k_lens;
-  check_cu_seqlens(in.cu_seqlens_q, p.total_q, in.max_seqlen_q, "cu_seqlens_q", "max_seqlen_q", q_starts, q_lens);
+  check_cu_seqlens(cu_seqlens_q, p.total_q, in.max_seqlen_q, "cu_seqlens_q", "max_seqlen_q", q_starts, q_lens);
   if (p.paged) {
-    const TensorView& bt = *in.block_table;
+    const TensorView& bt = *block_table;
     k_lens.resize(p.batch);
     k_starts.assign(p.batch, 0);
     for (int b = 0; b < p.batch; ++b) {
-      const int64_t used = at1(*in.seqused_k, b);
-      if (used < 0) throw ArgumentError("seqused_k", "entry " + std::to_string(b) + " is negative");
+      const int64_t used = at1(*seqused_k, b);
+      if (used < 0) {
+        throw ArgumentError("seqused_k", "seqused_k[" + std::to_string(b) + "] = " + std::to_string(used) +
+                                             " is negative");
+      }
       if (used > p.max_pages * p.page_size) {
-        throw ArgumentError("seqused_k", "entry " + std::to_string(b) + " (" + std::to_string(used) +
-                                             ") exceeds the pages given: block_table has " +
+        throw ArgumentError("seqused_k", "seqused_k[" + std::to_string(b) + "] = " + std::to_string(used) +
+                                             " exceeds the " + std::to_string(p.max_pages * p.page_size) +
+                                             " rows that block_table row " + std::to_string(b) + "'s pages hold (" +
                                              std::to_string(p.max_pages) + " pages of " +
-                                             std::to_string(p.page_size) + " tokens");
+                                             std::to_string(p.page_size) + " tokens)");
       }
       if (used > in.max_seqlen_k) {
         throw ArgumentError("max_seqlen_k", "sequence " + std::to_string(b) + " uses " + std::to_string(used) +
@@ -282,11 +295,10 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
       k_lens[b] = used;
     }
   } else {
-    check_cu_seqlens(*in.cu_seqlens_k, p.total_k, in.max_seqlen_k, "cu_seqlens_k", "max_seqlen_k", k_starts, k_lens);
+    check_cu_seqlens(*cu_seqlens_k, p.total_k, in.max_seqlen_k, "cu_seqlens_k", "max_seqlen_k", k_starts, k_lens);
   }
   p.seqs.resize(p.batch);
   for (int b = 0; b < p.batch; ++b) p.seqs[b] = {q_starts[b], q_lens[b], k_starts[b], k_lens[b]};
-  return p;
 }
 
 void validate_index(const Problem& p, const BlockIndexView& index) {
@@ -484,6 +496,10 @@ int64_t mean_cache_slots(int64_t num_pages, int64_t page_size, int block_size) {
 void validate_mean_cache(const AttentionInputs& in, const Problem& p, int block_size, const MeanCache& cache) {
   if (!in.paged())
     throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k): its slots follow the pages");
+  if (cache.block_size != 0 && cache.block_size != block_size) {
+    throw ArgumentError("mean_cache", "was made for block_size " + std::to_string(cache.block_size) +
+                                          " but this call selects with block_size " + std::to_string(block_size));
+  }
   if (p.page_size % block_size != 0 && block_size % p.page_size != 0) {
     throw ArgumentError("mean_cache", "needs page_size % block_size == 0 or block_size % page_size == 0, got "
                                       "page_size " + std::to_string(p.page_size) + " and block_size " +

@@ -265,12 +265,22 @@ struct SparseBlockIterator {
   // Local step i of this unit -> step of the tile.
   SP_HOST_DEVICE bool is_corr(int i) const { return i + i_begin >= n_real; }
 
-  // Key block (kBlockN keys) of real step i; -1 for an id outside the sequence.
+  // Key block (kBlockN keys) of real step i; -1 for a step past the sequence's keys (the tail of a listed block of
+  // block_size > kBlockN keys), kBadId (-2) for a listed id outside [0, nb) (a corrupted index: the producer reports
+  // it, device_checks.h). Both are fully masked steps whose loads are zero-filled boxes.
+  static constexpr int kBadId = -2;
   SP_HOST_DEVICE int block(int i) const {
     i += i_begin;
     const int J = ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
+    if (J < 0 || int64_t(J) * block_size >= k_len) return kBadId;
     const int n = J * ratio + (ratio - 1 - i % ratio);
-    return (J < 0 || n * kBlockN >= k_len) ? -1 : n;
+    return n * kBlockN >= k_len ? -1 : n;
+  }
+
+  // The listed id of real step i (reports of a bad id only).
+  SP_HOST_DEVICE int listed_id(int i) const {
+    i += i_begin;
+    return ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
   }
 
   // Chunk of correction step i: the k-th chunk with work, k = i - n_real.

@@ -74,6 +74,8 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.seqused_k = in.seqused_k->ptr<int>();
     a.page_size = int(p.page_size);
     a.total_k_rows = int(p.num_pages * p.page_size);
+    a.num_pages = int(p.num_pages);
+    a.max_pages = int(std::min<int64_t>(p.max_pages, INT32_MAX));
   } else {
     require_aligned(in.k, "k", 0, 1);
     require_aligned(in.v, "v", 0, 1);
@@ -83,6 +85,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.v_head_stride = in.v.stride[1];
     a.cu_seqlens_k = in.cu_seqlens_k->ptr<int>();
     a.total_k_rows = int(p.total_k);
+    a.total_k = int(p.total_k);
   }
   a.cu_seqlens_q = in.cu_seqlens_q.ptr<int>();
   a.batch = p.batch;
@@ -90,7 +93,8 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   a.num_kv_heads = p.num_kv_heads;
   a.head_dim = p.head_dim;
   a.total_q = int(p.total_q);
-  a.max_seqlen_q = int(in.max_seqlen_q);
+  a.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
+  a.max_seqlen_k = int(std::min<int64_t>(in.max_seqlen_k, INT32_MAX));
   a.softmax_scale = p.softmax_scale;
   a.causal = in.causal;
   a.window_left = in.window_left;
@@ -190,6 +194,8 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.k_mean = index.k_mean_lowp;
   s.v_mean = index.v_mean_lowp;
   s.mean_rows = index.max_blocks;
+  s.num_segments = int(std::min<int64_t>(index.max_segments, INT32_MAX));
+  s.num_block_ids = int(std::min<int64_t>(index.capacity, INT32_MAX));
   s.launch = index.launch;
   s.block_size = index.block_size;
   s.correction = index.correction;
@@ -296,6 +302,10 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.block_ids = int_ptr(index.block_ids, "index.block_ids");
   s.cu_tiles = cu_tiles;
   s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");
+  if (index.segment_start.shape[0] > INT32_MAX || index.block_ids.shape[0] > INT32_MAX)
+    throw NotImplementedError("CUDA sparse attention: more than 2^31 - 1 segments or block ids");
+  s.num_segments = int(std::min(index.segment_start.shape[0], index.segment_end.shape[0]));
+  s.num_block_ids = int(index.block_ids.shape[0]);
   s.k_mean = base + l.tiles_pad;
   s.v_mean = base + l.tiles_pad + l.mean_pad;
   s.mean_rows = index.correction ? index.k_mean.shape[0] : 0;
@@ -320,6 +330,43 @@ void build_index(const AttentionInputs& in, const Problem& p, const SelectionPar
   const size_t bytes = index_workspace_bytes(in, p, params);
   check_workspace(workspace, in.q, int64_t(bytes), "index_workspace_bytes(...)");
   build_index(in, p, params, workspace.data, bytes, cache);
+}
+
+TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t>& storage) {
+  // The strided span of t (any strides), copied whole, then gathered into a contiguous host array.
+  int64_t lo = 0, hi = 0;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] == 0) {
+      lo = hi = 0;
+      storage.clear();
+      TensorView h = t;
+      h.device = Device::kCPU;
+      h.data = storage.data();
+      return h;
+    }
+    const int64_t step = (t.shape[d] - 1) * t.stride[d];
+    (step < 0 ? lo : hi) += step;
+  }
+  std::vector<int32_t> span(size_t(hi - lo + 1));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  check_cuda(cudaMemcpyAsync(span.data(), t.ptr<const int32_t>() + lo, span.size() * 4, cudaMemcpyDeviceToHost, s),
+             "cudaMemcpyAsync (checked mode)");
+  check_cuda(cudaStreamSynchronize(s), "checked mode");
+  storage.resize(size_t(t.numel()));
+  TensorView h = t;
+  h.device = Device::kCPU;
+  h.data = storage.data();
+  if (t.ndim == 1) {
+    for (int64_t i = 0; i < t.shape[0]; ++i) storage[i] = span[i * t.stride[0] - lo];
+    h.stride[0] = 1;
+  } else {
+    for (int64_t i = 0; i < t.shape[0]; ++i)
+      for (int64_t j = 0; j < t.shape[1]; ++j)
+        storage[i * t.shape[1] + j] = span[i * t.stride[0] + j * t.stride[1] - lo];
+    h.stride[0] = t.shape[1];
+    h.stride[1] = 1;
+  }
+  return h;
 }
 
 std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {

@@ -1,6 +1,9 @@
 // The CUDA backend (sm_90a): entry point called by the API layer for CUDA tensors.
 #pragma once
 
+#include <optional>
+#include <vector>
+
 #include "api/problem.h"
 #include "sparse_prefill/attention.h"
 #include "sparse_prefill/sparse.h"
@@ -52,5 +55,14 @@ void build_index(const AttentionInputs& in, const Problem& p, const SelectionPar
                  const TensorView& workspace, const MeanCache* cache);
 std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream);
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
+
+// The device error word (device_checks.h, device_errors.cu): synchronises `stream`, reads the first violation since
+// the last call, clears it, and returns it as the ArgumentError check_errors() throws (nullopt: none).
+std::optional<ArgumentError> take_device_error(void* stream);
+ArgumentError device_error_message(int code, int seq, int index, int value, int bound);
+
+// Checked mode (LaunchOptions::checked): copies a 1-D or 2-D int32 device array to the host (synchronises `stream`)
+// and returns a contiguous host view of it in `storage`.
+TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t>& storage);
 
 }  // namespace sparse_prefill::cuda

@@ -107,6 +107,7 @@ struct FwdConfig {
     // scheduler's two slots (producer -> consumers).
     uint32_t listed_bits[kMaxCorrChunks * kBlockN / 32];
     int tile_ids[2];
+    int poisoned[4];  // device-side checks: tile publication number + 1 of a tile that met a bad page / block id
     cutlass::arch::ClusterBarrier tile_full[2];
     cutlass::arch::ClusterBarrier tile_empty[2];
   };

@@ -15,6 +15,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "cuda/block_iterator.h"
+#include "cuda/device_checks.h"
 #include "cuda/fwd_config.h"
 #include "cuda/softmax.h"
 #include "cuda/wgmma.h"
@@ -75,6 +76,14 @@ struct FwdParams {
   // Dense attention through the sparse kernel (SparseFwdArgs::full_list): every tile visits the full list of the
   // blocks it sees (SparseBlockIterator::full_list_blocks), causal when window_right == 0, non-causal when < 0.
   int full_list;
+
+  // Device-side checks (device_checks.h): the device error word, what a sequence's span may be, the pages of a paged
+  // cache (block_table ids are checked where the producer loads them), and the extents of the index's segment and
+  // block id arrays (sparse).
+  DeviceError* err;
+  SeqLimits limits;
+  int num_pages;
+  int num_segments, num_block_ids;
 };
 
 // Sparse launches are persistent (one CTA per SM, tiles from the dynamic scheduler); dense launches run one tile per
@@ -113,6 +122,8 @@ struct TileWork {
   int q_head;    // dense: the tile's query head
   int row0;      // sparse: first packed row (tile * 128); dense: first query row (m_block * 128)
   bool valid;    // false: the tile lies beyond its sequence (or, sparse, is run as split units elsewhere)
+  int bad;       // DeviceErrorCode of the tile's sequence / segment (device_checks.h); then `seq` is the clipped span,
+                 // the iterator is empty and the consumers write NaN rows
 };
 
 // Sparse work unit u (the split-KV plan of split_kv.cu, read from its counters): units [0, n_split_units) are the
@@ -140,20 +151,36 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     w.kv_head = c.kv_head;
     w.q_head = c.kv_head * params.group_size;
     w.seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, c.batch);
-    const bool full = params.full_list != 0;  // dense over PackGQA tiles: no index arrays
-    const int tile_base = full ? 0 : params.cu_tiles[c.batch];
-    const int tiles = full ? Iterator::packed_tiles(w.seq.q_len, params.group_size)
-                           : params.cu_tiles[c.batch + 1] - tile_base;
-    w.valid = c.tile < tiles;
-    if (!w.valid) return w;
     w.row0 = c.tile * Config::kBlockM;
-    const int seg = params.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
-    const int lo = full ? 0 : params.seg_start[seg];
-    const int n_listed = full ? Iterator::full_list_blocks(w.row0, params.group_size, w.seq.q_len, w.seq.k_len,
-                                                           params.window_right >= 0)
-                              : params.seg_end[seg] - lo;
-    const int p_first = w.row0 / params.group_size;
+    // Device-side checks (device_checks.h), the split plan's tile_steps makes the same ones: a bad sequence's tiles
+    // (over its clipped rows) and a tile whose segment or pooled rows lie outside the index run no step and write NaN.
+    const bool full = params.full_list != 0;  // dense over PackGQA tiles: no index arrays
     const bool corr = params.correction != 0;
+    w.bad = seq_violation(w.seq, c.batch, params.limits);
+    int tile_base = 0, tiles = 0, lo = 0, n_listed = 0;
+    if (!w.bad) {
+      tile_base = full ? 0 : params.cu_tiles[c.batch];
+      tiles = full ? Iterator::packed_tiles(w.seq.q_len, params.group_size) : params.cu_tiles[c.batch + 1] - tile_base;
+      w.valid = c.tile < tiles;
+      if (!w.valid) return w;
+      if (full) {
+        n_listed = Iterator::full_list_blocks(w.row0, params.group_size, w.seq.q_len, w.seq.k_len,
+                                              params.window_right >= 0);
+      } else {
+        w.bad = sparse_index_violation(params.seg_start, params.seg_end, params.num_kv_heads * tile_base +
+                                       c.kv_head * tiles + c.tile, params.num_segments, params.num_block_ids,
+                                       nullptr, c.batch, w.seq.k_len, params.block_size,
+                                       params.mean_rows, lo, n_listed);
+      }
+    }
+    if (w.bad) {
+      if (seq_violation(w.seq, c.batch, params.limits)) w.seq = clip_bad_span(w.seq, params.total_q);
+      // Tile 0 of KV head 0 always runs (possibly with no row): it reports a sequence left without rows.
+      w.valid = c.tile < Iterator::packed_tiles(w.seq.q_len, params.group_size) || (c.tile == 0 && c.kv_head == 0);
+      w.iter = Iterator::make(nullptr, 0, 0, w.seq.q_len, 0, params.block_size, false);
+      return w;
+    }
+    const int p_first = w.row0 / params.group_size;
     if (kSplit && nsplit == 1 &&
         SplitRule::nsplit(
             Iterator::planned_steps(n_listed, p_first, w.seq.q_len, w.seq.k_len, params.block_size, corr),
@@ -171,12 +198,35 @@ __device__ __forceinline__ TileWork<Iterator> tile_work(FwdParams<Config> const&
     w.q_head = c.head;
     w.kv_head = c.head / params.group_size;
     w.seq = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, c.batch);
+    // Device-side check (device_checks.h): a bad sequence runs no step over its clipped rows, which come out NaN.
+    w.bad = seq_violation(w.seq, c.batch, params.limits);
+    if (w.bad) w.seq = clip_bad_span(w.seq, params.total_q);
     w.row0 = c.m_block * Config::kBlockM;
-    w.valid = w.row0 < w.seq.q_len;
+    // (a bad sequence: m-block 0 of head 0 always runs, possibly with no row, and reports it)
+    w.valid = w.row0 < w.seq.q_len || (w.bad && c.m_block == 0 && c.head == 0);
     if (!w.valid) return w;
     w.iter = Iterator::make(c.m_block, w.seq, params.window_left, params.window_right);
   }
   return w;
+}
+
+// Reports the violation `code` of a bad tile (TileWork::bad) with the values that show it (re-read: cold path).
+template <class Config>
+__device__ __forceinline__ void report_tile_error(FwdParams<Config> const& params, int code, int b, int kv_head,
+                                                  int tile) {
+  if (code == kErrSegment || code == kErrCuBlocks) {
+    const int tile_base = params.cu_tiles[b], tiles = params.cu_tiles[b + 1] - tile_base;
+    const int seg = params.num_kv_heads * tile_base + kv_head * tiles + tile;
+    if (code == kErrCuBlocks) {
+      report_device_error(params.err, code, b, b, params.cu_blocks[b], params.cu_blocks[b + 1]);
+    } else {
+      const bool in = seg >= 0 && seg < params.num_segments;
+      report_device_error(params.err, code, b, seg, in ? params.seg_start[seg] : -1, in ? params.seg_end[seg] : -1);
+    }
+    return;
+  }
+  const SeqSpan s = load_seq_span(params.cu_seqlens_q, params.cu_seqlens_k, params.seqused_k, b);
+  report_seq_error(params.err, code, b, s, params.limits);
 }
 
 // kSplit (sparse, persistent): the launch runs the split-KV plan's units (split_kv.cu). A separate instantiation
@@ -220,6 +270,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     }
     storage.barrier_q.init(1);
     storage.barrier_q_empty.init(Config::kNumMmaThreads);
+    for (int s = 0; s < 4; ++s) storage.poisoned[s] = 0;
     for (int s = 0; s < 2; ++s) {
       storage.tile_full[s].init(1);
       storage.tile_empty[s].init(Config::kNumMmaThreads);
@@ -301,15 +352,34 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q), 0), tQgQ, tQsQ);
       }
 
+      // A bad value met while loading this tile (device_checks.h; cold path): the error word, and the tile's slot of
+      // storage.poisoned so that the consumers make its rows NaN. The slot is the tile's publication number mod 4 (the
+      // producer runs at most 2 tiles ahead of the consumers), marked with that number + 1, so it needs no reset;
+      // the mark is stored before the stage's full-barrier arrive, which the consumers wait on before the epilogue.
+      auto poison = [&](int code, int index, int value, int bound) {
+        report_device_error(params.err, code, batch, index, value, bound);
+        const int n = kDynamic ? published - 1 : 0;
+        atomicMax(&storage.poisoned[n & 3], n + 1);
+        if constexpr (kGatherKV) __threadfence_block();  // before the cp.async arrive (no release of its own)
+      };
+      // Page of key token `tok` (paged KV), or -1 for an id outside [0, num_pages) (poisons the tile).
+      auto page_of = [&](int tok) -> int {
+        const int col = tok / params.page_size;
+        const int page = __ldg(params.block_table + batch * params.block_table_stride + col);
+        if (unsigned(page) < unsigned(params.num_pages)) return page;
+        poison(kErrBlockTable, col, page, params.num_pages);
+        return -1;
+      };
       // Row of the K/V row space where key block n starts: contiguous (k_start + n*N) or paged (page % N == 0).
+      // A step without keys (sparse n < 0) or a bad page: a box past the end, zero-filled by TMA.
       auto block_row = [&](int n) -> int {
         const int tok = n * kBlockN;
-        if constexpr (kSparse) {  // an id outside the sequence (n = -1): a box past the end, zero-filled by TMA
+        if constexpr (kSparse) {
           if (n < 0) return params.total_k_rows;
         }
         if (params.page_size == 0) return seq.k_start + tok;
-        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
-        return page * params.page_size + tok % params.page_size;
+        const int page = page_of(tok);
+        return page < 0 ? params.total_k_rows : page * params.page_size + tok % params.page_size;
       };
       // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
       // lies entirely beyond seqused_k reads no block_table entry (the table may have no such page) and points the
@@ -318,8 +388,8 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       auto half_row = [&](int n, int h) -> int {
         const int tok = n * kBlockN + h * kHalfN;
         if (n < 0 || tok >= seq.k_len) return params.total_k_rows;
-        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
-        return page * params.page_size + tok % params.page_size;
+        const int page = page_of(tok);
+        return page < 0 ? params.total_k_rows : page * params.page_size + tok % params.page_size;
       };
       Tensor mKh = params.tma_k_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
       Tensor mVh = params.tma_v_half.get_tma_tensor(make_shape(params.total_k_rows, kHeadDim, params.num_kv_heads_mem));
@@ -383,8 +453,8 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       auto gather_row = [&](int n) -> int {
         const int tok = n * kBlockN + 32 * warp + kRowsPerCopy * (lane % kChunks) + lane / kChunks;
         if (tok >= seq.k_len) return -1;
-        const int page = __ldg(params.block_table + batch * params.block_table_stride + tok / params.page_size);
-        return page * params.page_size + tok % params.page_size;
+        const int page = page_of(tok);
+        return page < 0 ? 0 : page * params.page_size + tok % params.page_size;  // bad page: row 0, in bounds
       };
       // Each warp copies its 32 rows, kRowsPerCopy per instruction (the lanes of a row read its contiguous bytes).
       // Smem address of (row, 16-byte chunk c) in a stage, in the 128-byte-swizzled K-major layout the GMMA
@@ -451,6 +521,10 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         }
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
+          const int n = iter.block(i);
+          if (n == Iterator::kBadId)  // reported once per step (at the K load)
+            poison(kErrBlockId, i, iter.listed_id(i), (seq.k_len + params.block_size - 1) / params.block_size);
+          return load_k(rows_of(n));
         }
         load_k(rows_of(iter.block(i)));
       };
@@ -543,13 +617,17 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       if (mma_tidx < kBlockM && mma_tidx < tile_rows) *partial_lse(mma_tidx) = -INFINITY;
       continue;
     }
-    if (n_count == 0) {  // no visible key for any row of the tile: O = 0, lse = -inf
+    if (n_count == 0) {  // no visible key for any row of the tile: O = 0, lse = -inf; a bad tile: NaN (work.bad)
       constexpr int kChunks = kHeadDim / 8;
+      constexpr uint32_t kNaN = std::is_same_v<Element, cutlass::bfloat16_t> ? 0x7fc07fc0u : 0x7e007e00u;
+      const uint32_t fill = work.bad ? kNaN : 0u;
       for (int idx = mma_tidx; idx < kBlockM * kChunks; idx += Config::kNumMmaThreads) {
         const int row = idx / kChunks, ch = idx % kChunks;
-        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(row) + ch * 8) = make_uint4(0, 0, 0, 0);
+        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(row) + ch * 8) = make_uint4(fill, fill, fill, fill);
       }
-      if (params.lse != nullptr && mma_tidx < kBlockM && mma_tidx < tile_rows) *lse_ptr(mma_tidx) = -INFINITY;
+      if (params.lse != nullptr && mma_tidx < kBlockM && mma_tidx < tile_rows)
+        *lse_ptr(mma_tidx) = work.bad ? __int_as_float(0x7fc00000) : -INFINITY;
+      if (work.bad && mma_tidx == 0) report_tile_error(params, work.bad, work.batch, work.kv_head, work.row0 / kBlockM);
       continue;
     }
 
@@ -783,6 +861,13 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
     // ================================ epilogue ================================
     float inv_sum[kRows], lse[kRows];
     softmax.finalize(params.softmax_scale, inv_sum, lse);
+    {  // a bad page or block id met by the producer while loading this tile (device_checks.h): its rows are NaN
+      const int n = kDynamic ? taken - 1 : 0;
+      if (storage.poisoned[n & 3] == n + 1) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) inv_sum[r] = lse[r] = __int_as_float(0x7fc00000);
+      }
+    }
     rescale_o(inv_sum);
 
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "api/validate.h"
+#include "cuda/device_checks.h"
 #include "cuda/fwd_args.h"
 #include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index_stage.h"
@@ -48,14 +49,21 @@ __device__ int find_sequence(const int32_t* cu, int batch, int64_t idx) {
   return lo;
 }
 
-// Serial prefix sums over the batch (B is small; microseconds) and counter reset.
-__global__ void plan_kernel(SeqArgs seq, int group_size, int block_size, int num_kv_heads, int32_t* cu_tiles,
-                            int32_t* cu_blocks, int64_t* cu_capacity, unsigned long long* counters) {
+// Serial prefix sums over the batch (B is small; microseconds) and counter reset. Device-side checks
+// (device_checks.h): a sequence whose span is invalid gets no tile and no block (so no later kernel of the index stage
+// addresses memory from its values; the sparse kernel writes its rows NaN) and is reported. The valid spans bound the
+// sums by the workspace's host-side bounds (Bounds): lengths within max_seqlen, rows within q and k.
+__global__ void plan_kernel(SeqArgs seq, SeqLimits limits, DeviceError* err, int group_size, int block_size,
+                            int num_kv_heads, int32_t* cu_tiles, int32_t* cu_blocks, int64_t* cu_capacity,
+                            unsigned long long* counters) {
   int64_t tiles = 0, blocks = 0, cap = 0;
   cu_tiles[0] = 0; cu_blocks[0] = 0; cu_capacity[0] = 0;
   for (int b = 0; b < seq.batch; ++b) {
-    const int64_t t = (seq.q_len(b) * group_size + kTileRows - 1) / kTileRows;
-    const int64_t nb = (seq.k_len(b) + block_size - 1) / block_size;
+    const SeqSpan span = load_seq_span(seq.cu_q, seq.cu_k, seq.seqused_k, b);
+    const int bad = seq_violation(span, b, limits);
+    if (bad) report_seq_error(err, bad, b, span, limits);
+    const int64_t t = bad ? 0 : (seq.q_len(b) * group_size + kTileRows - 1) / kTileRows;
+    const int64_t nb = bad ? 0 : (seq.k_len(b) + block_size - 1) / block_size;
     tiles += t; blocks += nb; cap += num_kv_heads * t * nb;
     cu_tiles[b + 1] = int32_t(tiles); cu_blocks[b + 1] = int32_t(blocks); cu_capacity[b + 1] = cap;
   }
@@ -69,6 +77,17 @@ struct KVArgs {
   const int32_t* block_table;
   int64_t bt_stride0, bt_stride1;
   int64_t page_size;
+  int64_t num_pages;   // block_table ids outside [0, num_pages) are skipped and reported (device_checks.h)
+  DeviceError* err;
+
+  // Page of key j of sequence b, or -1 (reported) for a bad id.
+  __device__ int64_t page(int b, int64_t j) const {
+    const int64_t col = j / page_size;
+    const int64_t pg = block_table[b * bt_stride0 + col * bt_stride1];
+    if (pg >= 0 && pg < num_pages) return pg;
+    report_device_error(err, kErrBlockTable, b, int(col), int(pg), int(num_pages));
+    return -1;
+  }
 };
 
 // Pooled-means cache (MeanCache, sparse.h); k == nullptr: none.
@@ -80,10 +99,11 @@ struct MeanCacheArgs {
   // ones to pool); copy_cached_means_kernel copies the others from the cache. 0: the grid covers every pooled row.
   int chunk_blocks = 0;
 
-  // Cache slot of complete block J of sequence b (paged KV): the page of its last key.
+  // Cache slot of complete block J of sequence b (paged KV): the page of its last key; -1 for a bad page id.
   __device__ int64_t slot(const KVArgs& kv, int b, int64_t J, int block_size) const {
     const int64_t j = (J + 1) * block_size - 1;
-    const int64_t page = kv.block_table[b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+    const int64_t page = kv.page(b, j);
+    if (page < 0) return -1;
     return page * slots_per_page + (slots_per_page > 1 ? (j % kv.page_size) / block_size : 0);
   }
 };
@@ -148,7 +168,9 @@ __device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCache
   pb.lo = J * block_size;
   pb.hi = min(pb.lo + block_size, seq.k_len(pb.b));
   pb.act = pool_action(cache, seq, pb.b, J, block_size);
-  pb.cache_row = pb.act == PoolAction::kPool ? -1 : cache.slot(kv, pb.b, J, block_size) * num_kv_heads + kvh;
+  const int64_t slot = pb.act == PoolAction::kPool ? -1 : cache.slot(kv, pb.b, J, block_size);
+  if (slot < 0) pb.act = PoolAction::kPool;  // no cache slot (a bad page id, reported): pool, store nothing
+  pb.cache_row = slot < 0 ? -1 : slot * num_kv_heads + kvh;
   if (pb.act != PoolAction::kRead) return true;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     const float km = cache.k[pb.cache_row * head_dim + d], vm = cache.v[pb.cache_row * head_dim + d];
@@ -183,10 +205,13 @@ __global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVA
       const int b = find_sequence(cu_blocks, seq.batch, idx);
       const int64_t J = idx - cu_blocks[b];
       if (pool_action(cache, seq, b, J, block_size) != PoolAction::kRead) continue;  // pooled by the pooling kernel
-      const int64_t row = (cache.slot(kv, b, J, block_size) * num_kv_heads + kvh) * head_dim + d;
-      float4 km, vm;
-      km.x = cache.k[row], km.y = cache.k[row + 1], km.z = cache.k[row + 2], km.w = cache.k[row + 3];
-      vm.x = cache.v[row], vm.y = cache.v[row + 1], vm.z = cache.v[row + 2], vm.w = cache.v[row + 3];
+      const int64_t slot = cache.slot(kv, b, J, block_size);
+      float4 km = make_float4(0.f, 0.f, 0.f, 0.f), vm = km;  // a bad page id (reported): zero means
+      if (slot >= 0) {
+        const int64_t row = (slot * num_kv_heads + kvh) * head_dim + d;
+        km.x = cache.k[row], km.y = cache.k[row + 1], km.z = cache.k[row + 2], km.w = cache.k[row + 3];
+        vm.x = cache.v[row], vm.y = cache.v[row + 1], vm.z = cache.v[row + 2], vm.w = cache.v[row + 3];
+      }
       *reinterpret_cast<float4*>(k_mean + out) = km;  // workspace rows: 16-byte aligned
       *reinterpret_cast<float4*>(v_mean + out) = vm;
       kl.h[0] = from_float<T>(km.x), kl.h[1] = from_float<T>(km.y), kl.h[2] = from_float<T>(km.z);
@@ -199,11 +224,13 @@ __global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVA
   }
 }
 
-// Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged.
-__device__ __forceinline__ void kv_offsets(const KVArgs& kv, const PoolBlock& pb, int kvh, int64_t j, int64_t& ko,
+// Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged; false for a key on a bad
+// page (skipped: it adds nothing to the sums).
+__device__ __forceinline__ bool kv_offsets(const KVArgs& kv, const PoolBlock& pb, int kvh, int64_t j, int64_t& ko,
                                            int64_t& vo) {
   if (kv.block_table) {
-    const int64_t page = kv.block_table[pb.b * kv.bt_stride0 + (j / kv.page_size) * kv.bt_stride1];
+    const int64_t page = kv.page(pb.b, j);
+    if (page < 0) return false;
     const int64_t slot = j % kv.page_size;
     ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
     vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
@@ -211,6 +238,7 @@ __device__ __forceinline__ void kv_offsets(const KVArgs& kv, const PoolBlock& pb
     ko = (pb.k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
     vo = (pb.k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
   }
+  return true;
 }
 
 // Dimension d of the block's means from the key sums: the index's float32 and low-precision rows, and the cache
@@ -245,7 +273,7 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
     float ks = 0.f, vs = 0.f;
     for (int64_t j = pb.lo; j < pb.hi; ++j) {
       int64_t ko, vo;
-      kv_offsets(kv, pb, kvh, j, ko, vo);
+      if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
       ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
       vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
     }
@@ -274,7 +302,7 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, M
 #pragma unroll 4
   for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
     int64_t ko, vo;
-    kv_offsets(kv, pb, kvh, j, ko, vo);
+    if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
     const uint4 kr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.k) + ko + v * 8));
     const uint4 vr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.v) + vo + v * 8));
     const T* ke = reinterpret_cast<const T*>(&kr);
@@ -305,15 +333,16 @@ __global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, M
 // Prepares a caller's index view for the sparse kernel: tiles per sequence (prefix sums, from cu_seqlens_q on the
 // device) and low-precision copies of the float32 pooled means.
 template <typename T>
-__global__ void prepare_view_kernel(const int32_t* cu_q, int batch, int group_size, int32_t* cu_tiles,
+__global__ void prepare_view_kernel(SeqArgs seq, SeqLimits limits, int batch, int group_size, int32_t* cu_tiles,
                                     const float* k_mean, const float* v_mean, int64_t k_rs, int64_t k_hs,
                                     int64_t v_rs, int64_t v_hs, int64_t rows, int num_kv_heads, int head_dim,
                                     T* k_lowp, T* v_lowp) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     int64_t tiles = 0;
     cu_tiles[0] = 0;
-    for (int b = 0; b < batch; ++b) {
-      tiles += (int64_t(cu_q[b + 1] - cu_q[b]) * group_size + kTileRows - 1) / kTileRows;
+    for (int b = 0; b < batch; ++b) {  // a bad sequence (device_checks.h) gets no tile: the kernel reports it
+      const SeqSpan span = load_seq_span(seq.cu_q, seq.cu_k, seq.seqused_k, b);
+      if (!seq_violation(span, b, limits)) tiles += (int64_t(span.q_len) * group_size + kTileRows - 1) / kTileRows;
       cu_tiles[b + 1] = int32_t(tiles);
     }
   }
@@ -445,6 +474,7 @@ struct ScoreConfig {
     float warp_max[kScoreWarps];     // log2 domain; -inf: the warp saw no visible score in the chunk
     float red[kScoreWarps];
     int warp_count[kScoreWarps];
+    int nan_flag;  // a NaN score in the tile: keep every visible block
   };
   // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], then chunk_max[nb_max / kN + 1].
   static size_t smem_bytes(int64_t nb_max) {
@@ -470,6 +500,13 @@ struct SumOp {
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
+// max that propagates NaN (one FMNMX.NAN, the cost of fmaxf): the scorer's maxima see a NaN score (NaN policy of the
+// selection, docs/semantics.md: a tile with a NaN score keeps every visible block).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 // One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
 // thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
@@ -549,6 +586,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 
   const bool last_tile = t >= tiles - sel.last_n;
   const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
+  if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers
   if (nchunks > 0) {
     // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile with cp.async,
     // in the same group as chunk 0, so every load is in flight at once (a load-then-store loop serialised 32 global
@@ -629,8 +667,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i)
           CUTE_UNROLL
-          for (int k = 0; k < kCols; ++k) row_max[i] = fmaxf(row_max[i], S(i, k));
+          for (int k = 0; k < kCols; ++k) row_max[i] = fmax_nan(row_max[i], S(i, k));
         if (step == nchunks - 1) {
+          if (row_max[0] != row_max[0] || row_max[1] != row_max[1]) atomicOr(&sm.nan_flag, 1);
           CUTE_UNROLL
           for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad hold one row's columns
             row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
@@ -672,7 +711,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
       CUTE_UNROLL
       for (int i = 0; i < 2; ++i)
         CUTE_UNROLL
-        for (int k = 0; k < kCols; ++k) m = fmaxf(m, S(i, k));
+        for (int k = 0; k < kCols; ++k) m = fmax_nan(m, S(i, k));
     } else {
       CUTE_UNROLL
       for (int i = 0; i < 2; ++i)
@@ -680,10 +719,11 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
         for (int k = 0; k < kCols; ++k) {
           const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
           if (J > row_last_block[i]) S(i, k) = -INFINITY;
-          m = fmaxf(m, S(i, k));
+          m = fmax_nan(m, S(i, k));
         }
     }
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int o = 16; o > 0; o /= 2) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0 && m != m) atomicOr(&sm.nan_flag, 1);
     const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // exp2(-inf - 0) = 0 for masked scores
     float v[kCols];
     CUTE_UNROLL
@@ -748,6 +788,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
   const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
   const bool has_band = sel.window > 0 && diag_last >= 0;
+  const bool tile_nan = sm.nan_flag != 0;  // written before the loop's last barrier (and the one after it)
   int64_t kept = 0;
   for (int64_t round = 0; round < nvis; round += kScoreThreads) {
     const int64_t J = round + threadIdx.x;
@@ -755,7 +796,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     if (J < nvis) {
       const int64_t last_key = min((J + 1) * B, k_len) - 1;
       const bool prunable = hi_first >= 0 && last_key <= hi_first;
-      keep = last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
+      keep = tile_nan || last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
              (has_band && J * B <= band_hi && last_key >= band_lo);
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
@@ -844,6 +885,24 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   return off;
 }
 
+SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
+  return SeqArgs{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
+                 p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
+}
+
+// What a sequence's span may be (device_checks.h): the same limits as the attention kernel's (seq_limits_of).
+SeqLimits seq_limits(const AttentionInputs& in, const Problem& p) {
+  SeqLimits l;
+  l.batch = p.batch;
+  l.total_q = int(std::min<int64_t>(p.total_q, INT32_MAX));
+  l.total_k = p.paged ? 0 : int(std::min<int64_t>(p.total_k, INT32_MAX));
+  l.kv_capacity = p.paged ? p.max_pages * p.page_size : 0;
+  l.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
+  l.max_seqlen_k = int(std::min<int64_t>(in.max_seqlen_k, INT32_MAX));
+  l.paged = p.paged;
+  return l;
+}
+
 template <typename T, int D, bool kRowMax>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
@@ -910,10 +969,9 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   const DeviceIndex d = carve_index(binding, params, workspace);
 
   cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  SeqArgs seq{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
-              p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
-  plan_kernel<<<1, 1, 0, stream>>>(seq, heads.group, params.block_size, heads.kv, d.cu_tiles, d.cu_blocks,
-                                   d.cu_capacity, d.counters);
+  const SeqArgs seq = seq_args(in, p);
+  plan_kernel<<<1, 1, 0, stream>>>(seq, seq_limits(in, p), device_error_word(), heads.group, params.block_size,
+                                   heads.kv, d.cu_tiles, d.cu_blocks, d.cu_capacity, d.counters);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 
   KVArgs kv{};
@@ -928,7 +986,9 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     kv.bt_stride0 = in.block_table->stride[0];
     kv.bt_stride1 = in.block_table->stride[1];
     kv.page_size = p.page_size;
+    kv.num_pages = p.num_pages;
   }
+  kv.err = device_error_word();
   MeanCacheArgs cache;
   if (mean_cache != nullptr) {
     if (!p.paged) throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k)");
@@ -1043,7 +1103,7 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     prepare_view_kernel<T><<<grid, 256, 0, stream>>>(
-        in.cu_seqlens_q.ptr<const int32_t>(), p.batch, p.group_size / S, cu_tiles,
+        seq_args(in, p), seq_limits(in, p), p.batch, p.group_size / S, cu_tiles,
         rows ? view.k_mean.ptr<const float>() : nullptr, rows ? view.v_mean.ptr<const float>() : nullptr,
         view.k_mean.stride[0], view.k_mean.stride[1] * S, view.v_mean.stride[0], view.v_mean.stride[1] * S, rows,
         p.num_kv_heads, p.head_dim, static_cast<T*>(k_lowp), static_cast<T*>(v_lowp));

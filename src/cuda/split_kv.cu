@@ -49,6 +49,10 @@ struct PlanArgs {
   const int32_t* seg_end;
   int block_size, correction, num_coord_tiles, num_sms;
   int full_list, causal;  // SparseFwdArgs::full_list: dense PackGQA tiles, no index arrays
+  // Device-side checks (device_checks.h), as the kernel's tile_work makes them: a bad tile has no planned step.
+  SeqLimits limits;
+  int num_segments, num_block_ids, mean_rows;
+  const int32_t* cu_blocks;  // correction on: the pooled rows are checked (else null)
   int* counters;
   int32_t* split_tiles;
   int32_t* slot_tile;
@@ -60,6 +64,7 @@ __device__ int tile_steps(const PlanArgs& a, int t) {
   using It = SparseBlockIterator<kStepKeys>;
   const SparseTileCoord c = a.order.coord(t);
   const SeqSpan s = load_seq_span(a.cu_q, a.cu_k, a.seqused_k, c.batch);
+  if (seq_violation(s, c.batch, a.limits)) return 0;
   if (a.full_list) {
     if (c.tile >= It::packed_tiles(s.q_len, a.order.group_size)) return 0;
     return It::full_list_blocks(c.tile * kRows, a.order.group_size, s.q_len, s.k_len, a.causal != 0);
@@ -68,7 +73,10 @@ __device__ int tile_steps(const PlanArgs& a, int t) {
   const int tiles = a.cu_tiles[c.batch + 1] - tile_base;
   if (c.tile >= tiles) return 0;
   const int seg = a.order.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
-  const int n_listed = a.seg_end[seg] - a.seg_start[seg];
+  int lo = 0, n_listed = 0;
+  if (sparse_index_violation(a.seg_start, a.seg_end, seg, a.num_segments, a.num_block_ids, a.cu_blocks, c.batch,
+                             s.k_len, a.block_size, a.mean_rows, lo, n_listed))
+    return 0;
   return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.order.group_size, s.q_len, s.k_len,
                                                        a.block_size, a.correction != 0);
 }
@@ -220,7 +228,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(Combi
     float w = m == -INFINITY ? 0.f : expf(l - m);
     float sum = w;
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    w = sum > 0.f ? w / sum : 0.f;
+    // A NaN partial (a unit that met a bad page or block id, device_checks.h) makes the row NaN.
+    w = sum > 0.f ? w / sum : (sum != sum ? sum : 0.f);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int s = 0; s < nsplit; ++s) {
@@ -240,7 +249,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(Combi
     store4<T>(dst, acc);
     if (a.lse != nullptr && lane == 0)
       a.lse[int64_t(head) * a.l_hs + int64_t(q_start + pos) * a.l_rs] =
-          (m == -INFINITY || !(sum > 0.f)) ? -INFINITY : m + logf(sum);
+          sum != sum ? sum : (m == -INFINITY || !(sum > 0.f)) ? -INFINITY : m + logf(sum);
   }
 }
 
@@ -299,6 +308,11 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.correction = sparse_correction_on(s) ? 1 : 0;
   p.full_list = s.full_list ? 1 : 0;
   p.causal = a.causal ? 1 : 0;
+  p.limits = seq_limits_of(a);
+  p.num_segments = s.num_segments;
+  p.num_block_ids = s.num_block_ids;
+  p.mean_rows = int(std::max<int64_t>(s.mean_rows, 1));
+  p.cu_blocks = nullptr;  // pooled rows: TMA-clipped to the means (in bounds); not checked (the kernel's registers)
   const int64_t coord = p.order.tiles();
   if (coord == 0) return;
   if (coord > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");

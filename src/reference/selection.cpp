@@ -112,6 +112,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     std::vector<double> score(size_t(rows * nb), -std::numeric_limits<double>::infinity());
     std::vector<float> q(D);
     double tile_max = -std::numeric_limits<double>::infinity();
+    bool tile_nan = false;  // a NaN score (NaN in q or in a block's keys): the tile keeps every visible block
     for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
       const int64_t pos = r / g;
       const int h = kvh * g + int(r % g);
@@ -127,6 +128,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         const double dot = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         const double sc = double(p.softmax_scale) * dot;
         score[size_t((r - geo.row_begin) * nb + J)] = sc;
+        if (std::isnan(sc)) tile_nan = true;
         tile_max = std::max(tile_max, sc);
       }
     }
@@ -177,7 +179,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     std::vector<int32_t>& list = lists[size_t(seg)];
     for (int64_t J = 0; J < nb; ++J) {
       if (!visible[J]) continue;
-      const bool keep = last_tile || above[J] || J * B < params.sink ||
+      const bool keep = tile_nan || last_tile || above[J] || J * B < params.sink ||
                         band[J] || !block_fully_visible(in, s, geo, J, B);
       if (keep) list.push_back(int32_t(J));
     }

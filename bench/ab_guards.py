@@ -1,0 +1,146 @@
+"""A/B of the device-side guards (issue 19): the kernels of two builds of the package on the same shapes, in one run.
+
+    python bench/ab_guards.py --base-site /tmp/ab-base-site --out ab_guards_h200.json
+
+`--base-site` holds the base build (e.g. main, `pip install --target`); the other variant is the package this Python
+imports (the installed one, this tree). Each variant runs in its own worker process (two packages of one name cannot
+share a process); the workers alternate, base, ours, base, ours, ... for --rounds rounds, so clock and thermal drift
+fall on both. Every row times one call with CUDA events (median of --iters after warm-up): dense causal prefill
+(contiguous, paged with TMA pages of 64, paged with pages of 16 through the cp.async gather), the split-KV short-
+query path, sparse_prefill on the topic workload (index + sparse attention) and a chunked-prefill last chunk; the
+speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16). The target of the issue: ours / base <= 1.01.
+scripts/gpu.sh abguards builds the base from .deps/base.tar and runs this.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HQ, HKV, D = 32, 8, 128
+
+
+def rows_of(quick):
+    dense = [8192, 32768] if quick else [8192, 32768, 65536]
+    sparse = [32768, 65536] if quick else [32768, 65536, 131072]
+    r = [("dense", L, 0) for L in dense] + [("dense_paged64", 16384, 64), ("dense_paged16", 8192, 16),
+                                            ("split_kv_decode", 65536, 64)]
+    r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
+    return r
+
+
+def worker(args):
+    import numpy as np
+    import torch
+
+    import sparse_prefill as sp
+    torch.manual_seed(0)
+    dev = "cuda"
+    bf = torch.bfloat16
+    res = {"package": sp.__file__}
+
+    def timed(fn):
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(args.iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts)
+
+    def paged(k, v, page):  # page i of the sequence in slot perm[i] of the cache
+        pages = k.shape[0] // page
+        perm = torch.randperm(pages, device=dev)
+        kc = torch.empty(pages, page, HKV, D, dtype=bf, device=dev)
+        vc = torch.empty_like(kc)
+        kc[perm] = k.view(pages, page, HKV, D)
+        vc[perm] = v.view(pages, page, HKV, D)
+        return kc, vc, perm.to(torch.int32)[None].contiguous()
+
+    for kind, L, page in rows_of(args.quick):
+        q, k, v = (torch.from_numpy(x).to(dev, bf) for x in sp.workload.topic(L, HQ, HKV, D, seed=0))
+        cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+        if kind == "dense":
+            fn = lambda: sp.attention(q, k, v, cu, cu, L, L)
+        elif kind.startswith("dense_paged"):
+            kc, vc, bt = paged(k, v, page)
+            used = torch.tensor([L], dtype=torch.int32, device=dev)
+            fn = lambda: sp.attention(q, kc, vc, cu, None, L, L, block_table=bt, seqused_k=used)
+        elif kind == "split_kv_decode":
+            kc, vc, bt = paged(k, v, page)
+            used = torch.tensor([L], dtype=torch.int32, device=dev)
+            qd = q[-16:].contiguous()
+            cq = torch.tensor([0, 16], dtype=torch.int32, device=dev)
+            ws = torch.empty(sp.attention_workspace_bytes(D), dtype=torch.uint8, device=dev)
+            fn = lambda: sp.attention(qd, kc, vc, cq, None, 16, L, block_table=bt, seqused_k=used, workspace=ws)
+        elif kind == "sparse_prefill":
+            n = sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L)
+            ws = torch.empty(n, dtype=torch.uint8, device=dev)
+            fn = lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, workspace=ws)
+        else:  # chunked: the last 1024 queries against the whole paged cache
+            kc, vc, bt = paged(k, v, page)
+            used = torch.tensor([L], dtype=torch.int32, device=dev)
+            qc = q[-1024:].contiguous()
+            cq = torch.tensor([0, 1024], dtype=torch.int32, device=dev)
+            n = sp.chunked_prefill_workspace_bytes(qc, kc, vc, cq, bt, used, 1024, L)
+            ws = torch.empty(n, dtype=torch.uint8, device=dev)
+            fn = lambda: sp.chunked_prefill(qc, kc, vc, cq, bt, used, 1024, L, final_chunk=True, workspace=ws)
+        res[f"{kind}@{L}"] = timed(fn)
+        del q, k, v
+        torch.cuda.empty_cache()
+    print(json.dumps(res))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-site", help="directory holding the base build's sparse_prefill package")
+    ap.add_argument("--out", default="ab_guards.json")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--iters", str(args.iters), "--warmup",
+           str(args.warmup)] + (["--quick"] if args.quick else [])
+    runs = {"base": [], "ours": []}
+    for r in range(args.rounds):
+        for variant in ("base", "ours"):
+            env = dict(os.environ)
+            if variant == "base":
+                env["PYTHONPATH"] = args.base_site + os.pathsep + env.get("PYTHONPATH", "")
+            t0 = time.time()
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/tmp")
+            if p.returncode != 0:
+                sys.stderr.write(p.stderr[-4000:])
+                raise SystemExit(f"{variant} worker failed (round {r})")
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            runs[variant].append(res)
+            print(f"round {r} {variant}: {time.time() - t0:.0f} s, {res['package']}", flush=True)
+    keys = [k for k in runs["ours"][0] if k != "package"]
+    rows = []
+    for k in keys:
+        b = statistics.median(x[k] for x in runs["base"])
+        o = statistics.median(x[k] for x in runs["ours"])
+        rows.append({"row": k, "base_ms": round(b, 4), "ours_ms": round(o, 4), "ratio": round(o / b, 4)})
+        print(f"{k:28s} base {b:9.3f} ms  ours {o:9.3f} ms  ours/base {o / b:.4f}")
+    out = {"what": "issue 19 guards A/B: median of rounds of medians, CUDA events", "rows": rows,
+           "commit": os.environ.get("SP_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+           "base_package": runs["base"][0]["package"], "ours_package": runs["ours"][0]["package"],
+           "command": " ".join(sys.argv), "through_package": True}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+// The device error word (device_checks.h): one per device, read and cleared by check_errors().
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/device_checks.h"
+
+namespace sparse_prefill::cuda {
+namespace {
+
+__device__ DeviceError g_device_error;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("sparse_prefill cuda: ") + what + ": " + cudaGetErrorString(e));
+}
+
+std::string num(long long x) { return std::to_string(x); }
+
+}  // namespace
+
+DeviceError* device_error_word() {
+  static DeviceError* cache[64] = {nullptr};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev < 0 || dev >= 64) return nullptr;
+  if (cache[dev] == nullptr) {
+    void* ptr = nullptr;
+    check(cudaGetSymbolAddress(&ptr, g_device_error), "cudaGetSymbolAddress(error word)");
+    cache[dev] = static_cast<DeviceError*>(ptr);
+  }
+  return cache[dev];
+}
+
+std::optional<ArgumentError> take_device_error(void* stream_) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return std::nullopt;  // a CUDA build on a machine without a GPU: no kernel ever ran
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_);
+  DeviceError* word = device_error_word();
+  if (word == nullptr) return std::nullopt;
+  DeviceError e{};
+  check(cudaMemcpyAsync(&e, word, sizeof(e), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync(error word)");
+  check(cudaStreamSynchronize(stream), "check_errors");
+  if (e.code == kErrNone) return std::nullopt;
+  check(cudaMemsetAsync(word, 0, sizeof(DeviceError), stream), "cudaMemsetAsync(error word)");
+  check(cudaStreamSynchronize(stream), "check_errors");
+  return device_error_message(e.code, e.seq, e.index, e.value, e.bound);
+}
+
+// The messages name the argument first, as the host validation's do (validate.cpp).
+ArgumentError device_error_message(int code, int seq, int index, int value, int bound) {
+  const std::string s = num(seq), i = num(index), v = num(value), b = num(bound);
+  const std::string note = " (detected on the device)";
+  switch (code) {
+    case kErrCuQStart: return ArgumentError("cu_seqlens_q", "cu_seqlens_q[0] = " + v + " must be 0" + note);
+    case kErrCuQDecreasing:
+      return ArgumentError("cu_seqlens_q", "must be non-decreasing; cu_seqlens_q[" + i + "] = " + v +
+                                               " < cu_seqlens_q[" + s + "] = " + b + note);
+    case kErrCuQRows:
+      return ArgumentError("cu_seqlens_q", "cu_seqlens_q[" + i + "] = " + v + " exceeds the " + b + " rows of q" +
+                                               note);
+    case kErrCuQLast:
+      return ArgumentError("cu_seqlens_q", "last entry cu_seqlens_q[" + i + "] = " + v +
+                                               " must equal the number of rows of q (" + b + ")" + note);
+    case kErrMaxSeqlenQ:
+      return ArgumentError("max_seqlen_q", "sequence " + s + " has length " + v + " > max_seqlen_q = " + b + note);
+    case kErrCuKStart: return ArgumentError("cu_seqlens_k", "cu_seqlens_k[0] = " + v + " must be 0" + note);
+    case kErrCuKDecreasing:
+      return ArgumentError("cu_seqlens_k", "must be non-decreasing; cu_seqlens_k[" + i + "] = " + v +
+                                               " < cu_seqlens_k[" + s + "] = " + b + note);
+    case kErrCuKRows:
+      return ArgumentError("cu_seqlens_k", "cu_seqlens_k[" + i + "] = " + v + " exceeds the " + b + " rows of k" +
+                                               note);
+    case kErrCuKLast:
+      return ArgumentError("cu_seqlens_k", "last entry cu_seqlens_k[" + i + "] = " + v +
+                                               " must equal the number of rows of k (" + b + ")" + note);
+    case kErrMaxSeqlenK:
+      return ArgumentError("max_seqlen_k", "sequence " + s + " has " + v + " keys > max_seqlen_k = " + b + note);
+    case kErrSequsedNegative:
+      return ArgumentError("seqused_k", "seqused_k[" + s + "] = " + v + " is negative" + note);
+    case kErrSequsedPages:
+      return ArgumentError("seqused_k", "seqused_k[" + s + "] = " + v + " exceeds the " + b + " rows that block_table row " +
+                                            s + "'s pages hold" + note);
+    case kErrBlockTable:
+      return ArgumentError("block_table", "page id block_table[" + s + ", " + i + "] = " + v +
+                                              " is out of range [0, " + b + ")" + note);
+    case kErrSegment:
+      return ArgumentError("index.segment_start", "segment " + i + " (sequence " + s + ") has the range [" + v + ", " +
+                                                      b + ") outside the index's block ids" + note);
+    case kErrBlockId:
+      return ArgumentError("index.block_ids", "a segment of sequence " + s + " lists block id " + v +
+                                                  " outside [0, " + b + ")" + note);
+    case kErrCuBlocks:
+      return ArgumentError("index.cu_blocks", "cu_blocks[" + s + "] .. cu_blocks[" + s + " + 1] = " + v + " .. " + b +
+                                                  " do not match sequence " + s + "'s pooled blocks" + note);
+    default:
+      return ArgumentError("(device)", "unknown device error code " + num(code) + note);
+  }
+}
+
+}  // namespace sparse_prefill::cuda

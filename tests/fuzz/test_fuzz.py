@@ -1,0 +1,539 @@
+"""Fuzzer of the public entry points (issue 19): seeded random valid and invalid calls on CPU and CUDA.
+
+Each case draws a problem (dense contiguous, dense paged, sparse_prefill, chunked_prefill over a paged cache, or
+build_index + sparse_attention over a host index) with random batch, lengths (empty sequences, Lq > Lk, chunks),
+head geometry, head dim, page size, mask, and then either leaves it valid or applies one mutation:
+  host-detectable (every backend raises, naming the argument): head dim, head counts, array lengths, dtypes, out
+    shape, scalars (max_seqlen, window, softmax_scale, alpha, block_size), workspaces too small, an index applied
+    to another problem, a mean cache of another block size;
+  device values (CPU raises; CUDA never reads them on the host): cu_seqlens_q / cu_seqlens_k past the rows, non-
+    monotone, not starting at 0, not ending at the rows; lengths above max_seqlen_q / max_seqlen_k; seqused_k
+    negative or beyond the pages of its block_table row; block_table ids outside the cache; index segments outside
+    the block id array; listed block ids outside the sequence.
+Checks: every invalid call raises on the CPU with the argument's name; on CUDA a host-detectable one raises the
+same way, and a device value is reported by sp.check_errors() (default mode: the call itself returns, writes
+nothing outside `out`, and the report names the argument) and raises before the launch in checked mode
+(LaunchOptions(checked=True)); no valid call is rejected; valid results match the reference (CPU: the numpy
+sp_naive; CUDA: the CPU backend on the same bf16 inputs). The whole run is seeded (--fuzz-seed) and bounded
+(--fuzz-cases per device, --fuzz-time seconds); --fuzz-report writes the summary (scripts/gpu.sh fuzz).
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+import sp_naive
+import sparse_prefill as sp
+from fuzz_summary import SUMMARY
+
+try:
+    import torch
+except ImportError:  # the CPU cases need numpy only
+    torch = None
+
+HAVE_CUDA = bool(sp.with_cuda) and torch is not None and torch.cuda.is_available()
+KINDS = ("dense", "paged", "sparse", "chunked", "index")
+PAD = 3          # canary rows around `out`
+CANARY = 7.0
+
+HOST_MUTATIONS = ("head_dim", "heads", "cu_len", "cu_dtype", "out_shape", "max_neg", "window_bad", "scale_bad",
+                  "v_dtype", "alpha_bad", "block_size_bad", "workspace_small", "scale_mismatch", "mean_cache_block")
+DEVICE_MUTATIONS = ("cu_q_over", "cu_q_nonmono", "cu_q_start", "cu_q_under", "max_q_small", "cu_k_over",
+                    "cu_k_nonmono", "cu_k_start", "cu_k_under", "max_k_small", "used_over", "used_neg", "bt_bad",
+                    "seg_bad", "id_bad")
+
+
+def pytest_generate_tests(metafunc):
+    if "case_id" not in metafunc.fixturenames:
+        return
+    opt = metafunc.config.getoption
+    dev = opt("--fuzz-device")
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "both": ["cpu", "cuda"],
+               "auto": ["cpu"] + (["cuda"] if HAVE_CUDA else [])}[dev]
+    n = opt("--fuzz-cases")
+    ids = [(d, i) for d in devices for i in range(n)]
+    metafunc.parametrize("case_id", ids, ids=[f"{d}-{i}" for d, i in ids])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Case generation
+# ------------------------------------------------------------------------------------------------------------------
+
+class Case:
+    """One generated call: the problem, the mutation, and what must happen."""
+
+    def __init__(self, rng, device):
+        self.device = device
+        cuda = device == "cuda"
+        self.kind = str(rng.choice(KINDS))
+        sparse_kind = self.kind in ("sparse", "chunked", "index")
+        self.B = int(rng.integers(1, 4))
+        self.hq, self.hkv = [(2, 1), (4, 2), (8, 2), (4, 4), (8, 1)][int(rng.integers(5))]
+        self.D = 128 if (cuda and sparse_kind) else int(rng.choice([64, 128]))
+        top = 600 if cuda else 160
+        B = self.B
+        if self.kind == "chunked":
+            q = rng.integers(1, 140, B)
+            k = q + 8 + rng.integers(0, 2 * top, B)  # room: a mutated chunk stays within its cache
+        elif sparse_kind:
+            k = rng.integers(1, top, B)
+            q = k.copy() if rng.random() < 0.6 else np.minimum(k, rng.integers(1, top, B))
+        else:
+            q = rng.integers(0, top, B)
+            k = q.copy() if rng.random() < 0.5 else rng.integers(0, top, B)
+            if rng.random() < 0.3:  # a short query chunk against long keys (the split-KV dense path on CUDA)
+                q = rng.integers(1, 20, B)
+                k = rng.integers(200, 3 * top, B)
+        self.q_lens, self.k_lens = q.astype(np.int64), k.astype(np.int64)
+        self.paged = self.kind in ("paged", "chunked") or (sparse_kind and rng.random() < 0.4)
+        self.page_size = int(rng.choice([64, 128] if sparse_kind else [1, 16, 64, 128, 48]))
+        self.causal = True if sparse_kind else bool(rng.random() < 0.7)
+        self.window = (-1, -1)
+        if self.kind in ("dense", "paged") and rng.random() < 0.25:
+            self.window = (int(rng.integers(0, 200)), int(rng.integers(-1, 50)) if not self.causal else -1)
+        self.alpha = float(rng.choice([0.0, 0.1])) if sparse_kind else 0.0
+        self.correction = bool(rng.random() < 0.7)
+        self.final_chunk = bool(rng.random() < 0.5) if self.kind == "chunked" else True
+        self.use_mean_cache = self.kind == "chunked" and rng.random() < 0.5
+        self.use_workspace = cuda and rng.random() < 0.4
+        self.seed = int(rng.integers(2**31))
+
+        # The mutation: valid (about 1/3), host-detectable or a device value, among those that apply.
+        applicable_device = [m for m in DEVICE_MUTATIONS if self._device_mutation_applies(m)]
+        applicable_host = [m for m in HOST_MUTATIONS if self._host_mutation_applies(m)]
+        r = rng.random()
+        if r < 0.34 or not (applicable_device or applicable_host):
+            self.mutation = None
+        elif r < 0.55 and applicable_host:
+            self.mutation = str(rng.choice(applicable_host))
+        else:
+            self.mutation = str(rng.choice(applicable_device or applicable_host))
+        self.device_value = self.mutation in DEVICE_MUTATIONS
+        self.mrng = np.random.default_rng(self.seed + 1)
+        if self.mutation == "bt_bad":
+            self.window = (-1, -1)  # every page of the diagonal block is loaded by every path
+
+    def _device_mutation_applies(self, m):
+        contiguous = not self.paged
+        if self.kind == "index":  # the index is bound to the valid arrays: only its own arrays are mutated
+            return m in ("seg_bad", "id_bad")
+        if self.q_lens.sum() == 0:  # no query row: no tile runs, nothing is read (and nothing checked) on CUDA
+            return False
+        if self.kind == "chunked" and m in ("cu_q_nonmono", "cu_q_over", "cu_q_start"):
+            return False  # on the CPU the chunk-within-its-cache rule (naming seqused_k) comes first
+        if m in ("cu_q_nonmono", "cu_k_nonmono"):
+            return self.B >= 2 and (m == "cu_q_nonmono" or contiguous)
+        if m in ("cu_q_under", "max_q_small"):
+            return self.q_lens[-1] >= 1 if m == "cu_q_under" else self.q_lens.max() >= 1
+        if m in ("cu_k_over", "cu_k_start"):
+            return contiguous
+        if m == "cu_k_under":
+            return contiguous and self.k_lens[-1] >= 1
+        if m == "max_k_small":
+            return self.k_lens.max() >= 1
+        if m in ("used_over", "used_neg"):
+            return self.paged
+        if m == "bt_bad":
+            return self.paged and any(self.k_lens[b] >= 1 and self.q_lens[b] >= 1 for b in range(self.B))
+        if m in ("seg_bad", "id_bad"):
+            return self.kind == "index"
+        return True
+
+    def _host_mutation_applies(self, m):
+        if self.kind == "index":
+            return m == "scale_mismatch"
+        if m == "window_bad":
+            return self.kind in ("dense", "paged")
+        if m in ("alpha_bad", "block_size_bad"):
+            return self.kind in ("sparse", "chunked") and not (m == "block_size_bad" and self.use_mean_cache)
+        if m == "workspace_small":
+            return self.device == "cuda" and self.kind in ("sparse", "chunked")
+        if m == "scale_mismatch":
+            return self.kind == "index"
+        if m == "mean_cache_block":
+            return self.kind == "chunked" and self.use_mean_cache
+        return True
+
+    def __repr__(self):
+        return (f"Case({self.device} {self.kind} B={self.B} hq={self.hq} hkv={self.hkv} D={self.D} q={list(self.q_lens)} "
+                f"k={list(self.k_lens)} paged={self.paged} page={self.page_size} causal={self.causal} "
+                f"window={self.window} alpha={self.alpha} mutation={self.mutation})")
+
+
+def expected_argument(m):
+    return {"head_dim": "q", "heads": "k", "cu_len": None, "cu_dtype": "cu_seqlens_q", "out_shape": "out",
+            "max_neg": "max_seqlen_q", "window_bad": "window", "scale_bad": "softmax_scale", "v_dtype": "v",
+            "alpha_bad": "alpha", "block_size_bad": "block_size", "workspace_small": "workspace",
+            "scale_mismatch": "softmax_scale", "mean_cache_block": "mean_cache",
+            "cu_q_over": "cu_seqlens_q", "cu_q_nonmono": "cu_seqlens_q", "cu_q_start": "cu_seqlens_q",
+            "cu_q_under": "cu_seqlens_q", "max_q_small": "max_seqlen_q", "cu_k_over": "cu_seqlens_k",
+            "cu_k_nonmono": "cu_seqlens_k", "cu_k_start": "cu_seqlens_k", "cu_k_under": "cu_seqlens_k",
+            "max_k_small": "max_seqlen_k", "used_over": "seqused_k", "used_neg": "seqused_k",
+            "bt_bad": "block_table", "seg_bad": "index.segment_start", "id_bad": "index.block_ids"}[m]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Arrays of a case
+# ------------------------------------------------------------------------------------------------------------------
+
+def cu_of(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def build_arrays(c):
+    """numpy float32 data and int32 index arrays of the valid problem, then the mutation (returns a dict)."""
+    rng = np.random.default_rng(c.seed)
+    hq, hkv, D = c.hq, c.hkv, c.D
+    cu_q, cu_k = cu_of(c.q_lens), cu_of(c.k_lens)
+    q = rng.standard_normal((int(cu_q[-1]), hq, D)).astype(np.float32)
+    k = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
+    v = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
+    a = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "block_table": None, "seqused_k": None,
+         "max_seqlen_q": int(c.q_lens.max(initial=0)), "max_seqlen_k": int(c.k_lens.max(initial=0)),
+         "k_contig": k, "v_contig": v, "cu_k_contig": cu_k}
+    if c.paged:
+        ps = c.page_size
+        pages = [int(-(-int(n) // ps)) for n in c.k_lens]
+        num_pages = sum(pages) + 2
+        perm = rng.permutation(num_pages)
+        kc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)  # garbage past seqused_k
+        vc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)
+        bt = np.full((c.B, max(pages) + 1), -1, np.int32)
+        nxt = 0
+        for b in range(c.B):
+            for p in range(pages[b]):
+                page = int(perm[nxt]); nxt += 1
+                bt[b, p] = page
+                lo = int(cu_k[b]) + p * ps
+                hi = min(lo + ps, int(cu_k[b + 1]))
+                kc[page, :hi - lo] = k[lo:hi]
+                vc[page, :hi - lo] = v[lo:hi]
+        bt[bt < 0] = perm[-1]  # spare slots of the table: a valid page (never read past seqused_k)
+        a.update(k=kc, v=vc, cu_seqlens_k=None, block_table=bt, seqused_k=c.k_lens.astype(np.int32))
+    mutate(c, a)
+    return a
+
+
+def mutate(c, a):
+    m, r = c.mutation, c.mrng
+    if m is None:
+        return
+    if m in DEVICE_MUTATIONS:  # max_seqlen bounds with room, so that the mutation is the only violation
+        a["max_seqlen_q"] = int(a["q"].shape[0]) + 8
+        a["max_seqlen_k"] = (int(a["k"].shape[0]) if not c.paged else a["block_table"].shape[1] * c.page_size) + 8
+    cu_q = a["cu_seqlens_q"] = a["cu_seqlens_q"].copy()
+    B = c.B
+    if m == "cu_q_over":
+        cu_q[-1] += int(r.integers(1, 5))
+    elif m == "cu_q_nonmono":
+        j = int(r.integers(1, B))
+        cu_q[j] = cu_q[j - 1] - int(r.integers(1, 4))
+    elif m == "cu_q_start":
+        cu_q[0] = int(r.integers(1, 3))
+    elif m == "cu_q_under":
+        cu_q[-1] -= 1
+    elif m == "max_q_small":
+        a["max_seqlen_q"] = int(c.q_lens.max()) - 1
+    elif m in ("cu_k_over", "cu_k_nonmono", "cu_k_start", "cu_k_under"):
+        cu_k = a["cu_seqlens_k"] = a["cu_seqlens_k"].copy()
+        if m == "cu_k_over":
+            cu_k[-1] += int(r.integers(1, 5))
+        elif m == "cu_k_nonmono":
+            j = int(r.integers(1, B))
+            cu_k[j] = cu_k[j - 1] - int(r.integers(1, 4))
+        elif m == "cu_k_start":
+            cu_k[0] = int(r.integers(1, 3))
+        else:
+            cu_k[-1] -= 1
+    elif m == "max_k_small":
+        a["max_seqlen_k"] = int(c.k_lens.max()) - 1
+    elif m == "used_over":
+        used = a["seqused_k"] = a["seqused_k"].copy()
+        used[int(r.integers(B))] = a["block_table"].shape[1] * c.page_size + int(r.integers(1, 8))  # <= max_seqlen_k
+    elif m == "used_neg":
+        used = a["seqused_k"] = a["seqused_k"].copy()
+        used[int(r.integers(B))] = -int(r.integers(1, 5))
+    elif m == "bt_bad":
+        bt = a["block_table"] = a["block_table"].copy()
+        b = [b for b in range(B) if c.k_lens[b] >= 1 and c.q_lens[b] >= 1][int(r.integers(1000)) % sum(
+            1 for b in range(B) if c.k_lens[b] >= 1 and c.q_lens[b] >= 1)]
+        num_pages = a["k"].shape[0]
+        bt[b, (int(c.k_lens[b]) - 1) // c.page_size] = int(r.choice([num_pages + int(r.integers(0, 9)), -1, -77]))
+    elif m == "head_dim":  # 96: neither 64 nor 128
+        for n in ("q", "k", "v"):
+            x = a[n]
+            a[n] = np.ascontiguousarray(x[..., :96] if x.shape[-1] == 128 else np.concatenate([x, x[..., :32]], -1))
+    elif m == "heads":
+        a["k"] = np.concatenate([a["k"], a["k"][..., :1, :]], axis=-2)  # Hkv + 1 heads (not dividing Hq)
+        a["v"] = np.concatenate([a["v"], a["v"][..., :1, :]], axis=-2)
+        if c.hq % (c.hkv + 1) == 0:  # still divides: a head dim other than q's instead (k and v alike)
+            for n in ("k", "v"):
+                a[n] = np.ascontiguousarray(a[n][..., :64] if c.D == 128 else np.concatenate([a[n]] * 2, -1))
+    elif m == "cu_len":
+        if c.paged:
+            a["block_table"] = np.concatenate([a["block_table"], a["block_table"][:1]])
+        else:
+            a["cu_seqlens_k"] = np.concatenate([a["cu_seqlens_k"], a["cu_seqlens_k"][-1:]]).astype(np.int32)
+    elif m == "cu_dtype":
+        a["cu_seqlens_q"] = a["cu_seqlens_q"].astype(np.float32)
+    elif m == "max_neg":
+        a["max_seqlen_q"] = -1
+    elif m == "v_dtype":
+        a["v"] = a["v"].astype(np.float16)
+
+
+def expected_cu_len_argument(c):
+    return "block_table" if c.paged else "cu_seqlens_k"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Running a case
+# ------------------------------------------------------------------------------------------------------------------
+
+def to_device(a, c):
+    """The arrays in the case's library: numpy float32 on the CPU, torch bf16 / int32 on CUDA."""
+    if c.device == "cpu":
+        return dict(a)
+    out = {}
+    for n, x in a.items():
+        if isinstance(x, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(x))
+            if x.dtype == np.float32 and n not in ("cu_seqlens_q",):
+                t = t.to(torch.bfloat16)
+            out[n] = t.cuda()
+        else:
+            out[n] = x
+    return out
+
+
+def canary_out(x, c):
+    """`out` inside a buffer with PAD canary rows on each side (an out-of-bounds write shows there)."""
+    total, hq, D = x["q"].shape
+    if c.mutation == "out_shape":
+        hq += 1
+    if c.device == "cpu":
+        buf = np.full((total + 2 * PAD, hq, D), CANARY, np.float32)
+    else:
+        buf = torch.full((total + 2 * PAD, hq, D), CANARY, dtype=x["q"].dtype, device="cuda")
+    return buf, buf[PAD:PAD + total]
+
+
+def canaries_intact(buf, c):
+    if c.device == "cpu":
+        return bool((buf[:PAD] == CANARY).all() and (buf[-PAD:] == CANARY).all())
+    return bool((buf[:PAD] == CANARY).all().item() and (buf[-PAD:] == CANARY).all().item())
+
+
+def call(c, x, out, options=None, index_state=None):
+    """Runs the case's entry point; returns (out, lse)."""
+    kv = dict(block_table=x["block_table"], seqused_k=x["seqused_k"])
+    scale = -1.0 if c.mutation == "scale_bad" else None
+    alpha = 1.5 if c.mutation == "alpha_bad" else c.alpha
+    block_size = 96 if c.mutation == "block_size_bad" else 128
+    ws = None
+    if c.device == "cuda" and (c.use_workspace or c.mutation == "workspace_small"):
+        ws = torch.empty(256 if c.mutation == "workspace_small" else index_state["ws_bytes"], dtype=torch.uint8,
+                         device="cuda")
+    common = dict(causal=c.causal, softmax_scale=scale, out=out, return_lse=True, options=options, **kv)
+    mq, mk = x["max_seqlen_q"], x["max_seqlen_k"]
+    if c.kind in ("dense", "paged"):
+        return sp.attention(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
+                            window=(-2, 0) if c.mutation == "window_bad" else c.window, **common)
+    if c.kind == "sparse":
+        return sp.sparse_prefill(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk, alpha=alpha,
+                                 block_size=block_size, correction=c.correction, workspace=ws, **common)
+    if c.kind == "chunked":
+        mc = None
+        if c.use_mean_cache:
+            mc = sp.mean_cache(x["k"], block_size=64 if c.mutation == "mean_cache_block" else 128)
+        del common["causal"]
+        for n in ("block_table", "seqused_k"):
+            del common[n]
+        return sp.chunked_prefill(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["block_table"], x["seqused_k"], mq,
+                                  mk, final_chunk=c.final_chunk, alpha=alpha, block_size=block_size,
+                                  correction=c.correction, mean_cache=mc, workspace=ws, **common)
+    # index: the index of the valid problem (built beforehand), possibly corrupted, over this call's arrays
+    index = index_state["index"]
+    if c.mutation == "scale_mismatch":
+        common["softmax_scale"] = 0.05
+    return sp.sparse_attention(x["q"], x["k"], x["v"], index, x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
+                               **common)
+
+
+def prepare_index(c, a, x):
+    """A host index of the case's (valid) arrays, built on the case's device and copied to the host, with the index
+    mutation applied to its arrays."""
+    kv = dict(block_table=x["block_table"], seqused_k=x["seqused_k"])
+    index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"],
+                           a["max_seqlen_k"], alpha=c.alpha, correction=c.correction, **kv)
+    if index.on_device:
+        index = index.to_host()
+    h = index.host
+    if c.mutation == "seg_bad":
+        s = int(c.mrng.integers(len(h["segment_start"])))
+        h["segment_start"][s] = -int(c.mrng.integers(1, 9))
+    elif c.mutation == "id_bad":
+        nonempty = np.nonzero(h["segment_end"] > h["segment_start"])[0]
+        s = int(nonempty[int(c.mrng.integers(len(nonempty)))])
+        cu_blocks = h["cu_blocks"]  # the sequence of segment s: its block count bounds the ids
+        tiles = [-(-int(n) * (c.hq // c.hkv) // 128) for n in c.q_lens]
+        off = np.cumsum([0] + [c.hkv * t for t in tiles])
+        b = int(np.searchsorted(off, s, side="right") - 1)
+        nb = int(cu_blocks[b + 1] - cu_blocks[b])
+        h["block_ids"][int(h["segment_end"][s]) - 1] = nb + int(c.mrng.integers(0, 5))
+    return index
+
+
+def reference(c, a):
+    """The reference result of a valid case: (out, lse) as float64 numpy."""
+    if c.device == "cpu":
+        return sp_naive.attention(a["q"], a["k_contig"], a["v_contig"], a["cu_seqlens_q"], a["cu_k_contig"],
+                                  causal=c.causal, window=c.window)
+    # CUDA: the CPU backend on the same bf16 values (dense attention = the alpha 0 sparse result)
+    t = {n: torch.from_numpy(np.ascontiguousarray(a[n])).to(torch.bfloat16) for n in ("q", "k_contig", "v_contig")}
+    out, lse = sp.attention(t["q"], t["k_contig"], t["v_contig"], torch.from_numpy(a["cu_seqlens_q"]),
+                            torch.from_numpy(a["cu_k_contig"]), a["max_seqlen_q"], a["max_seqlen_k"],
+                            causal=c.causal, window=c.window, return_lse=True)
+    return out.float().numpy(), lse.numpy()
+
+
+def to_np(x):
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return x.float().cpu().numpy().astype(np.float64)
+
+
+def record(key, value=1):
+    SUMMARY[key] = SUMMARY.get(key, 0) + value
+
+
+def arg_of(e):
+    return getattr(e, "argument", None) or str(e).split(":")[0]
+
+
+def test_fuzz(case_id, request):
+    device, i = case_id
+    if device == "cuda" and not HAVE_CUDA:
+        pytest.skip("needs a CUDA GPU and a CUDA build")
+    cfg = request.config
+    if time.time() - cfg._fuzz_start > cfg.getoption("--fuzz-time"):
+        record("skipped_for_time")
+        pytest.skip("past --fuzz-time")
+    rng = np.random.default_rng([cfg.getoption("--fuzz-seed"), 0 if device == "cpu" else 1, i])
+    c = Case(rng, device)
+    record("cases")
+    SUMMARY["kinds"][c.kind] = SUMMARY["kinds"].get(c.kind, 0) + 1
+    SUMMARY["mutations"][str(c.mutation)] = SUMMARY["mutations"].get(str(c.mutation), 0) + 1
+    try:
+        run_case(c)
+    except BaseException:
+        record("failures")
+        SUMMARY["failed_cases"].append(f"{case_id}: {c!r}")
+        raise
+
+
+def run_case(c):
+    a = build_arrays(c)  # the index kind mutates only its index (prepare_index), never the arrays
+    x = to_device(a, c)
+    index_state = {}
+    if c.kind == "index":
+        index_state["index"] = prepare_index(c, a, x)
+    if c.device == "cuda" and c.use_workspace and c.kind in ("sparse", "chunked"):
+        try:  # the size function of the call's own shapes (computed from shapes only: device values never read)
+            index_state["ws_bytes"] = sp.sparse_prefill_workspace_bytes(
+                x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"],
+                block_table=x["block_table"], seqused_k=x["seqused_k"])
+        except (ValueError, TypeError):
+            index_state["ws_bytes"] = 1 << 20  # a host-detectable mutation: the call raises before using it
+    record(f"{c.device}_calls")
+    if c.device == "cpu":
+        return run_cpu(c, a, x, index_state)
+    return run_cuda(c, a, x, index_state)
+
+
+def expected(c):
+    if c.mutation == "cu_len":
+        return expected_cu_len_argument(c)
+    return expected_argument(c.mutation)
+
+
+def run_cpu(c, a, x, index_state):
+    buf, out = canary_out(x, c)
+    if c.mutation is not None:
+        record("invalid_device" if c.device_value else "invalid_host")
+        with pytest.raises((ValueError, TypeError)) as e:
+            call(c, x, out, index_state=index_state)
+        assert arg_of(e.value) == expected(c), (str(e.value), c)
+        assert canaries_intact(buf, c)
+        return
+    record("valid")
+    got, lse = call(c, x, out, index_state=index_state)
+    assert canaries_intact(buf, c), c
+    check_valid_result(c, a, got, lse)
+
+
+def check_valid_result(c, a, got, lse):
+    got, lse = to_np(got), to_np(lse)
+    if c.kind in ("sparse", "chunked", "index") and c.alpha > 0:
+        assert np.isfinite(got).all(), c  # selections of CPU and CUDA may differ near the threshold
+        return
+    ref, ref_lse = reference(c, a)
+    tol, ltol = (1e-4, 1e-4) if c.device == "cpu" else (3e-2, 3e-3)
+    assert got.shape == ref.shape, c
+    err = np.abs(got - ref).max(initial=0.0)
+    assert err <= tol, (err, c)
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(fin, np.isfinite(lse)), c
+    if fin.any():
+        assert np.abs(lse[fin] - ref_lse[fin]).max() <= ltol, c
+
+
+def run_cuda(c, a, x, index_state):
+    sp.check_errors()  # nothing left over from an earlier case
+    buf, out = canary_out(x, c)
+    if c.mutation is not None and not c.device_value:
+        record("invalid_host")
+        with pytest.raises((ValueError, TypeError)) as e:
+            call(c, x, out, index_state=index_state)
+        assert arg_of(e.value) == expected(c), (str(e.value), c)
+        torch.cuda.synchronize()
+        assert canaries_intact(buf, c)
+        sp.check_errors()
+        return
+    if c.device_value:
+        record("invalid_device")
+        try:
+            call(c, x, out, index_state=index_state)  # default mode: no host read, the kernels bound every access
+        except NotImplementedError:
+            record("unsupported")
+            return
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            record("crashes")
+            raise
+        assert canaries_intact(buf, c), c
+        with pytest.raises(ValueError) as e:
+            sp.check_errors()
+        assert arg_of(e.value) == expected(c), (str(e.value), c)
+        record("flagged_by_check_errors")
+        sp.check_errors()  # cleared
+        with pytest.raises((ValueError, TypeError)) as e:
+            call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
+        assert arg_of(e.value) == expected(c), (str(e.value), c)
+        record("raised_in_checked_mode")
+        sp.check_errors()
+        return
+    record("valid")
+    try:
+        got, lse = call(c, x, out, index_state=index_state)
+    except NotImplementedError:
+        record("unsupported")
+        return
+    torch.cuda.synchronize()
+    sp.check_errors()  # a valid call is never flagged
+    assert canaries_intact(buf, c), c
+    check_valid_result(c, a, got, lse)
+    if hash((c.seed, 1)) % 4 == 0:  # checked mode accepts valid calls
+        call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
