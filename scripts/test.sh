@@ -97,5 +97,7 @@ build/ci-consumer/consumer
 # -- 5. pytest against the installed package --------------------------------------------------------------------------
 step "pytest tests/python with $VENV/bin/python"
 "$VPY" -c "import sparse_prefill as sp; print('[test]   sparse_prefill', sp.__version__, 'from', sp.__file__)"
-SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/python tests/fuzz
+# two runs: each folder has its own conftest module (one pytest process would import only one of them as `conftest`)
+SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/python
+SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/fuzz
 step "done"
