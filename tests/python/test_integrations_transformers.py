@@ -178,13 +178,36 @@ def test_cuda_logits_equal_sdpa_bf16(kind, pad):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_cuda_generate_32_greedy_steps_equal_sdpa(kind):
+    """32 greedy steps (prefill, then q_len 1 against the cache) give sdpa's tokens. Random weights make near-ties
+    common, where bf16 rounding alone flips the argmax, so: on every step of the common prefix the scores of the two
+    models agree within twice sdpa's own bf16 error (against an fp32 sdpa on the prompt), and a token may differ only
+    where sdpa's own margin between the two tokens is within that noise (after which the prefixes differ)."""
     sphf.register()
-    ref, ours = pair(tiny(kind), torch.bfloat16, "cuda")
+    cfg = tiny(kind)
+    ref, ours = pair(cfg, torch.bfloat16, "cuda")
+    _, ref32 = pair(cfg, torch.float32, "cuda", name="sdpa")
     ids, mask = batch(L=512, pad=(0, 100), device="cuda")
+    kw = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32, output_scores=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
-        g1 = ref.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-        g2 = ours.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-    assert g1.shape == g2.shape and torch.equal(g1, g2), (g1[:, -32:], g2[:, -32:])
+        d = (ref(ids, attention_mask=mask).logits.float() - ref32(ids, attention_mask=mask).logits).abs()
+        bf16_err = d[mask.bool()].max().item()                  # over every real (unpadded) position
+        g1, g2 = ref.generate(ids, **kw), ours.generate(ids, **kw)
+    assert g1.sequences.shape == g2.sequences.shape
+    tol = 2 * bf16_err + 1e-3
+    same_steps = []
+    for b in range(ids.shape[0]):
+        t1, t2 = g1.sequences[b, -32:], g2.sequences[b, -32:]
+        diff = torch.nonzero(t1 != t2)
+        n = int(diff[0, 0]) if diff.numel() else 32
+        for step in range(min(n + 1, 32)):                      # the steps whose prefixes are equal
+            a, c = g1.scores[step][b].float(), g2.scores[step][b].float()
+            noise = (a - c).abs().max().item()
+            assert noise <= tol, (b, step, noise, tol)
+            if step == n:                                       # the first differing token: a near-tie for sdpa
+                assert (a[t1[step]] - a[t2[step]]).item() <= 2 * noise + 1e-3, (b, step, noise)
+        same_steps.append(n)
+    assert max(same_steps) >= 8, same_steps                     # the decode path was compared for real
 
 
 @cuda
