@@ -81,7 +81,8 @@ struct SeqLimits {
 SP_HOST_DEVICE int seq_violation(const SeqSpan& s, int b, const SeqLimits& lim) {
   const int q_end = s.q_start + s.q_len;  // = cu_q[b + 1] (load_seq_span)
   if (b == 0 && s.q_start != 0) return kErrCuQStart;
-  if (s.q_len < 0) return kErrCuQDecreasing;
+  // q_start < 0: an earlier entry decreased (cu_q[0] = 0); this sequence's rows would lie before q
+  if (s.q_len < 0 || s.q_start < 0) return kErrCuQDecreasing;
   if (q_end > lim.total_q) return kErrCuQRows;
   if (b == lim.batch - 1 && q_end != lim.total_q) return kErrCuQLast;
   if (s.q_len > lim.max_seqlen_q) return kErrMaxSeqlenQ;
@@ -91,7 +92,7 @@ SP_HOST_DEVICE int seq_violation(const SeqSpan& s, int b, const SeqLimits& lim) 
   } else {
     const int k_end = s.k_start + s.k_len;
     if (b == 0 && s.k_start != 0) return kErrCuKStart;
-    if (s.k_len < 0) return kErrCuKDecreasing;
+    if (s.k_len < 0 || s.k_start < 0) return kErrCuKDecreasing;
     if (k_end > lim.total_k) return kErrCuKRows;
     if (b == lim.batch - 1 && k_end != lim.total_k) return kErrCuKLast;
   }

@@ -333,7 +333,7 @@ def call(c, x, out, options=None, index_state=None):
     block_size = 96 if c.mutation == "block_size_bad" else 128
     ws = None
     if c.device == "cuda" and (c.use_workspace or c.mutation == "workspace_small"):
-        ws = torch.empty(256 if c.mutation == "workspace_small" else index_state["ws_bytes"], dtype=torch.uint8,
+        ws = torch.empty(256 if c.mutation == "workspace_small" else index_state.get("ws_bytes", 1 << 20), dtype=torch.uint8,
                          device="cuda")
     common = dict(causal=c.causal, softmax_scale=scale, out=out, return_lse=True, options=options, **kv)
     mq, mk = x["max_seqlen_q"], x["max_seqlen_k"]
