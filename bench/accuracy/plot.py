@@ -39,9 +39,24 @@ def topic_time_128k(rule, correction):
     return None
 
 
-# The library configurations of run.py's CONFIGS whose rule and correction the topic benchmark measured.
-SPEED_OF = {"default": ("row_max", False), "rowmax_a01": ("row_max", False), "fpv2": ("tile_energy", True),
-            "fpv2_nocorr": ("tile_energy", False), "default_nocorr": ("tile_energy", False)}
+# The library configurations of run.py's CONFIGS whose rule and correction the topic benchmark measured. "default" is
+# the library's default at the commit that measured the rows: FlashPrefill V2's rule with correction before 6d7d020
+# (issue 13 switched it to row max without correction), row max after.
+SWITCH = "6d7d020"
+SPEED_OF = {"rowmax_a01": ("row_max", False), "fpv2": ("tile_energy", True), "fpv2_nocorr": ("tile_energy", False),
+            "default_nocorr": ("tile_energy", False)}
+
+
+def default_at(commit):
+    import subprocess
+    try:
+        older = subprocess.run(["git", "merge-base", "--is-ancestor", commit, SWITCH], cwd=HERE,
+                               capture_output=True).returncode == 0
+        same = subprocess.run(["git", "rev-parse", "--short=7", commit], cwd=HERE, capture_output=True,
+                              text=True).stdout.strip() == SWITCH
+    except OSError:
+        older = same = False
+    return ("tile_energy", True) if older and not same else ("row_max", False)
 
 
 def main():
@@ -73,10 +88,11 @@ def main():
         ax.set_title(f"SmolLM2-135M {task} L={args.L} (o library, x emulated)")
     ax = axes[-1]
     if lib is not None:
+        speed_of = dict(SPEED_OF, default=default_at(lib.get("commit", "HEAD")))
         for r in lib["rows"]:
-            if r["task"] != "copy" or r["L"] != args.L or r["config"] not in SPEED_OF or r.get("chunk"):
+            if r["task"] != "copy" or r["L"] != args.L or r["config"] not in speed_of or r.get("chunk"):
                 continue
-            t = topic_time_128k(*SPEED_OF[r["config"]])
+            t = topic_time_128k(*speed_of[r["config"]])
             if t is not None:
                 ax.scatter(t, delta(r), c="C0")
                 ax.annotate(r["config"], (t, delta(r)), fontsize=8)
