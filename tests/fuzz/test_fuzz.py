@@ -10,6 +10,10 @@ head geometry, head dim, page size, mask, and then either leaves it valid or app
     monotone, not starting at 0, not ending at the rows; lengths above max_seqlen_q / max_seqlen_k; seqused_k
     negative or beyond the pages of its block_table row; block_table ids outside the cache; index segments outside
     the block id array; listed block ids outside the sequence.
+Array layouts (any case, valid or not): contiguous, or q (and k, v when contiguous KV) as strided views — rows and
+heads padded by 8 elements (16 bytes: valid on every backend), heads interleaved (head stride 2·D: valid), or rows
+padded by 4 elements (valid on the CPU; CUDA needs 16-byte strides and raises NotImplementedError naming the array);
+the host mutation last_stride gives q a last-dimension stride of 2 (an error naming q everywhere).
 Checks: every invalid call raises on the CPU with the argument's name; on CUDA a host-detectable one raises the
 same way, and a device value is reported by sp.check_errors() (default mode: the call itself returns, writes
 nothing outside `out`, and the report names the argument) and raises before the launch in checked mode
@@ -38,7 +42,9 @@ PAD = 3          # canary rows around `out`
 CANARY = 7.0
 
 HOST_MUTATIONS = ("head_dim", "heads", "cu_len", "cu_dtype", "out_shape", "max_neg", "window_bad", "scale_bad",
-                  "v_dtype", "alpha_bad", "block_size_bad", "workspace_small", "scale_mismatch", "mean_cache_block")
+                  "v_dtype", "alpha_bad", "block_size_bad", "workspace_small", "scale_mismatch", "mean_cache_block",
+                  "last_stride")
+LAYOUTS = ("contiguous", "padded", "heads_strided", "padded4")
 DEVICE_MUTATIONS = ("cu_q_over", "cu_q_nonmono", "cu_q_start", "cu_q_under", "max_q_small", "cu_k_over",
                     "cu_k_nonmono", "cu_k_start", "cu_k_under", "max_k_small", "used_over", "used_neg", "bt_bad",
                     "seg_bad", "id_bad")
@@ -110,6 +116,11 @@ class Case:
         else:
             self.mutation = str(rng.choice(applicable_device or applicable_host))
         self.device_value = self.mutation in DEVICE_MUTATIONS
+        # strided views (relayout): half the cases stay contiguous; misaligned rows only where they are the one thing
+        # that is wrong (valid on the CPU, unsupported on CUDA)
+        self.layout = str(rng.choice(LAYOUTS, p=[0.5, 0.2, 0.2, 0.1]))
+        if self.layout == "padded4" and (self.mutation is not None or self.kind == "index"):
+            self.layout = "padded"
         self.mrng = np.random.default_rng(self.seed + 1)
         if self.mutation == "bt_bad":
             self.window = (-1, -1)  # every page of the diagonal block is loaded by every path
@@ -143,6 +154,8 @@ class Case:
     def _host_mutation_applies(self, m):
         if self.kind == "index":
             return m == "scale_mismatch"
+        if m == "last_stride":
+            return self.D >= 2
         if m == "window_bad":
             return self.kind in ("dense", "paged")
         if m in ("alpha_bad", "block_size_bad"):
@@ -158,14 +171,14 @@ class Case:
     def __repr__(self):
         return (f"Case({self.device} {self.kind} B={self.B} hq={self.hq} hkv={self.hkv} D={self.D} q={list(self.q_lens)} "
                 f"k={list(self.k_lens)} paged={self.paged} page={self.page_size} causal={self.causal} "
-                f"window={self.window} alpha={self.alpha} mutation={self.mutation})")
+                f"window={self.window} alpha={self.alpha} layout={self.layout} mutation={self.mutation})")
 
 
 def expected_argument(m):
     return {"head_dim": "q", "heads": "k", "cu_len": None, "cu_dtype": "cu_seqlens_q", "out_shape": "out",
             "max_neg": "max_seqlen_q", "window_bad": "window", "scale_bad": "softmax_scale", "v_dtype": "v",
             "alpha_bad": "alpha", "block_size_bad": "block_size", "workspace_small": "workspace",
-            "scale_mismatch": "softmax_scale", "mean_cache_block": "mean_cache",
+            "scale_mismatch": "softmax_scale", "mean_cache_block": "mean_cache", "last_stride": "q",
             "cu_q_over": "cu_seqlens_q", "cu_q_nonmono": "cu_seqlens_q", "cu_q_start": "cu_seqlens_q",
             "cu_q_under": "cu_seqlens_q", "max_q_small": "max_seqlen_q", "cu_k_over": "cu_seqlens_k",
             "cu_k_nonmono": "cu_seqlens_k", "cu_k_start": "cu_seqlens_k", "cu_k_under": "cu_seqlens_k",
@@ -307,6 +320,39 @@ def to_device(a, c):
     return out
 
 
+def strided_view(t, layout):
+    """The values of t [rows, heads, D] (numpy or torch) as a non-contiguous view of a larger buffer."""
+    rows, heads, D = t.shape
+    if layout == "heads_strided":
+        shape, view = (rows, 2 * heads, D), (slice(None), slice(0, None, 2), slice(None))
+    elif layout == "last_stride":
+        shape, view = (rows, heads, 2 * D), (slice(None), slice(None), slice(0, None, 2))
+    else:  # padded (8 elements: 16-byte strides) or padded4 (8-byte strides)
+        pad = 8 if layout == "padded" else 4
+        shape, view = (rows, heads, D + pad), (slice(None), slice(None), slice(0, D))
+    if isinstance(t, np.ndarray):
+        buf = np.full(shape, np.nan, t.dtype)
+    else:
+        buf = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
+    out = buf[view]
+    out[...] = t
+    return out
+
+
+def relayout(x, c):
+    """The case's array layout: q (and contiguous k, v) as strided views holding the same values; padding is NaN, so
+    a kernel that reads it shows."""
+    layout = "last_stride" if c.mutation == "last_stride" else c.layout
+    if layout == "contiguous":
+        return x
+    x = dict(x)
+    names = ("q",) if c.paged or layout == "last_stride" else ("q", "k", "v")
+    for n in names:
+        if x[n] is not None and x[n].ndim == 3:
+            x[n] = strided_view(x[n], layout)
+    return x
+
+
 def canary_out(x, c):
     """`out` inside a buffer with PAD canary rows on each side (an out-of-bounds write shows there)."""
     total, hq, D = x["q"].shape
@@ -425,6 +471,7 @@ def test_fuzz(case_id, request):
     record("cases")
     SUMMARY["kinds"][c.kind] = SUMMARY["kinds"].get(c.kind, 0) + 1
     SUMMARY["mutations"][str(c.mutation)] = SUMMARY["mutations"].get(str(c.mutation), 0) + 1
+    SUMMARY["layouts"][c.layout] = SUMMARY["layouts"].get(c.layout, 0) + 1
     try:
         run_case(c)
     except BaseException:
@@ -435,7 +482,7 @@ def test_fuzz(case_id, request):
 
 def run_case(c):
     a = build_arrays(c)  # the index kind mutates only its index (prepare_index), never the arrays
-    x = to_device(a, c)
+    x = relayout(to_device(a, c), c)
     index_state = {}
     if c.kind == "index":
         index_state["index"] = prepare_index(c, a, x)
@@ -526,6 +573,11 @@ def run_cuda(c, a, x, index_state):
         sp.check_errors()
         return
     record("valid")
+    if c.layout == "padded4":  # 8-byte strides: TMA and the 16-byte stores need 16-byte strides
+        with pytest.raises(NotImplementedError, match=r"\bq\b"):
+            call(c, x, out, index_state=index_state)
+        record("unsupported")
+        return
     try:
         got, lse = call(c, x, out, index_state=index_state)
     except NotImplementedError:
