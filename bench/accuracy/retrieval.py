@@ -25,7 +25,8 @@ Attention backends (`Backend`; q/k/v [B, L, H, D] -> out [B, L, Hq, D], one caus
              summed over layers and sequences (Index.kept_blocks / visible_blocks)
   emulate    bench/accuracy/emulate.py (emulate.select + emulate.sparse_attention, float32/float64 torch), a rule dict
 Training: AdamW, length curriculum 256 -> max_len (a stage advances when the running accuracy on the scored tokens
-reaches 0.9 or its share of the budget is spent; the last stage, max_len, keeps >= half of the budget), PoSE-style
+reaches 0.9, at the latest at its deadline: 25 % of the budget for the first stage, then evenly until 60 %; the last
+stage, max_len, keeps >= 40 % of the budget), PoSE-style
 position skipping (two chunks; the second one's position ids start after a random skip so that ids up to max_pos are
 seen while training at <= max_len tokens), `--minutes` budget and `--steps` cap; checkpoint (bf16 weights + config).
 
@@ -347,8 +348,10 @@ def train(args):
                             **({"fused": True} if cuda else {}))
     stages = curriculum_lengths(args.max_len, min(args.min_len, args.max_len))
     ns = len(stages)
-    # stage i (< last) must end by budget fraction 0.5 * (i + 1) / (ns - 1); the last one keeps >= half of the budget
-    deadline = [0.5 * (i + 1) / max(1, ns - 1) for i in range(ns - 1)] + [math.inf]
+    # A stage advances once the running accuracy reaches 0.9, at the latest at its deadline (budget fractions): the
+    # first (shortest) stage, where the loss leaves its plateau, by 0.25; the others evenly until 0.6; the last one,
+    # max_len, keeps >= 40 % of the budget.
+    deadline = [0.25 + 0.35 * i / max(1, ns - 2) for i in range(ns - 1)] + [math.inf]
     budget = args.minutes * 60.0
     t0 = time.time()
     stage, stage_steps, acc_ema, step = 0, 0, 0.0, 0
