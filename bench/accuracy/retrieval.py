@@ -287,9 +287,6 @@ class RetrievalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(c, i) for i in range(c["layers"]))
         self.norm = RMSNorm(c["d_model"])
         self.head = nn.Linear(c["d_model"], c["vocab"], bias=False)
-        D = c["head_dim"]
-        self.register_buffer("inv_freq", 1.0 / (c["rope_theta"] ** (torch.arange(0, D, 2).double() / D)).float(),
-                             persistent=False)
         for n, p in self.named_parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * c["layers"]) if n.endswith(("wo.weight", "down.weight"))
@@ -302,7 +299,9 @@ class RetrievalLM(nn.Module):
                 f"-v{c['vocab']}")
 
     def hidden(self, ids, pos, attn):
-        ang = pos.float()[:, None] * self.inv_freq[None]
+        D = self.cfg["head_dim"]  # float32 angles whatever the model's dtype (a bf16 buffer would shift RoPE at 32K)
+        inv_freq = (1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, D, 2, device=pos.device).double() / D))).float()
+        ang = pos.float()[:, None] * inv_freq[None]
         cos, sin = ang.cos(), ang.sin()
         x = self.emb(ids)
         for blk in self.blocks:
