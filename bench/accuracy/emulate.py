@@ -8,8 +8,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
   score    'mean'  s_rJ = scale * q_r . kmean_J                                   (the library)
            'quest' s_rJ = scale * (q_r+ . kmax_J + q_r- . kmin_J)  (upper bound of q_r . k over the block, Quest)
            'exact' w_rJ = log of row r's true softmax mass in block J (dense logits; the oracle)
-           'probe' 'exact' for probe positions only (position % probe == probe - 1, all heads); other rows select
-                   nothing beyond the always-kept blocks (cost: 1/probe of the dense QK^T)
+           'probe' 'exact' for probe positions only (position % probe == probe - 1 and the last one, all heads);
+                   other rows select nothing beyond the always-kept blocks (cost: 1/probe of the dense QK^T). With
+                   probe 8, agg rowmax and union_mean 0.5 this is the library's rule='probe_row_max' (CPU reference)
            'antidiag' XAttention: groups of xs positions, A_ij = sum_t q_{xs i + xs-1-t} . k_{xs j + t} * scale / xs,
                    softmax over key groups, block mass = sum of its groups; every row of a group shares it
                    (cost: 1/xs of the dense QK^T)
@@ -63,12 +64,12 @@ def exact_log_mass(q, k, scale, block, rows=None):
     P = nb * block
     pos = torch.arange(L, device=q.device) if rows is None else rows
     out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
-    kf = torch.cat([k.float(), k.new_zeros(P - L, k.shape[1], D).float()])
+    kf = torch.cat([k.double(), k.new_zeros(P - L, k.shape[1], D).double()])  # double: the CPU reference's precision
     keyi = torch.arange(P, device=q.device)
     for h in range(Hq):
-        lg = (q[pos, h].float() @ kf[:, h // g].T) * scale
+        lg = (q[pos, h].double() @ kf[:, h // g].T) * scale
         lg.masked_fill_(keyi[None, :] > pos[:, None], -math.inf)
-        lb = lg.view(len(pos), nb, block).logsumexp(-1).double()
+        lb = lg.view(len(pos), nb, block).logsumexp(-1)
         out[pos, h] = lb - lb.logsumexp(-1, keepdim=True)
     return out
 

@@ -42,7 +42,7 @@ __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "ch
 _TILE_ROWS = int(_C.tile_rows)
 
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
-_RULES = {"tile_energy": 0, "row_max": 1}
+_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2}
 _C_DEFAULTS = dict(_C.selection_defaults())
 SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
                           rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
@@ -560,6 +560,10 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
           tile's maximum score. It loses 47 points of copy top-1 at 8K on a real LM (SmolLM2-135M), row_max 2
           (bench/accuracy/NOTES.md): a block that only a few rows need, with low scores of their own, drowns in the
           tile-wide sum.
+      'probe_row_max' (CPU reference only for now; CUDA raises NotImplementedError): the row_max test on the exact
+          softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
+          heads), plus the pooled-means row_max test at 0.5 for the other rows (SelectionRule::kProbeRowMax,
+          docs/semantics.md). Sees the one strong key of a block that pooled means dilute 128x.
     Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
     before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
     visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.

@@ -209,8 +209,8 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {head_subgroups}")
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
-    if rule not in (0, 1):
-        raise ValueError(f"rule: must be 0 ('tile_energy') or 1 ('row_max'), got {rule}")
+    if rule not in (0, 1, 2):
+        raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max') or 2 ('probe_row_max'), got {rule}")
     sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),

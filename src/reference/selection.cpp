@@ -1,6 +1,7 @@
 // FlashPrefill V2 selection, exactly: pooled block means, per-tile scores s_rJ = scale * q_r . k_mean_J over the
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
-// threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score), the
+// threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
+// kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at kProbeMeanAlpha), the
 // always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
@@ -135,21 +136,61 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     // The threshold test of each visible block (SelectionParams::rule).
     std::vector<char> above(size_t(nb), 0);
     constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-    if (params.rule == SelectionRule::kRowMax) {
-      // Per row: m_r = max_J s_rJ over the blocks the row sees; C_J = max over the rows that see J of s_rJ - m_r;
-      // keep iff C_J >= ln(alpha) (ln 0 = -inf: every visible block).
-      std::vector<double> closeness(size_t(nb), kNegInf);
+    // Per row: m_r = max_J w_rJ over the blocks the row sees; C_J = max over the rows that see J of w_rJ - m_r.
+    auto row_max_closeness = [&](const std::vector<double>& w, std::vector<double>& closeness) {
       for (int64_t r = 0; r < rows; ++r) {
-        const double* sr = &score[size_t(r * nb)];
+        const double* wr = &w[size_t(r * nb)];
         double row_max = kNegInf;
-        for (int64_t J = 0; J < nb; ++J) row_max = std::max(row_max, sr[J]);
-        if (row_max == kNegInf) continue;  // the row sees no block
+        for (int64_t J = 0; J < nb; ++J) row_max = std::max(row_max, wr[J]);
+        if (row_max == kNegInf) continue;  // the row sees no block (or is not a probe row)
         for (int64_t J = 0; J < nb; ++J) {
-          if (sr[J] != kNegInf) closeness[J] = std::max(closeness[J], sr[J] - row_max);
+          if (wr[J] != kNegInf) closeness[J] = std::max(closeness[J], wr[J] - row_max);
         }
       }
-      const double log_alpha = params.alpha > 0.f ? std::log(double(params.alpha)) : kNegInf;
+    };
+    const double log_alpha = params.alpha > 0.f ? std::log(double(params.alpha)) : kNegInf;
+    if (params.rule == SelectionRule::kRowMax) {
+      // keep iff C_J >= ln(alpha) (ln 0 = -inf: every visible block)
+      std::vector<double> closeness(size_t(nb), kNegInf);
+      row_max_closeness(score, closeness);
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
+    } else if (params.rule == SelectionRule::kProbeRowMax) {
+      // Probe rows: the exact log-mass of each block they see (double), then the row-max test at alpha; the rest
+      // of the tile's rows through the pooled means at kProbeMeanAlpha.
+      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
+      std::vector<double> mass(size_t(rows * nb), kNegInf), logit;
+      for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
+        const int64_t pos = r / g;
+        if (pos % kProbeStride != kProbeStride - 1 && pos != s.q_len - 1) continue;
+        const int h = kvh * g + int(r % g);
+        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+        if (keys.empty()) continue;
+        const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
+        for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+        for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
+          const int64_t lo = std::max(keys.lo, J * B), hi = std::min(keys.hi, J * B + B - 1);
+          logit.assign(size_t(hi - lo + 1), 0.0);
+          double top = kNegInf;
+          for (int64_t j = lo; j <= hi; ++j) {
+            const float* kj = &keys_of.k[size_t(j) * D];
+            double dot = 0;
+            for (int d = 0; d < D; ++d) dot += double(q[d]) * double(kj[d]);
+            logit[size_t(j - lo)] = double(p.softmax_scale) * dot;
+            top = std::max(top, logit[size_t(j - lo)]);
+          }
+          double sum = 0;
+          for (double x : logit) sum += std::exp(x - top);
+          const double w = top + std::log(sum);
+          if (std::isnan(w)) tile_nan = true;
+          mass[size_t((r - geo.row_begin) * nb + J)] = w;
+        }
+      }
+      std::vector<double> probe(size_t(nb), kNegInf), mean(size_t(nb), kNegInf);
+      row_max_closeness(mass, probe);
+      row_max_closeness(score, mean);
+      const double log_mean_alpha = std::log(double(kProbeMeanAlpha));
+      for (int64_t J = 0; J < nb; ++J)
+        above[J] = visible[J] && (probe[J] >= log_alpha || mean[J] >= log_mean_alpha);
     } else {
       // Block energies and their maximum.
       std::vector<double> energy(size_t(nb), 0.0);

@@ -32,14 +32,19 @@ def random_qkv(L, seed):
     return q, k, v
 
 
+PROBE = dict(score="probe", probe=8, union_mean=0.5)  # emulate.py's spelling of rule='probe_row_max'
+
+
 def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax"):
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
     kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
-              head_subgroups=subgroups, rule={"rowmax": "row_max", "sum": "tile_energy"}[agg])
+              head_subgroups=subgroups, rule={"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max"}[agg])
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
     rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg)
+    if agg == "probe":
+        rule.update(PROBE, agg="rowmax")
     sel = emulate.select(q, k, v, rule, SCALE)
     V, T, nb = sel.keep.shape
     mismatched = 0
@@ -64,7 +69,7 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="
 @pytest.mark.parametrize("subgroups", [1, 3])
 @pytest.mark.parametrize("correction", [True, False])
 @pytest.mark.parametrize("geometry", [(256, 512), (0, 128)])
-@pytest.mark.parametrize("agg", ["rowmax", "sum"])
+@pytest.mark.parametrize("agg", ["rowmax", "sum", "probe"])
 def test_random(L, subgroups, correction, geometry, agg):
     q, k, v = random_qkv(L, L + subgroups)
     d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1], agg=agg)
@@ -105,6 +110,6 @@ def test_real_model_qkv():
     for layer, (q, k, v) in captured.items():
         for L in (1000, 2100):
             for s in (1, 3):
-                for agg in ("rowmax", "sum"):
+                for agg in ("rowmax", "sum", "probe"):
                     check(q[:L].contiguous(), k[:L].contiguous(), v[:L].contiguous(), s, True,
                           alpha=0.1 if s == 1 else 0.01, agg=agg)

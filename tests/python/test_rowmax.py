@@ -121,3 +121,44 @@ def test_bad_rule_is_a_value_error():
             sp.build_index(q, k, v, cu_q, cu_k, 100, 100, rule=bad)
         with pytest.raises(ValueError, match="rule"):
             sp.sparse_prefill(q, k, v, cu_q, cu_k, 100, 100, rule=bad)
+
+
+# rule='probe_row_max' (CPU reference; its exact agreement with the torch emulator: test_accuracy_emulator.py)
+
+def test_probe_rule_alpha_zero_is_dense_and_cuda_is_refused():
+    q, k, v, cu_q, cu_k = batch([700, 130], [700, 600], 4, 2)
+    out = sp.sparse_prefill(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="probe_row_max")
+    np.testing.assert_allclose(out, sp.attention(q, k, v, cu_q, cu_k, 700, 700), rtol=1e-5, atol=1e-6)
+    torch = pytest.importorskip("torch")
+    if not (sp.with_cuda and torch.cuda.is_available()):
+        return
+    t = [torch.from_numpy(x).cuda().to(torch.bfloat16) for x in (q, k, v)] + [torch.from_numpy(x).cuda()
+                                                                             for x in (cu_q, cu_k)]
+    with pytest.raises(NotImplementedError, match="^rule"):
+        sp.build_index(*t, 700, 700, rule="probe_row_max")
+
+
+def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
+    """Blocks carry offsets along a direction w that every query shares, so the pooled means rank them sharply; block
+    5 has the lowest offset but holds one key that matches the last query (a probe row) along u: that key dominates
+    the row's softmax, yet its pooled mean dilutes it 64x. row_max drops block 5, probe_row_max keeps it."""
+    rng = np.random.default_rng(3)
+    L, hq, hkv, D = 1024, 2, 1, 64
+    u, w = np.linalg.qr(rng.standard_normal((D, 2)))[0].T.astype(np.float32)  # orthonormal directions
+    nb = L // BS
+    c = rng.uniform(-10, 10, nb).astype(np.float32)
+    c[5], c[9] = -10, 10
+    k = (0.1 * rng.standard_normal((L, hkv, D))).astype(np.float32) + np.repeat(c, BS)[:, None, None] * w
+    q = (0.1 * rng.standard_normal((L, hq, D))).astype(np.float32) + 3 * w
+    v = rng.standard_normal((L, hkv, D)).astype(np.float32)
+    q[L - 1] += 8 * u                    # the last query: always a probe row
+    k[5 * BS + 17, 0] = 12 * u           # one key of block 5, far from the last tile's window
+    cu = np.array([0, L], np.int32)
+    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0)
+    probe = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", **sel)
+    mean = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **sel)
+    last = probe.num_segments - 1        # the tile of query L - 1 (one sequence, one KV head)
+    kept_probe, kept_mean = set(probe.segment(0, 0, last).tolist()), set(mean.segment(0, 0, last).tolist())
+    assert 5 in kept_probe and 5 not in kept_mean, (kept_probe, kept_mean)
+    union_term = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **dict(sel, alpha=0.5))
+    assert set(union_term.segment(0, 0, last).tolist()) <= kept_probe and len(kept_probe) < nb  # still sparse
