@@ -180,7 +180,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default=None, help=f"L:chunk of the whole-prompt rows ('' to skip; default "
                                                    f"{FULL['prompt']}, --quick skips them)")
     ap.add_argument("--union-subgroups", default="", help="head_subgroups values S > 1: union rows union_s{S}_*")
+    ap.add_argument("--rule", default=SEL["rule"], choices=["tile_energy", "row_max"],
+                    help="selection rule (docs/semantics.md; row_max: the library default); the rows record it")
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
+    SEL.update(rule=args.rule)   # every step below uses it
     for name in ("contexts", "chunks", "batches", "union_subgroups"):
         ints(getattr(args, name))  # fail on bad lists before the GPU work
     if args.prompt:

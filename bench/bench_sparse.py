@@ -134,10 +134,9 @@ def accuracy(sp, L, dev="cuda"):
     q, k, v = (torch.from_numpy(a).to(dev).to(bf) for a in (q, k, v))
     cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
     dense = sp.attention(q, k, v, cu, cu, L, L)
-    idx = sp.build_index(q, k, v, cu, cu, L, L, correction=True, **SEL,
-                         workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL))
-    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, correction=False, **SEL,
-                            workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL, correction=False))
+    idx = sp.build_index(q, k, v, cu, cu, L, L, **SEL, workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL))
+    nc = dict(SEL, correction=False)
+    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, **nc, workspace=index_workspace(q, k, v, cu, cu, L, L, **nc))
     corr = sp.sparse_attention(q, k, v, idx, cu, cu, L, L)
     plain = sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L)
     torch.cuda.synchronize()
@@ -206,13 +205,14 @@ def main(argv=None):
         row["dense_ms"] = time_ms(lambda: sp.attention(q, k, v, cu, cu, L, L, out=out, workspace=wsd))
         dense = out.clone()
         ws = index_workspace(q, k, v, cu, cu, L, L, **SEL)
-        ws_nc = index_workspace(q, k, v, cu, cu, L, L, **SEL, correction=False)
+        nc = dict(SEL, correction=False)
+        ws_nc = index_workspace(q, k, v, cu, cu, L, L, **nc)
         ws_pf = workspace(sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L, **SEL), dev)
 
         def build():
             return sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **SEL)
         idx = build()
-        idx_nc = sp.build_index(q, k, v, cu, cu, L, L, workspace=ws_nc, correction=False, **SEL)
+        idx_nc = sp.build_index(q, k, v, cu, cu, L, L, workspace=ws_nc, **nc)
         row["density"] = idx.density
         row["index_ms"] = time_ms(build)
         row["attn_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
