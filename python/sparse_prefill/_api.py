@@ -599,7 +599,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule)
     mode = "union" if sel[7] else "tile"
-    mean_k, mean_v = _mean_cache_arrays(mean_cache, call, sel[1])
+    mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
         if mean_cache is not None:
             raise ValueError("mean_cache: build_index() takes a mean cache on CUDA only (the CPU reference pools "
@@ -610,7 +610,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel)), 1),), "uint8")
         # torch arrays travel as DLPack capsules, which the extension consumes once: fresh ones for the build
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
-    binding = _C.build_index_device(inputs, sel, call.c(ws), call.c(mean_k), call.c(mean_v))
+    binding = _C.build_index_device(inputs, sel, call.c(ws), call.c(mean_k), call.c(mean_v), mean_bs)
     return Index._device(ws, sel, binding, call.lib, inputs[13], call.arrays["cu_seqlens_q"], mode)
 
 
@@ -729,12 +729,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                           rule)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
-        mean_k, mean_v = _mean_cache_arrays(mean_cache, call, sel[1])
+        mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
         _C.sparse_prefill(inputs, sel, call.c(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
-                          call.c(call.workspace(workspace)))
+                          call.c(call.workspace(workspace)), mean_bs)
         return call.result(out_c, lse, out_ret, return_lse)
     if mean_cache is not None and library_of(q) is not None and not _Call(
             _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)).lib.cuda:
@@ -766,24 +766,21 @@ class MeanCache(tuple):
         return (self[0], self[1], self.block_size)
 
 
-def _mean_cache_arrays(mean_cache, call: "_Call", block_size: Optional[int] = None) -> tuple:
+def _mean_cache_arrays(mean_cache, call: "_Call") -> tuple:
+    """(k_mean, v_mean, the block size the cache was made for or 0); the library rejects a call selecting with
+    another block size (MeanCache::block_size)."""
     if mean_cache is None:
-        return None, None
+        return None, None, 0
     if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
         raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
                         f"{type(mean_cache).__name__}")
-    built_for = getattr(mean_cache, "block_size", None)
-    if block_size is not None and built_for is not None and int(block_size) != built_for:
-        raise ValueError(f"mean_cache: was made for block_size {built_for} (mean_cache(k_cache, block_size="
-                         f"{built_for})) but this call selects with block_size {int(block_size)}; its means would be "
-                         "read as blocks of the wrong size")
     for name, x in (("mean_cache.k_mean", mean_cache[0]), ("mean_cache.v_mean", mean_cache[1])):
         if library_of(x) != call.lib.name:
             raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
                             "array; pass every array of a call from one array library")
         if call.lib.name == "jax":
             raise TypeError(f"{name}: jax arrays are immutable; the mean cache is written in place")
-    return mean_cache[0], mean_cache[1]
+    return mean_cache[0], mean_cache[1], int(getattr(mean_cache, "block_size", 0))
 
 
 def mean_cache(k_cache, block_size: int = 128):

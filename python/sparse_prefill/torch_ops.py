@@ -54,9 +54,9 @@ _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
-# The extension's launch-option codes (sparse_prefill.LaunchOptions(): dense_path 'auto', split_kv on): the operators
-# always run the measured defaults.
-_LAUNCH_DEFAULTS = (0, True)
+# The extension's launch-option codes of sparse_prefill.LaunchOptions() (dense_path 'auto', split_kv on, not
+# checked): the operators always run the measured defaults.
+_LAUNCH_DEFAULTS = _api._DEFAULT_CODES
 # The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
 # wrappers below take theirs from here.
 _D = _api.SELECTION_DEFAULTS
@@ -177,7 +177,7 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     lse = _lse_for(q, return_lse)
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream,
-              0, True)  # _LAUNCH_DEFAULTS
+              *_LAUNCH_DEFAULTS)
     _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
     return lse
 
@@ -215,7 +215,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
-              0, True)  # _LAUNCH_DEFAULTS
+              *_LAUNCH_DEFAULTS)
     lse_c = _to_dlpack(lse) if return_lse else None
     if dev >= 0 and SPARSE_WORKSPACE:
         ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,

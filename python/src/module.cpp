@@ -150,9 +150,8 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
 }
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
-  // 16 entries, or 17 with LaunchOptions::checked (callers that build the tuple themselves, e.g. torch_ops, pass 16).
-  if (nb::len(t) != 16 && nb::len(t) != 17)
-    throw nb::value_error("internal: attention inputs tuple must have 16 or 17 entries");
+  // The last three: LaunchOptions (dense_path code, split_kv, checked), _api.LaunchOptions._codes().
+  if (nb::len(t) != 17) throw nb::value_error("internal: attention inputs tuple must have 17 entries");
   sp::AttentionInputs in;
   in.q = to_view(t[0], "q", held);
   in.k = to_view(t[1], "k", held);
@@ -172,7 +171,7 @@ sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   if (path < 0 || path > 2) throw sp::ArgumentError("dense_path", "unknown kernel path");
   in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
   in.options.split_kv = nb::cast<bool>(t[15]);
-  if (nb::len(t) == 17) in.options.checked = nb::cast<bool>(t[16]);
+  in.options.checked = nb::cast<bool>(t[16]);
   return in;
 }
 
@@ -476,7 +475,8 @@ NB_MODULE(_C, m) {
         },
         nb::arg("inputs"), nb::arg("selection"));
   m.def("build_index_device",
-        [](nb::tuple inputs, nb::tuple selection, nb::handle workspace, nb::handle mean_k, nb::handle mean_v) {
+        [](nb::tuple inputs, nb::tuple selection, nb::handle workspace, nb::handle mean_k, nb::handle mean_v,
+           int mean_block_size) {
           Held held;
           const sp::AttentionInputs in = make_inputs(inputs, held);
           const sp::SelectionParams p = selection_params(selection);
@@ -486,12 +486,12 @@ NB_MODULE(_C, m) {
           std::optional<sp::MeanCache> cache;
           if (!mean_k.is_none())
             cache = sp::MeanCache{to_writable_view(mean_k, "mean_cache.k_mean", held),
-                                  to_writable_view(mean_v, "mean_cache.v_mean", held)};
+                                  to_writable_view(mean_v, "mean_cache.v_mean", held), mean_block_size};
           nb::gil_scoped_release release;
           return sp::build_index(in, p, ws, cache ? &*cache : nullptr).binding;
         },
         nb::arg("inputs"), nb::arg("selection"), nb::arg("workspace"), nb::arg("mean_k").none(),
-        nb::arg("mean_v").none());
+        nb::arg("mean_v").none(), nb::arg("mean_block_size") = 0);
   m.def("sparse_attention_device",
         [](nb::tuple inputs, nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding,
            nb::handle out, nb::handle lse, bool reuse_index) {
@@ -570,10 +570,11 @@ NB_MODULE(_C, m) {
         nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("reuse_index") = false);
 
-  // mean_k / mean_v: the pooled-means cache (both or neither).
+  // mean_k / mean_v: the pooled-means cache (both or neither); mean_block_size: the block size it was made for (0:
+  // not recorded; MeanCache::block_size, checked by the library).
   m.def("sparse_prefill",
         [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse, nb::handle mean_k,
-           nb::handle mean_v, nb::handle workspace) {
+           nb::handle mean_v, nb::handle workspace, int mean_block_size) {
           Held held;
           sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
@@ -587,13 +588,13 @@ NB_MODULE(_C, m) {
             return;
           }
           sp::MeanCache cache{to_writable_view(mean_k, "mean_cache.k_mean", held),
-                              to_writable_view(mean_v, "mean_cache.v_mean", held)};
+                              to_writable_view(mean_v, "mean_cache.v_mean", held), mean_block_size};
           nb::gil_scoped_release release;
           sp::sparse_prefill(in, p, outs, cache);
         },
         nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none(),
         nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none(),
-        nb::arg("workspace").none() = nb::none());
+        nb::arg("workspace").none() = nb::none(), nb::arg("mean_block_size") = 0);
 
   m.def("mean_cache_slots", &sp::mean_cache_slots, nb::arg("num_pages"), nb::arg("page_size"),
         nb::arg("block_size"));

@@ -51,8 +51,8 @@ void checked_before(const AttentionInputs& in, const Problem& p, const BlockInde
   validate_index(hp, hv);
 }
 // ... and after it: the kernels' own checks (the device error word), synchronising in.stream.
-void checked_after(const AttentionInputs& in) {
-  if (in.options.checked) check_errors(in.stream);
+void checked_after(const AttentionInputs& in, const Problem& p) {
+  if (in.options.checked && p.device != Device::kCPU) check_errors(in.stream);
 }
 #endif
 
@@ -72,7 +72,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
   cuda::attention(in, outs, p);
-  checked_after(in);
+  checked_after(in, p);
 #else
   throw NotImplementedError("attention: this build has no CUDA backend (nvcc was not found when it was configured)");
 #endif
@@ -131,10 +131,10 @@ Problem validate_selection(const AttentionInputs& in, const SelectionParams& par
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
   const Problem p = validate_selection(in, params, nullptr);
 #ifdef SPARSE_PREFILL_WITH_CUDA
-  if (p.device != Device::kCPU) checked_before(in, p);
+  checked_before(in, p);
   BlockIndex index = p.device == Device::kCPU ? reference::build_index(in, p, params)
                                               : cuda::build_index_to_host(in, p, params);
-  if (p.device != Device::kCPU) checked_after(in);
+  checked_after(in, p);
 #else
   if (p.device != Device::kCPU) not_on_cuda("build_index");
   BlockIndex index = reference::build_index(in, p, params);
@@ -152,7 +152,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p, &index);
   cuda::sparse_attention(in, index, outs, p);
-  checked_after(in);
+  checked_after(in, p);
 #else
   not_on_cuda("sparse_attention");
 #endif
@@ -191,7 +191,7 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& p
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
   checked_before(in, p);
   cuda::build_index(in, p, params, workspace, mean_cache);
-  checked_after(in);
+  checked_after(in, p);
   return index;
 #else
   (void)workspace;
@@ -208,7 +208,7 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
   cuda::sparse_attention(in, outs, p, index);
-  checked_after(in);
+  checked_after(in, p);
 #else
   not_on_cuda("sparse_attention");
 #endif
@@ -271,7 +271,7 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& param
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
   cuda::sparse_prefill(in, params, outs, p, cache);
-  checked_after(in);
+  checked_after(in, p);
 #else
   not_on_cuda("sparse_prefill");
 #endif

@@ -75,7 +75,6 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.page_size = int(p.page_size);
     a.total_k_rows = int(p.num_pages * p.page_size);
     a.num_pages = int(p.num_pages);
-    a.max_pages = int(std::min<int64_t>(p.max_pages, INT32_MAX));
   } else {
     require_aligned(in.k, "k", 0, 1);
     require_aligned(in.v, "v", 0, 1);
@@ -85,7 +84,6 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.v_head_stride = in.v.stride[1];
     a.cu_seqlens_k = in.cu_seqlens_k->ptr<int>();
     a.total_k_rows = int(p.total_k);
-    a.total_k = int(p.total_k);
   }
   a.cu_seqlens_q = in.cu_seqlens_q.ptr<int>();
   a.batch = p.batch;
@@ -94,7 +92,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   a.head_dim = p.head_dim;
   a.total_q = int(p.total_q);
   a.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
-  a.max_seqlen_k = int(std::min<int64_t>(in.max_seqlen_k, INT32_MAX));
+  a.limits = seq_limits(in, p);
   a.softmax_scale = p.softmax_scale;
   a.causal = in.causal;
   a.window_left = in.window_left;
@@ -334,16 +332,13 @@ void build_index(const AttentionInputs& in, const Problem& p, const SelectionPar
 
 TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t>& storage) {
   // The strided span of t (any strides), copied whole, then gathered into a contiguous host array.
+  storage.resize(size_t(t.numel()));
+  TensorView h = t;
+  h.device = Device::kCPU;
+  h.data = storage.data();
+  if (t.numel() == 0) return h;
   int64_t lo = 0, hi = 0;
   for (int d = 0; d < t.ndim; ++d) {
-    if (t.shape[d] == 0) {
-      lo = hi = 0;
-      storage.clear();
-      TensorView h = t;
-      h.device = Device::kCPU;
-      h.data = storage.data();
-      return h;
-    }
     const int64_t step = (t.shape[d] - 1) * t.stride[d];
     (step < 0 ? lo : hi) += step;
   }
@@ -352,10 +347,6 @@ TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t
   check_cuda(cudaMemcpyAsync(span.data(), t.ptr<const int32_t>() + lo, span.size() * 4, cudaMemcpyDeviceToHost, s),
              "cudaMemcpyAsync (checked mode)");
   check_cuda(cudaStreamSynchronize(s), "checked mode");
-  storage.resize(size_t(t.numel()));
-  TensorView h = t;
-  h.device = Device::kCPU;
-  h.data = storage.data();
   if (t.ndim == 1) {
     for (int64_t i = 0; i < t.shape[0]; ++i) storage[i] = span[i * t.stride[0] - lo];
     h.stride[0] = 1;

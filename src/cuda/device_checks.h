@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "api/problem.h"
 #include "cuda/block_iterator.h"
 
 namespace sparse_prefill::cuda {
@@ -72,6 +73,19 @@ struct SeqLimits {
   int max_seqlen_q = 0, max_seqlen_k = 0;  // clamped to INT32_MAX
   bool paged = false;
 };
+// The limits of a call's validated problem: the one builder for the attention kernel, the split plan and the index
+// stage, so that they agree on which sequences are skipped.
+inline SeqLimits seq_limits(const AttentionInputs& in, const Problem& p) {
+  SeqLimits l;
+  l.batch = p.batch;
+  l.total_q = int(p.total_q < INT32_MAX ? p.total_q : INT32_MAX);
+  l.total_k = p.paged ? 0 : int(p.total_k < INT32_MAX ? p.total_k : INT32_MAX);
+  l.kv_capacity = p.paged ? p.max_pages * p.page_size : 0;
+  l.max_seqlen_q = int(in.max_seqlen_q < INT32_MAX ? in.max_seqlen_q : INT32_MAX);
+  l.max_seqlen_k = int(in.max_seqlen_k < INT32_MAX ? in.max_seqlen_k : INT32_MAX);
+  l.paged = p.paged;
+  return l;
+}
 
 // 0 when sequence b's span (read by load_seq_span from cu_q[b], cu_q[b + 1] and cu_k / seqused_k) is valid, else
 // the first violated DeviceErrorCode. Exactly the host's element checks (validate.cpp): first entries 0, monotone,

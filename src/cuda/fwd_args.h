@@ -27,11 +27,10 @@ struct FwdArgs {
   int64_t block_table_stride = 0;
   int batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   int total_q = 0, total_k_rows = 0;     // total_k_rows: rows of the K row space (paged: num_pages * page_size)
-  int total_k = 0;                       // contiguous KV: rows of k (total_k_rows may describe a stand-in when 0)
   int max_seqlen_q = 0;
-  int max_seqlen_k = 0;                  // clamped to INT32_MAX (device-side checks, device_checks.h)
   int page_size = 0;                     // 0 = contiguous KV
-  int num_pages = 0, max_pages = 0;      // paged KV: pages of the cache, block_table columns
+  int num_pages = 0;                     // paged KV: pages of the cache
+  SeqLimits limits;                      // what a sequence's span may be (device_checks.h): kernel, plan, combine
   float softmax_scale = 0.f;
   bool causal = true;
   int window_left = -1, window_right = -1;
@@ -116,19 +115,6 @@ int num_sms();
 // partials into out / lse after it. All stream-ordered, no host synchronisation.
 void run_split_plan(const FwdArgs& args, const SparseFwdArgs& sparse);
 void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf16);
-
-// What a sequence's span may be in this launch (device_checks.h): shared by the kernel, the split plan and combine.
-inline SeqLimits seq_limits_of(const FwdArgs& a) {
-  SeqLimits l;
-  l.batch = a.batch;
-  l.total_q = a.total_q;
-  l.total_k = a.page_size > 0 ? 0 : a.total_k;
-  l.kv_capacity = a.page_size > 0 ? int64_t(a.max_pages) * a.page_size : 0;
-  l.max_seqlen_q = a.max_seqlen_q;
-  l.max_seqlen_k = a.max_seqlen_k;
-  l.paged = a.page_size > 0;
-  return l;
-}
 
 // One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.
 void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);

@@ -93,7 +93,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   p.window_left = a.window_left;
   p.window_right = a.causal ? 0 : a.window_right;
   p.err = device_error_word();
-  p.limits = seq_limits_of(a);
+  p.limits = a.limits;
   p.num_pages = a.num_pages;
   p.num_segments = p.num_block_ids = 0;
   int64_t num_tiles = int64_t(a.num_q_heads) * p.num_m_blocks * a.batch;

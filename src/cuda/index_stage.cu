@@ -890,19 +890,6 @@ SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
                  p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
 }
 
-// What a sequence's span may be (device_checks.h): the same limits as the attention kernel's (seq_limits_of).
-SeqLimits seq_limits(const AttentionInputs& in, const Problem& p) {
-  SeqLimits l;
-  l.batch = p.batch;
-  l.total_q = int(std::min<int64_t>(p.total_q, INT32_MAX));
-  l.total_k = p.paged ? 0 : int(std::min<int64_t>(p.total_k, INT32_MAX));
-  l.kv_capacity = p.paged ? p.max_pages * p.page_size : 0;
-  l.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
-  l.max_seqlen_k = int(std::min<int64_t>(in.max_seqlen_k, INT32_MAX));
-  l.paged = p.paged;
-  return l;
-}
-
 template <typename T, int D, bool kRowMax>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {

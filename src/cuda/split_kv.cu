@@ -308,7 +308,7 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.correction = sparse_correction_on(s) ? 1 : 0;
   p.full_list = s.full_list ? 1 : 0;
   p.causal = a.causal ? 1 : 0;
-  p.limits = seq_limits_of(a);
+  p.limits = a.limits;
   p.num_segments = s.num_segments;
   p.num_block_ids = s.num_block_ids;
   p.mean_rows = int(std::max<int64_t>(s.mean_rows, 1));
