@@ -266,21 +266,24 @@ struct SparseBlockIterator {
   SP_HOST_DEVICE bool is_corr(int i) const { return i + i_begin >= n_real; }
 
   // Key block (kBlockN keys) of real step i; -1 for a step past the sequence's keys (the tail of a listed block of
-  // block_size > kBlockN keys), kBadId (-2) for a listed id outside [0, nb) (a corrupted index: the producer reports
-  // it, device_checks.h). Both are fully masked steps whose loads are zero-filled boxes.
-  static constexpr int kBadId = -2;
+  // block_size > kBlockN keys) and for a listed id outside [0, nb) (a corrupted index): a fully masked step whose loads
+  // are zero-filled boxes. The unsigned compare bounds any id (negative or past k_len) before the multiply, so n fits
+  // in int; the consumers' mask needs nothing more (32-bit only: the kernel is register-bound).
   SP_HOST_DEVICE int block(int i) const {
-    i += i_begin;
-    const int J = ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
-    if (J < 0 || int64_t(J) * block_size >= k_len) return kBadId;
-    const int n = J * ratio + (ratio - 1 - i % ratio);
+    const int J = listed_id(i);
+    if (unsigned(J) >= unsigned(k_len)) return -1;
+    const int n = J * ratio + (ratio - 1 - (i + i_begin) % ratio);
     return n * kBlockN >= k_len ? -1 : n;
   }
-
-  // The listed id of real step i (reports of a bad id only).
+  // The listed id of real step i.
   SP_HOST_DEVICE int listed_id(int i) const {
     i += i_begin;
     return ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
+  }
+  // Whether real step i lists an id outside [0, nb) (the producer reports it, device_checks.h).
+  SP_HOST_DEVICE bool bad_id(int i) const {
+    const int J = listed_id(i);
+    return J < 0 || int64_t(J) * block_size >= k_len;
   }
 
   // Chunk of correction step i: the k-th chunk with work, k = i - n_real.

@@ -108,6 +108,7 @@ struct FwdConfig {
     uint32_t listed_bits[kMaxCorrChunks * kBlockN / 32];
     int tile_ids[2];
     int poisoned[4];  // device-side checks: tile publication number + 1 of a tile that met a bad page / block id
+    int4 poison_info[4];  // ... and what it met (code, index, value): the consumers report it (fwd_kernel.h)
     cutlass::arch::ClusterBarrier tile_full[2];
     cutlass::arch::ClusterBarrier tile_empty[2];
   };

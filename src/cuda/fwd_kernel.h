@@ -352,13 +352,15 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.barrier_q), 0), tQgQ, tQsQ);
       }
 
-      // A bad value met while loading this tile (device_checks.h; cold path): the error word, and the tile's slot of
-      // storage.poisoned so that the consumers make its rows NaN. The slot is the tile's publication number mod 4 (the
-      // producer runs at most 2 tiles ahead of the consumers), marked with that number + 1, so it needs no reset;
-      // the mark is stored before the stage's full-barrier arrive, which the consumers wait on before the epilogue.
-      auto poison = [&](int code, int index, int value, int bound) {
-        report_device_error(params.err, code, batch, index, value, bound);
+      // A bad value met while loading this tile (device_checks.h; cold path): what it was, and the tile's slot of
+      // storage.poisoned so that the consumers make its rows NaN and report it to the error word in their epilogue.
+      // The slot is the tile's publication number mod 4 (the producer runs at most 2 tiles ahead of the consumers),
+      // marked with that number + 1, so it needs no reset; the mark is stored before the stage's full-barrier arrive,
+      // which the consumers wait on before the epilogue. Reporting here instead costs the producer's 24 registers the
+      // error word's arguments: the sparse kernel's spills went from 296/404 to 472/592 bytes (ptxas).
+      auto poison = [&](int code, int index, int value) {
         const int n = kDynamic ? published - 1 : 0;
+        storage.poison_info[n & 3] = make_int4(code, index, value, 0);
         atomicMax(&storage.poisoned[n & 3], n + 1);
         if constexpr (kGatherKV) __threadfence_block();  // before the cp.async arrive (no release of its own)
       };
@@ -367,7 +369,7 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         const int col = tok / params.page_size;
         const int page = __ldg(params.block_table + batch * params.block_table_stride + col);
         if (unsigned(page) < unsigned(params.num_pages)) return page;
-        poison(kErrBlockTable, col, page, params.num_pages);
+        poison(kErrBlockTable, col, page);
         return -1;
       };
       // Row of the K/V row space where key block n starts: contiguous (k_start + n*N) or paged (page % N == 0).
@@ -521,10 +523,9 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
         }
         if constexpr (kSparse) {
           if (iter.is_corr(i)) return load_means(params.tma_k_mean, sK, pipeline_k, st_k, iter.chunk(i));
-          const int n = iter.block(i);
-          if (n == Iterator::kBadId)  // reported once per step (at the K load)
-            poison(kErrBlockId, i, iter.listed_id(i), (seq.k_len + params.block_size - 1) / params.block_size);
-          return load_k(rows_of(n));
+          if (iter.bad_id(i))  // reported once per step (at the K load)
+            poison(kErrBlockId, i, iter.listed_id(i));
+          return load_k(rows_of(iter.block(i)));
         }
         load_k(rows_of(iter.block(i)));
       };
@@ -866,6 +867,12 @@ __global__ void __launch_bounds__(Config::kNumThreads, 1)
       if (storage.poisoned[n & 3] == n + 1) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) inv_sum[r] = lse[r] = __int_as_float(0x7fc00000);
+        if (mma_tidx == 0) {
+          const int4 bad = storage.poison_info[n & 3];
+          const int bound = bad.x == kErrBlockTable ? params.num_pages
+                                                    : (seq.k_len + params.block_size - 1) / params.block_size;
+          report_device_error(params.err, bad.x, work.batch, bad.y, bad.z, bound);
+        }
       }
     }
     rescale_o(inv_sum);
