@@ -50,33 +50,36 @@ std::optional<ArgumentError> take_device_error(void* stream_) {
   return device_error_message(e.code, e.seq, e.index, e.value, e.bound);
 }
 
+namespace {
+// The four cu_seqlens violations (start, decreasing, rows, last entry; DeviceErrorCode order) of `name` over the rows
+// of `array`.
+ArgumentError cu_seqlens_error(const char* name, const char* array, int which, const std::string& s,
+                               const std::string& i, const std::string& v, const std::string& b,
+                               const std::string& note) {
+  const std::string n = name;
+  switch (which) {
+    case 0: return ArgumentError(name, n + "[0] = " + v + " must be 0" + note);
+    case 1: return ArgumentError(name, "must be non-decreasing; " + n + "[" + i + "] = " + v + " < " + n + "[" + s +
+                                           "] = " + b + note);
+    case 2: return ArgumentError(name, n + "[" + i + "] = " + v + " exceeds the " + b + " rows of " + array + note);
+    default:
+      return ArgumentError(name, "last entry " + n + "[" + i + "] = " + v + " must equal the number of rows of " +
+                                     array + " (" + b + ")" + note);
+  }
+}
+}  // namespace
+
 // The messages name the argument first, as the host validation's do (validate.cpp).
 ArgumentError device_error_message(int code, int seq, int index, int value, int bound) {
   const std::string s = num(seq), i = num(index), v = num(value), b = num(bound);
   const std::string note = " (detected on the device)";
   switch (code) {
-    case kErrCuQStart: return ArgumentError("cu_seqlens_q", "cu_seqlens_q[0] = " + v + " must be 0" + note);
-    case kErrCuQDecreasing:
-      return ArgumentError("cu_seqlens_q", "must be non-decreasing; cu_seqlens_q[" + i + "] = " + v +
-                                               " < cu_seqlens_q[" + s + "] = " + b + note);
-    case kErrCuQRows:
-      return ArgumentError("cu_seqlens_q", "cu_seqlens_q[" + i + "] = " + v + " exceeds the " + b + " rows of q" +
-                                               note);
-    case kErrCuQLast:
-      return ArgumentError("cu_seqlens_q", "last entry cu_seqlens_q[" + i + "] = " + v +
-                                               " must equal the number of rows of q (" + b + ")" + note);
+    case kErrCuQStart: case kErrCuQDecreasing: case kErrCuQRows: case kErrCuQLast:
+      return cu_seqlens_error("cu_seqlens_q", "q", code - kErrCuQStart, s, i, v, b, note);
     case kErrMaxSeqlenQ:
       return ArgumentError("max_seqlen_q", "sequence " + s + " has length " + v + " > max_seqlen_q = " + b + note);
-    case kErrCuKStart: return ArgumentError("cu_seqlens_k", "cu_seqlens_k[0] = " + v + " must be 0" + note);
-    case kErrCuKDecreasing:
-      return ArgumentError("cu_seqlens_k", "must be non-decreasing; cu_seqlens_k[" + i + "] = " + v +
-                                               " < cu_seqlens_k[" + s + "] = " + b + note);
-    case kErrCuKRows:
-      return ArgumentError("cu_seqlens_k", "cu_seqlens_k[" + i + "] = " + v + " exceeds the " + b + " rows of k" +
-                                               note);
-    case kErrCuKLast:
-      return ArgumentError("cu_seqlens_k", "last entry cu_seqlens_k[" + i + "] = " + v +
-                                               " must equal the number of rows of k (" + b + ")" + note);
+    case kErrCuKStart: case kErrCuKDecreasing: case kErrCuKRows: case kErrCuKLast:
+      return cu_seqlens_error("cu_seqlens_k", "k", code - kErrCuKStart, s, i, v, b, note);
     case kErrMaxSeqlenK:
       return ArgumentError("max_seqlen_k", "sequence " + s + " has " + v + " keys > max_seqlen_k = " + b + note);
     case kErrSequsedNegative:

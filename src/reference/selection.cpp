@@ -112,6 +112,10 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     const int64_t rows = geo.row_end - geo.row_begin;
     std::vector<double> score(size_t(rows * nb), -std::numeric_limits<double>::infinity());
     std::vector<float> q(D);
+    auto load_q = [&](int64_t pos, int h) {  // query `pos` of the sequence, head h, into q
+      const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
+      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+    };
     double tile_max = -std::numeric_limits<double>::infinity();
     bool tile_nan = false;  // a NaN score (NaN in q or in a block's keys): the tile keeps every visible block
     for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
@@ -119,8 +123,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const int h = kvh * g + int(r % g);
       const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
       if (keys.empty()) continue;
-      const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
-      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+      load_q(pos, h);
       for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
         const float* km = k_mean + (size_t(J) * H + kvh) * D;
         double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: vectorisable, still double
@@ -165,8 +168,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         const int h = kvh * g + int(r % g);
         const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
         if (keys.empty()) continue;
-        const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
-        for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+        load_q(pos, h);
         for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
           const int64_t lo = std::max(keys.lo, J * B), hi = std::min(keys.hi, J * B + B - 1);
           logit.assign(size_t(hi - lo + 1), 0.0);
