@@ -203,8 +203,8 @@ PYEOF
       lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
        timeout 300 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
-         --configs default,fpv2,fpv2_nocorr,s3_a001,rowmax_a03 --chunked 512,1024 \
-         --chunked-configs default,fpv2 --out "$OUT/accuracy_h200.json" &&
+         --configs default,probe,probe_a02,fpv2,fpv2_nocorr,s3_a001,rowmax_a03 --chunked 512,1024 \
+         --chunked-configs default,probe,fpv2 --out "$OUT/accuracy_h200.json" &&
        timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
          --configs "default,probe8,probe4_a02,probe8_um05,score=exact;agg=rowcum;gamma=0.5;subgroups=3" \
          --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1

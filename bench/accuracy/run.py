@@ -40,6 +40,9 @@ CONFIGS = {
     "rowmax_a03": (dict(alpha=0.3), dict(alpha=0.3)),
     # exact scores of probe rows (every 8th position, all heads of the tile), row-max rule: emulation only (issue 13)
     "probe8": (dict(score="probe", probe=8), None),
+    # the library's rule='probe_row_max' (probe 8 + the pooled-means row max at 0.5)
+    "probe": (dict(score="probe", probe=8, union_mean=0.5), dict(rule="probe_row_max")),
+    "probe_a02": (dict(score="probe", probe=8, union_mean=0.5, alpha=0.2), dict(rule="probe_row_max", alpha=0.2)),
     "probe4_a02": (dict(score="probe", probe=4, alpha=0.2), None),
     "probe8_um05": (dict(score="probe", probe=8, union_mean=0.5), None),
 }

@@ -114,10 +114,6 @@ Problem validate_selection(const AttentionInputs& in, const SelectionParams& par
   const Problem p = validate_inputs(in, outs);
   check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, p, params.block_size, *cache);
-  if (p.device != Device::kCPU && params.rule == SelectionRule::kProbeRowMax) {
-    throw NotImplementedError("rule: kProbeRowMax ('probe_row_max') runs on the CPU reference only; the CUDA probe "
-                              "scorer is not built yet (docs/next_sparse_kernel.md)");
-  }
   return p;
 }
 

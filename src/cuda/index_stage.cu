@@ -521,7 +521,7 @@ template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int kv_split, int kv_heads_mem,
     const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
-    int32_t* segment_start,
+    const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
     int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
   using namespace cute;
   using Cfg = ScoreConfig<T, D>;
@@ -797,7 +797,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
       const int64_t last_key = min((J + 1) * B, k_len) - 1;
       const bool prunable = hi_first >= 0 && last_key <= hi_first;
       keep = tile_nan || last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
-             (has_band && J * B <= band_hi && last_key >= band_lo);
+             (has_band && J * B <= band_hi && last_key >= band_lo) ||
+             (probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u));
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
     __syncthreads();
@@ -817,11 +818,145 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
 }
 
+// SelectionRule::kProbeRowMax, the probe rows' half (the pooled-means half is the kRowMax scorer at
+// kProbeMeanAlpha, which ORs these bits in): one CTA per (tile, virtual KV head). The tile's probe rows (packed rows
+// of the queries i with i % kProbeStride == kProbeStride - 1 or i == q_len - 1) in batches of kProbeBatch; per batch
+// every visible key block's exact log-mass per row, w_rJ = log sum_j exp(scale q_r . k_j) (float, CUDA cores: a warp
+// per block, 4 keys per lane at block 128, the batch's rows against each key), kept in shared memory; then
+// m_r = max_J w_rJ and J is set when w_rJ >= m_r + ln(alpha) for some row. Bits: probe_bits[seg * words + J / 32].
+// Correctness first: every probe row reads all its visible keys (the tensor-core version, K shared by 8 tiles:
+// docs/next_sparse_kernel.md). NaN: no bit (the scorer's NaN rule keeps the tile whole).
+constexpr int kProbeThreads = 256, kProbeBatch = 16;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs qa, KVArgs kv, SelectArgs sel,
+                                                             int group_size, int num_kv_heads, int kv_split,
+                                                             const int32_t* cu_tiles, int64_t words,
+                                                             uint32_t* probe_bits) {
+  extern __shared__ __align__(16) float probe_smem[];
+  const int64_t tile_idx = blockIdx.x;
+  if (tile_idx >= cu_tiles[seq.batch]) return;
+  const int kvh = blockIdx.y;
+  const int b = find_sequence(cu_tiles, seq.batch, tile_idx);
+  const int64_t t = tile_idx - cu_tiles[b];
+  const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
+  const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
+  const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
+  const int B = sel.block_size;
+  const int64_t last_pos = (t * kTileRows + rows - 1) / group_size;
+  const int64_t hi_last = min(k_len - 1, last_pos + off);
+  const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;
+  const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
+  float* qs = probe_smem;                                  // [kProbeBatch][D] the batch's q rows, times scale
+  float* mass = qs + kProbeBatch * D;                      // [kProbeBatch][nvis]
+  uint32_t* bits = reinterpret_cast<uint32_t*>(mass + kProbeBatch * nvis);  // [words]
+  __shared__ int probe_rows[kTileRows];
+  __shared__ int n_probe;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t w = threadIdx.x; w < words; w += kProbeThreads) bits[w] = 0u;
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t pos = (t * kTileRows + r) / group_size;
+      if (pos % kProbeStride == kProbeStride - 1 || pos == q_len - 1) probe_rows[n++] = r;
+    }
+    n_probe = n;
+  }
+  __syncthreads();
+  const float scale = sel.scale_log2 / 1.4426950408889634f;  // softmax_scale
+  const float log_alpha = sel.alpha > 0.f ? logf(sel.alpha) : -INFINITY;
+  const int kv_mem = kvh / kv_split;
+  const T* kbase = static_cast<const T*>(kv.k);
+  for (int b0 = 0; b0 < n_probe; b0 += kProbeBatch) {
+    const int nr = min(kProbeBatch, n_probe - b0);
+    for (int i = threadIdx.x; i < kProbeBatch * D; i += kProbeThreads) {
+      const int rr = i / D, d = i % D;
+      float x = 0.f;
+      if (rr < nr) {
+        const int pr = int(t) * kTileRows + probe_rows[b0 + rr];
+        const T* src = static_cast<const T*>(qa.q) + (seq.q_start(b) + pr / group_size) * qa.stride_row +
+                       (kvh * group_size + pr % group_size) * qa.stride_head;
+        x = to_float(src[d]) * scale;
+      }
+      qs[i] = x;
+    }
+    __syncthreads();
+    for (int64_t J = warp; J < nvis; J += kProbeThreads / 32) {
+      float acc[kProbeBatch][4];
+#pragma unroll
+      for (int rr = 0; rr < kProbeBatch; ++rr)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[rr][c] = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        for (int64_t j = J * B + c * 32 + lane; j < min((J + 1) * B, k_len); j += 4 * 32) {
+          int64_t ko;
+          if (kv.block_table) {
+            const int64_t page = kv.page(b, j);
+            if (page < 0) continue;
+            ko = page * kv.k_stride[0] + (j % kv.page_size) * kv.k_stride[1] + kv_mem * kv.k_stride[2];
+          } else {
+            ko = (seq.k_start(b) + j) * kv.k_stride[0] + kv_mem * kv.k_stride[1];
+          }
+          float dot[kProbeBatch];
+#pragma unroll
+          for (int rr = 0; rr < kProbeBatch; ++rr) dot[rr] = 0.f;
+          for (int d = 0; d < D; ++d) {
+            const float kd = to_float(kbase[ko + d]);
+#pragma unroll
+            for (int rr = 0; rr < kProbeBatch; ++rr) dot[rr] = fmaf(qs[rr * D + d], kd, dot[rr]);
+          }
+#pragma unroll
+          for (int rr = 0; rr < kProbeBatch; ++rr) {
+            const int64_t pos = rr < nr ? (t * kTileRows + probe_rows[b0 + rr]) / group_size : -1;
+            const bool sees = rr < nr && j <= pos + off;  // causal, bottom-right
+            // log-sum-exp over this lane's keys of the block (several keys per lane when B > 128)
+            const float x = sees ? dot[rr] : -INFINITY;
+            const float m = fmaxf(acc[rr][c], x);
+            acc[rr][c] = m == -INFINITY ? -INFINITY : m + logf(expf(acc[rr][c] - m) + expf(x - m));
+          }
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < kProbeBatch; ++rr) {
+        if (rr >= nr) break;
+        float v = acc[rr][0];
+#pragma unroll
+        for (int c = 1; c < 4; ++c) {
+          const float m = fmaxf(v, acc[rr][c]);
+          v = m == -INFINITY ? -INFINITY : m + logf(expf(v - m) + expf(acc[rr][c] - m));
+        }
+        for (int o = 16; o > 0; o /= 2) {
+          const float y = __shfl_xor_sync(0xffffffffu, v, o);
+          const float m = fmaxf(v, y);
+          v = m == -INFINITY ? -INFINITY : m + logf(expf(v - m) + expf(y - m));
+        }
+        if (lane == 0) mass[rr * nvis + J] = v;
+      }
+    }
+    __syncthreads();
+    // the row-max test of the batch's rows: warp w takes rows w, w + 8
+    for (int rr = warp; rr < nr; rr += kProbeThreads / 32) {
+      float m = -INFINITY;
+      for (int64_t J = lane; J < nvis; J += 32) m = fmaxf(m, mass[rr * nvis + J]);
+      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (m == -INFINITY || m != m) continue;  // sees nothing, or NaN (the scorer's NaN rule)
+      for (int64_t J = lane; J < nvis; J += 32) {
+        const float w = mass[rr * nvis + J];
+        if (w != -INFINITY && w - m >= log_alpha) atomicOr(&bits[J / 32], 1u << (J % 32));
+      }
+    }
+    __syncthreads();
+  }
+  for (int64_t w = threadIdx.x; w < words; w += kProbeThreads) probe_bits[seg * words + w] = bits[w];
+}
+
 // The scorer's dynamic shared memory limit: the opt-in maximum of an sm_90 CTA (227 KB).
 constexpr int kScoreSmemMax = 227 * 1024;
 
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
+  int64_t probe_words;  // SelectionRule::kProbeRowMax: words of each segment's probe bitmap (else 0)
   bool split;  // the attention launch over this index may be split (split_planned): carve the split arrays
 };
 
@@ -851,6 +986,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   if (!b.paged) bd.max_blocks = std::min(bd.max_blocks, b.total_k / block_size + b.batch);
   bd.max_segments = int64_t(h.kv) * bd.max_tiles;
   bd.capacity = bd.max_segments * bd.nb_max;
+  bd.probe_words = params.rule == SelectionRule::kProbeRowMax ? (bd.nb_max + 31) / 32 : 0;
   bd.split = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
@@ -878,6 +1014,10 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   d.k_mean_lowp = take(pooled * 2);
   d.v_mean_lowp = take(pooled * 2);
   d.counters = reinterpret_cast<unsigned long long*>(take(32));
+  if (bd.probe_words) {
+    d.probe_bits = reinterpret_cast<uint32_t*>(take(size_t(bd.max_segments * bd.probe_words) * 4));
+    d.probe_words = bd.probe_words;
+  }
   const int sms = num_sms();
   char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split));
   if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split);
@@ -906,7 +1046,8 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.split, kv_heads_mem,
                                                     d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
-                                                    d.segment_start, d.segment_end, d.block_ids, d.counters);
+                                                    d.probe_bits, d.probe_words, d.segment_start, d.segment_end,
+                                                    d.block_ids, d.counters);
 }
 
 }  // namespace
@@ -1052,7 +1193,24 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
         throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                   " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
       }
-      if (params.rule == SelectionRule::kRowMax) {
+      if (params.rule == SelectionRule::kProbeRowMax) {
+        // the probe rows' bits at alpha, then the pooled-means row max at kProbeMeanAlpha ORs them in
+        const size_t probe_smem = size_t(kProbeBatch * kD + kProbeBatch * bd.nb_max + bd.probe_words) * 4;
+        if (probe_smem > size_t(kScoreSmemMax))
+          throw NotImplementedError("build_index on CUDA: rule='probe_row_max' supports up to " +
+                                    std::to_string((kScoreSmemMax / 4 - kProbeBatch * kD) / (kProbeBatch + 1)) +
+                                    " blocks per sequence");
+        auto probe = probe_kernel<T, kD>;
+        static const cudaError_t attr =
+            cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, kScoreSmemMax);
+        check_cuda(attr, "cudaFuncSetAttribute(probe_kernel)");
+        probe<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.split,
+                                                           d.cu_tiles, d.probe_words, d.probe_bits);
+        check_cuda(cudaGetLastError(), "probe_kernel launch");
+        SelectArgs mean_sel = sel;
+        mean_sel.alpha = kProbeMeanAlpha;
+        launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, mean_sel, heads, p.num_kv_heads, d);
+      } else if (params.rule == SelectionRule::kRowMax) {
         launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
       } else {
         launch_score<T, kD, false>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);

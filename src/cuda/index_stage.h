@@ -42,6 +42,8 @@ struct DeviceIndex {
   void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: the scorer's B operand, correction keys
   void* v_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: correction values (rows past the real
                                      // blocks are zero)
+  uint32_t* probe_bits = nullptr;   // SelectionRule::kProbeRowMax: [max_segments, probe_words] blocks the probe
+  int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
                                            // union mode the per-tile kept count before the union
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials

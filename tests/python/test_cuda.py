@@ -704,3 +704,50 @@ def test_row_max_chunked_paged_mean_cache_on_gpu():
         dev = sp.build_index(q, k, v, cu_q, None, mq, mk, block_table=bt_, seqused_k=used, alpha=0.1,
                              rule="row_max", final_chunk=c1 == L).to_host()
         assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)
+
+
+# rule='probe_row_max': the probe kernel (exact block masses of probe rows, float on CUDA cores) OR the pooled-means
+# row max at 0.5, against the CPU reference (double) on the same bf16 inputs: blocks near a threshold may flip.
+
+@pytest.mark.parametrize("q_lens,k_lens,hkv", [
+    ([1, 129, 1763], [1, 129, 1763], 2),       # odd lengths, GQA 4
+    ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
+])
+@pytest.mark.parametrize("alpha", [0.1, 0.3])
+def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="probe_row_max")
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max").to_host()
+    assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
+    assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
+    assert abs(got.density - ref.density) <= 0.01
+    mean = sp.build_index(*gpu, mq, mk, alpha=0.5, rule="row_max").to_host()  # the union term is a subset
+    for b in range(len(q_lens)):
+        for t in range(int(ref.tiles[b])):
+            for h in range(hkv):
+                assert set(mean.segment(b, h, t)) <= set(got.segment(b, h, t))
+
+
+def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)
+    out = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, rule="probe_row_max")
+    torch.testing.assert_close(out.float(), sp.attention(*gpu, mq, mk).float(), atol=1e-2, rtol=2 ** -7)
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2)
+    got = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2).to_host()
+    assert _segments_differ(ref, got, 2, 4) <= max(2, ref.kept_blocks // 200)
+    L, C = 3000, 1024
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
+    means = sp.mean_cache(kc)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        q, k, v, cu_q, bt_, used, mq_, mk_ = step = _chunk_step(qg, kc, vc, bt, c0, c1)
+        got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.1, rule="probe_row_max")
+        torch.cuda.synchronize()
+        assert not torch.isnan(got).any()
+        ref = sp.build_index(*(a.cpu() for a in (q, k, v, cu_q)), None, mq_, mk_, block_table=bt_.cpu(),
+                             seqused_k=used.cpu(), alpha=0.1, rule="probe_row_max", final_chunk=c1 == L)
+        dev = sp.build_index(q, k, v, cu_q, None, mq_, mk_, block_table=bt_, seqused_k=used, alpha=0.1,
+                             rule="probe_row_max", final_chunk=c1 == L).to_host()
+        assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)
