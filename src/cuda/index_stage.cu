@@ -1196,14 +1196,24 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
       if (params.rule == SelectionRule::kProbeRowMax) {
         // the probe rows' bits at alpha, then the pooled-means row max at kProbeMeanAlpha ORs them in
         const size_t probe_smem = size_t(kProbeBatch * kD + kProbeBatch * bd.nb_max + bd.probe_words) * 4;
-        if (probe_smem > size_t(kScoreSmemMax))
-          throw NotImplementedError("build_index on CUDA: rule='probe_row_max' supports up to " +
-                                    std::to_string((kScoreSmemMax / 4 - kProbeBatch * kD) / (kProbeBatch + 1)) +
-                                    " blocks per sequence");
         auto probe = probe_kernel<T, kD>;
-        static const cudaError_t attr =
-            cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, kScoreSmemMax);
-        check_cuda(attr, "cudaFuncSetAttribute(probe_kernel)");
+        // the device's opt-in limit less the kernel's 1 KB of static shared memory (227 KB alone is refused)
+        static const size_t probe_limit = [&] {
+          cudaFuncAttributes fa{};
+          int dev = 0, optin = 0;
+          check_cuda(cudaFuncGetAttributes(&fa, probe), "cudaFuncGetAttributes(probe_kernel)");
+          check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+          check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                     "cudaDeviceGetAttribute(max shared memory per block)");
+          const size_t limit = size_t(optin) - fa.sharedSizeBytes;
+          check_cuda(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)),
+                     "cudaFuncSetAttribute(probe_kernel)");
+          return limit;
+        }();
+        if (probe_smem > probe_limit)
+          throw NotImplementedError("build_index on CUDA: rule='probe_row_max' supports up to " +
+                                    std::to_string((probe_limit / 4 - kProbeBatch * kD) / (kProbeBatch + 1)) +
+                                    " blocks per sequence");
         probe<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.split,
                                                            d.cu_tiles, d.probe_words, d.probe_bits);
         check_cuda(cudaGetLastError(), "probe_kernel launch");
