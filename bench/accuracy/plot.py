@@ -30,7 +30,7 @@ def delta(row):
 
 
 def topic_time_128k(rule, correction):
-    doc = load("sparse_rowmax_h200.json" if rule == "row_max" else "sparse_h200.json")
+    doc = load({"row_max": "sparse_rowmax_h200.json", "probe_row_max": "sparse_probe_h200.json"}.get(rule, "sparse_h200.json"))
     if doc is None:
         return None
     for r in doc["rows"]:
@@ -43,7 +43,7 @@ def topic_time_128k(rule, correction):
 # the library's default at the commit that measured the rows: FlashPrefill V2's rule with correction before 6d7d020
 # (issue 13 switched it to row max without correction), row max after.
 SWITCH = "6d7d020"
-SPEED_OF = {"rowmax_a01": ("row_max", False), "fpv2": ("tile_energy", True), "fpv2_nocorr": ("tile_energy", False),
+SPEED_OF = {"rowmax_a01": ("row_max", False), "probe": ("probe_row_max", False), "fpv2": ("tile_energy", True), "fpv2_nocorr": ("tile_energy", False),
             "default_nocorr": ("tile_energy", False)}
 
 
@@ -67,12 +67,13 @@ def main():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lib = load("accuracy_h200.json")
+    lib = load("accuracy_h200.json")   # the latest run; older configurations from accuracy_h200_bcd9995.json
+    old = load("accuracy_h200_bcd9995.json")
     emu = [d for d in (load("accuracy_estimators_emulated_h200.json"), load("accuracy_emulated_h200.json")) if d]
     tasks = ["copy", "kv", "ppl"]
     fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(6 * (len(tasks) + 1), 5))
     for ax, task in zip(axes, tasks):
-        for doc, marker, what in [(lib, "o", "library")] + [(d, "x", "emulated") for d in emu]:
+        for doc, marker, what in [(lib, "o", "library"), (old, "s", "library")] + [(d, "x", "emulated") for d in emu]:
             if doc is None:
                 continue
             for r in doc["rows"]:
@@ -85,19 +86,20 @@ def main():
         ax.axvline(0.42, c="r", lw=0.5, ls="--")
         ax.set_xlabel("density (kept / visible blocks)")
         ax.set_ylabel("points vs dense" if task != "ppl" else "-% NLL vs dense")
-        ax.set_title(f"SmolLM2-135M {task} L={args.L} (o library, x emulated)")
+        ax.set_title(f"SmolLM2-135M {task} L={args.L} (o library now, s library at bcd9995, x emulated)")
     ax = axes[-1]
-    if lib is not None:
-        speed_of = dict(SPEED_OF, default=default_at(lib.get("commit", "HEAD")))
-        for r in lib["rows"]:
+    for doc in (d for d in (lib, old) if d is not None):
+        speed_of = dict(SPEED_OF, default=default_at(doc.get("commit", "HEAD")))
+        for r in doc["rows"]:
             if r["task"] != "copy" or r["L"] != args.L or r["config"] not in speed_of or r.get("chunk"):
                 continue
             t = topic_time_128k(*speed_of[r["config"]])
             if t is not None:
                 ax.scatter(t, delta(r), c="C0")
-                ax.annotate(r["config"], (t, delta(r)), fontsize=8)
+                ax.annotate(r["config"] + ("" if doc is lib else " @bcd9995"), (t, delta(r)), fontsize=8)
     ax.axhline(0, c="k", lw=0.5)
-    ax.set_xlabel("topic workload 128K: index + attention (ms, H200)")
+    ax.set_xscale("log")   # the CUDA-core probe kernel is ~100x the others
+    ax.set_xlabel("topic workload 128K: index + attention (ms, H200, log)")
     ax.set_ylabel("copy top-1, points vs dense")
     ax.set_title(f"accuracy vs time (copy L={args.L})")
     fig.tight_layout()
