@@ -33,8 +33,12 @@ struct LaunchOptions {
 //   q:  [total_q, Hq, D]                                   sequence b owns rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]
 //   contiguous KV: k, v [total_k, Hkv, D] + cu_seqlens_k [B+1]
 //   paged KV:      k, v [num_pages, page_size, Hkv, D] + block_table [B, max_pages] + seqused_k [B]
-// Index tensors are int32. q, k, v share one dtype (float32, float16 or bfloat16) and one device; the last dimension
-// of every tensor must be contiguous.
+// Index tensors are int32. q, k, v share one dtype (float32, float16, bfloat16 or float8_e4m3fn) and one device; the
+// last dimension of every tensor must be contiguous.
+// FP8 (float8_e4m3fn q, k, v): the values attended to are x * descale, with q_descale, k_descale, v_descale float32
+// [B, Hkv] of any strides (0 broadcasts; FA3's contract: query head h uses q_descale[b, h / (Hq / Hkv)]); a descale
+// left out is 1. The output is bfloat16. Descales are refused for other dtypes. The CPU reference computes FP8 inputs
+// (dequantised, then the exact math); the CUDA FP8 kernels are not built yet (NotImplementedError).
 struct AttentionInputs {
   TensorView q, k, v;
   TensorView cu_seqlens_q;
@@ -49,11 +53,13 @@ struct AttentionInputs {
   int window_right = -1;
   void* stream = nullptr;    // cudaStream_t for the CUDA backend; ignored on the CPU
   LaunchOptions options;     // CUDA kernel choices (ignored on the CPU)
+  std::optional<TensorView> q_descale, k_descale, v_descale;  // FP8 inputs only, float32 [B, Hkv]
 
   bool paged() const { return block_table.has_value(); }
 };
 
-// Outputs: out [total_q, Hq, D] in q's dtype (written in place), lse [Hq, total_q] float32 (optional).
+// Outputs: out [total_q, Hq, D] in q's dtype, bfloat16 for FP8 inputs (written in place), lse [Hq, total_q] float32
+// (optional).
 // workspace (optional, CUDA): scratch device memory of the call. attention() uses it on the path that runs short
 // queries against long keys (decode, small chunks) on PackGQA tiles with split-KV (the float32 partials and the
 // split plan); sparse_prefill() for the index and the launch state; sparse_attention() over a caller's index view for

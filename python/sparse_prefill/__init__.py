@@ -56,13 +56,14 @@ from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, MeanCache, attentio
                    sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
                    union_index)
 from . import workload
+from .fp8 import quantize_fp8
 
 with_cuda: bool = bool(_C.with_cuda)
 """True when the extension was built with the CUDA backend."""
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
+__all__ = ["quantize_fp8", "attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "chunked_prefill",
            "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "LaunchOptions",
            "check_errors",

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream, to_numpy
-from ._arrays import normalize_dtypes
+from ._arrays import _dtype_name, normalize_dtypes
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
            "MeanCache", "check_errors",
@@ -238,7 +238,7 @@ class _Call:
         c = self.c
         return (c(a["q"]), c(a["k"]), c(a["v"]), c(a["cu_seqlens_q"]), c(a.get("cu_seqlens_k")),
                 c(a.get("block_table")), c(a.get("seqused_k")), max_q, max_k, _as_bool("causal", causal), scale, left, right,
-                resolve_stream(stream, self.lib)) + _option_codes(options)
+                resolve_stream(stream, self.lib)) + _option_codes(options) + tuple(c(a.get(n)) for n in _DESCALES)
 
     def c(self, x: Any) -> Any:
         """An array as handed to the extension: torch tensors as DLPack capsules made by torch's C++ exporter
@@ -261,8 +261,8 @@ class _Call:
     def outputs(self, out: Any, return_lse: bool):
         """(out for C++, lse for C++ or None, out to return)."""
         q = self.arrays["q"]
-        if out is None:
-            out_c = self.lib.empty(q.shape, q.dtype)
+        if out is None:  # q's dtype; bfloat16 for FP8 inputs
+            out_c = self.lib.empty(q.shape, "bfloat16" if _dtype_name(q) in _FP8 else q.dtype)
             out_ret = None
         else:
             out_c = out
@@ -279,9 +279,17 @@ class _Call:
         return out_r
 
 
-def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k) -> dict:
-    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-            "block_table": block_table, "seqused_k": seqused_k}
+def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, descales=(None, None, None)) -> dict:
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+              "block_table": block_table, "seqused_k": seqused_k}
+    for name, d in zip(_DESCALES, descales):
+        if d is not None:
+            arrays[name] = d
+    return arrays
+
+
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_FP8 = ("float8_e4m3fn",)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -296,11 +304,11 @@ def attention_workspace_bytes(head_dim: int = 128) -> int:
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
               return_lse: bool = False, block_table=None, seqused_k=None, stream=None, workspace=None,
-              options: Optional[LaunchOptions] = None):
+              options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None):
     """Dense varlen attention: out = softmax(q k^T * softmax_scale + mask) v, per sequence and query head.
 
     Args:
-        q: [total_q, Hq, D] queries (float32, float16 or bfloat16).
+        q: [total_q, Hq, D] queries (float32, float16, bfloat16 or float8_e4m3fn; see q_descale).
         k, v: contiguous [total_k, Hkv, D] or, with `block_table`, paged [num_pages, page_size, Hkv, D]
             (any page_size >= 1; on CUDA pages of a multiple of 64 tokens load by TMA, other sizes such as 16 or 1 by
             a cp.async gather, see bench/NOTES.md). Query head h reads KV head h // (Hq // Hkv).
@@ -313,7 +321,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
         causal: bottom-right aligned causal mask.
         softmax_scale: default 1/sqrt(D).
         window: sliding window (left, right) in the causal alignment; -1 = unbounded.
-        out: optional [total_q, Hq, D] array of q's dtype, written in place and returned.
+        out: optional [total_q, Hq, D] array of q's dtype (bfloat16 for FP8 inputs), written in place and returned.
         return_lse: also return lse [Hq, total_q] float32 (default False, like flash_attn_varlen_func).
         block_table: [B, max_pages] int32 page ids (paged KV).
         seqused_k: [B] int32 key lengths (paged KV).
@@ -324,11 +332,18 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
             torch.empty(sp.attention_workspace_bytes(128) // 4, dtype=torch.int32, device="cuda"). Allocate it once
             and pass it to every call on one stream: the launch path then allocates nothing.
         options: LaunchOptions (CUDA kernel choices for A/B runs; default: the measured best).
+        q_descale, k_descale, v_descale: FP8 inputs (q, k, v all float8_e4m3fn, e.g. from quantize_fp8()): float32
+            [B, Hkv] arrays of any strides (0 broadcasts a per-tensor scale), the factor each stored value is
+            multiplied by (query head h uses column h // (Hq // Hkv), FA3's convention); None = 1. Refused for other
+            dtypes. The same keywords exist on build_index, sparse_attention, sparse_prefill and chunked_prefill.
+            FP8 runs on the CPU reference today (the exact math on the dequantised values); the CUDA FP8 kernels
+            are not built yet and raise NotImplementedError.
 
     Returns:
         out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.
     """
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), out)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
@@ -549,7 +564,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = _D["rule"]) -> Index:
+                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -595,7 +610,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     Returns:
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)))
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule)
@@ -675,7 +691,7 @@ def _check_index(index: Any) -> None:
 def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = True, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
                      block_table=None, seqused_k=None, stream=None, workspace=None, reuse_index: bool = False,
-                     options: Optional[LaunchOptions] = None):
+                     options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
     correction for the dropped, fully visible blocks when index.correction is set.
 
@@ -687,7 +703,8 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     Returns out, or (out, lse) when return_lse is True.
     """
     _check_index(index)
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), out)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     reuse_index = _as_bool("reuse_index", reuse_index)
@@ -713,7 +730,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
                    head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
-                   rule: str = _D["rule"]):
+                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
     """build_index() + sparse_attention() in one call (same arguments as the two; rule as in build_index()).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
@@ -729,7 +746,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule)
     if not _as_bool("return_index", return_index):
-        call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), out)
+        call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                                (q_descale, k_descale, v_descale)), out)
         mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
@@ -738,17 +756,20 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                           call.c(call.workspace(workspace)), mean_bs)
         return call.result(out_c, lse, out_ret, return_lse)
     if mean_cache is not None and library_of(q) is not None and not _Call(
-            _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)).lib.cuda:
+            _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                       (q_descale, k_descale, v_descale))).lib.cuda:
         raise ValueError("mean_cache: not supported with return_index=True on the CPU (that path builds the index "
                          "with the reference, which pools every block)")
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
                         block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
                         stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
-                        workspace=workspace, mean_cache=mean_cache, options=options, rule=rule)
+                        workspace=workspace, mean_cache=mean_cache, options=options, rule=rule,
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
-                           seqused_k=seqused_k, stream=stream, options=options)
+                           seqused_k=seqused_k, stream=stream, options=options, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale)
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
 
 
@@ -820,7 +841,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
                     mean_cache=None, head_subgroups: int = 1, workspace=None,
-                    options: Optional[LaunchOptions] = None, rule: str = _D["rule"]):
+                    options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
+                    k_descale=None, v_descale=None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -849,7 +871,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     union = _as_bool("union", union)
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
-    call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k), out)
+    call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), out)
     if not call.lib.cuda:
         cu = to_numpy(cu_seqlens_q).astype(np.int64).reshape(-1)
         used = to_numpy(seqused_k).astype(np.int64).reshape(-1)
@@ -868,7 +891,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
                           union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
-                          options=options, rule=rule)
+                          options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

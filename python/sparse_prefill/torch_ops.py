@@ -119,7 +119,7 @@ def _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_
         # fresh capsules: the call's own are consumed by the extension
         inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
                   _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, 0,
-                  *_LAUNCH_DEFAULTS)
+                  *_LAUNCH_DEFAULTS, None, None, None)
         with torch.cuda.device(device_index):
             n = int(_C.sparse_prefill_workspace_bytes(inputs, sel))
         if len(_sparse_ws_cache) >= 4096:  # engines step through many lengths: keep the cache bounded
@@ -177,7 +177,7 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     lse = _lse_for(q, return_lse)
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream,
-              *_LAUNCH_DEFAULTS)
+              *_LAUNCH_DEFAULTS, None, None, None)
     _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
     return lse
 
@@ -215,7 +215,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
-              *_LAUNCH_DEFAULTS)
+              *_LAUNCH_DEFAULTS, None, None, None)
     lse_c = _to_dlpack(lse) if return_lse else None
     if dev >= 0 and SPARSE_WORKSPACE:
         ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,

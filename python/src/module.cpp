@@ -13,7 +13,8 @@
 // The attention inputs travel as one tuple, in this order (see _api.py `_Call.inputs`):
 //   (q, k, v, cu_seqlens_q, cu_seqlens_k | None, block_table | None, seqused_k | None,
 //    max_seqlen_q, max_seqlen_k, causal, softmax_scale | None, window_left, window_right, stream, dense_path,
-//    split_kv)   (dense_path: LaunchOptions::DensePath as int)
+//    split_kv, checked, q_descale | None, k_descale | None, v_descale | None)
+//   (dense_path: LaunchOptions::DensePath as int; the descales: FP8 inputs only)
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -151,7 +152,7 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   // The last three: LaunchOptions (dense_path code, split_kv, checked), _api.LaunchOptions._codes().
-  if (nb::len(t) != 17) throw nb::value_error("internal: attention inputs tuple must have 17 entries");
+  if (nb::len(t) != 20) throw nb::value_error("internal: attention inputs tuple must have 20 entries");
   sp::AttentionInputs in;
   in.q = to_view(t[0], "q", held);
   in.k = to_view(t[1], "k", held);
@@ -172,6 +173,9 @@ sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
   in.options.split_kv = nb::cast<bool>(t[15]);
   in.options.checked = nb::cast<bool>(t[16]);
+  in.q_descale = to_opt_view(t[17], "q_descale", held);
+  in.k_descale = to_opt_view(t[18], "k_descale", held);
+  in.v_descale = to_opt_view(t[19], "v_descale", held);
   return in;
 }
 

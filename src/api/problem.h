@@ -27,7 +27,8 @@ struct Problem {
   int64_t num_pages = 0;
   int64_t max_pages = 0;    // block_table columns
   float softmax_scale = 0;  // resolved (default 1/sqrt(D))
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;      // of q, k, v
+  DType out_dtype = DType::kFloat32;  // of out: q's dtype, bfloat16 for float8_e4m3fn inputs
   Device device = Device::kCPU;
   // Per-sequence offsets and lengths, read from cu_seqlens / seqused_k. Filled only when the index tensors live on
   // the host (the CUDA path never synchronises to read them).

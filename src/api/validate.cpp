@@ -77,7 +77,9 @@ void check_head_subgroups(int subgroups, int group_size, const char* name) {
 
 namespace {
 
-bool is_float_input(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+bool is_float_input(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat8E4M3;
+}
 
 // 1-D int32 index tensor of `n` elements on the device of q.
 void check_index_vector(const TensorView& t, int64_t n, const TensorView& q, const char* name) {
@@ -125,8 +127,8 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
   // q
   check_rank(in.q, 3, "q");
   if (!is_float_input(in.q.dtype)) {
-    throw ArgumentError("q", std::string("dtype must be float16, bfloat16 or float32, got ") + dtype_name(in.q.dtype),
-                        true);
+    throw ArgumentError("q", std::string("dtype must be float16, bfloat16, float32 or float8_e4m3fn, got ") +
+                                 dtype_name(in.q.dtype), true);
   }
   check_last_dim_contiguous(in.q, "q");
   p.dtype = in.q.dtype;
@@ -152,7 +154,8 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
     check_rank(*t, kv_rank, name);
     if (t->dtype != in.q.dtype) {
       throw ArgumentError(name, std::string("dtype ") + dtype_name(t->dtype) + " does not match q's " +
-                                    dtype_name(in.q.dtype), true);
+                                    dtype_name(in.q.dtype) + " (q, k and v take one dtype; mixed FP8 operands are "
+                                    "not supported)", true);
     }
     check_same_device(*t, in.q, name, "q");
     check_last_dim_contiguous(*t, name);
@@ -223,6 +226,25 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
     check_index_vector(*in.cu_seqlens_k, p.batch + 1, in.q, "cu_seqlens_k");
   }
 
+  // FP8 descales, float32 [B, Hkv] of any strides
+  p.out_dtype = p.dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : p.dtype;
+  for (const auto& [t, name] : {std::pair{&in.q_descale, "q_descale"}, std::pair{&in.k_descale, "k_descale"},
+                                std::pair{&in.v_descale, "v_descale"}}) {
+    if (!t->has_value()) continue;
+    if (p.dtype != DType::kFloat8E4M3) {
+      throw ArgumentError(name, std::string("applies to float8_e4m3fn inputs only; q is ") + dtype_name(p.dtype),
+                          true);
+    }
+    check_rank(**t, 2, name);
+    check_dtype(**t, DType::kFloat32, name);
+    check_same_device(**t, in.q, name, "q");
+    if ((*t)->shape[0] != p.batch || (*t)->shape[1] != p.num_kv_heads) {
+      throw ArgumentError(name, "expected shape [" + std::to_string(p.batch) + ", " +
+                                    std::to_string(p.num_kv_heads) + "] ([batch, KV heads]), got " +
+                                    shape_string(**t));
+    }
+  }
+
   // outputs
   if (outs) {
     const TensorView& o = outs->out;
@@ -230,9 +252,11 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
     if (o.shape[0] != in.q.shape[0] || o.shape[1] != in.q.shape[1] || o.shape[2] != in.q.shape[2]) {
       throw ArgumentError("out", "shape " + shape_string(o) + " must equal q's shape " + shape_string(in.q));
     }
-    if (o.dtype != in.q.dtype) {
-      throw ArgumentError("out", std::string("dtype ") + dtype_name(o.dtype) + " must equal q's " +
-                                     dtype_name(in.q.dtype), true);
+    if (o.dtype != p.out_dtype) {
+      throw ArgumentError("out", std::string("dtype ") + dtype_name(o.dtype) + " must be " +
+                                     dtype_name(p.out_dtype) + (p.dtype == DType::kFloat8E4M3
+                                                                    ? " for float8_e4m3fn inputs"
+                                                                    : " (q's dtype)"), true);
     }
     check_same_device(o, in.q, "out", "q");
     check_last_dim_contiguous(o, "out");

@@ -1,4 +1,5 @@
-// Scalar conversions between float and the 16-bit storage types (round to nearest even), host only.
+// Scalar conversions between float and the 16-bit storage types (round to nearest even), and the decoding of
+// float8_e4m3fn; host only.
 #pragma once
 
 #include <cstdint>
@@ -72,12 +73,34 @@ inline uint16_t float_to_half(float f) {
   return uint16_t(h);
 }
 
+// float8_e4m3fn (OCP FP8 E4M3, "fn": no infinities): sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is
+// NaN, the largest finite value 448, the smallest subnormal 2^-9. Exact in float.
+inline float fp8e4m3_to_float(uint8_t x) {
+  const uint32_t sign = uint32_t(x & 0x80u) << 24;
+  const uint32_t exp = (x >> 3) & 0xfu, mant = x & 0x7u;
+  if (exp == 0xfu && mant == 0x7u) {
+    const uint32_t nan = sign | 0x7fc00000u;
+    float f;
+    std::memcpy(&f, &nan, 4);
+    return f;
+  }
+  float f;
+  if (exp == 0) {
+    f = float(mant) * (1.0f / 512.0f);  // subnormal: mant / 8 * 2^-6
+  } else {
+    const uint32_t bits = ((exp + 127 - 7) << 23) | (mant << 20);
+    std::memcpy(&f, &bits, 4);
+  }
+  return sign ? -f : f;
+}
+
 // Reads element `i` (in elements from `base`) of a float-like tensor as float.
 inline float load_as_float(const void* base, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::kFloat32: return static_cast<const float*>(base)[i];
     case DType::kFloat16: return half_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat8E4M3: return fp8e4m3_to_float(static_cast<const uint8_t*>(base)[i]);
     default: return 0.f;
   }
 }

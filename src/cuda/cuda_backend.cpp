@@ -32,7 +32,8 @@ bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0;
 
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
-    throw NotImplementedError("CUDA attention supports bfloat16 and float16 inputs only (got another dtype)");
+    throw NotImplementedError(std::string("q: CUDA attention supports bfloat16 and float16 inputs only, got ") +
+                              dtype_name(p.dtype) + " (FP8 runs on the CPU reference; its CUDA kernel is not built yet)");
   if (p.head_dim != 128 && p.head_dim != 64)
     throw NotImplementedError("CUDA attention is built for head dims 64 and 128, got " + std::to_string(p.head_dim));
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)

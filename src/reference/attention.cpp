@@ -83,13 +83,14 @@ void run_rows(const AttentionInputs& in, const AttentionOutputs& outs, const Pro
     for (int64_t i = it.i0; i < std::min(s.q_len, it.i0 + kRowsPerItem); ++i) {
       const int64_t row = s.q_start + i;
       const int64_t qo = row * in.q.stride[0] + it.h * in.q.stride[1];
-      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+      const float q_scale = descale_at(in.q_descale, it.b, it.h, p.num_q_heads);
+      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d) * q_scale;
       ranges.clear();
       virtuals.clear();
       key_set(it.b, it.h, i, ranges, virtuals);
       const double lse = attend_row(q.data(), D, p.softmax_scale, skv, ranges, virtuals, logits, o.data());
       const int64_t oo = row * outs.out.stride[0] + it.h * outs.out.stride[1];
-      for (int d = 0; d < D; ++d) store_from_float(outs.out.data, p.dtype, oo + d, float(o[d]));
+      for (int d = 0; d < D; ++d) store_from_float(outs.out.data, p.out_dtype, oo + d, float(o[d]));
       if (outs.lse) outs.lse->ptr<float>()[it.h * outs.lse->stride[0] + row * outs.lse->stride[1]] = float(lse);
     }
   });

@@ -13,6 +13,8 @@ std::vector<SequenceKV> gather_kv(const AttentionInputs& in, const Problem& p) {
     s.len = p.seqs[b].k_len;
     s.k.resize(size_t(s.len) * D);
     s.v.resize(size_t(s.len) * D);
+    const float k_scale = descale_at(in.k_descale, b, h, p.num_kv_heads);
+    const float v_scale = descale_at(in.v_descale, b, h, p.num_kv_heads);
     for (int64_t j = 0; j < s.len; ++j) {
       int64_t ko, vo;  // element offsets of key j's row in k and v
       if (p.paged) {
@@ -27,8 +29,8 @@ std::vector<SequenceKV> gather_kv(const AttentionInputs& in, const Problem& p) {
         vo = row * in.v.stride[0] + h * in.v.stride[1];
       }
       for (int d = 0; d < D; ++d) {
-        s.k[size_t(j) * D + d] = load_as_float(in.k.data, p.dtype, ko + d);
-        s.v[size_t(j) * D + d] = load_as_float(in.v.data, p.dtype, vo + d);
+        s.k[size_t(j) * D + d] = load_as_float(in.k.data, p.dtype, ko + d) * k_scale;
+        s.v[size_t(j) * D + d] = load_as_float(in.v.data, p.dtype, vo + d) * v_scale;
       }
     }
   });

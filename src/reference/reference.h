@@ -12,7 +12,16 @@
 
 namespace sparse_prefill::reference {
 
-// Keys and values of one (sequence, KV head) gathered into float rows [len, D] (contiguous or paged source).
+// The FP8 descale of sequence b and head h of `heads` heads (1 when absent). `descale` is [B, Hkv]; `heads` is the
+// query heads or the (possibly virtual, head sub-group) KV heads of the call: head h reads column h / (heads / Hkv).
+inline float descale_at(const std::optional<TensorView>& descale, int b, int h, int heads) {
+  if (!descale) return 1.f;
+  const int per_column = heads / int(descale->shape[1]);
+  return descale->ptr<const float>()[b * descale->stride[0] + (h / per_column) * descale->stride[1]];
+}
+
+// Keys and values of one (sequence, KV head) gathered into float rows [len, D] (contiguous or paged source), FP8
+// descales applied.
 struct SequenceKV {
   int64_t len = 0;
   std::vector<float> k, v;

@@ -114,7 +114,8 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     std::vector<float> q(D);
     auto load_q = [&](int64_t pos, int h) {  // query `pos` of the sequence, head h, into q
       const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
-      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d);
+      const float scale = descale_at(in.q_descale, b, h, p.num_q_heads);
+      for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d) * scale;
     };
     double tile_max = -std::numeric_limits<double>::infinity();
     bool tile_nan = false;  // a NaN score (NaN in q or in a block's keys): the tile keeps every visible block
