@@ -13,8 +13,9 @@
 #   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, valid and invalid calls,
 #             bad device values included) under compute-sanitizer memcheck, then racecheck on the kernel matrix and
 #             the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
-#   abguards  issue 19: the kernels of this tree against a base build (main: .deps/base.tar, built into
-#             $SP_AB_BASE_SITE or /tmp/ab-base-site) in one call, alternating processes: bench/ab_guards.py
+#   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
+#             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
+#             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes)
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
@@ -37,7 +38,7 @@
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abguards|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -142,7 +143,7 @@ json.dump(row, open(os.path.join(out, "fuzz_h200.json"), "w"), indent=1)
 print(json.dumps({k: row[k] for k in ("cases", "crashes", "memcheck_errors", "racecheck_hazards")}))
 PYEOF
       ;;
-    abguards)
+    abbase)
       # The base: $SP_AB_BASE_SITE, or built here (once per warm machine, ~2 min) from .deps/base.tar, made on the
       # development machine with `git archive main > .deps/base.tar` and carried (run's carry: [".deps/base.tar"]).
       site="${SP_AB_BASE_SITE:-/tmp/ab-base-site}"
@@ -152,13 +153,13 @@ PYEOF
         rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xf .deps/base.tar -C /tmp/ab-base
         "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "$site" -C build-dir=/tmp/ab-base-build \
           -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" /tmp/ab-base \
-          > "$OUT/ab_guards_base_build.log" 2>&1 || { tail -20 "$OUT/ab_guards_base_build.log"; rc=1; continue; }
+          > "$OUT/ab_base_build.log" 2>&1 || { tail -20 "$OUT/ab_base_build.log"; rc=1; continue; }
       fi
-      step "A/B of the device-side guards: the installed package (this tree) against $site"
-      timeout 500 "$PY" bench/ab_guards.py --base-site "$site" ${SP_AB_QUICK:+--quick} \
-        --out "$OUT/ab_guards_h200.json" > "$OUT/ab_guards.log" 2>&1
+      step "A/B (${SP_AB_WHAT:-two builds}): the installed package (this tree) against $site"
+      timeout 500 "$PY" bench/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} \
+        --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_h200.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
-      tail -20 "$OUT/ab_guards.log"
+      tail -20 "$OUT/ab.log"
       ;;
     bench)
       full=()

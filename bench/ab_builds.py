@@ -1,6 +1,7 @@
-"""A/B of the device-side guards (issue 19): the kernels of two builds of the package on the same shapes, in one run.
+"""A/B of two builds of the package on the same shapes, in one run: the device-side guards against the code before
+them (issue 19), a refactor against the code before it (issue 15: within 2 %).
 
-    python bench/ab_guards.py --base-site /tmp/ab-base-site --out ab_guards_h200.json
+    python bench/ab_builds.py --base-site /tmp/ab-base-site --what "issue 19 guards" --out ab_guards_h200.json
 
 `--base-site` holds the base build (e.g. main, `pip install --target`); the other variant is the package this Python
 imports (the installed one, this tree). Each variant runs in its own worker process (two packages of one name cannot
@@ -8,8 +9,8 @@ share a process); the workers alternate, base, ours, base, ours, ... for --round
 fall on both. Every row times one call with CUDA events (median of --iters after warm-up): dense causal prefill
 (contiguous, paged with TMA pages of 64, paged with pages of 16 through the cp.async gather), the split-KV short-
 query path, sparse_prefill on the topic workload (index + sparse attention) and a chunked-prefill last chunk; the
-speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16). The target of the issue: ours / base <= 1.01.
-scripts/gpu.sh abguards builds the base from .deps/base.tar and runs this.
+speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16). Issue 19's target: ours / base <= 1.01; issue 15's:
+within 2 %. scripts/gpu.sh abbase builds the base from .deps/base.tar and runs this.
 """
 
 import argparse
@@ -102,7 +103,8 @@ def worker(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-site", help="directory holding the base build's sparse_prefill package")
-    ap.add_argument("--out", default="ab_guards.json")
+    ap.add_argument("--out", default="ab_builds.json")
+    ap.add_argument("--what", default="A/B of two builds", help="what the A/B measures (recorded in the JSON)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -134,7 +136,7 @@ def main():
         o = statistics.median(x[k] for x in runs["ours"])
         rows.append({"row": k, "base_ms": round(b, 4), "ours_ms": round(o, 4), "ratio": round(o / b, 4)})
         print(f"{k:28s} base {b:9.3f} ms  ours {o:9.3f} ms  ours/base {o / b:.4f}")
-    out = {"what": "issue 19 guards A/B: median of rounds of medians, CUDA events", "rows": rows,
+    out = {"what": args.what + ": median of rounds of medians, CUDA events", "rows": rows,
            "commit": os.environ.get("SP_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
            "base_package": runs["base"][0]["package"], "ours_package": runs["ours"][0]["package"],
            "command": " ".join(sys.argv), "through_package": True}
