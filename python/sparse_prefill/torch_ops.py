@@ -17,7 +17,8 @@ call these operators, each with a fake (meta) implementation for tracing:
     torch.ops.sparse_prefill.chunked_prefill(...)     -> (out, lse)
     torch.ops.sparse_prefill.chunked_prefill_out(...) -> lse
 
-out is [total_q, Hq, D] in q's dtype; lse is [Hq, total_q] float32 when return_lse is set, else an empty [0]
+out is [total_q, Hq, D] in q's dtype (bfloat16 for float8_e4m3fn inputs, which take q_descale, k_descale and
+v_descale as the public functions do); lse is [Hq, total_q] float32 when return_lse is set, else an empty [0]
 float32 tensor (an operator returns the same structure on every call). The mean cache travels as two optional
 tensors (mean_k, mean_v) instead of the pair `mean_cache`.
 
@@ -66,6 +67,10 @@ _RULE_D = _api._as_rule(_D["rule"])
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-call helpers (kept flat: every line here runs on each launch)
 # ---------------------------------------------------------------------------------------------------------------------
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype  # FP8 inputs give bfloat16 outputs
+
 
 def _dl(t: Optional[torch.Tensor]) -> Any:
     return None if t is None else _to_dlpack(t)
@@ -166,7 +171,7 @@ _increment_version = torch.autograd.graph.increment_version
 # ---------------------------------------------------------------------------------------------------------------------
 
 def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-                   return_lse, block_table, seqused_k, out) -> torch.Tensor:
+                   return_lse, block_table, seqused_k, out, q_descale, k_descale, v_descale) -> torch.Tensor:
     left, right = _window_pair(window)
     dev = q.get_device()
     if dev >= 0:
@@ -177,29 +182,31 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     lse = _lse_for(q, return_lse)
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream,
-              *_LAUNCH_DEFAULTS, None, None, None)
+              *_LAUNCH_DEFAULTS, _dl(q_descale), _dl(k_descale), _dl(v_descale))
     _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
     return lse
 
 
 def _attention_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
-                      window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+                      window=(-1, -1), return_lse=False, block_table=None, seqused_k=None,
+                      q_descale=None, k_descale=None, v_descale=None):
+    out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                         window, return_lse, block_table, seqused_k, out)
+                         window, return_lse, block_table, seqused_k, out, q_descale, k_descale, v_descale)
     return out, lse
 
 
 def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
-                          softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+                          softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None,
+                          q_descale=None, k_descale=None, v_descale=None):
     _check_out(out)
     return _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          window, return_lse, block_table, seqused_k, out)
+                          window, return_lse, block_table, seqused_k, out, q_descale, k_descale, v_descale)
 
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
-                mean_k, mean_v, head_subgroups, rule, out) -> torch.Tensor:
+                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale) -> torch.Tensor:
     if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
             _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
             1 <= head_subgroups <= _INT32_MAX):
@@ -215,7 +222,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
-              *_LAUNCH_DEFAULTS, None, None, None)
+              *_LAUNCH_DEFAULTS, _dl(q_descale), _dl(k_descale), _dl(v_descale))
     lse_c = _to_dlpack(lse) if return_lse else None
     if dev >= 0 and SPARSE_WORKSPACE:
         ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,
@@ -232,22 +239,23 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                    sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=1, rule=_RULE_D):
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+                   head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+    out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
-                      union, mean_k, mean_v, head_subgroups, rule, out)
+                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale)
     return out, lse
 
 
 def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"],
                        block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
-                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D):
+                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
+                       q_descale=None, k_descale=None, v_descale=None):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out)
+                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -271,28 +279,28 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                     final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                     correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=1, rule=_RULE_D):
+                    head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                       window, last_n, correction, True, softmax_scale,
                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out)
+                      out, q_descale, k_descale, v_descale)
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                         final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                         correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=1, rule=_RULE_D):
+                        head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, True, softmax_scale,
                        return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out)
+                      out, q_descale, k_descale, v_descale)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -306,39 +314,42 @@ def _fake_lse(q, return_lse):
 
 
 def _fake_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
-                    window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
-    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+                    window=(-1, -1), return_lse=False, block_table=None, seqused_k=None,
+                    q_descale=None, k_descale=None, v_descale=None):
+    return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
-                        softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None):
+                        softmax_scale=None, window=(-1, -1), return_lse=False, block_table=None, seqused_k=None,
+                        q_descale=None, k_descale=None, v_descale=None):
     return _fake_lse(q, return_lse)
 
 
 def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                  sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=1, rule=_RULE_D):
-    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+                 head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+    return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"], block_size=_D["block_size"],
                      sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=1, rule=_RULE_D):
+                     mean_v=None, head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
                   union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
-                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D):
-    return q.new_empty(q.shape), _fake_lse(q, return_lse)
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
+                  q_descale=None, k_descale=None, v_descale=None):
+    return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                       final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                       correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=1, rule=_RULE_D):
+                      head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
     return _fake_lse(q, return_lse)
 
 
@@ -348,18 +359,20 @@ def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k,
 
 _ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
               "SymInt max_seqlen_k")
+_FP8_OPTS = "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None"
 _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -1], bool return_lse=False, "
-              "Tensor? block_table=None, Tensor? seqused_k=None")
+              "Tensor? block_table=None, Tensor? seqused_k=None, " + _FP8_OPTS)
 _SEL_OPTS = (f"float alpha={_D['alpha']!r}, int block_size={_D['block_size']}, int sink={_D['sink']}, "
              f"int window={_D['window']}, int last_n={_D['last_n']}, bool correction={_D['correction']}")
 _SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
-                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule={_RULE_D}")
+                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule={_RULE_D}, "
+                f"{_FP8_OPTS}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
                "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, "
-               f"int rule={_RULE_D}")
+               f"int rule={_RULE_D}, {_FP8_OPTS}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -410,14 +423,17 @@ def _mean_pair(mean_cache) -> tuple:
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
-              return_lse: bool = False, block_table=None, seqused_k=None):
+              return_lse: bool = False, block_table=None, seqused_k=None,
+              q_descale=None, k_descale=None, v_descale=None):
     """sparse_prefill.attention through torch.ops.sparse_prefill.attention(_out). Returns out, or (out, lse)."""
     if out is None:
         out, lse = _attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                 softmax_scale, window, return_lse, block_table, seqused_k)
+                                 softmax_scale, window, return_lse, block_table, seqused_k,
+                                 q_descale, k_descale, v_descale)
     else:
         lse = _attention_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal,
-                                softmax_scale, window, return_lse, block_table, seqused_k)
+                                softmax_scale, window, return_lse, block_table, seqused_k,
+                                q_descale, k_descale, v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -426,18 +442,20 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
                    union: bool = False, mean_cache=None, head_subgroups: int = 1,
-                   rule: str = _D["rule"]):
+                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
     Returns out, or (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                               window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                              final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
+                              final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
+                              q_descale, k_descale, v_descale)
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
                              sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
-                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
+                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
+                             q_descale, k_descale, v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -446,16 +464,18 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                     last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = 1, rule: str = _D["rule"]):
+                    head_subgroups: int = 1, rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
     (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
-                               return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
+                               return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
+                               q_descale, k_descale, v_descale)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
-                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule))
+                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
+                              q_descale, k_descale, v_descale)
     return (out, lse) if return_lse else out

@@ -197,3 +197,28 @@ def test_fp8_on_cuda_says_not_built(rng):
     for fn in (sp.attention, sp.sparse_prefill, sp.build_index):
         with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
             fn(*args, **fp8)
+
+
+def test_fp8_torch_ops_equal_the_public_functions(rng):
+    import sparse_prefill.torch_ops as spt
+    (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [70, 200], [130, 200], d=128)
+    fp8 = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    args = (q8, k8, v8, cu_q, cu_k, 200, 200)
+    for op, public in ((spt.attention, sp.attention), (spt.sparse_prefill, sp.sparse_prefill)):
+        got = op(*args, **fp8)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, public(*args, **fp8))
+    # opcheck without test_schema: its mutation check multiplies the inputs, which torch does not do for float8
+    check = lambda op, a, kw: torch.library.opcheck(  # noqa: E731
+        spt.OPS[op], a, kw, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    check("attention", args, dict(fp8, return_lse=True))
+    check("sparse_prefill", args, fp8)
+    check("attention_out", args + (torch.empty(q8.shape, dtype=torch.bfloat16),), fp8)
+    kc, vc, bt, used = to_paged(rng, np.zeros((10, 2, 128), np.float32), np.zeros((10, 2, 128), np.float32),
+                                np.array([0, 10], np.int32), 64)
+    kc8, vc8 = (torch.from_numpy(x).clamp(-448, 448).to(F8) for x in (kc, vc))
+    step = (q8[:10], kc8, vc8, torch.tensor([0, 10], dtype=torch.int32), torch.from_numpy(bt),
+            torch.from_numpy(used), 10, 10)
+    one = dict(q_descale=ds[0][:1], k_descale=ds[1][:1], v_descale=ds[2][:1])
+    got = spt.chunked_prefill(*step, final_chunk=True, **one)
+    assert torch.equal(got, sp.chunked_prefill(*step, final_chunk=True, **one))
+    check("chunked_prefill", step, dict(one, final_chunk=True))
