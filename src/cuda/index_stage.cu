@@ -9,6 +9,8 @@
 #include <type_traits>
 
 #include "api/validate.h"
+#include "cuda/common/check.h"
+#include "cuda/common/workspace.h"
 #include "cuda/device_checks.h"
 #include "cuda/fwd_args.h"
 #include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
@@ -23,10 +25,6 @@ constexpr int kScoreChunk = 128;     // pooled blocks scored per step: S chunk i
 constexpr int kScoreThreads = 256;   // 2 warpgroups x 64 packed rows
 constexpr int kScoreWarps = kScoreThreads / 32;
 constexpr int kPoolThreadsMax = 128;
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
-}
 
 struct SeqArgs {
   const int32_t* cu_q;
@@ -991,16 +989,10 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   return bd;
 }
 
-size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
-
 // Carves the workspace; with base == nullptr only sums the sizes.
 size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* idx) {
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    char* ptr = base ? base + off : nullptr;
-    off += align_up(bytes);
-    return ptr;
-  };
+  WorkspaceCarver ws(base);
+  auto take = [&](size_t bytes) { return ws.take(bytes); };
   const size_t pooled = size_t(bd.max_blocks) * b.num_kv_heads * b.head_dim;
   DeviceIndex d;
   d.segment_start = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
@@ -1022,7 +1014,7 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split));
   if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split);
   if (idx) *idx = d;
-  return off;
+  return ws.bytes();
 }
 
 SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
