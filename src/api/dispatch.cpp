@@ -8,7 +8,7 @@
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
 #include "cuda/cuda_backend.h"
-#include "cuda/index_stage.h"
+#include "cuda/index/index_stage.h"
 #endif
 
 namespace sparse_prefill {

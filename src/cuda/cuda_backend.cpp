@@ -13,7 +13,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/workspace.h"
 #include "cuda/fwd_args.h"
-#include "cuda/index_stage.h"
+#include "cuda/index/index_stage.h"
 
 namespace sparse_prefill::cuda {
 namespace {
