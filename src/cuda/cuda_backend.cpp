@@ -212,19 +212,6 @@ ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, c
 
 }  // namespace
 
-int num_sms() {
-  static int cache[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-    throw std::runtime_error("sparse_prefill cuda: no current CUDA device");
-  if (cache[dev] == 0) {
-    int n = 0;
-    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    cache[dev] = n;
-  }
-  return cache[dev];
-}
-
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   using Path = LaunchOptions::DensePath;
   if (in.options.dense_path == Path::kDenseKernel || p.head_dim != 128) return false;  // sparse kernel: D = 128

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "api/validate.h"
+#include "cuda/common/math.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda {
@@ -79,7 +80,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
   const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                        params.final_chunk ? params.last_n : 0,
-                       float(p.softmax_scale * 1.4426950408889634)};
+                       float(p.softmax_scale * kLog2e)};
   launch_select(stream, p, params, bd, heads, seq, qa, kv, sel, d);
   if (params.union_lists && bd.max_tiles > 0) {
     launch_union(stream, seq, heads, p.batch, params.block_size, bd.nb_max, d);

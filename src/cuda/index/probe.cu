@@ -5,6 +5,8 @@
 #include <type_traits>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
+#include "cuda/common/math.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs
     n_probe = n;
   }
   __syncthreads();
-  const float scale = sel.scale_log2 / 1.4426950408889634f;  // softmax_scale
+  const float scale = sel.scale_log2 / float(kLog2e);  // softmax_scale
   const float log_alpha = sel.alpha > 0.f ? logf(sel.alpha) : -INFINITY;
   const int kv_mem = kvh / kv_split;
   const T* kbase = static_cast<const T*>(kv.k);
@@ -153,15 +155,9 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
     constexpr int kD = decltype(dim)::value;
     const size_t probe_smem = size_t(kProbeBatch * kD + kProbeBatch * nb_max + d.probe_words) * 4;
     auto probe = probe_kernel<T, kD>;
-    // the device's opt-in limit less the kernel's 1 KB of static shared memory (227 KB alone is refused)
+    // the device's opt-in limit less the kernel's 1 KB of static shared memory (the opt-in limit alone is refused)
     static const size_t probe_limit = [&] {
-      cudaFuncAttributes fa{};
-      int dev = 0, optin = 0;
-      check_cuda(cudaFuncGetAttributes(&fa, probe), "cudaFuncGetAttributes(probe_kernel)");
-      check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-      check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                 "cudaDeviceGetAttribute(max shared memory per block)");
-      const size_t limit = size_t(optin) - fa.sharedSizeBytes;
+      const size_t limit = max_dynamic_smem_optin(probe);
       check_cuda(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)),
                  "cudaFuncSetAttribute(probe_kernel)");
       return limit;

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
 #include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index/device_args.cuh"
 #include "cuda/softmax.h"     // acc_rowcol, fast_exp2
@@ -387,22 +388,29 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
 }
 
-// The scorer's dynamic shared memory limit: the opt-in maximum of an sm_90 CTA (227 KB).
-constexpr int kScoreSmemMax = 227 * 1024;
+// The scorer's dynamic shared memory limit on this device (device_info.h: the opt-in maximum less the kernel's static
+// shared memory), past the 48 KB default. Set once per instantiation together with all of the unified L1 as shared
+// memory, so that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one); attributes are not
+// stream operations, so there is no per-call host cost.
+template <typename T, int D, bool kRowMax>
+size_t score_smem_limit() {
+  static const size_t limit = [] {
+    auto kernel = score_select_kernel<T, D, kRowMax>;
+    const size_t bytes = max_dynamic_smem_optin(kernel);
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+               "cudaFuncSetAttribute(score_select_kernel)");
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+               "cudaFuncSetAttribute(score_select_kernel)");
+    return bytes;
+  }();
+  return limit;
+}
 
 template <typename T, int D, bool kRowMax>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D, kRowMax>;
-  // Up to ~200 KB of dynamic shared memory, past the 48 KB default, and all of the unified L1 as shared memory so
-  // that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one). Set once per instantiation
-  // with the largest size the scorer takes (attributes are not stream operations; no per-call host cost).
-  static const cudaError_t attr = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScoreSmemMax);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    return e;
-  }();
-  check_cuda(attr, "cudaFuncSetAttribute(score_select_kernel)");
+  (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.split, kv_heads_mem,
                                                     d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
@@ -422,7 +430,9 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
     const size_t dyn_smem = ScoreConfig<T, kD>::smem_bytes(bd.nb_max);
-    if (dyn_smem > size_t(kScoreSmemMax)) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
+    const bool row_max = params.rule == SelectionRule::kRowMax || params.rule == SelectionRule::kProbeRowMax;
+    const size_t limit = row_max ? score_smem_limit<T, kD, true>() : score_smem_limit<T, kD, false>();
+    if (dyn_smem > limit) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
       throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                 " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
     }

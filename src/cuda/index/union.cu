@@ -3,6 +3,7 @@
 #include <string>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -95,8 +96,14 @@ __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int g
 
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const IndexHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d) {
+  // The bitmap and its prefix counts in dynamic shared memory, within the default limit (no opt-in): the device's
+  // per-block limit less the kernel's static scan array.
   const size_t dyn = size_t(2 * ((nb_max + 31) / 32) + 1) * 4;
-  if (dyn > 48 * 1024) throw NotImplementedError("build_index on CUDA: union mode supports up to 393216 blocks");
+  static const size_t limit = max_dynamic_smem_default(union_kernel);
+  if (dyn > limit) {
+    throw NotImplementedError("build_index on CUDA: union mode supports up to " +
+                              std::to_string((limit / 4 - 1) / 2 * 32) + " blocks");
+  }
   union_kernel<<<dim3(unsigned(batch), unsigned(heads.kv)), kUnionThreads, dyn, stream>>>(
       seq, heads.group, block_size, heads.kv, d.cu_tiles, d.cu_blocks, d.cu_capacity, d.segment_start,
       d.segment_end, d.block_ids, d.counters);
