@@ -23,17 +23,18 @@ struct PoolBlock {
 
 // Output elements of this row, and what to do. Returns false when the CTA is done: a row past the real blocks (the
 // grid covers the host-side bound) gets zero low-precision means (the sparse kernel's correction steps load whole
-// chunks of 128 rows and multiply masked probabilities (0) by them, so they must not be NaN); a block an earlier
-// chunk completed is copied from the mean cache (2 x D floats instead of 2 x block x D).
+// chunks of 128 rows and multiply masked probabilities (0) by them, so they must not be NaN).
+// With a mean cache the grid is exactly batch x chunk_blocks CTAs (launch_pooling's caller) and starts each sequence
+// at its block first = floor((k_len - q_len) / B), so (J + 1) B > k_len - q_len for every block it pools: pool_action
+// never answers kRead here (the blocks that end before the chunk are copy_cached_means_kernel's, mean_cache.cu).
 template <typename T>
-__device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache, int block_size,
-                           int num_kv_heads, int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean,
-                           T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
+__device__ __forceinline__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache,
+                                           int block_size, int num_kv_heads, int head_dim, const int32_t* cu_blocks,
+                                           T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
   int64_t idx = blockIdx.x;
   const int kvh = blockIdx.y;
   if (cache.chunk_blocks > 0) {  // grid over the blocks each sequence's chunk touches
-    const int b = int(blockIdx.x / cache.chunk_blocks);
-    if (b >= seq.batch) return false;
+    const int b = int(blockIdx.x / cache.chunk_blocks);  // < batch: the grid is batch x chunk_blocks
     const int64_t first = max(int64_t(0), (seq.k_len(b) - seq.q_len(b)) / block_size);
     const int64_t J = first + blockIdx.x % cache.chunk_blocks;
     if (J >= cu_blocks[b + 1] - cu_blocks[b]) return false;
@@ -52,19 +53,11 @@ __device__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCache
   pb.k_start = seq.k_start(pb.b);
   pb.lo = J * block_size;
   pb.hi = min(pb.lo + block_size, seq.k_len(pb.b));
-  pb.act = pool_action(cache, seq, pb.b, J, block_size);
+  pb.act = pool_action(cache, seq, pb.b, J, block_size);  // kPoolStore or kPool (above)
   const int64_t slot = pb.act == PoolAction::kPool ? -1 : cache.slot(kv, pb.b, J, block_size);
   if (slot < 0) pb.act = PoolAction::kPool;  // no cache slot (a bad page id, reported): pool, store nothing
   pb.cache_row = slot < 0 ? -1 : slot * num_kv_heads + kvh;
-  if (pb.act != PoolAction::kRead) return true;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    const float km = cache.k[pb.cache_row * head_dim + d], vm = cache.v[pb.cache_row * head_dim + d];
-    k_mean[pb.out + d] = km;
-    v_mean[pb.out + d] = vm;
-    k_mean_lowp[pb.out + d] = from_float<T>(km);
-    v_mean_lowp[pb.out + d] = from_float<T>(vm);
-  }
-  return false;
+  return true;
 }
 
 // Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged; false for a key on a bad
@@ -108,8 +101,7 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
                             int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp,
                             T* v_mean_lowp) {
   PoolBlock pb;
-  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, k_mean, v_mean, k_mean_lowp,
-                  v_mean_lowp, pb))
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
     return;
   const int kvh = blockIdx.y;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -129,15 +121,18 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
 // 16-byte loads in flight instead of 2 * block dependent 2-byte ones; the G partial sums meet in shared memory.
 // Measured need: chunked prefill re-pools the whole cache every step (4.3 GB for 8 x 128K at Hkv 8), where the
 // scalar kernel reached ~1 TB/s.
+// 6 CTAs per SM: the occupancy ptxas chose by itself (80 registers) before the dead kRead branch of pool_block was
+// removed; stated, it gives 72-74 registers and no spills (implicit: 80 and 4-36 bytes of spill stores, varying with
+// unrelated code changes).
 template <typename T, int D>
-__global__ void __launch_bounds__(128) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size,
-                                                       int num_kv_heads, const int32_t* cu_blocks, float* k_mean,
-                                                       float* v_mean, T* k_mean_lowp, T* v_mean_lowp) {
+__global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache,
+                                                          int block_size, int num_kv_heads, const int32_t* cu_blocks,
+                                                          float* k_mean, float* v_mean, T* k_mean_lowp,
+                                                          T* v_mean_lowp) {
   constexpr int kVec = D / 8, kGroups = 128 / kVec;
   __shared__ float part[2][kGroups][D];
   PoolBlock pb;
-  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, k_mean, v_mean, k_mean_lowp, v_mean_lowp,
-                  pb))
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
     return;
   const int kvh = blockIdx.y;
   const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;

@@ -21,8 +21,7 @@ __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int g
                                                               int32_t* block_ids, unsigned long long* counters) {
   extern __shared__ uint32_t bits[];  // [words] bitmap, then [words + 1] exclusive prefix counts
   __shared__ int scan[kUnionThreads];
-  const int b = blockIdx.x, kvh = blockIdx.y;
-  if (b >= seq.batch) return;
+  const int b = blockIdx.x, kvh = blockIdx.y;  // the grid is exactly batch x virtual KV heads (launch_union)
   const int tiles = cu_tiles[b + 1] - cu_tiles[b];
   const int nb = cu_blocks[b + 1] - cu_blocks[b];
   const int words = (nb + 31) / 32;
