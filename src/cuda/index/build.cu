@@ -26,7 +26,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
     throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
   }
-  const IndexHeads heads = index_heads(p, params.head_subgroups);
+  const VirtualHeads heads = virtual_heads(p, params.head_subgroups);
   const IndexBinding binding = bind_index(in, p, params);
   const Bounds bd = bounds_of(binding, params);
   if (bd.capacity >= (int64_t(1) << 31)) {

@@ -111,7 +111,7 @@ inline SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
 
 // Launchers, one per role (each file's kernels stay private to it). All on `stream`, no host synchronisation.
 // plan.cu: prefix sums of tiles, blocks and capacity over the batch into d; counters reset.
-void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const IndexHeads& heads,
+void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const VirtualHeads& heads,
                  int block_size, const DeviceIndex& d);
 // mean_cache.cu: the blocks that end before each sequence's chunk, copied from the cache (cache.k != nullptr).
 void launch_copy_cached_means(cudaStream_t stream, DType dtype, const SeqArgs& seq, const KVArgs& kv,
@@ -123,14 +123,14 @@ void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, 
                     const DeviceIndex& d);
 // score_select.cu: the scorer and the keep rules for params.rule (the probe rows first for kProbeRowMax).
 void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
-                   const IndexHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                   const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                    const SelectArgs& sel, const DeviceIndex& d);
 // probe.cu: SelectionRule::kProbeRowMax, the probe rows' bits (d.probe_bits), on the scorer's grid.
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const IndexHeads& heads, int64_t nb_max,
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, int64_t nb_max,
                   const DeviceIndex& d);
 // union.cu: union mode, one list per (sequence, virtual KV head).
-void launch_union(cudaStream_t stream, const SeqArgs& seq, const IndexHeads& heads, int batch, int block_size,
+void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);
 
 }  // namespace sparse_prefill::cuda::index_stage

@@ -12,8 +12,8 @@
 
 namespace sparse_prefill::cuda {
 
-using index_stage::IndexHeads;
-using index_stage::index_heads;
+using index_stage::VirtualHeads;
+using index_stage::virtual_heads;
 
 BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const SelectionParams& params, void* stream_) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
@@ -26,12 +26,12 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   std::vector<int64_t> cu_capacity(batch + 1);
   unsigned long long counters[2] = {0, 0};
   BlockIndex idx;
-  const IndexHeads heads = index_heads(hkv, b.num_q_heads / hkv, params.head_subgroups);
+  const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, params.head_subgroups);
   idx.binding = b;
   idx.block_size = params.block_size;
   idx.group_size = heads.group;
   idx.num_kv_heads = heads.kv;
-  idx.head_subgroups = heads.split;
+  idx.head_subgroups = heads.subgroups;
   idx.head_dim = D;
   idx.correction = params.correction;
   idx.cu_blocks.resize(batch + 1);
@@ -60,16 +60,16 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   std::vector<float> km(pooled), vm(pooled);
   download(d.k_mean, pooled * 4, km.data());
   download(d.v_mean, pooled * 4, vm.data());
-  if (heads.split == 1) {
+  if (heads.subgroups == 1) {
     idx.k_mean = std::move(km);
     idx.v_mean = std::move(vm);
   } else {  // the index's means are over virtual heads: head h * S + s repeats KV head h
     const size_t rows = size_t(idx.cu_blocks[batch]);
-    idx.k_mean.resize(pooled * heads.split);
-    idx.v_mean.resize(pooled * heads.split);
+    idx.k_mean.resize(pooled * heads.subgroups);
+    idx.v_mean.resize(pooled * heads.subgroups);
     for (size_t r = 0; r < rows; ++r)
       for (int v = 0; v < heads.kv; ++v) {
-        const size_t src = (r * hkv + v / heads.split) * D, dst = (r * heads.kv + v) * D;
+        const size_t src = (r * hkv + v / heads.subgroups) * D, dst = (r * heads.kv + v) * D;
         std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
         std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
       }

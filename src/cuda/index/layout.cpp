@@ -11,7 +11,7 @@ namespace sparse_prefill::cuda {
 namespace index_stage {
 
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
-  const IndexHeads h = index_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
+  const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
   const int block_size = params.block_size;
   Bounds bd;
   bd.max_tiles = b.total_q * h.group / kTileRows + b.batch;
@@ -21,7 +21,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   bd.max_segments = int64_t(h.kv) * bd.max_tiles;
   bd.capacity = bd.max_segments * bd.nb_max;
   bd.probe_words = params.rule == SelectionRule::kProbeRowMax ? (bd.nb_max + 31) / 32 : 0;
-  bd.split = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
+  bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
 
@@ -47,8 +47,8 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
     d.probe_words = bd.probe_words;
   }
   const int sms = num_sms();
-  char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split));
-  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split);
+  char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split_kv));
+  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split_kv);
   if (idx) *idx = d;
   return ws.bytes();
 }

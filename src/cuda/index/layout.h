@@ -12,21 +12,21 @@ namespace sparse_prefill::cuda::index_stage {
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
   int64_t probe_words;  // SelectionRule::kProbeRowMax: words of each segment's probe bitmap (else 0)
-  bool split;  // the attention launch over this index may be split (split_planned): carve the split arrays
+  bool split_kv;  // the attention launch over this index may run split-KV (split_planned): carve the split arrays
 };
 
 // The index's heads: with head sub-groups S, tiles and segments are over Hkv * S virtual KV heads of g / S query
 // heads each (sparse.h); pooling and the pooled means stay per KV head in memory (virtual head v reads head v / S).
-struct IndexHeads {
-  int kv;     // virtual KV heads: Hkv * S
-  int group;  // query heads per virtual KV head: g / S
-  int split;  // S
+struct VirtualHeads {
+  int kv;         // virtual KV heads: Hkv * S
+  int group;      // query heads per virtual KV head: g / S
+  int subgroups;  // S (SelectionParams::head_subgroups)
 };
-inline IndexHeads index_heads(int num_kv_heads, int group_size, int head_subgroups) {
+inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int head_subgroups) {
   return {num_kv_heads * head_subgroups, group_size / head_subgroups, head_subgroups};
 }
-inline IndexHeads index_heads(const Problem& p, int head_subgroups) {
-  return index_heads(p.num_kv_heads, p.group_size, head_subgroups);
+inline VirtualHeads virtual_heads(const Problem& p, int head_subgroups) {
+  return virtual_heads(p.num_kv_heads, p.group_size, head_subgroups);
 }
 
 // Workspace bounds from the shapes the index is bound to (no device reads): the layout of a device index is a

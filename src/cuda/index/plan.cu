@@ -29,7 +29,7 @@ __global__ void plan_kernel(SeqArgs seq, SeqLimits limits, DeviceError* err, int
 
 }  // namespace
 
-void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const IndexHeads& heads,
+void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const VirtualHeads& heads,
                  int block_size, const DeviceIndex& d) {
   plan_kernel<<<1, 1, 0, stream>>>(seq, limits, device_error_word(), heads.group, block_size, heads.kv, d.cu_tiles,
                                    d.cu_blocks, d.cu_capacity, d.counters);

@@ -24,7 +24,7 @@ constexpr int kProbeThreads = 256, kProbeBatch = 16;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs qa, KVArgs kv, SelectArgs sel,
-                                                             int group_size, int num_kv_heads, int kv_split,
+                                                             int group_size, int num_kv_heads, int subgroups,
                                                              const int32_t* cu_tiles, int64_t words,
                                                              uint32_t* probe_bits) {
   extern __shared__ __align__(16) float probe_smem[];
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs
   __syncthreads();
   const float scale = sel.scale_log2 / float(kLog2e);  // softmax_scale
   const float log_alpha = sel.alpha > 0.f ? logf(sel.alpha) : -INFINITY;
-  const int kv_mem = kvh / kv_split;
+  const int kv_mem = kvh / subgroups;
   const T* kbase = static_cast<const T*>(kv.k);
   for (int b0 = 0; b0 < n_probe; b0 += kProbeBatch) {
     const int nr = min(kProbeBatch, n_probe - b0);
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs
 }  // namespace
 
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const IndexHeads& heads, int64_t nb_max,
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, int64_t nb_max,
                   const DeviceIndex& d) {
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
@@ -166,7 +166,7 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
       throw NotImplementedError("build_index on CUDA: rule='probe_row_max' supports up to " +
                                 std::to_string((probe_limit / 4 - kProbeBatch * kD) / (kProbeBatch + 1)) +
                                 " blocks per sequence");
-    probe<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.split,
+    probe<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.subgroups,
                                                        d.cu_tiles, d.probe_words, d.probe_bits);
     check_cuda(cudaGetLastError(), "probe_kernel launch");
   };

@@ -89,7 +89,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // and a max over the 8 warps, into energy[]; keep iff C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
 template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
-    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int kv_split, int kv_heads_mem,
+    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
     const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
     const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
     int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   // the last block).
   // (num_kv_heads, group_size: virtual KV heads with head sub-groups; the pooled means are per KV head in memory.)
   const Element* pooled =
-      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / kv_split) * D;
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / subgroups) * D;
   const int pooled_row_stride = kv_heads_mem * D;  // elements between consecutive blocks' means of one KV head
   const int nb32 = int(nb);
   // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
@@ -408,10 +408,10 @@ size_t score_smem_limit() {
 
 template <typename T, int D, bool kRowMax>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
-                  const SelectArgs& sel, const IndexHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
+                  const SelectArgs& sel, const VirtualHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D, kRowMax>;
   (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
-  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.split, kv_heads_mem,
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
                                                     d.cu_tiles,
                                                     d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
                                                     d.probe_bits, d.probe_words, d.segment_start, d.segment_end,
@@ -421,7 +421,7 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
 }  // namespace
 
 void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
-                   const IndexHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                   const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                    const SelectArgs& sel, const DeviceIndex& d) {
   if (bd.max_tiles <= 0) return;
   const dim3 grid(unsigned(bd.max_tiles), unsigned(heads.kv));

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int g
 
 }  // namespace
 
-void launch_union(cudaStream_t stream, const SeqArgs& seq, const IndexHeads& heads, int batch, int block_size,
+void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d) {
   // The bitmap and its prefix counts in dynamic shared memory, within the default limit (no opt-in): the device's
   // per-block limit less the kernel's static scan array.
