@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/geometry.h"
 #include "cuda/block_iterator.h"
 #include "cuda/common/check.h"
 #include "cuda/common/workspace.h"
@@ -27,15 +28,15 @@ namespace sparse_prefill::cuda {
 namespace {
 
 using LW = SparseLaunchWorkspace;
-constexpr int kRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
+constexpr int kRows = geometry::kTileRows;  // rows of a PackGQA tile (FwdConfig::kBlockM)
 constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 
 // The sparse kernel's work order (sparse_tile_coord) as the plan and the combine see it.
 struct TileOrder {
   int num_kv_heads, batch, max_tiles, group_size;
   static TileOrder of(const FwdArgs& a, const SparseFwdArgs& s) {  // virtual KV heads with head sub-groups
-    const int heads = a.num_kv_heads * s.head_subgroups, g = a.num_q_heads / heads;
-    return {heads, a.batch, int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows), g};
+    const int heads = geometry::virtual_kv_heads(a.num_kv_heads, s.head_subgroups), g = a.num_q_heads / heads;
+    return {heads, a.batch, int(geometry::num_tiles(a.max_seqlen_q, g)), g};
   }
   __device__ SparseTileCoord coord(int t) const { return sparse_tile_coord(t, num_kv_heads, batch, max_tiles); }
   int64_t tiles() const { return int64_t(num_kv_heads) * max_tiles * batch; }

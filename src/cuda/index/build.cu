@@ -63,8 +63,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     if (!p.paged) throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k)");
     cache.k = mean_cache->k_mean.ptr<float>();
     cache.v = mean_cache->v_mean.ptr<float>();
-    cache.slots_per_page = p.page_size >= params.block_size ? int(p.page_size / params.block_size) : 1;
-    cache.chunk_blocks = int((in.max_seqlen_q + params.block_size - 1) / params.block_size + 1);
+    cache.slots_per_page = int(geometry::mean_cache_slots_per_page(p.page_size, params.block_size));
+    cache.chunk_blocks = int(geometry::num_blocks(in.max_seqlen_q, params.block_size) + 1);
   }
   // Pooling CTAs: one per (pooled row, KV head), or with the cache per (block the chunk touches, KV head).
   const int64_t pool_rows = cache.chunk_blocks > 0 ? int64_t(p.batch) * cache.chunk_blocks : bd.max_blocks;

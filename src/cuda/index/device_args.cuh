@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "core/geometry.h"
 #include "cuda/device_checks.h"
 #include "cuda/index/index_stage.h"
 #include "cuda/index/layout.h"
@@ -47,7 +48,7 @@ struct KVArgs {
 
   // Page of key j of sequence b, or -1 (reported) for a bad id.
   __device__ int64_t page(int b, int64_t j) const {
-    const int64_t col = j / page_size;
+    const int64_t col = geometry::page_column(j, page_size);
     const int64_t pg = block_table[b * bt_stride0 + col * bt_stride1];
     if (pg >= 0 && pg < num_pages) return pg;
     report_device_error(err, kErrBlockTable, b, int(col), int(pg), int(num_pages));
@@ -59,17 +60,16 @@ struct KVArgs {
 struct MeanCacheArgs {
   float* k = nullptr;
   float* v = nullptr;
-  int slots_per_page = 1;  // page_size / block_size when pages hold whole blocks, else 1 (slot = the last page)
+  int slots_per_page = 1;  // geometry::mean_cache_slots_per_page
   // The pooling grid covers, per sequence, the chunk_blocks blocks from the first one its chunk touches (the only
   // ones to pool); copy_cached_means_kernel copies the others from the cache. 0: the grid covers every pooled row.
   int chunk_blocks = 0;
 
   // Cache slot of complete block J of sequence b (paged KV): the page of its last key; -1 for a bad page id.
   __device__ int64_t slot(const KVArgs& kv, int b, int64_t J, int block_size) const {
-    const int64_t j = (J + 1) * block_size - 1;
-    const int64_t page = kv.page(b, j);
+    const int64_t page = kv.page(b, (J + 1) * block_size - 1);
     if (page < 0) return -1;
-    return page * slots_per_page + (slots_per_page > 1 ? (j % kv.page_size) / block_size : 0);
+    return geometry::mean_cache_slot(page, J, kv.page_size, block_size, slots_per_page);
   }
 };
 

@@ -69,7 +69,8 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
     idx.v_mean.resize(pooled * heads.subgroups);
     for (size_t r = 0; r < rows; ++r)
       for (int v = 0; v < heads.kv; ++v) {
-        const size_t src = (r * hkv + v / heads.subgroups) * D, dst = (r * heads.kv + v) * D;
+        const size_t src = (r * hkv + geometry::memory_kv_head(v, heads.subgroups)) * D;
+        const size_t dst = (r * heads.kv + v) * D;
         std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
         std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
       }

@@ -15,7 +15,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   const int block_size = params.block_size;
   Bounds bd;
   bd.max_tiles = b.total_q * h.group / kTileRows + b.batch;
-  bd.nb_max = (b.max_seqlen_k + block_size - 1) / block_size;
+  bd.nb_max = geometry::num_blocks(b.max_seqlen_k, block_size);
   bd.max_blocks = int64_t(b.batch) * bd.nb_max;
   if (!b.paged) bd.max_blocks = std::min(bd.max_blocks, b.total_k / block_size + b.batch);
   bd.max_segments = int64_t(h.kv) * bd.max_tiles;

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/geometry.h"
 #include "cuda/index/index_stage.h"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -23,7 +24,8 @@ struct VirtualHeads {
   int subgroups;  // S (SelectionParams::head_subgroups)
 };
 inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int head_subgroups) {
-  return {num_kv_heads * head_subgroups, group_size / head_subgroups, head_subgroups};
+  return {geometry::virtual_kv_heads(num_kv_heads, head_subgroups),
+          geometry::virtual_group_size(group_size, head_subgroups), head_subgroups};
 }
 inline VirtualHeads virtual_heads(const Problem& p, int head_subgroups) {
   return virtual_heads(p.num_kv_heads, p.group_size, head_subgroups);

@@ -19,8 +19,8 @@ __global__ void plan_kernel(SeqArgs seq, SeqLimits limits, DeviceError* err, int
     const SeqSpan span = load_seq_span(seq.cu_q, seq.cu_k, seq.seqused_k, b);
     const int bad = seq_violation(span, b, limits);
     if (bad) report_seq_error(err, bad, b, span, limits);
-    const int64_t t = bad ? 0 : (seq.q_len(b) * group_size + kTileRows - 1) / kTileRows;
-    const int64_t nb = bad ? 0 : (seq.k_len(b) + block_size - 1) / block_size;
+    const int64_t t = bad ? 0 : geometry::num_tiles(seq.q_len(b), group_size);
+    const int64_t nb = bad ? 0 : geometry::num_blocks(seq.k_len(b), block_size);
     tiles += t; blocks += nb; cap += num_kv_heads * t * nb;
     cu_tiles[b + 1] = int32_t(tiles); cu_blocks[b + 1] = int32_t(blocks); cu_capacity[b + 1] = cap;
   }

@@ -23,7 +23,7 @@ __global__ void prepare_view_kernel(SeqArgs seq, SeqLimits limits, int batch, in
     cu_tiles[0] = 0;
     for (int b = 0; b < batch; ++b) {  // a bad sequence (device_checks.h) gets no tile: the kernel reports it
       const SeqSpan span = load_seq_span(seq.cu_q, seq.cu_k, seq.seqused_k, b);
-      if (!seq_violation(span, b, limits)) tiles += (int64_t(span.q_len) * group_size + kTileRows - 1) / kTileRows;
+      if (!seq_violation(span, b, limits)) tiles += geometry::num_tiles(span.q_len, group_size);
       cu_tiles[b + 1] = int32_t(tiles);
     }
   }
