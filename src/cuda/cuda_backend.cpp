@@ -36,8 +36,7 @@ bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0;
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
     throw NotImplementedError("CUDA attention supports bfloat16 and float16 inputs only (got another dtype)");
-  if (p.head_dim != 128 && p.head_dim != 64)
-    throw NotImplementedError("CUDA attention is built for head dims 64 and 128, got " + std::to_string(p.head_dim));
+  // The head dim (64 or 128) and a mean cache's paged KV are checked once, by validate_inputs / validate_mean_cache.
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
     throw NotImplementedError("CUDA attention: more than 2^31 - 1 rows");
 

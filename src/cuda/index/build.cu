@@ -60,7 +60,6 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   kv.err = device_error_word();
   MeanCacheArgs cache;
   if (mean_cache != nullptr) {
-    if (!p.paged) throw ArgumentError("mean_cache", "needs a paged KV cache (block_table and seqused_k)");
     cache.k = mean_cache->k_mean.ptr<float>();
     cache.v = mean_cache->v_mean.ptr<float>();
     cache.slots_per_page = int(geometry::mean_cache_slots_per_page(p.page_size, params.block_size));
