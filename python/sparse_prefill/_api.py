@@ -39,7 +39,6 @@ __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "ch
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
            "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 
-_TILE_ROWS = int(_C.tile_rows)
 
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
 _RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2}
@@ -416,8 +415,8 @@ class Index:
         self.block_size = block_size
         self.correction = correction
         self.head_subgroups = head_subgroups
-        self.num_kv_heads = binding.num_kv_heads * head_subgroups
-        self.group_size = binding.num_q_heads // self.num_kv_heads
+        self.num_kv_heads = _C.geometry.virtual_kv_heads(binding.num_kv_heads, head_subgroups)
+        self.group_size = _C.geometry.virtual_group_size(binding.num_q_heads // binding.num_kv_heads, head_subgroups)
         self.head_dim = binding.head_dim
         self.mode = mode
         self._lib = lib
@@ -482,7 +481,7 @@ class Index:
         """[B] number of query tiles of each sequence: ceil(Lq_b * group_size / 128)."""
         if self._tiles is None:
             cu = to_numpy(self._cu_seqlens_q).astype(np.int64)
-            self._tiles = (np.diff(cu) * self.group_size + _TILE_ROWS - 1) // _TILE_ROWS
+            self._tiles = np.asarray(_C.geometry.num_tiles(np.diff(cu).tolist(), self.group_size), dtype=np.int64)
         return self._tiles
 
     @property

@@ -20,6 +20,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/geometry.h"
 #include "sparse_prefill/attention.h"
 #include "sparse_prefill/sparse.h"
 #include "sparse_prefill/tensor.h"
@@ -408,6 +410,21 @@ NB_MODULE(_C, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("tile_rows") = sp::kTileRows;
+  // core/geometry.h, the one definition of the call's geometry (C++ layers, CUDA kernels, and Index here).
+  nb::module_ geo = m.def_submodule("geometry", "tiles, PackGQA rows, virtual heads (core/geometry.h)");
+  geo.attr("tile_rows") = sp::geometry::kTileRows;
+  geo.def(
+      "num_tiles",
+      [](const std::vector<int64_t>& q_lens, int64_t group_size) {
+        std::vector<int64_t> tiles(q_lens.size());
+        for (size_t i = 0; i < q_lens.size(); ++i) tiles[i] = sp::geometry::num_tiles(q_lens[i], group_size);
+        return tiles;
+      },
+      nb::arg("q_lens"), nb::arg("group_size"), "ceil(q_len * group_size / tile_rows) for each q_len");
+  geo.def("num_blocks", &sp::geometry::num_blocks, nb::arg("k_len"), nb::arg("block_size"));
+  geo.def("virtual_kv_heads", &sp::geometry::virtual_kv_heads, nb::arg("num_kv_heads"), nb::arg("subgroups"));
+  geo.def("virtual_group_size", &sp::geometry::virtual_group_size, nb::arg("group_size"), nb::arg("subgroups"));
+  geo.def("memory_kv_head", &sp::geometry::memory_kv_head, nb::arg("virtual_kv_head"), nb::arg("subgroups"));
 
   m.def("attention",
         [](nb::tuple inputs, nb::handle out, nb::handle lse, nb::handle workspace) {

@@ -8,7 +8,7 @@
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
 #include "cuda/cuda_backend.h"
-#include "cuda/index_stage.h"
+#include "cuda/index/index_stage.h"
 #endif
 
 namespace sparse_prefill {
@@ -244,8 +244,8 @@ void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIn
     const int64_t k_len = p.seqs[b].k_len;
     for (int64_t J = 0; (J + 1) * B <= k_len; ++J) {
       const int64_t j = (J + 1) * B - 1;
-      const int64_t page = bt[b * bt0 + (j / p.page_size) * bt1];
-      const int64_t slot = p.page_size >= B ? page * (p.page_size / B) + (j % p.page_size) / B : page;
+      const int64_t page = bt[b * bt0 + geometry::page_column(j, p.page_size) * bt1];
+      const int64_t slot = geometry::mean_cache_slot(page, J, p.page_size, B);
       for (int h = 0; h < p.num_kv_heads; ++h) {
         const int64_t src = ((int64_t(index.cu_blocks[b]) + J) * p.num_kv_heads * S + int64_t(h) * S) * D;
         const int64_t dst = slot * row + int64_t(h) * D;

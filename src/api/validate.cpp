@@ -515,7 +515,7 @@ void check_binding(const IndexBinding& b, const AttentionInputs& in, const Probl
 
 int64_t mean_cache_slots(int64_t num_pages, int64_t page_size, int block_size) {
   if (num_pages < 0 || page_size <= 0 || block_size <= 0) return 0;
-  return num_pages * (page_size >= block_size ? page_size / block_size : 1);
+  return num_pages * geometry::mean_cache_slots_per_page(page_size, block_size);
 }
 
 void validate_mean_cache(const AttentionInputs& in, const Problem& p, int block_size, const MeanCache& cache) {

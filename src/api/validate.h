@@ -4,6 +4,7 @@
 #include <string>
 
 #include "api/problem.h"
+#include "core/geometry.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill {
@@ -18,11 +19,11 @@ void check_selection_params(const SelectionParams& params);
 // g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.head_subgroups").
 void check_head_subgroups(int subgroups, int group_size, const char* name);
 
-// Number of selection tiles of a sequence with `q_len` queries and group size g.
-inline int64_t num_tiles(int64_t q_len, int group_size) {
-  return (q_len * group_size + kTileRows - 1) / kTileRows;
-}
-inline int64_t num_blocks(int64_t k_len, int block_size) { return (k_len + block_size - 1) / block_size; }
+// Number of selection tiles of a sequence with `q_len` queries and group size g; key blocks of k_len keys
+// (core/geometry.h).
+inline int64_t num_tiles(int64_t q_len, int group_size) { return geometry::num_tiles(q_len, group_size); }
+inline int64_t num_blocks(int64_t k_len, int block_size) { return geometry::num_blocks(k_len, block_size); }
+static_assert(geometry::kTileRows == kTileRows, "one tile height (sparse.h, core/geometry.h)");
 
 // Checks an index view against a resolved (host-readable) problem: head sub-groups, segment count, ranges, ascending
 // block ids within each sequence's block count, pooled-mean shapes (segments and means over Hkv * S virtual heads).

@@ -10,8 +10,11 @@
 #include <cuda_runtime.h>
 
 #include "api/validate.h"
+#include "core/geometry.h"
+#include "cuda/common/check.h"
+#include "cuda/common/workspace.h"
 #include "cuda/fwd_args.h"
-#include "cuda/index_stage.h"
+#include "cuda/index/index_stage.h"
 
 namespace sparse_prefill::cuda {
 namespace {
@@ -34,8 +37,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
     throw NotImplementedError(std::string("q: CUDA attention supports bfloat16 and float16 inputs only, got ") +
                               dtype_name(p.dtype) + " (FP8 runs on the CPU reference; its CUDA kernel is not built yet)");
-  if (p.head_dim != 128 && p.head_dim != 64)
-    throw NotImplementedError("CUDA attention is built for head dims 64 and 128, got " + std::to_string(p.head_dim));
+  // The head dim (64 or 128) and a mean cache's paged KV are checked once, by validate_inputs / validate_mean_cache.
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
     throw NotImplementedError("CUDA attention: more than 2^31 - 1 rows");
 
@@ -118,11 +120,6 @@ void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
     bf16 ? run_fwd_bf16_hdim128(a, sparse) : run_fwd_fp16_hdim128(a, sparse);
 }
 
-
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
-}
-
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
   if (p.head_dim != 128)
     throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
@@ -135,19 +132,6 @@ void check_sparse_supported(const AttentionInputs& in, const Problem& p, int blo
     throw NotImplementedError("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key "
                               "kernel steps); got block_size " + std::to_string(block_size));
 }
-
-// Device memory from the stream-ordered allocator, returned on scope exit (also when a launch throws): no host
-// synchronisation, and capturable in a CUDA graph.
-struct StreamBuffer {
-  void* ptr = nullptr;
-  cudaStream_t stream;
-  StreamBuffer(size_t bytes, cudaStream_t s) : stream(s) {
-    check_cuda(cudaMallocAsync(&ptr, bytes ? bytes : 1, stream), "cudaMallocAsync");
-  }
-  ~StreamBuffer() { cudaFreeAsync(ptr, stream); }
-  StreamBuffer(const StreamBuffer&) = delete;
-  StreamBuffer& operator=(const StreamBuffer&) = delete;
-};
 
 const int32_t* int_ptr(const TensorView& t, const char* name) {
   if (t.ndim != 1 || (t.shape[0] > 1 && t.stride[0] != 1))
@@ -202,37 +186,32 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   return s;
 }
 
-// Bytes of the host-index path's prepared copies: tiles per sequence, q-dtype pooled means, launch state.
+// The host-index path's prepared copies in one workspace: tiles per sequence, q-dtype pooled means, launch state.
+// Without a base only `bytes` is set.
 struct ViewLayout {
-  size_t tiles_pad, mean_pad, launch_bytes;
-  bool split;
-  size_t total() const { return tiles_pad + 2 * mean_pad + launch_bytes; }
+  int32_t* cu_tiles = nullptr;
+  void* k_mean = nullptr;
+  void* v_mean = nullptr;
+  SparseLaunchWorkspace launch;
+  size_t bytes = 0;
 };
-size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
-ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
+ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, const Problem& p, void* base) {
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
+  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2;
+  WorkspaceCarver ws(base);
   ViewLayout l;
-  l.tiles_pad = pad256(size_t(p.batch + 1) * 4);
-  l.mean_pad = pad256(size_t(rows) * p.num_kv_heads * p.head_dim * 2);
-  l.split = planned(in);
-  l.launch_bytes = sparse_launch_workspace_bytes(num_sms(), p.head_dim, l.split);
+  l.cu_tiles = ws.take_array<int32_t>(size_t(p.batch) + 1);
+  l.k_mean = ws.take(mean_bytes);
+  l.v_mean = ws.take(mean_bytes);
+  const bool split = planned(in);
+  const int sms = num_sms();
+  char* launch = ws.take(sparse_launch_workspace_bytes(sms, p.head_dim, split));
+  if (base) l.launch = carve_sparse_launch_workspace(launch, sms, p.head_dim, split);
+  l.bytes = ws.bytes();
   return l;
 }
 
 }  // namespace
-
-int num_sms() {
-  static int cache[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-    throw std::runtime_error("sparse_prefill cuda: no current CUDA device");
-  if (cache[dev] == 0) {
-    int n = 0;
-    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    cache[dev] = n;
-  }
-  return cache[dev];
-}
 
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   using Path = LaunchOptions::DensePath;
@@ -241,7 +220,7 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   if (in.max_seqlen_k <= in.max_seqlen_q) return false;  // only chunk and decode shapes
   if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
   if (in.options.dense_path == Path::kSplitKV) return true;
-  const int64_t m_blocks = (in.max_seqlen_q + 127) / 128;
+  const int64_t m_blocks = geometry::num_tiles(in.max_seqlen_q, 1);  // dense tiles of one head
   // Measured (H200, Llama heads, bench/NOTES.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
   // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
   return in.max_seqlen_q < 128 || 2 * int64_t(p.num_q_heads) * m_blocks * p.batch <= num_sms();
@@ -283,32 +262,31 @@ void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, c
 }
 
 size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
-  return view_layout(in, index, p).total();
+  return view_layout(in, index, p, nullptr).bytes;
 }
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
   check_sparse_supported(in, p, index.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
-  const ViewLayout l = view_layout(in, index, p);
-  const Scratch ws(in, outs.workspace, l.total(), "sparse_attention_workspace_bytes(...)");
-  char* base = static_cast<char*>(ws.ptr);
-  int32_t* cu_tiles = reinterpret_cast<int32_t*>(base);
-  prepare_index_view(in, p, index, cu_tiles, base + l.tiles_pad, base + l.tiles_pad + l.mean_pad);
+  const Scratch ws(in, outs.workspace, view_layout(in, index, p, nullptr).bytes,
+                   "sparse_attention_workspace_bytes(...)");
+  const ViewLayout l = view_layout(in, index, p, ws.ptr);
+  prepare_index_view(in, p, index, l.cu_tiles, l.k_mean, l.v_mean);
   SparseFwdArgs s;
   s.segment_start = int_ptr(index.segment_start, "index.segment_start");
   s.segment_end = int_ptr(index.segment_end, "index.segment_end");
   s.block_ids = int_ptr(index.block_ids, "index.block_ids");
-  s.cu_tiles = cu_tiles;
+  s.cu_tiles = l.cu_tiles;
   s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");
   if (index.segment_start.shape[0] > INT32_MAX || index.block_ids.shape[0] > INT32_MAX)
     throw NotImplementedError("CUDA sparse attention: more than 2^31 - 1 segments or block ids");
   s.num_segments = int(std::min(index.segment_start.shape[0], index.segment_end.shape[0]));
   s.num_block_ids = int(index.block_ids.shape[0]);
-  s.k_mean = base + l.tiles_pad;
-  s.v_mean = base + l.tiles_pad + l.mean_pad;
+  s.k_mean = l.k_mean;
+  s.v_mean = l.v_mean;
   s.mean_rows = index.correction ? index.k_mean.shape[0] : 0;
-  s.launch = carve_sparse_launch_workspace(base + l.tiles_pad + 2 * l.mean_pad, num_sms(), p.head_dim, l.split);
+  s.launch = l.launch;
   s.block_size = index.block_size;
   s.correction = index.correction && s.mean_rows > 0;
   s.head_subgroups = index.head_subgroups;

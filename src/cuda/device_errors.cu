@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "cuda/common/check.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/device_checks.h"
 
@@ -11,10 +12,6 @@ namespace {
 
 __device__ DeviceError g_device_error;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("sparse_prefill cuda: ") + what + ": " + cudaGetErrorString(e));
-}
-
 std::string num(long long x) { return std::to_string(x); }
 
 }  // namespace
@@ -22,11 +19,11 @@ std::string num(long long x) { return std::to_string(x); }
 DeviceError* device_error_word() {
   static DeviceError* cache[64] = {nullptr};
   int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev < 0 || dev >= 64) return nullptr;
   if (cache[dev] == nullptr) {
     void* ptr = nullptr;
-    check(cudaGetSymbolAddress(&ptr, g_device_error), "cudaGetSymbolAddress(error word)");
+    check_cuda(cudaGetSymbolAddress(&ptr, g_device_error), "cudaGetSymbolAddress(error word)");
     cache[dev] = static_cast<DeviceError*>(ptr);
   }
   return cache[dev];
@@ -42,11 +39,11 @@ std::optional<ArgumentError> take_device_error(void* stream_) {
   DeviceError* word = device_error_word();
   if (word == nullptr) return std::nullopt;
   DeviceError e{};
-  check(cudaMemcpyAsync(&e, word, sizeof(e), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync(error word)");
-  check(cudaStreamSynchronize(stream), "check_errors");
+  check_cuda(cudaMemcpyAsync(&e, word, sizeof(e), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync(error word)");
+  check_cuda(cudaStreamSynchronize(stream), "check_errors");
   if (e.code == kErrNone) return std::nullopt;
-  check(cudaMemsetAsync(word, 0, sizeof(DeviceError), stream), "cudaMemsetAsync(error word)");
-  check(cudaStreamSynchronize(stream), "check_errors");
+  check_cuda(cudaMemsetAsync(word, 0, sizeof(DeviceError), stream), "cudaMemsetAsync(error word)");
+  check_cuda(cudaStreamSynchronize(stream), "check_errors");
   return device_error_message(e.code, e.seq, e.index, e.value, e.bound);
 }
 

@@ -18,22 +18,25 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/geometry.h"
 #include "cuda/block_iterator.h"
+#include "cuda/common/check.h"
+#include "cuda/common/workspace.h"
 #include "cuda/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 namespace {
 
 using LW = SparseLaunchWorkspace;
-constexpr int kRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
+constexpr int kRows = geometry::kTileRows;  // rows of a PackGQA tile (FwdConfig::kBlockM)
 constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 
 // The sparse kernel's work order (sparse_tile_coord) as the plan and the combine see it.
 struct TileOrder {
   int num_kv_heads, batch, max_tiles, group_size;
   static TileOrder of(const FwdArgs& a, const SparseFwdArgs& s) {  // virtual KV heads with head sub-groups
-    const int heads = a.num_kv_heads * s.head_subgroups, g = a.num_q_heads / heads;
-    return {heads, a.batch, int((int64_t(a.max_seqlen_q) * g + kRows - 1) / kRows), g};
+    const int heads = geometry::virtual_kv_heads(a.num_kv_heads, s.head_subgroups), g = a.num_q_heads / heads;
+    return {heads, a.batch, int(geometry::num_tiles(a.max_seqlen_q, g)), g};
   }
   __device__ SparseTileCoord coord(int t) const { return sparse_tile_coord(t, num_kv_heads, batch, max_tiles); }
   int64_t tiles() const { return int64_t(num_kv_heads) * max_tiles * batch; }
@@ -253,48 +256,42 @@ __global__ void __launch_bounds__(kCombineWarps * 32) split_combine_kernel(Combi
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("sparse_prefill cuda: ") + what + ": " + cudaGetErrorString(e));
+// The launch workspace's layout: counters, then (with_split) the plan arrays and the partials for the bounds of
+// SplitRule (num_sms split tiles, 2 x num_sms units). Sizes only when the carver has no base.
+SparseLaunchWorkspace carve_launch(WorkspaceCarver& ws, int num_sms, int head_dim, bool with_split) {
+  SparseLaunchWorkspace w;
+  w.num_sms = num_sms;
+  w.counters = ws.take_array<int>(LW::kCounters);
+  if (!with_split) return w;
+  w.max_split_units = 2 * num_sms;
+  w.max_split_tiles = num_sms;
+  w.split_tiles = ws.take_array<int32_t>(size_t(w.max_split_tiles) * 4);
+  w.slot_tile = ws.take_array<int32_t>(size_t(w.max_split_units));
+  w.o_partial = ws.take_array<float>(size_t(w.max_split_units) * kRows * head_dim);
+  w.lse_partial = ws.take_array<float>(size_t(w.max_split_units) * kRows);
+  return w;
 }
-
-size_t pad256(size_t b) { return (b + 255) & ~size_t(255); }
 
 }  // namespace
 
 size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split) {
-  if (!with_split) return pad256(LW::kCounters * 4);
-  const size_t units = size_t(2) * num_sms, tiles = size_t(num_sms);  // bounds of SplitRule
-  return pad256(LW::kCounters * 4) + pad256(tiles * 16) + pad256(units * 4) + pad256(units * kRows * head_dim * 4) +
-         pad256(units * kRows * 4);
+  WorkspaceCarver sizing;
+  carve_launch(sizing, num_sms, head_dim, with_split);
+  return sizing.bytes();
 }
 
 SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split) {
   if (num_sms > kOrderMax)
     throw std::runtime_error("sparse_prefill cuda: the split plan is built for at most 1024 SMs");
-  SparseLaunchWorkspace w;
-  w.num_sms = num_sms;
-  char* p = static_cast<char*>(base);
-  auto take = [&](size_t bytes) {
-    char* r = p;
-    p += pad256(bytes);
-    return r;
-  };
-  w.counters = reinterpret_cast<int*>(take(LW::kCounters * 4));
-  if (!with_split) return w;
-  w.max_split_units = 2 * num_sms;
-  w.max_split_tiles = num_sms;
-  w.split_tiles = reinterpret_cast<int32_t*>(take(size_t(w.max_split_tiles) * 16));
-  w.slot_tile = reinterpret_cast<int32_t*>(take(size_t(w.max_split_units) * 4));
-  w.o_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * head_dim * 4));
-  w.lse_partial = reinterpret_cast<float*>(take(size_t(w.max_split_units) * kRows * 4));
-  return w;
+  WorkspaceCarver ws(base);
+  return carve_launch(ws, num_sms, head_dim, with_split);
 }
 
 void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   const SparseLaunchWorkspace& w = s.launch;
   if (w.counters == nullptr) return;
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  check(cudaMemsetAsync(w.counters, 0, LW::kCounters * sizeof(int), stream), "cudaMemsetAsync (sparse counters)");
+  check_cuda(cudaMemsetAsync(w.counters, 0, LW::kCounters * sizeof(int), stream), "cudaMemsetAsync (sparse counters)");
   if (!w.plan || a.total_q == 0 || a.batch == 0) return;
   PlanArgs p;
   p.cu_q = a.cu_seqlens_q;
@@ -323,11 +320,11 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.slot_tile = w.slot_tile;
   const unsigned grid = unsigned((coord + 255) / 256);
   plan_total_kernel<<<grid, 256, 0, stream>>>(p);
-  check(cudaGetLastError(), "split plan launch");
+  check_cuda(cudaGetLastError(), "split plan launch");
   plan_split_kernel<<<grid, 256, 0, stream>>>(p);
-  check(cudaGetLastError(), "split plan launch");
+  check_cuda(cudaGetLastError(), "split plan launch");
   plan_order_kernel<<<1, kOrderThreads, 0, stream>>>(p);
-  check(cudaGetLastError(), "split plan launch");
+  check_cuda(cudaGetLastError(), "split plan launch");
 }
 
 void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
@@ -353,7 +350,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
     split_combine_kernel<__nv_bfloat16, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
   else
     split_combine_kernel<__half, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
-  check(cudaGetLastError(), "combine launch");
+  check_cuda(cudaGetLastError(), "combine launch");
 }
 
 }  // namespace sparse_prefill::cuda

@@ -130,7 +130,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
     const SequenceInfo& s = p.seqs[b];
     const KeyRange vis = visible_keys(i, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
     const int kvh = h / g;
-    const int64_t tile = (i * g + h % g) / kTileRows;
+    const int64_t tile = geometry::packed_row(i, h % g, g) / geometry::kTileRows;
     const int64_t seg = seg_offset[b] + kvh * num_tiles(s.q_len, g) + tile;
     const int64_t nb = num_blocks(s.k_len, B);
     std::vector<char> listed(size_t(nb), 0);

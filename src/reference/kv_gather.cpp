@@ -1,4 +1,5 @@
 #include "core/dtype_convert.h"
+#include "core/geometry.h"
 #include "reference/parallel.h"
 #include "reference/reference.h"
 
@@ -19,8 +20,9 @@ std::vector<SequenceKV> gather_kv(const AttentionInputs& in, const Problem& p) {
       int64_t ko, vo;  // element offsets of key j's row in k and v
       if (p.paged) {
         const TensorView& bt = *in.block_table;
-        const int64_t page = bt.ptr<const int32_t>()[b * bt.stride[0] + (j / p.page_size) * bt.stride[1]];
-        const int64_t slot = j % p.page_size;
+        const int64_t col = geometry::page_column(j, p.page_size);
+        const int64_t page = bt.ptr<const int32_t>()[b * bt.stride[0] + col * bt.stride[1]];
+        const int64_t slot = geometry::page_slot(j, p.page_size);
         ko = page * in.k.stride[0] + slot * in.k.stride[1] + h * in.k.stride[2];
         vo = page * in.v.stride[0] + slot * in.v.stride[1] + h * in.v.stride[2];
       } else {
@@ -39,10 +41,10 @@ std::vector<SequenceKV> gather_kv(const AttentionInputs& in, const Problem& p) {
 
 TileGeometry tile_geometry(int64_t tile, int64_t q_len, int group_size) {
   TileGeometry t;
-  t.row_begin = tile * kTileRows;
-  t.row_end = std::min<int64_t>(t.row_begin + kTileRows, q_len * group_size);
-  t.first_pos = t.row_begin / group_size;
-  t.last_pos = (t.row_end - 1) / group_size;
+  t.row_begin = tile * geometry::kTileRows;
+  t.row_end = t.row_begin + geometry::tile_rows(tile, q_len, group_size);
+  t.first_pos = geometry::row_position(t.row_begin, group_size);
+  t.last_pos = geometry::row_position(t.row_end - 1, group_size);
   return t;
 }
 

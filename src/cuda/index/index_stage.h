@@ -10,6 +10,10 @@
 // of its sequence) and segment_start/end delimit its kept ids inside that slice, so no global compaction pass and no
 // host read-back of sizes is needed. All buffers are carved from one caller-provided workspace, reusable across
 // calls and layers (index_workspace_bytes gives its size from host-known bounds).
+// Files, by role (src/cuda/index/): build.cu (build_index: checks, then the launches in order), plan.cu, pool.cu and
+// mean_cache.cu (step 2), score_select.cu and probe.cu (step 3), union.cu (union mode), view.cu (a caller's index
+// view), layout.{h,cpp} (bounds and workspace carving), host_copy.cpp (download to the host); device_args.cuh holds
+// the device structs they share.
 #pragma once
 
 #include <cstddef>
@@ -63,14 +67,14 @@ size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes, const MeanCache* mean_cache = nullptr);
 
-// Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
-// workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the
-// pooled means). It allocates and synchronises: engines use build_index() with their own workspace instead.
 // For sparse attention over a caller's index view (device arrays): writes cu_tiles [B+1] from cu_seqlens_q and
-// q-dtype copies of the pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]) on in.stream.
+// q-dtype copies of the pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]) on in.stream (view.cu).
 void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
                         void* k_lowp, void* v_lowp);
 
+// Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
+// workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the
+// pooled means). It allocates and synchronises: engines use build_index() with their own workspace instead.
 BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 
 // The pointers of a device index in `workspace`: a function of its binding and parameters alone (the layout

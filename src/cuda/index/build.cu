@@ -1,0 +1,90 @@
+// The index stage's entry (index_stage.h): checks what the CUDA index stage supports, carves the workspace, and
+// launches the roles in order: plan (plan.cu) -> mean cache and pooling (mean_cache.cu, pool.cu) -> probe rows,
+// score and select (probe.cu, score_select.cu) -> union (union.cu).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "api/validate.h"
+#include "cuda/common/math.h"
+#include "cuda/index/device_args.cuh"
+
+namespace sparse_prefill::cuda {
+
+using namespace index_stage;
+
+DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
+                        size_t workspace_bytes, const MeanCache* mean_cache) {
+  if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
+    throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
+  }
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16 and float16 inputs, got ") +
+                              dtype_name(p.dtype));
+  }
+  if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
+    throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
+  }
+  const VirtualHeads heads = virtual_heads(p, params.head_subgroups);
+  const IndexBinding binding = bind_index(in, p, params);
+  const Bounds bd = bounds_of(binding, params);
+  if (bd.capacity >= (int64_t(1) << 31)) {
+    throw NotImplementedError("build_index on CUDA: index capacity exceeds 2^31 block ids for these shapes");
+  }
+  const size_t need = carve(binding, bd, nullptr, nullptr);
+  if (workspace == nullptr || workspace_bytes < need) {
+    throw ArgumentError("workspace", "needs " + std::to_string(need) + " bytes (index_workspace_bytes), got " +
+                                         std::to_string(workspace_bytes));
+  }
+  const DeviceIndex d = carve_index(binding, params, workspace);
+
+  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  const SeqArgs seq = seq_args(in, p);
+  launch_plan(stream, seq, seq_limits(in, p), heads, params.block_size, d);
+
+  KVArgs kv{};
+  kv.k = in.k.data;
+  kv.v = in.v.data;
+  for (int i = 0; i < 3; ++i) {
+    kv.k_stride[i] = in.k.stride[i];
+    kv.v_stride[i] = in.v.stride[i];
+  }
+  if (p.paged) {
+    kv.block_table = in.block_table->ptr<const int32_t>();
+    kv.bt_stride0 = in.block_table->stride[0];
+    kv.bt_stride1 = in.block_table->stride[1];
+    kv.page_size = p.page_size;
+    kv.num_pages = p.num_pages;
+  }
+  kv.err = device_error_word();
+  MeanCacheArgs cache;
+  if (mean_cache != nullptr) {
+    cache.k = mean_cache->k_mean.ptr<float>();
+    cache.v = mean_cache->v_mean.ptr<float>();
+    cache.slots_per_page = int(geometry::mean_cache_slots_per_page(p.page_size, params.block_size));
+    cache.chunk_blocks = int(geometry::num_blocks(in.max_seqlen_q, params.block_size) + 1);
+  }
+  // Pooling CTAs: one per (pooled row, KV head), or with the cache per (block the chunk touches, KV head).
+  const int64_t pool_rows = cache.chunk_blocks > 0 ? int64_t(p.batch) * cache.chunk_blocks : bd.max_blocks;
+  // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
+  bool vec_ok = (reinterpret_cast<uintptr_t>(in.k.data) % 16 == 0) && (reinterpret_cast<uintptr_t>(in.v.data) % 16 == 0);
+  for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && in.k.stride[i] % 8 == 0 && in.v.stride[i] % 8 == 0;
+  launch_copy_cached_means(stream, p.dtype, seq, kv, cache, params.block_size, p.num_kv_heads, p.head_dim,
+                           bd.max_blocks, d);
+  launch_pooling(stream, p.dtype, p.head_dim, vec_ok, pool_rows, seq, kv, cache, params.block_size, p.num_kv_heads,
+                 d);
+  const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % 8 == 0 &&
+                       in.q.stride[1] % 8 == 0;
+  const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
+  const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
+                       params.final_chunk ? params.last_n : 0,
+                       float(p.softmax_scale * kLog2e)};
+  launch_select(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+  if (params.union_lists && bd.max_tiles > 0) {
+    launch_union(stream, seq, heads, p.batch, params.block_size, bd.nb_max, d);
+  }
+  return d;
+}
+
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,136 @@
+// The index stage's shared device arguments (src/cuda/index/*.cu): where sequences, K/V, the mean cache and q live,
+// the selection scalars, and the launchers build.cu calls (one per role file). CUDA translation units only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/geometry.h"
+#include "cuda/device_checks.h"
+#include "cuda/index/index_stage.h"
+#include "cuda/index/layout.h"
+
+namespace sparse_prefill::cuda::index_stage {
+
+struct SeqArgs {
+  const int32_t* cu_q;
+  const int32_t* cu_k;         // contiguous KV (else null)
+  const int32_t* seqused_k;    // paged KV (else null)
+  int batch;
+  __device__ int64_t q_start(int b) const { return cu_q[b]; }
+  __device__ int64_t q_len(int b) const { return cu_q[b + 1] - cu_q[b]; }
+  __device__ int64_t k_start(int b) const { return cu_k ? cu_k[b] : 0; }
+  __device__ int64_t k_len(int b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : seqused_k[b]; }
+};
+
+// Largest b in [0, batch) with cu[b] <= idx (skips empty sequences).
+__device__ inline int find_sequence(const int32_t* cu, int batch, int64_t idx) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu[mid] <= idx) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct KVArgs {
+  const void* k;
+  const void* v;
+  int64_t k_stride[3], v_stride[3];  // contiguous: row, head; paged: page, slot, head
+  const int32_t* block_table;
+  int64_t bt_stride0, bt_stride1;
+  int64_t page_size;
+  int64_t num_pages;   // block_table ids outside [0, num_pages) are skipped and reported (device_checks.h)
+  DeviceError* err;
+
+  // Page of key j of sequence b, or -1 (reported) for a bad id.
+  __device__ int64_t page(int b, int64_t j) const {
+    const int64_t col = geometry::page_column(j, page_size);
+    const int64_t pg = block_table[b * bt_stride0 + col * bt_stride1];
+    if (pg >= 0 && pg < num_pages) return pg;
+    report_device_error(err, kErrBlockTable, b, int(col), int(pg), int(num_pages));
+    return -1;
+  }
+};
+
+// Pooled-means cache (MeanCache, sparse.h); k == nullptr: none.
+struct MeanCacheArgs {
+  float* k = nullptr;
+  float* v = nullptr;
+  int slots_per_page = 1;  // geometry::mean_cache_slots_per_page
+  // The pooling grid covers, per sequence, the chunk_blocks blocks from the first one its chunk touches (the only
+  // ones to pool); copy_cached_means_kernel copies the others from the cache. 0: the grid covers every pooled row.
+  int chunk_blocks = 0;
+
+  // Cache slot of complete block J of sequence b (paged KV): the page of its last key; -1 for a bad page id.
+  __device__ int64_t slot(const KVArgs& kv, int b, int64_t J, int block_size) const {
+    const int64_t page = kv.page(b, (J + 1) * block_size - 1);
+    if (page < 0) return -1;
+    return geometry::mean_cache_slot(page, J, kv.page_size, block_size, slots_per_page);
+  }
+};
+
+// What the pooling does with block J of sequence b: read it from the cache (complete, and ends before the call's
+// chunk: written by an earlier chunk's call), or pool it (and store it when complete).
+enum class PoolAction { kRead, kPoolStore, kPool };
+__device__ inline PoolAction pool_action(const MeanCacheArgs& cache, const SeqArgs& seq, int b, int64_t J, int block_size) {
+  if (cache.k == nullptr) return PoolAction::kPool;
+  const int64_t end = (J + 1) * block_size, k_len = seq.k_len(b);
+  if (end <= k_len - seq.q_len(b)) return PoolAction::kRead;
+  return end <= k_len ? PoolAction::kPoolStore : PoolAction::kPool;
+}
+
+template <typename T>
+__device__ float to_float(T x);
+template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
+template <typename T>
+__device__ T from_float(float x);
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ inline __half from_float<__half>(float x) { return __float2half(x); }
+
+struct SelectArgs {
+  float alpha;
+  int block_size, sink, window, last_n;
+  float scale_log2;  // softmax_scale * log2(e): energies are computed with exp2
+};
+
+struct QArgs {
+  const void* q;
+  int64_t stride_row, stride_head;
+  bool vec16;  // 16-byte aligned base and strides that are multiples of 8 elements: 16-byte copies of Q rows
+};
+
+inline SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
+  return SeqArgs{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
+                 p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
+}
+
+// Launchers, one per role (each file's kernels stay private to it). All on `stream`, no host synchronisation.
+// plan.cu: prefix sums of tiles, blocks and capacity over the batch into d; counters reset.
+void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const VirtualHeads& heads,
+                 int block_size, const DeviceIndex& d);
+// mean_cache.cu: the blocks that end before each sequence's chunk, copied from the cache (cache.k != nullptr).
+void launch_copy_cached_means(cudaStream_t stream, DType dtype, const SeqArgs& seq, const KVArgs& kv,
+                              const MeanCacheArgs& cache, int block_size, int num_kv_heads, int head_dim,
+                              int64_t max_blocks, const DeviceIndex& d);
+// pool.cu: block means of K and V over pool_rows rows (16-byte loads when vec16).
+void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, int64_t pool_rows, const SeqArgs& seq,
+                    const KVArgs& kv, const MeanCacheArgs& cache, int block_size, int num_kv_heads,
+                    const DeviceIndex& d);
+// score_select.cu: the scorer and the keep rules for params.rule (the probe rows first for kProbeRowMax).
+void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                   const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                   const SelectArgs& sel, const DeviceIndex& d);
+// probe.cu: SelectionRule::kProbeRowMax, the probe rows' bits (d.probe_bits), on the scorer's grid.
+void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, int64_t nb_max,
+                  const DeviceIndex& d);
+// union.cu: union mode, one list per (sequence, virtual KV head).
+void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
+                  int64_t nb_max, const DeviceIndex& d);
+
+}  // namespace sparse_prefill::cuda::index_stage

@@ -1,0 +1,79 @@
+// The index's workspace layout: bounds, carving, and the public sizing / re-carving entry points.
+#include "cuda/index/layout.h"
+
+#include <algorithm>
+
+#include "api/validate.h"
+#include "cuda/common/workspace.h"
+#include "cuda/fwd_args.h"
+
+namespace sparse_prefill::cuda {
+namespace index_stage {
+
+Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
+  const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
+  const int block_size = params.block_size;
+  Bounds bd;
+  bd.max_tiles = b.total_q * h.group / kTileRows + b.batch;
+  bd.nb_max = geometry::num_blocks(b.max_seqlen_k, block_size);
+  bd.max_blocks = int64_t(b.batch) * bd.nb_max;
+  if (!b.paged) bd.max_blocks = std::min(bd.max_blocks, b.total_k / block_size + b.batch);
+  bd.max_segments = int64_t(h.kv) * bd.max_tiles;
+  bd.capacity = bd.max_segments * bd.nb_max;
+  bd.probe_words = params.rule == SelectionRule::kProbeRowMax ? (bd.nb_max + 31) / 32 : 0;
+  bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
+  return bd;
+}
+
+// Carves the workspace; with base == nullptr only sums the sizes.
+size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* idx) {
+  WorkspaceCarver ws(base);
+  auto take = [&](size_t bytes) { return ws.take(bytes); };
+  const size_t pooled = size_t(bd.max_blocks) * b.num_kv_heads * b.head_dim;
+  DeviceIndex d;
+  d.segment_start = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
+  d.segment_end = reinterpret_cast<int32_t*>(take(bd.max_segments * 4));
+  d.block_ids = reinterpret_cast<int32_t*>(take(bd.capacity * 4));
+  d.cu_blocks = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
+  d.cu_tiles = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
+  d.cu_capacity = reinterpret_cast<int64_t*>(take((b.batch + 1) * 8));
+  d.k_mean = reinterpret_cast<float*>(take(pooled * 4));
+  d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
+  d.k_mean_lowp = take(pooled * 2);
+  d.v_mean_lowp = take(pooled * 2);
+  d.counters = reinterpret_cast<unsigned long long*>(take(32));
+  if (bd.probe_words) {
+    d.probe_bits = reinterpret_cast<uint32_t*>(take(size_t(bd.max_segments * bd.probe_words) * 4));
+    d.probe_words = bd.probe_words;
+  }
+  const int sms = num_sms();
+  char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split_kv));
+  if (base) d.launch = carve_sparse_launch_workspace(launch, sms, b.head_dim, bd.split_kv);
+  if (idx) *idx = d;
+  return ws.bytes();
+}
+
+}  // namespace index_stage
+
+using index_stage::Bounds;
+
+size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  const IndexBinding b = bind_index(in, p, params);
+  return index_stage::carve(b, index_stage::bounds_of(b, params), nullptr, nullptr);
+}
+
+DeviceIndex carve_index(const IndexBinding& b, const SelectionParams& params, void* workspace) {
+  const Bounds bd = index_stage::bounds_of(b, params);
+  DeviceIndex d;
+  const size_t bytes = index_stage::carve(b, bd, static_cast<char*>(workspace), &d);
+  d.workspace_bytes = bytes;
+  d.block_size = params.block_size;
+  d.correction = params.correction;
+  d.max_segments = bd.max_segments;
+  d.max_blocks = bd.max_blocks;
+  d.capacity = bd.capacity;
+  d.head_subgroups = params.head_subgroups;
+  return d;
+}
+
+}  // namespace sparse_prefill::cuda

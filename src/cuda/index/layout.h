@@ -1,0 +1,41 @@
+// The index's workspace layout (host only): bounds from the shapes it is bound to, the virtual heads of head
+// sub-groups, and the carving of one caller workspace into the index's arrays.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/geometry.h"
+#include "cuda/index/index_stage.h"
+
+namespace sparse_prefill::cuda::index_stage {
+
+struct Bounds {
+  int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
+  int64_t probe_words;  // SelectionRule::kProbeRowMax: words of each segment's probe bitmap (else 0)
+  bool split_kv;  // the attention launch over this index may run split-KV (split_planned): carve the split arrays
+};
+
+// The index's heads: with head sub-groups S, tiles and segments are over Hkv * S virtual KV heads of g / S query
+// heads each (sparse.h); pooling and the pooled means stay per KV head in memory (virtual head v reads head v / S).
+struct VirtualHeads {
+  int kv;         // virtual KV heads: Hkv * S
+  int group;      // query heads per virtual KV head: g / S
+  int subgroups;  // S (SelectionParams::head_subgroups)
+};
+inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int head_subgroups) {
+  return {geometry::virtual_kv_heads(num_kv_heads, head_subgroups),
+          geometry::virtual_group_size(group_size, head_subgroups), head_subgroups};
+}
+inline VirtualHeads virtual_heads(const Problem& p, int head_subgroups) {
+  return virtual_heads(p.num_kv_heads, p.group_size, head_subgroups);
+}
+
+// Workspace bounds from the shapes the index is bound to (no device reads): the layout of a device index is a
+// function of its binding and parameters alone, so sparse_attention and to_host re-carve the same pointers.
+Bounds bounds_of(const IndexBinding& b, const SelectionParams& params);
+
+// Carves the workspace; with base == nullptr only sums the sizes. Returns the bytes of the layout.
+size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* idx);
+
+}  // namespace sparse_prefill::cuda::index_stage

@@ -1,0 +1,207 @@
+// Index stage, step 2: pooling. Block means of K and V (float32, and q-dtype copies: the scorer's B operand and the
+// sparse kernel's correction keys / values), one CTA per (pooled block, KV head); with a mean cache, the blocks a
+// chunk completes are stored in it (the ones an earlier chunk completed: mean_cache.cu).
+#include <algorithm>
+#include <type_traits>
+
+#include "cuda/common/check.h"
+#include "cuda/index/device_args.cuh"
+
+namespace sparse_prefill::cuda::index_stage {
+namespace {
+
+constexpr int kPoolThreadsMax = 128;
+
+// Where one pooling CTA (pooled row idx, KV head kvh) reads and writes; shared by both pooling kernels.
+struct PoolBlock {
+  int b;                      // sequence
+  int64_t k_start, lo, hi;    // the block's keys [lo, hi) of the sequence (rows from k_start, contiguous KV)
+  int64_t out;                // first element of its row in the index's means
+  int64_t cache_row;          // row of the mean cache (-1: not cached)
+  PoolAction act;
+};
+
+// Output elements of this row, and what to do. Returns false when the CTA is done: a row past the real blocks (the
+// grid covers the host-side bound) gets zero low-precision means (the sparse kernel's correction steps load whole
+// chunks of 128 rows and multiply masked probabilities (0) by them, so they must not be NaN).
+// With a mean cache the grid is exactly batch x chunk_blocks CTAs (launch_pooling's caller) and starts each sequence
+// at its block first = floor((k_len - q_len) / B), so (J + 1) B > k_len - q_len for every block it pools: pool_action
+// never answers kRead here (the blocks that end before the chunk are copy_cached_means_kernel's, mean_cache.cu).
+template <typename T>
+__device__ __forceinline__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache,
+                                           int block_size, int num_kv_heads, int head_dim, const int32_t* cu_blocks,
+                                           T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
+  int64_t idx = blockIdx.x;
+  const int kvh = blockIdx.y;
+  if (cache.chunk_blocks > 0) {  // grid over the blocks each sequence's chunk touches
+    const int b = int(blockIdx.x / cache.chunk_blocks);  // < batch: the grid is batch x chunk_blocks
+    const int64_t first = max(int64_t(0), (seq.k_len(b) - seq.q_len(b)) / block_size);
+    const int64_t J = first + blockIdx.x % cache.chunk_blocks;
+    if (J >= cu_blocks[b + 1] - cu_blocks[b]) return false;
+    idx = cu_blocks[b] + J;
+  }
+  pb.out = (idx * num_kv_heads + kvh) * head_dim;
+  if (idx >= cu_blocks[seq.batch]) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      k_mean_lowp[pb.out + d] = from_float<T>(0.f);
+      v_mean_lowp[pb.out + d] = from_float<T>(0.f);
+    }
+    return false;
+  }
+  pb.b = find_sequence(cu_blocks, seq.batch, idx);
+  const int64_t J = idx - cu_blocks[pb.b];
+  pb.k_start = seq.k_start(pb.b);
+  pb.lo = J * block_size;
+  pb.hi = min(pb.lo + block_size, seq.k_len(pb.b));
+  pb.act = pool_action(cache, seq, pb.b, J, block_size);  // kPoolStore or kPool (above)
+  const int64_t slot = pb.act == PoolAction::kPool ? -1 : cache.slot(kv, pb.b, J, block_size);
+  if (slot < 0) pb.act = PoolAction::kPool;  // no cache slot (a bad page id, reported): pool, store nothing
+  pb.cache_row = slot < 0 ? -1 : slot * num_kv_heads + kvh;
+  return true;
+}
+
+// Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged; false for a key on a bad
+// page (skipped: it adds nothing to the sums).
+__device__ __forceinline__ bool kv_offsets(const KVArgs& kv, const PoolBlock& pb, int kvh, int64_t j, int64_t& ko,
+                                           int64_t& vo) {
+  if (kv.block_table) {
+    const int64_t page = kv.page(pb.b, j);
+    if (page < 0) return false;
+    const int64_t slot = j % kv.page_size;
+    ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
+    vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
+  } else {
+    ko = (pb.k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
+    vo = (pb.k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
+  }
+  return true;
+}
+
+// Dimension d of the block's means from the key sums: the index's float32 and low-precision rows, and the cache
+// row when the block is complete.
+template <typename T>
+__device__ __forceinline__ void store_means(const PoolBlock& pb, const MeanCacheArgs& cache, int head_dim, int d,
+                                            float ksum, float vsum, float* k_mean, float* v_mean, T* k_mean_lowp,
+                                            T* v_mean_lowp) {
+  const float inv = 1.f / float(pb.hi - pb.lo);
+  const float km = ksum * inv, vm = vsum * inv;
+  k_mean[pb.out + d] = km;
+  v_mean[pb.out + d] = vm;
+  k_mean_lowp[pb.out + d] = from_float<T>(km);
+  v_mean_lowp[pb.out + d] = from_float<T>(vm);
+  if (pb.act == PoolAction::kPoolStore) {
+    cache.k[pb.cache_row * head_dim + d] = km;
+    cache.v[pb.cache_row * head_dim + d] = vm;
+  }
+}
+
+// One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys.
+template <typename T>
+__global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size, int num_kv_heads,
+                            int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp,
+                            T* v_mean_lowp) {
+  PoolBlock pb;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
+    return;
+  const int kvh = blockIdx.y;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float ks = 0.f, vs = 0.f;
+    for (int64_t j = pb.lo; j < pb.hi; ++j) {
+      int64_t ko, vo;
+      if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
+      ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
+      vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
+    }
+    store_means(pb, cache, head_dim, d, ks, vs, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
+  }
+}
+
+// The same pooling with 16-byte loads (K/V rows 16-byte aligned): thread (v, g) of 128 sums dims [8v, 8v + 8) over
+// the keys j = g, g + G, ... of the block (G = 128 / (D / 8) key groups), so each thread has 2 * block/G independent
+// 16-byte loads in flight instead of 2 * block dependent 2-byte ones; the G partial sums meet in shared memory.
+// Measured need: chunked prefill re-pools the whole cache every step (4.3 GB for 8 x 128K at Hkv 8), where the
+// scalar kernel reached ~1 TB/s.
+// 6 CTAs per SM: the occupancy ptxas chose by itself (80 registers) before the dead kRead branch of pool_block was
+// removed; stated, it gives 72-74 registers and no spills (implicit: 80 and 4-36 bytes of spill stores, varying with
+// unrelated code changes).
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache,
+                                                          int block_size, int num_kv_heads, const int32_t* cu_blocks,
+                                                          float* k_mean, float* v_mean, T* k_mean_lowp,
+                                                          T* v_mean_lowp) {
+  constexpr int kVec = D / 8, kGroups = 128 / kVec;
+  __shared__ float part[2][kGroups][D];
+  PoolBlock pb;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
+    return;
+  const int kvh = blockIdx.y;
+  const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;
+  float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
+    int64_t ko, vo;
+    if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
+    const uint4 kr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.k) + ko + v * 8));
+    const uint4 vr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.v) + vo + v * 8));
+    const T* ke = reinterpret_cast<const T*>(&kr);
+    const T* ve = reinterpret_cast<const T*>(&vr);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      ks[e] += to_float(ke[e]);
+      vs[e] += to_float(ve[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    part[0][grp][v * 8 + e] = ks[e];
+    part[1][grp][v * 8 + e] = vs[e];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += 128) {
+    float kt = 0.f, vt = 0.f;
+#pragma unroll
+    for (int g2 = 0; g2 < kGroups; ++g2) {
+      kt += part[0][g2][d];
+      vt += part[1][g2][d];
+    }
+    store_means(pb, cache, D, d, kt, vt, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
+  }
+}
+
+}  // namespace
+
+void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, int64_t pool_rows, const SeqArgs& seq,
+                    const KVArgs& kv, const MeanCacheArgs& cache, int block_size, int num_kv_heads,
+                    const DeviceIndex& d) {
+  if (pool_rows <= 0) return;
+  const dim3 grid{unsigned(pool_rows), unsigned(num_kv_heads)};
+  if (vec16) {
+    auto launch = [&](auto tag, auto dim) {
+      using T = decltype(tag);
+      pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(
+          seq, kv, cache, block_size, num_kv_heads, d.cu_blocks, d.k_mean, d.v_mean,
+          static_cast<T*>(d.k_mean_lowp), static_cast<T*>(d.v_mean_lowp));
+    };
+    using D64 = std::integral_constant<int, 64>;
+    using D128 = std::integral_constant<int, 128>;
+    if (dtype == DType::kBFloat16) {
+      head_dim == 128 ? launch(__nv_bfloat16{}, D128{}) : launch(__nv_bfloat16{}, D64{});
+    } else {
+      head_dim == 128 ? launch(__half{}, D128{}) : launch(__half{}, D64{});
+    }
+    check_cuda(cudaGetLastError(), "pool_vec_kernel launch");
+    return;
+  }
+  const int threads = std::min(head_dim, kPoolThreadsMax);
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    pool_kernel<T><<<grid, threads, 0, stream>>>(seq, kv, cache, block_size, num_kv_heads, head_dim, d.cu_blocks,
+                                                 d.k_mean, d.v_mean, static_cast<T*>(d.k_mean_lowp),
+                                                 static_cast<T*>(d.v_mean_lowp));
+  };
+  if (dtype == DType::kBFloat16) launch(__nv_bfloat16{});
+  else launch(__half{});
+  check_cuda(cudaGetLastError(), "pool_kernel launch");
+}
+
+}  // namespace sparse_prefill::cuda::index_stage

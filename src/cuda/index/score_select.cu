@@ -1,0 +1,461 @@
+// Index stage, step 3: score and select. One CTA per (tile, virtual KV head) scores the tile's packed Q rows against
+// the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kThreshold; per-row max:
+// kRowMax, and the pooled-means half of kProbeRowMax), compacting the kept ids into the tile's CSR slice.
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
+#include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
+#include "cuda/index/device_args.cuh"
+#include "cuda/softmax.h"     // acc_rowcol, fast_exp2
+#include "cuda/wgmma.h"
+
+namespace sparse_prefill::cuda::index_stage {
+namespace {
+
+constexpr int kScoreChunk = 128;     // pooled blocks scored per step: S chunk is 128 rows x 128 blocks
+constexpr int kScoreThreads = 256;   // 2 warpgroups x 64 packed rows
+constexpr int kScoreWarps = kScoreThreads / 32;
+
+// The scorer's tensor-core GEMM S = Q_tile . K_mean^T: the attention kernel's S GEMM shapes (two consumer
+// warpgroups of 64 rows, SS wgmma 64 x 128 x 16 atoms, 128-byte-swizzled K-major tiles), with 128 pooled blocks per
+// step in place of 128 keys. Q (32 KiB at D = 128) and two stages of pooled keys (2 x 32 KiB) in shared memory: ~100
+// KiB per CTA, so 2 CTAs (16 warps) share an SM and one CTA's exp2 epilogue runs under the other's wgmma.
+template <typename T, int D>
+struct ScoreConfig {
+  using Element = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
+  static constexpr int kN = kScoreChunk;
+  using TileShape = cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>;
+  using TiledMma = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileShape>(),
+                                                 cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  template <int kRows>
+  using Atom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element,
+                                                                            cute::Int<kRows>, cute::Int<D>>());
+  using SmemLayoutQ =
+      decltype(cute::tile_to_shape(Atom<kTileRows>{}, cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
+  using SmemLayoutK =
+      decltype(cute::tile_to_shape(Atom<kN>{}, cute::Shape<cute::Int<kN>, cute::Int<D>, cute::_2>{}));
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;  // double buffer: chunk c+1 loads under c
+    float partial[kScoreWarps][kN];  // each warp's column sums of a chunk, relative to its own maximum
+    float warp_max[kScoreWarps];     // log2 domain; -inf: the warp saw no visible score in the chunk
+    float red[kScoreWarps];
+    int warp_count[kScoreWarps];
+    int nan_flag;  // a NaN score in the tile: keep every visible block
+  };
+  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], then chunk_max[nb_max / kN + 1].
+  static size_t smem_bytes(int64_t nb_max) {
+    return sizeof(Smem) + (size_t((nb_max + 3) & ~int64_t(3)) + size_t(nb_max / kN + 1)) * sizeof(float);
+  }
+};
+
+// One step of the column butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32 apart for
+// 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is set, and
+// combine them with the partner's copy of that half: a sum (tile energies) or a max (the per-row rule's column maxima).
+template <int kBit, class Combine>
+__device__ __forceinline__ void butterfly_step(float (&v)[32], int lane, Combine combine) {
+  const bool upper = lane & kBit;
+#pragma unroll
+  for (int k = 0; k < kBit; ++k) {
+    const float keep = upper ? v[k + kBit] : v[k], give = upper ? v[k] : v[k + kBit];
+    v[k] = combine(keep, __shfl_xor_sync(0xffffffffu, give, kBit));
+  }
+}
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+// max that propagates NaN (one FMNMX.NAN, the cost of fmaxf): the scorer's maxima see a NaN score (NaN policy of the
+// selection, docs/semantics.md: a tile with a NaN score keeps every visible block).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
+// thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
+// groups of the warp (28 shuffles) leaves each lane 4 column sums; 128 threads combine the 8 warps after the
+// chunk's barrier. The last tiles (last_n), which keep every visible block, skip the GEMM.
+// kRowMax (SelectionRule::kRowMax): two passes over the chunks through the same double-buffered pipeline. Pass 1
+// keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2 recomputes the GEMM
+// (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over the rows that see J
+// of s_rJ - m_r (raw dot products; the scale is folded into the threshold), by a max butterfly over the warp's rows
+// and a max over the 8 warps, into energy[]; keep iff C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
+template <typename T, int D, bool kRowMax>
+__global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
+    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
+    const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
+    const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
+    int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
+  using namespace cute;
+  using Cfg = ScoreConfig<T, D>;
+  using Element = typename Cfg::Element;
+  constexpr int kN = Cfg::kN;
+  constexpr int kWarps = kScoreWarps;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  float* energy = reinterpret_cast<float*>(smem_raw + sizeof(typename Cfg::Smem));
+
+  const int64_t tile_idx = blockIdx.x;
+  if (tile_idx >= cu_tiles[seq.batch]) return;
+  const int kvh = blockIdx.y;
+  const int b = find_sequence(cu_tiles, seq.batch, tile_idx);
+  const int64_t t = tile_idx - cu_tiles[b];
+  const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
+  const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
+  const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
+  const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
+  const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
+  const int64_t hi_first = min(k_len - 1, first_pos + off), hi_last = min(k_len - 1, last_pos + off);
+  const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
+  const int64_t base = cu_capacity[b] + (kvh * tiles + t) * nb;
+  const int B = sel.block_size;
+  const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
+  float* chunk_max = energy + ((nb + 3) & ~int64_t(3));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename Cfg::SmemLayoutK{});
+
+  // stage_chunk(c, buf): the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past
+  // the last block).
+  // (num_kv_heads, group_size: virtual KV heads with head sub-groups; the pooled means are per KV head in memory.)
+  const Element* pooled =
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / subgroups) * D;
+  const int pooled_row_stride = kv_heads_mem * D;  // elements between consecutive blocks' means of one KV head
+  const int nb32 = int(nb);
+  // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
+  // addresses are fixed per stage, and the passes of the swizzled tile lie a fixed byte distance apart (whole 8-row
+  // swizzle atoms), so a chunk costs kPasses copies and adds (index math per copy was ~1/3 of the loop's issue
+  // slots).
+  constexpr int kVec = D / 8, kRowsPerPass = kScoreThreads / kVec, kPasses = kN / kRowsPerPass;
+  const int v = threadIdx.x % kVec, n0 = threadIdx.x / kVec;
+  const auto smem_addr = [](const Element& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
+  const uint32_t dst0 = smem_addr(sK(n0, v * 8, 0));
+  const uint32_t pass_bytes = smem_addr(sK(n0 + kRowsPerPass, v * 8, 0)) - dst0;
+  const uint32_t stage_bytes = smem_addr(sK(n0, v * 8, 1)) - dst0;
+  const Element* src0 = pooled + int64_t(n0) * pooled_row_stride + v * 8;
+  const int64_t pass_stride = int64_t(kRowsPerPass) * pooled_row_stride;
+  auto stage_chunk = [&](int c, int buf) {
+    const Element* src = src0 + int64_t(c) * kN * pooled_row_stride;
+    const uint32_t dst = dst0 + uint32_t(buf) * stage_bytes;
+    CUTE_UNROLL
+    for (int p = 0; p < kPasses; ++p) {
+      const bool ok = c * kN + n0 + p * kRowsPerPass < nb32;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + p * pass_bytes),
+                   "l"(ok ? src + p * pass_stride : pooled), "r"(ok ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  const bool last_tile = t >= tiles - sel.last_n;
+  const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
+  if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers
+  if (nchunks > 0) {
+    // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile with cp.async,
+    // in the same group as chunk 0, so every load is in flight at once (a load-then-store loop serialised 32 global
+    // round trips per thread: ~2x slower index stage). 16-byte copies when q allows them, else 4-byte ones
+    // (build_index needs only even q strides); zero-fill past the tile's rows.
+    const int64_t q_start = seq.q_start(b);
+    const int elems = qa.vec16 ? 8 : 2;
+    const int per_row = D / elems;
+    for (int i = threadIdx.x; i < kTileRows * per_row; i += kScoreThreads) {
+      const int r = i / per_row, col = (i % per_row) * elems;
+      const int pr = int(t) * kTileRows + min(r, int(rows) - 1);  // packed row within the sequence (Lq * g < 2^31)
+      const T* src = static_cast<const T*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
+                     (kvh * group_size + pr % group_size) * qa.stride_head + col;
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sQ(r, col)));
+      if (qa.vec16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 16 : 0));
+      } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 4 : 0));
+      }
+    }
+    stage_chunk(0, 0);  // commits Q and chunk 0 as one group
+  }
+
+  typename Cfg::TiledMma mma;
+  auto wg_mma = mma.get_slice((threadIdx.x / 128) * 128);
+  auto thr_mma = mma.get_slice(threadIdx.x);
+  Tensor tSrQ = wg_mma.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
+  Tensor tSrK = wg_mma.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kTileRows>, Int<kN>>{});
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (2 rows, kN / 4 columns) of this thread
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kCols = decltype(size<1>(S))::value;  // 32: column c is tile column 8 (c / 2) + 2 (lane % 4) + c % 2
+  static_assert(decltype(size<0>(S))::value == 2 && kCols == 32, "accumulator layout assumed by the butterfly");
+
+  // The last block each of this thread's 2 rows sees (-1: none, or past the tile's rows); chunks that every row
+  // of the tile sees whole skip the mask (causal: all but the last one or two).
+  int row_last_block[2];
+  for (int i = 0; i < 2; ++i) {
+    const int r = get<0>(cS_rc(i, 0));
+    const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+    row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
+  }
+  const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
+
+  // Steps: the chunks once (kRowMax: twice, pass 1 then pass 2); chunk c of step `step` is step % nchunks.
+  const int steps = kRowMax ? 2 * nchunks : nchunks;
+  float row_max[2] = {-INFINITY, -INFINITY};  // kRowMax: m_r of this thread's 2 rows (raw dot products)
+  for (int step = 0; step < steps; ++step) {
+    const int c = kRowMax && step >= nchunks ? step - nchunks : step;
+    const int buf = step & 1;
+    if (step + 1 < steps) {
+      // its stage was last read by the previous step's wgmma, finished before its barrier
+      stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
+    __syncthreads();
+
+    wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
+    warpgroup_wait<0>();
+
+    if constexpr (kRowMax) {
+      const int chunk_first = c * kN;
+      const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
+      if (!unmasked) {  // -inf where the row does not see the block (or lies past the tile)
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) {
+            const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+            if (J > row_last_block[i]) S(i, k) = -INFINITY;
+          }
+      }
+      if (step < nchunks) {  // pass 1: row maxima
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) row_max[i] = fmax_nan(row_max[i], S(i, k));
+        if (step == nchunks - 1) {
+          if (row_max[0] != row_max[0] || row_max[1] != row_max[1]) atomicOr(&sm.nan_flag, 1);
+          CUTE_UNROLL
+          for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad hold one row's columns
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+            if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
+          }
+        }
+        __syncthreads();  // every wgmma of this step is done before the next step refills the other stage
+        continue;
+      }
+      // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
+      float v[kCols];
+      CUTE_UNROLL
+      for (int k = 0; k < kCols; ++k) v[k] = fmaxf(S(0, k) - row_max[0], S(1, k) - row_max[1]);
+      butterfly_step<16>(v, lane, MaxOp{});
+      butterfly_step<8>(v, lane, MaxOp{});
+      butterfly_step<4>(v, lane, MaxOp{});
+      {
+        const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
+        const int col = 8 * (c0 / 2) + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
+      }
+      __syncthreads();
+      if (threadIdx.x < kN) {  // max over the warps: C_J of the tile (-inf: no row sees J)
+        float cm = sm.partial[0][threadIdx.x];
+        for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.partial[w][threadIdx.x]);
+        const int J = chunk_first + threadIdx.x;
+        if (J < nb32) energy[J] = cm;
+      }
+      continue;
+    }
+
+    // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max; the scale
+    // is folded into the exp2 argument: one FFMA per element).
+    float m = -INFINITY;
+    const int chunk_first = c * kN;
+    if (chunk_first + kN - 1 <= tile_min_last_block) {
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i)
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) m = fmax_nan(m, S(i, k));
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i)
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) {
+          const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+          if (J > row_last_block[i]) S(i, k) = -INFINITY;
+          m = fmax_nan(m, S(i, k));
+        }
+    }
+    for (int o = 16; o > 0; o /= 2) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0 && m != m) atomicOr(&sm.nan_flag, 1);
+    const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // exp2(-inf - 0) = 0 for masked scores
+    float v[kCols];
+    CUTE_UNROLL
+    for (int k = 0; k < kCols; ++k)
+      v[k] = fast_exp2(fmaf(S(0, k), sel.scale_log2, -m_log2)) + fast_exp2(fmaf(S(1, k), sel.scale_log2, -m_log2));
+    // Butterfly over the row groups (lane bits 4, 3, 2): each step keeps half of the columns and adds the partner's
+    // half, so after 16 + 8 + 4 shuffles lane holds columns c0 .. c0+3 (c0 = 16 h4 + 8 h3 + 4 h2) summed over the
+    // warp's 16 rows.
+    butterfly_step<16>(v, lane, SumOp{});
+    butterfly_step<8>(v, lane, SumOp{});
+    butterfly_step<4>(v, lane, SumOp{});
+    {
+      const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
+      const int col = 8 * (c0 / 2) + 2 * (lane % 4);  // columns of c0, c0+1; c0+2, c0+3 are 8 further
+      *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
+      *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
+    }
+    if (lane == 0) sm.warp_max[warp] = m == -INFINITY ? -INFINITY : m_log2;
+    __syncthreads();
+    // Combine the warps: chunk maximum and energies relative to it.
+    if (threadIdx.x < kN) {
+      float cm = sm.warp_max[0];
+      for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.warp_max[w]);
+      float e = 0.f;
+      if (cm != -INFINITY) {
+        for (int w = 0; w < kWarps; ++w) {
+          if (sm.warp_max[w] != -INFINITY) e += sm.partial[w][threadIdx.x] * fast_exp2(sm.warp_max[w] - cm);
+        }
+      }
+      const int J = chunk_first + threadIdx.x;
+      if (J < nb32) energy[J] = e;
+      if (threadIdx.x == 0) chunk_max[c] = cm;
+    }
+  }
+  __syncthreads();
+
+  float threshold;
+  if constexpr (kRowMax) {
+    threshold = log2f(sel.alpha) / sel.scale_log2;  // ln(alpha) / scale; alpha = 0: -inf, every visible block
+  } else {
+    // Rescale every chunk's energies to the tile maximum M; E_max.
+    float tile_max = -INFINITY;
+    for (int c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
+    float local_emax = 0.f;
+    for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
+      const float cm = chunk_max[J / kN];
+      const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
+      energy[J] = e;
+      local_emax = fmaxf(local_emax, e);
+    }
+    for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
+    __syncthreads();
+    if (lane == 0) sm.red[warp] = local_emax;
+    __syncthreads();
+    float emax = sm.red[0];
+    for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
+    threshold = sel.alpha * emax;
+  }
+
+  // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
+  // energies were never computed: `last_tile ||` comes first).
+  const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
+  const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
+  const bool has_band = sel.window > 0 && diag_last >= 0;
+  const bool tile_nan = sm.nan_flag != 0;  // written before the loop's last barrier (and the one after it)
+  int64_t kept = 0;
+  for (int64_t round = 0; round < nvis; round += kScoreThreads) {
+    const int64_t J = round + threadIdx.x;
+    bool keep = false;
+    if (J < nvis) {
+      const int64_t last_key = min((J + 1) * B, k_len) - 1;
+      const bool prunable = hi_first >= 0 && last_key <= hi_first;
+      keep = tile_nan || last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
+             (has_band && J * B <= band_hi && last_key >= band_lo) ||
+             (probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u));
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    __syncthreads();
+    if (lane == 0) sm.warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int64_t offset = kept;
+    for (int w = 0; w < warp; ++w) offset += sm.warp_count[w];
+    offset += __popc(ballot & ((1u << lane) - 1u));
+    if (keep) block_ids[base + offset] = int32_t(J);
+    for (int w = 0; w < kWarps; ++w) kept += sm.warp_count[w];
+  }
+  if (threadIdx.x == 0) {
+    segment_start[seg] = int32_t(base);
+    segment_end[seg] = int32_t(base + kept);
+    atomicAdd(&counters[0], (unsigned long long)kept);
+    atomicAdd(&counters[1], (unsigned long long)nvis);
+  }
+}
+
+// The scorer's dynamic shared memory limit on this device (device_info.h: the opt-in maximum less the kernel's static
+// shared memory), past the 48 KB default. Set once per instantiation together with all of the unified L1 as shared
+// memory, so that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one); attributes are not
+// stream operations, so there is no per-call host cost.
+template <typename T, int D, bool kRowMax>
+size_t score_smem_limit() {
+  static const size_t limit = [] {
+    auto kernel = score_select_kernel<T, D, kRowMax>;
+    const size_t bytes = max_dynamic_smem_optin(kernel);
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+               "cudaFuncSetAttribute(score_select_kernel)");
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+               "cudaFuncSetAttribute(score_select_kernel)");
+    return bytes;
+  }();
+  return limit;
+}
+
+template <typename T, int D, bool kRowMax>
+void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
+                  const SelectArgs& sel, const VirtualHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
+  auto kernel = score_select_kernel<T, D, kRowMax>;
+  (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
+                                                    d.cu_tiles,
+                                                    d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
+                                                    d.probe_bits, d.probe_words, d.segment_start, d.segment_end,
+                                                    d.block_ids, d.counters);
+}
+
+}  // namespace
+
+void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                   const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                   const SelectArgs& sel, const DeviceIndex& d) {
+  if (bd.max_tiles <= 0) return;
+  const dim3 grid(unsigned(bd.max_tiles), unsigned(heads.kv));
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  auto launch = [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    constexpr int kD = decltype(dim)::value;
+    const size_t dyn_smem = ScoreConfig<T, kD>::smem_bytes(bd.nb_max);
+    const bool row_max = params.rule == SelectionRule::kRowMax || params.rule == SelectionRule::kProbeRowMax;
+    const size_t limit = row_max ? score_smem_limit<T, kD, true>() : score_smem_limit<T, kD, false>();
+    if (dyn_smem > limit) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
+      throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
+                                " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
+    }
+    if (params.rule == SelectionRule::kProbeRowMax) {
+      // the probe rows' bits at alpha, then the pooled-means row max at kProbeMeanAlpha ORs them in
+      launch_probe(stream, p.dtype, kD, grid, seq, qa, kv, sel, heads, bd.nb_max, d);
+      SelectArgs mean_sel = sel;
+      mean_sel.alpha = kProbeMeanAlpha;
+      launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, mean_sel, heads, p.num_kv_heads, d);
+    } else if (params.rule == SelectionRule::kRowMax) {
+      launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+    } else {
+      launch_score<T, kD, false>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+    }
+  };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (p.head_dim == 128) {
+    bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
+  } else {
+    bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
+  }
+  check_cuda(cudaGetLastError(), "score_select_kernel launch");
+}
+
+}  // namespace sparse_prefill::cuda::index_stage
