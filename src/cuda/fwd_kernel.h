@@ -14,7 +14,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "cuda/block_iterator.h"
+#include "cuda/attention/block_schedule.h"
 #include "cuda/device_checks.h"
 #include "cuda/fwd_config.h"
 #include "cuda/softmax.h"

@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda/block_iterator.h"
+#include "cuda/attention/block_schedule.h"
 #include "cuda/fwd_args.h"
 
 namespace sparse_prefill::cuda {
