@@ -58,8 +58,8 @@ struct PlanArgs {
   int32_t* slot_tile;
 };
 
-// Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's tile_work() decides from the
-// same SparseBlockIterator::planned_steps.
+// Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's CsrBlocks::work()
+// (attention/tile_work.h) decides from the same SparseBlockIterator::planned_steps.
 __device__ int tile_steps(const PlanArgs& a, int t) {
   using It = SparseBlockIterator<kStepKeys>;
   const SparseTileCoord c = a.order.coord(t);

@@ -85,7 +85,7 @@ struct FwdConfig {
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  // Paged KV with page_size % 64 != 0 (fwd_kernel's kGatherKV): the 128 producer threads gather K/V rows with
+  // Paged KV with page_size % 64 != 0 (KvCpAsyncGather, kv_gather.h): the 128 producer threads gather K/V rows with
   // cp.async and each arrives on the stage's full barrier when its copies land (no transaction bytes).
   using PipelineGather = cutlass::PipelineAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;

@@ -53,7 +53,8 @@ struct DirectStore {
     const uint32_t fill = w.bad ? kNaN : 0u;
     for (int idx = mma_tidx; idx < kBlockM * kChunks; idx += Config::kNumMmaThreads) {
       const int row = idx / kChunks, ch = idx % kChunks;
-      if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(p, pr, w, row) + ch * 8) = make_uint4(fill, fill, fill, fill);
+      if (row < tile_rows)
+        *reinterpret_cast<uint4*>(out_ptr(p, pr, w, row) + ch * 8) = make_uint4(fill, fill, fill, fill);
     }
     if (p.lse != nullptr && mma_tidx < kBlockM && mma_tidx < tile_rows)
       *lse_ptr(p, pr, w, mma_tidx) = w.bad ? __int_as_float(0x7fc00000) : -INFINITY;

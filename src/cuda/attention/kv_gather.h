@@ -59,7 +59,7 @@ struct KvCpAsyncGather {
     }
   }
 
-  template <bool kEmptySteps, class Storage, class Poison>
+  template <bool kEmptySteps, class Poison>
   struct Producer {  // the parameters come with every call, not held (see SingleTileScheduler::Loop)
     static_assert(!kEmptySteps, "the cp.async gather serves the dense schedule");
     const SeqSpan& seq;
@@ -99,8 +99,9 @@ struct KvCpAsyncGather {
     // these 4 warps share issue slots with the consumers, and every instruction per copy shows in the time: see
     // the unroll note below). Only the block holding seqused_k pays for predicates (zero-fill past it).
     template <class SmemX>
-    __device__ __forceinline__ void gather_block(const Params& p, const void* base, int64_t head_stride, uint32_t row_bytes, SmemX& sX,
-                                                 Pipeline& pipe, PipelineState& st, int n) const {
+    __device__ __forceinline__ void gather_block(const Params& p, const void* base, int64_t head_stride,
+                                                 uint32_t row_bytes, SmemX& sX, Pipeline& pipe, PipelineState& st,
+                                                 int n) const {
       using namespace cute;
       constexpr int kPatterns = 8 / kRowsPerCopy;
       static_assert(kRowsPerCopy == 2 || kRowsPerCopy == 4, "rows of 256 or 128 bytes");
@@ -119,7 +120,8 @@ struct KvCpAsyncGather {
                             (32 * warp + row0) * 128;
       uint32_t dst[kPatterns];
       CUTE_UNROLL
-      for (int k = 0; k < kPatterns; ++k) dst[k] = dst0 + ((uint32_t((ch % 8) ^ row0) ^ uint32_t(k * kRowsPerCopy)) * 16);
+      for (int k = 0; k < kPatterns; ++k)
+        dst[k] = dst0 + ((uint32_t((ch % 8) ^ row0) ^ uint32_t(k * kRowsPerCopy)) * 16);
       auto src_of = [&](uint32_t row) {  // one IMAD.WIDE.U32 with the 64-bit addend
         uint64_t a;
         asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(row), "r"(row_bytes), "l"(src0));

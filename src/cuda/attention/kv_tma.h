@@ -84,7 +84,7 @@ struct KvTma {
 
   // The producer's loads of one tile. kEmptySteps: the schedule has steps without keys (block -1).
   // The parameters come with every call, not held (see SingleTileScheduler::Loop).
-  template <bool kEmptySteps, class Storage, class Poison>
+  template <bool kEmptySteps, class Poison>
   struct Producer {
     const SeqSpan& seq;
     const int batch, kv_head;  // kv_head: in memory
@@ -130,8 +130,9 @@ struct KvTma {
       return {half_row(p, pr, n, 0), half_row(p, pr, n, 1)};
     }
     template <class Tma, class TmaHalf, class SmemX>
-    __device__ __forceinline__ void load_block(const Params& p, const FwdProblem& pr, const Tma& tma, const TmaHalf& tma_half, SmemX& sX, Pipeline& pipe,
-                                               PipelineState& st, const BlockRows& rows) const {
+    __device__ __forceinline__ void load_block(const Params& p, const FwdProblem& pr, const Tma& tma,
+                                               const TmaHalf& tma_half, SmemX& sX, Pipeline& pipe, PipelineState& st,
+                                               const BlockRows& rows) const {
       using namespace cute;
       constexpr int kD = kHeadDim;  // a local: make_shape takes its arguments by reference
       Tensor mX = tma.get_tma_tensor(make_shape(pr.total_k_rows, kD, pr.num_kv_heads_mem));

@@ -115,7 +115,7 @@ struct Mainloop {
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
     if (issuer) q.load(p.q, pr, storage, work);
-    typename KvSource::template Producer<Schedule::kEmptySteps, SharedStorage, Poison> kv{work.seq, work.batch,
+    typename KvSource::template Producer<Schedule::kEmptySteps, Poison> kv{work.seq, work.batch,
                                                                                           kv_head, poison};
     // Step i of the iterator: a key block, or (fusion) a chunk of pooled means.
     auto load_k_step = [&](int i) {

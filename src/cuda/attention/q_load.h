@@ -98,11 +98,10 @@ struct QPackGqaGather {
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
         const int idx = tq + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-        vals[k] = row < tile_rows
-                      ? __ldg(reinterpret_cast<const uint4*>(q_base + int64_t(work.seq.q_start + work.row_pos(pr, row)) *
-                                                                          p.q_row_stride +
-                                                             int64_t(work.row_head(pr, row)) * p.q_head_stride + ch * 8))
-                      : make_uint4(0, 0, 0, 0);
+        vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(
+                                        q_base + int64_t(work.seq.q_start + work.row_pos(pr, row)) * p.q_row_stride +
+                                        int64_t(work.row_head(pr, row)) * p.q_head_stride + ch * 8))
+                                  : make_uint4(0, 0, 0, 0);
       }
       CUTE_UNROLL
       for (int k = 0; k < 64 * kChunks / 128; ++k) {

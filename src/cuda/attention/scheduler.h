@@ -8,8 +8,8 @@
 //                               (a few listed blocks to hundreds), so a static stride leaves SMs idle (measured 128K:
 //                               7.85 ms vs 6.79 ms one CTA per tile).
 //   PlannedScheduler:           the dynamic scheduler over the split-KV plan's units (split_kv.cu): units
-//                               [0, n_split_units) are the parts of the split tiles (unit u = partial slot u), then unit
-//                               n_split_units + t is tile t of the work order, unless that tile is split.
+//                               [0, n_split_units) are the parts of the split tiles (unit u = partial slot u), then
+//                               unit n_split_units + t is tile t of the work order, unless that tile is split.
 // A separate instantiation for the plan: its branch costs the consumers ~3 registers and with them 3 spill reloads per
 // step in the mainloop (ptxas + SASS: 414 vs 260 bytes of spill stores); one-shot launches are never planned.
 #pragma once
