@@ -137,7 +137,9 @@ struct FwdKernel {
       // ---- epilogue ----
       float inv_sum[kRows], lse[kRows];
       softmax.finalize(pr.softmax_scale, inv_sum, lse);
-      {  // a bad page or block id met by the producer while loading this tile (poison_tile, mainloop_sm90.h): its rows are NaN
+      // A bad page or block id met by the producer while loading this tile (poison_tile, mainloop_sm90.h): its rows
+      // are NaN.
+      {
         const int n_pub = sched.publication();
         if (storage.poisoned[n_pub & 3] == n_pub + 1) {
           CUTE_UNROLL
