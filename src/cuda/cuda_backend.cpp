@@ -59,7 +59,8 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
     // TMA: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
-    // (page_size % 128 == 64); any other page size: the dense kernel's cp.async gather producer (fwd_kernel.h).
+    // (page_size % 128 == 64); any other page size: the cp.async gather producer (DensePagedGatherFwd,
+    // attention/variants.h).
     for (const TensorView* t : {&in.k, &in.v}) {
       if (t->stride[0] != p.page_size * t->stride[1])
         throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "api/problem.h"
-#include "cuda/block_iterator.h"
+#include "cuda/attention/block_schedule.h"
 
 namespace sparse_prefill::cuda {
 

@@ -45,7 +45,7 @@ struct FwdArgs {
 //     (split 0 of every split tile, then split 1, ...): split s of entry e is unit counters[kSplitBase + s] + e, so
 //     the tiles that read the same key range at the same time (the g-head tiles of one KV head) share it in L2;
 //   o_partial [max_split_units, 128, D] / lse_partial [max_split_units, 128]: float32 partials, one slot per unit.
-// Split plan (SplitRule, block_iterator.h): fewer than SMs split tiles and twice as many split units, always.
+// Split plan (SplitRule, attention/block_schedule.h): fewer than SMs split tiles and twice as many split units, always.
 struct SparseLaunchWorkspace {
   enum : int {
     kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kSplitBase = 8,

@@ -19,7 +19,7 @@
 #include <string>
 
 #include "core/geometry.h"
-#include "cuda/block_iterator.h"
+#include "cuda/attention/block_schedule.h"
 #include "cuda/common/check.h"
 #include "cuda/common/workspace.h"
 #include "cuda/fwd_args.h"
@@ -61,8 +61,8 @@ struct PlanArgs {
   int32_t* slot_tile;
 };
 
-// Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's tile_work() decides from the
-// same SparseBlockIterator::planned_steps.
+// Planned steps of work-order tile t (0 for a tile beyond its sequence); the kernel's CsrBlocks::work()
+// (attention/tile_work.h) decides from the same SparseBlockIterator::planned_steps.
 __device__ int tile_steps(const PlanArgs& a, int t) {
   using It = SparseBlockIterator<kStepKeys>;
   const SparseTileCoord c = a.order.coord(t);

@@ -1,4 +1,4 @@
-// Host-side exhaustive check of the block iterators (src/cuda/block_iterator.h), the producer/consumer seam.
+// Host-side exhaustive check of the block iterators (src/cuda/attention/block_schedule.h), the producer/consumer seam.
 // Dense: every visible (row, key) lies in a visited block, a block reported as needing no mask is fully visible to
 // every valid row of the tile, and the per-row column range used by the mask equals the visibility rule of docs/semantics.md.
 // Sparse: for random CSR lists (block sizes 128 and 256, many chunk counts), the real steps visit exactly the listed
@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "cuda/block_iterator.h"
+#include "cuda/attention/block_schedule.h"
 
 namespace {
 

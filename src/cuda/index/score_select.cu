@@ -7,7 +7,7 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/device_info.h"
-#include "cuda/fwd_config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
+#include "cuda/attention/config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index/device_args.cuh"
 #include "cuda/softmax.h"     // acc_rowcol, fast_exp2
 #include "cuda/wgmma.h"

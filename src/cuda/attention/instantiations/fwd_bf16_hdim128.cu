@@ -1,5 +1,5 @@
 // Forward kernel instantiation: bfloat16, head dim 128.
-#include "cuda/fwd_launch.h"
+#include "cuda/attention/launch.h"
 
 namespace sparse_prefill::cuda {
 void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse) {

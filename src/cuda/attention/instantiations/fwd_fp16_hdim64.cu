@@ -1,5 +1,5 @@
 // Forward kernel instantiation: float16, head dim 64 (dense only; the block-sparse kernel is built for 128).
-#include "cuda/fwd_launch.h"
+#include "cuda/attention/launch.h"
 
 namespace sparse_prefill::cuda {
 void run_fwd_fp16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse) {

@@ -1,0 +1,183 @@
+// Tile schedulers: which work unit a CTA runs next, and how the producer tells the consumers.
+//   SingleTileScheduler:        one tile per CTA (grid = tiles); the tile loop has a trip count of 1 and compiles to
+//                               straight-line code. A persistent dense kernel was measured (its tile loop costs
+//                               registers: at 240 per consumer thread ptxas spilled ~60 bytes) and removed
+//                               (bench/NOTES.md).
+//   DynamicPersistentScheduler: one CTA per SM; the producer thread takes tiles from an atomic counter and publishes
+//                               them in a two-slot mailbox the consumers read. Tile work varies by orders of magnitude
+//                               (a few listed blocks to hundreds), so a static stride leaves SMs idle (measured 128K:
+//                               7.85 ms vs 6.79 ms one CTA per tile).
+//   PlannedScheduler:           the dynamic scheduler over the split-KV plan's units (split_kv.cu): units
+//                               [0, n_split_units) are the parts of the split tiles (unit u = partial slot u), then
+//                               unit n_split_units + t is tile t of the work order, unless that tile is split.
+// A separate instantiation for the plan: its branch costs the consumers ~3 registers and with them 3 spill reloads per
+// step in the mainloop (ptxas + SASS: 414 vs 260 bytes of spill stores); one-shot launches are never planned.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+
+#include <cutlass/arch/barrier.h>
+
+#include "cuda/attention/block_schedule.h"
+#include "cuda/fwd_args.h"
+
+namespace sparse_prefill::cuda {
+
+// One work unit: tile `tile` of the work order, or split-KV part `split` of `nsplit` of it.
+struct WorkUnit {
+  int tile;
+  int split, nsplit;
+  int slot;    // float32 partial slot of a split-KV part (-1: the unit is the whole tile and writes out)
+  bool valid;  // false: past the work order's tiles
+};
+
+template <class Config>
+struct SingleTileScheduler {
+  static constexpr bool kPersistent = false;
+  static constexpr bool kPlanned = false;
+  struct Params {
+    int num_tiles;
+  };
+  static Params to_params(int64_t num_tiles, const SparseFwdArgs*) {
+    if (num_tiles > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
+    return {int(num_tiles)};
+  }
+  static int grid(const Params& p) { return p.num_tiles; }
+
+  __device__ __forceinline__ static WorkUnit unit(const Params&, int u) { return {u, 0, 1, -1, true}; }
+  template <class Steps>
+  __device__ __forceinline__ static bool split_elsewhere(const Params&, const WorkUnit&, Steps&&) { return false; }
+  template <class It>
+  __device__ __forceinline__ static void apply_split(const WorkUnit&, It&) {}
+
+  // The loop state of one role: only its counters (the parameters come with every call).
+  template <class Storage>
+  struct Loop {  // the same for producer and consumers
+    Storage& storage;
+    __device__ __forceinline__ int first(const Params&) { return int(blockIdx.x); }
+    __device__ __forceinline__ bool more(const Params&, int, int n) const { return n < 1; }
+    __device__ __forceinline__ int next(const Params&, int t) { return t; }
+    __device__ __forceinline__ int publication() const { return 0; }  // the tile's number in this CTA
+  };
+  template <class Storage>
+  using Producer = Loop<Storage>;
+  template <class Storage>
+  using Consumer = Loop<Storage>;
+};
+
+template <class Config, bool kPlanned_>
+struct PersistentScheduler {
+  static constexpr bool kPersistent = true;
+  static constexpr bool kPlanned = kPlanned_;
+  struct Params {
+    int num_tiles;        // bound of the work units: num_coord_tiles (+ max_split_units when planned)
+    int num_coord_tiles;  // tiles of the work order
+    int* tile_counter;    // zero at launch (SparseLaunchWorkspace::kTileCounter)
+    // Planned: the real unit count is plan[kSplitUnits] + num_coord_tiles (SparseLaunchWorkspace, fwd_args.h).
+    const int* plan;
+    const int32_t* split_tiles;  // [.][4] {tile, nsplit, 0, 0}
+    const int32_t* slot_tile;    // unit -> entry | split << 16
+  };
+  static Params to_params(int64_t coord_tiles, const SparseFwdArgs* s) {
+    const SparseLaunchWorkspace& w = s->launch;
+    // Persistent with the dynamic scheduler (it tied one CTA per tile on the H200, 128K: 6.64 vs 6.49 ms,
+    // NOTES_sparse.md, and is the base for the split-KV plan), so it needs the launch counters.
+    if (w.counters == nullptr && coord_tiles > 0)  // (a launch without tiles returns before it runs)
+      throw std::runtime_error("sparse_prefill cuda: a sparse launch needs its launch workspace (counters)");
+    Params p;
+    p.num_coord_tiles = int(std::min<int64_t>(coord_tiles, INT32_MAX));
+    p.tile_counter = w.counters != nullptr ? w.counters + SparseLaunchWorkspace::kTileCounter : nullptr;
+    p.plan = kPlanned ? w.counters : nullptr;
+    p.split_tiles = w.split_tiles;
+    p.slot_tile = w.slot_tile;
+    const int64_t units = coord_tiles + (kPlanned ? w.max_split_units : 0);
+    if (units > INT32_MAX) throw std::runtime_error("sparse_prefill cuda: too many tiles");
+    p.num_tiles = int(units);
+    return p;
+  }
+  static int grid(const Params& p) { return std::min(p.num_tiles, num_sms()); }
+
+  __device__ __forceinline__ static WorkUnit unit(const Params& p, int u) {
+    WorkUnit w;
+    const int n_split_units = kPlanned ? p.plan[SparseLaunchWorkspace::kSplitUnits] : 0;
+    w.tile = u - n_split_units;
+    w.split = 0;
+    w.nsplit = 1;
+    w.slot = -1;
+    if (kPlanned && u < n_split_units) {
+      const int v = p.slot_tile[u];
+      const int4 e = reinterpret_cast<const int4*>(p.split_tiles)[v & 0xffff];
+      w.tile = e.x;
+      w.split = v >> 16;
+      w.nsplit = e.y;
+      w.slot = u;
+    }
+    w.valid = w.tile < p.num_coord_tiles;
+    return w;
+  }
+  // A whole tile whose planned steps exceed the plan's cap runs as split units instead (the plan made the same call).
+  template <class Steps>
+  __device__ __forceinline__ static bool split_elsewhere(const Params& p, const WorkUnit& w, Steps&& steps) {
+    if constexpr (kPlanned) {
+      return w.nsplit == 1 && SplitRule::nsplit(steps(), p.plan[SparseLaunchWorkspace::kCap]) > 1;
+    } else {
+      return false;
+    }
+  }
+  template <class It>
+  __device__ __forceinline__ static void apply_split(const WorkUnit& w, It& it) {
+    if constexpr (kPlanned) {
+      if (w.nsplit > 1) it.split(w.split, w.nsplit);
+    }
+  }
+
+  // The producer thread fetches the next unit while the current one loads and publishes each in slot
+  // `published & 1` of the mailbox; slot s is reused every second tile.
+  template <class Storage>
+  struct Producer {
+    Storage& storage;
+    int published = 0, pending = 0;
+    __device__ __forceinline__ int publish(const Params& p, int t) {
+      // Units past the plan's real count (num_tiles is the host's bound) end the loop at once: publish the sentinel.
+      // Read per tile, not held: the producer thread runs with 24 registers.
+      if (kPlanned && t >= p.plan[SparseLaunchWorkspace::kSplitUnits] + p.num_coord_tiles) t = p.num_tiles;
+      const int s = published & 1;
+      if (published >= 2) storage.tile_empty[s].wait(((published >> 1) - 1) & 1);
+      storage.tile_ids[s] = t;
+      storage.tile_full[s].arrive();
+      ++published;
+      if (t < p.num_tiles) pending = atomicAdd(p.tile_counter, 1);  // used by the next next()
+      return t;
+    }
+    __device__ __forceinline__ int first(const Params& p) { return publish(p, int(blockIdx.x)); }
+    __device__ __forceinline__ bool more(const Params& p, int t, int) const { return t < p.num_tiles; }
+    __device__ __forceinline__ int next(const Params& p, int) { return publish(p, int(gridDim.x) + pending); }
+    __device__ __forceinline__ int publication() const { return published - 1; }
+  };
+  template <class Storage>
+  struct Consumer {
+    Storage& storage;
+    int taken = 0;
+    __device__ __forceinline__ int take() {
+      const int s = taken & 1;
+      storage.tile_full[s].wait((taken >> 1) & 1);
+      const int t = storage.tile_ids[s];
+      storage.tile_empty[s].arrive();
+      ++taken;
+      return t;
+    }
+    __device__ __forceinline__ int first(const Params&) { return take(); }
+    __device__ __forceinline__ bool more(const Params& p, int t, int) const { return t < p.num_tiles; }
+    __device__ __forceinline__ int next(const Params&, int) { return take(); }
+    __device__ __forceinline__ int publication() const { return taken - 1; }
+  };
+};
+
+template <class Config>
+using DynamicPersistentScheduler = PersistentScheduler<Config, false>;
+template <class Config>
+using PlannedScheduler = PersistentScheduler<Config, true>;
+
+}  // namespace sparse_prefill::cuda

@@ -1,0 +1,24 @@
+// The attention kernels that are built, by name (one set per dtype x head dim, launch.h picks one per launch).
+#pragma once
+
+#include "cuda/attention/kernel_sm90.h"
+
+namespace sparse_prefill::cuda {
+
+// Dense attention: contiguous or paged KV with page_size % 64 == 0, one tile per CTA.
+template <class Config>
+using DenseFwd = FwdKernel<Mainloop<Config, QTma, KvTma, DenseRange, NoFusion>, DirectStore, SingleTileScheduler>;
+// Dense attention over paged KV whose page_size is not a multiple of 64: the cp.async gather producer.
+template <class Config>
+using DensePagedGatherFwd =
+    FwdKernel<Mainloop<Config, QTma, KvCpAsyncGather, DenseRange, NoFusion>, DirectStore, SingleTileScheduler>;
+// Block-sparse attention (CSR index or the full list) with mean correction, persistent, one-shot launches.
+template <class Config>
+using SparseFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>, DirectStore,
+                            DynamicPersistentScheduler>;
+// The same over the split-KV plan's units (chunk shapes, split_kv.cu): split parts write float32 partials.
+template <class Config>
+using SparseSplitKvFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>,
+                                   SplitKvPartials, PlannedScheduler>;
+
+}  // namespace sparse_prefill::cuda
