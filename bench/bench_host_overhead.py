@@ -252,7 +252,8 @@ def main():
     step = Step(args.context, args.chunk, args.batch, hq, hkv, args.head_dim, dev, dtype, mean_cache=True)
     if args.python_only:
         import sparse_prefill._api as api
-        api._C = _NoCompute(api._C)
+        for mod in api._MODULES:  # the modules of the public functions, each with its own global _C
+            mod._C = _NoCompute(mod._C)
         spt._C = _NoCompute(spt._C)
     custom = custom_op_chunked() if args.custom_op else None
     todo = dict(variants(step, True, custom))

@@ -1,0 +1,277 @@
+"""One call's arguments: the Python-side checks and conversions every public function shares (see sparse_prefill._api
+for the shapes and conventions): the scalar coercions (_as_int, _as_int32, _as_bool, _as_float, _as_window),
+LaunchOptions, check_errors, _Call (one call's arrays, checked and converted for the extension), _kv_arrays and the
+mean-cache argument (_mean_cache_arrays)."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any, Tuple
+
+import numpy as np
+
+from . import _C
+from ._arrays import ArrayLib, library_of, resolve_stream
+from ._arrays import _dtype_name, normalize_dtypes
+
+_to_dlpack = None
+
+
+def _torch_to_dlpack(x: Any) -> Any:
+    global _to_dlpack
+    if _to_dlpack is None:  # torch is loaded whenever a torch tensor reaches here
+        from torch.utils.dlpack import to_dlpack
+        _to_dlpack = to_dlpack
+    return _to_dlpack(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks done in Python (the rest happens once, in C++)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _as_int32(name: str, value: Any) -> int:
+    v = _as_int(name, value)
+    if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
+        raise ValueError(f"{name}: {v} does not fit in int32")
+    return v
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _as_window(window: Any) -> Tuple[int, int]:
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(f"window: expected a pair (left, right) of ints, got {type(window).__name__}")
+    if len(window) != 2:
+        raise ValueError(f"window: expected a pair (left, right) of ints, got {len(window)} entries")
+    left, right = (_as_int32("window", w) for w in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window: entries must be >= -1 (-1 = unbounded), got ({left}, {right})")
+    return left, right
+
+
+class LaunchOptions:
+    """CUDA kernel choices the library otherwise makes from the shapes, for A/B benchmarks and tests (the defaults are
+    the measured best, bench/NOTES.md). Pass as `options=` to any compute function; ignored on the CPU.
+
+    dense_path: 'auto' (the dense kernel, except short queries against long keys: PackGQA tiles with split-KV below
+        half a wave of dense tiles), 'dense' (always the dense kernel) or 'split_kv' (PackGQA tiles with split-KV
+        wherever that path applies: head dim 128, no window, more keys than queries, pages of a multiple of 64).
+    split_kv: sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q) split tiles heavier than an SM's share
+        into split-KV units (default True); False runs one unit per tile.
+    checked: debugging and tests (default False). CUDA calls copy the device-resident index values (cu_seqlens_q/k,
+        seqused_k, block_table, and a caller's index arrays) to the host and validate them as CPU arrays are
+        validated before the launch, and call check_errors() after it: a bad value raises at once, naming the
+        argument. It synchronises the stream (never use it inside CUDA-graph capture or an engine's hot path). Off,
+        the kernels still never read or write out of bounds; they record a bad value for check_errors().
+    """
+
+    _PATHS = {"auto": 0, "dense": 1, "split_kv": 2}
+    __slots__ = ("dense_path", "split_kv", "checked")
+
+    def __init__(self, dense_path: str = "auto", split_kv: bool = True, checked: bool = False):
+        if dense_path not in self._PATHS:
+            raise ValueError(f"dense_path: expected one of {sorted(self._PATHS)}, got {dense_path!r}")
+        self.dense_path = dense_path
+        self.split_kv = _as_bool("split_kv", split_kv)
+        self.checked = _as_bool("checked", checked)
+
+    def _codes(self) -> tuple:
+        return (self._PATHS[self.dense_path], self.split_kv, self.checked)
+
+    def __repr__(self) -> str:
+        return f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv}, checked={self.checked})"
+
+
+_DEFAULT_CODES = (0, True, False)
+
+
+def check_errors(stream=None) -> None:
+    """Raises the first bad device value a CUDA kernel met since the last call, and clears it.
+
+    The CUDA kernels never read or write outside the arrays they are given, whatever the values of cu_seqlens_q/k,
+    seqused_k, block_table or an index hold; reading those values on the host would synchronise every call, so they
+    are checked on the device instead: a sequence whose values are out of range is skipped and its rows of out (and
+    lse) come out NaN, a bad page or block id makes its tile's rows NaN, and the first violation is recorded in a
+    small error word on the device (one per device: no allocation, safe inside CUDA graphs). check_errors()
+    synchronises `stream` (default: the current torch stream, as for the compute functions; an int handle, a
+    torch.cuda.Stream or a cupy Stream also work) on the current device, and raises ValueError naming the argument,
+    e.g. "seqused_k: seqused_k[0] = 5000 exceeds the 16 rows that block_table row 0's pages hold (detected on the
+    device)", with `.argument` set. It reports violations from every stream of the device. A no-op without CUDA.
+    """
+    if not bool(_C.with_cuda):
+        return
+    if stream is None:
+        from ._arrays import _module
+        torch = _module("torch")
+        handle = int(torch.cuda.current_stream().cuda_stream) if torch is not None and torch.cuda.is_available() else 0
+    else:
+        handle = resolve_stream(stream, ArrayLib("numpy", np.zeros(0)))
+    _C.check_errors(handle)
+
+
+def _option_codes(options: Any) -> tuple:
+    if options is None:
+        return _DEFAULT_CODES
+    if not isinstance(options, LaunchOptions):
+        raise TypeError(f"options: expected a sparse_prefill.LaunchOptions, got {type(options).__name__}")
+    return options._codes()
+
+
+class _Call:
+    """One call's arrays, checked for kind and array library, converted for the extension.
+
+    `ref` names the array whose library and device the call uses (q, or k for pool_kv).
+    """
+
+    _REQUIRED = ("q", "k", "v", "cu_seqlens_q")
+
+    def __init__(self, arrays: dict, out: Any = None, ref: str = "q"):
+        first = arrays[ref]
+        name = library_of(first)
+        if name is None:
+            raise TypeError(f"{ref}: expected an array (numpy, torch, cupy, jax or any DLPack producer), got "
+                            f"{type(first).__name__}")
+        for key, x in arrays.items():
+            if x is None:
+                if key in self._REQUIRED:
+                    raise TypeError(f"{key}: is required, got None")
+                continue
+            other = library_of(x)
+            if other is None:
+                raise TypeError(f"{key}: expected an array (numpy, torch, cupy, jax or any DLPack producer), got "
+                                f"{type(x).__name__}")
+            if other != name:
+                raise TypeError(f"{key}: is a {other} array but {ref} is a {name} array; pass every array of a "
+                                "call from one array library")
+        self.lib = ArrayLib(name, first)
+        if out is not None:
+            if name == "jax":
+                raise TypeError("out: jax arrays are immutable, so out= is not supported for jax inputs")
+            other = library_of(out)
+            if other != name:
+                raise TypeError(f"out: is a {other or type(out).__name__} array but {ref} is a {name} array")
+        self.arrays = {k: self._wrap(x) for k, x in arrays.items()}
+        self.arrays = normalize_dtypes(self.arrays, self.lib)  # numpy defaults: int64 / float64 rule (_arrays.py)
+        if "q" in self.arrays:
+            qw = self.arrays["q"]
+            if len(qw.shape) != 3:
+                raise ValueError(f"q: expected a 3-dimensional array [total_q, Hq, D], got shape {tuple(qw.shape)}")
+
+    def _wrap(self, x: Any) -> Any:
+        x = self.lib.wrap_in(x)
+        if self.lib.compute == "torch" and x is not None and x.requires_grad:
+            x = x.detach()  # forward only; DLPack refuses tensors that require grad
+        return x
+
+    def inputs(self, max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, softmax_scale: Any,
+               window: Any = (-1, -1), stream: Any = None, options: Any = None) -> tuple:
+        a = self.arrays
+        max_q = _as_int("max_seqlen_q", max_seqlen_q)
+        max_k = _as_int("max_seqlen_k", max_seqlen_k)
+        if max_q < 0:
+            raise ValueError(f"max_seqlen_q: must be >= 0, got {max_q}")
+        if max_k < 0:
+            raise ValueError(f"max_seqlen_k: must be >= 0, got {max_k}")
+        if max(max_q, max_k) >= 2**62:
+            raise ValueError("max_seqlen_q: too large" if max_q >= 2**62 else "max_seqlen_k: too large")
+        scale = None if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
+        left, right = _as_window(window)
+        c = self.c
+        return (c(a["q"]), c(a["k"]), c(a["v"]), c(a["cu_seqlens_q"]), c(a.get("cu_seqlens_k")),
+                c(a.get("block_table")), c(a.get("seqused_k")), max_q, max_k, _as_bool("causal", causal), scale, left, right,
+                resolve_stream(stream, self.lib)) + _option_codes(options) + tuple(c(a.get(n)) for n in _DESCALES)
+
+    def c(self, x: Any) -> Any:
+        """An array as handed to the extension: torch tensors as DLPack capsules made by torch's C++ exporter
+        (~1-3 us an array against ~5 us when the extension calls Tensor.__dlpack__; a call passes up to 11)."""
+        if x is None or self.lib.compute != "torch":
+            return x
+        return _torch_to_dlpack(x)
+
+    def workspace(self, workspace: Any) -> Any:
+        """The caller's workspace as the extension takes it (same array library as q)."""
+        if workspace is None:
+            return None
+        other = library_of(workspace)
+        if other is None:
+            raise TypeError(f"workspace: expected an array, got {type(workspace).__name__}")
+        if other != self.lib.name:
+            raise TypeError(f"workspace: is a {other} array but q is a {self.lib.name} array")
+        return self._wrap(workspace)
+
+    def outputs(self, out: Any, return_lse: bool):
+        """(out for C++, lse for C++ or None, out to return)."""
+        q = self.arrays["q"]
+        if out is None:  # q's dtype; bfloat16 for FP8 inputs
+            out_c = self.lib.empty(q.shape, "bfloat16" if _dtype_name(q) in _FP8 else q.dtype)
+            out_ret = None
+        else:
+            out_c = out
+            if self.lib.compute == "torch" and out.requires_grad:
+                raise TypeError("out: must not require grad (it is written in place)")
+            out_ret = out
+        lse = self.lib.empty((q.shape[1], q.shape[0]), "float32") if return_lse else None
+        return out_c, lse, out_ret
+
+    def result(self, out_c: Any, lse: Any, out_ret: Any, return_lse: bool):
+        out_r = out_ret if out_ret is not None else self.lib.wrap_out(out_c)
+        if return_lse:
+            return out_r, self.lib.wrap_out(lse)
+        return out_r
+
+
+def _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, descales=(None, None, None)) -> dict:
+    arrays = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+              "block_table": block_table, "seqused_k": seqused_k}
+    for name, d in zip(_DESCALES, descales):
+        if d is not None:
+            arrays[name] = d
+    return arrays
+
+
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_FP8 = ("float8_e4m3fn",)
+
+
+
+def _mean_cache_arrays(mean_cache, call: "_Call") -> tuple:
+    """(k_mean, v_mean, the block size the cache was made for or 0); the library rejects a call selecting with
+    another block size (MeanCache::block_size)."""
+    if mean_cache is None:
+        return None, None, 0
+    if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
+        raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
+                        f"{type(mean_cache).__name__}")
+    for name, x in (("mean_cache.k_mean", mean_cache[0]), ("mean_cache.v_mean", mean_cache[1])):
+        if library_of(x) != call.lib.name:
+            raise TypeError(f"{name}: is a {library_of(x) or type(x).__name__} array but q is a {call.lib.name} "
+                            "array; pass every array of a call from one array library")
+        if call.lib.name == "jax":
+            raise TypeError(f"{name}: jax arrays are immutable; the mean cache is written in place")
+    return mean_cache[0], mean_cache[1], int(getattr(mean_cache, "block_size", 0))
+

@@ -1,0 +1,403 @@
+"""The block index: Index, the selection arguments (SELECTION_DEFAULTS, _selection_args, _as_rule), build_index(),
+the workspace sizes of the index-building calls, union_index(), pool_kv() (conventions: sparse_prefill._api)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+from ._arrays import ArrayLib, to_numpy
+from ._call import (LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int32, _kv_arrays,
+                    _mean_cache_arrays)
+
+# Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
+_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2}
+_C_DEFAULTS = dict(_C.selection_defaults())
+SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
+                          rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
+"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, rule,
+block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
+_D = SELECTION_DEFAULTS
+
+
+class Index:
+    """A block-sparse selection (CSR over segments), produced by build_index() or union_index().
+
+    A segment is one (sequence b, KV head, query tile); a tile is 128 PackGQA rows (row r <-> position r // g of query
+    head kv_head * g + r % g, g = group_size). Segments are ordered by sequence, then KV head, then tile:
+    id = segment_offsets[b] + kv_head * tiles[b] + tile. Segment s lists the kept block ids (per sequence, ascending)
+    block_ids[segment_start[s]:segment_end[s]]; in union mode all tiles of a (sequence, KV head) share one list.
+
+    Head sub-groups (head_subgroups = S > 1): the KV heads of the index are Hkv * S virtual heads; virtual head v holds
+    query heads [v * g, (v + 1) * g) with g = group_size = (Hq // Hkv) // S and reads K/V head v // S, so
+    num_kv_heads, group_size, kv_head in segment()/segment_id() and the head axis of k_mean/v_mean are all virtual
+    (the means of virtual head v are those of K/V head v // S).
+
+    Where it lives. An index built from CUDA arrays stays on the device (`on_device` is True): its CSR, pooled means
+    and launch state live in one workspace array (`workspace`, in q's library, or the caller's `workspace=`), written
+    and read on the stream without a host synchronisation; `to_host()` copies it to the host for inspection (it
+    synchronises). An index built from CPU arrays, or returned by to_host() or union_index(), is a host index whose
+    arrays are numpy arrays (`host`), copied once to another device when passed with arrays there.
+
+    What it is bound to. `binding` records what the index was built for (mask, softmax scale, head geometry, length
+    bounds, dtype, device, and the arrays it was built from); sparse_attention() rejects a call that differs, naming
+    the argument, unless reuse_index=True is passed to apply the selection to other arrays of the same problem.
+
+    Attributes:
+        density: kept_blocks / visible_blocks (1.0 when nothing is visible); reading them on a device index
+        synchronises its stream once.
+        block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union'),
+        on_device, binding.
+        Host indexes also: segment_start, segment_end: [S] int32; block_ids: [N] int32; cu_blocks: [B+1] int32
+        (block offsets); k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block
+        averages its valid keys), in the library of the inputs it was built from (numpy for to_host()); `host`
+        holds them as a dict of numpy arrays.
+    """
+
+    _ARRAYS = ("segment_start", "segment_end", "block_ids", "cu_blocks", "k_mean", "v_mean")
+
+    def __init__(self, d: dict, lib: ArrayLib, cu_seqlens_q: Any, mode: str):
+        """A host index from the dict the extension returns."""
+        self._init_common(d["binding"], lib, cu_seqlens_q, mode, int(d["block_size"]), bool(d["correction"]),
+                          int(d["head_subgroups"]))
+        self.on_device = False
+        self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]))
+        self.host = {name: d[name] for name in self._ARRAYS}
+        self._cache = {}
+        for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
+            setattr(self, name, lib.from_numpy(self.host[name]))
+
+    def _init_common(self, binding, lib, cu_seqlens_q, mode, block_size, correction, head_subgroups):
+        self.binding = binding
+        self.block_size = block_size
+        self.correction = correction
+        self.head_subgroups = head_subgroups
+        self.num_kv_heads = _C.geometry.virtual_kv_heads(binding.num_kv_heads, head_subgroups)
+        self.group_size = _C.geometry.virtual_group_size(binding.num_q_heads // binding.num_kv_heads, head_subgroups)
+        self.head_dim = binding.head_dim
+        self.mode = mode
+        self._lib = lib
+        self._cu_seqlens_q = cu_seqlens_q  # read lazily (may be a device array)
+        self._tiles = None
+
+    @classmethod
+    def _device(cls, workspace: Any, selection: tuple, binding, lib: ArrayLib, stream: int, cu_seqlens_q: Any,
+                mode: str) -> "Index":
+        self = cls.__new__(cls)
+        self._init_common(binding, lib, cu_seqlens_q, mode, selection[1], selection[5], selection[8])
+        self.on_device = True
+        self.workspace = workspace
+        self._selection = selection
+        self._stream = stream
+        self._counts = None
+        return self
+
+    def __getattr__(self, name: str):
+        # only reached for attributes that are not set: the host arrays of a device index
+        if name in Index._ARRAYS or name == "host":
+            raise AttributeError(f"{name}: this index lives on the device; call index.to_host() for its arrays")
+        raise AttributeError(name)
+
+    def to_host(self) -> "Index":
+        """A host copy of this index (numpy arrays). Synchronises the stream the index was built on."""
+        if not self.on_device:
+            return self
+        d = _C.device_index_to_host(self.workspace, self._selection, self.binding, self._stream)
+        return Index(d, ArrayLib("numpy", np.zeros(0)), self._cu_seqlens_q, self.mode)
+
+    # -- geometry ---------------------------------------------------------------------------------------------------
+    def _read_counts(self) -> tuple:
+        if self._counts is None:
+            self._counts = tuple(int(c) for c in _C.device_index_counts(self.workspace, self._selection, self.binding,
+                                                                          self._stream))
+        return self._counts
+
+    @property
+    def kept_blocks(self) -> int:
+        return self._read_counts()[0]
+
+    @property
+    def visible_blocks(self) -> int:
+        return self._read_counts()[1]
+
+    @property
+    def density(self) -> float:
+        kept, visible = self._read_counts()
+        return kept / visible if visible else 1.0
+
+    @property
+    def batch(self) -> int:
+        return int(self.binding.batch)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.tiles.sum()) * self.num_kv_heads
+
+    @property
+    def tiles(self) -> np.ndarray:
+        """[B] number of query tiles of each sequence: ceil(Lq_b * group_size / 128)."""
+        if self._tiles is None:
+            cu = to_numpy(self._cu_seqlens_q).astype(np.int64)
+            self._tiles = np.asarray(_C.geometry.num_tiles(np.diff(cu).tolist(), self.group_size), dtype=np.int64)
+        return self._tiles
+
+    @property
+    def segment_offsets(self) -> np.ndarray:
+        """[B+1] first segment id of each sequence."""
+        return np.concatenate([[0], np.cumsum(self.tiles * self.num_kv_heads)]).astype(np.int64)
+
+    def segment_id(self, b: int, kv_head: int, tile: int) -> int:
+        b, kv_head, tile = (_as_int(n, x) for n, x in (("b", b), ("kv_head", kv_head), ("tile", tile)))
+        tiles = self.tiles
+        if not 0 <= b < len(tiles):
+            raise ValueError(f"b: sequence {b} out of range [0, {len(tiles)})")
+        if not 0 <= kv_head < self.num_kv_heads:
+            raise ValueError(f"kv_head: {kv_head} out of range [0, {self.num_kv_heads})")
+        if not 0 <= tile < tiles[b]:
+            raise ValueError(f"tile: {tile} out of range [0, {int(tiles[b])}) for sequence {b}")
+        return int(self.segment_offsets[b] + kv_head * tiles[b] + tile)
+
+    def segment(self, b: int, kv_head: int, tile: int) -> np.ndarray:
+        """The kept block ids (ascending, per-sequence numbering) of sequence b, KV head kv_head, query tile tile."""
+        s = self.segment_id(b, kv_head, tile)
+        h = self.host
+        lo, hi = int(h["segment_start"][s]), int(h["segment_end"][s])
+        return h["block_ids"][lo:hi].copy()
+
+    def __repr__(self) -> str:
+        where = "device" if self.on_device else f"host, density={self.density:.4f}"   # no sync on the host
+        return (f"Index(mode={self.mode!r}, on the {where}, block_size={self.block_size}, "
+                f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, "
+                f"head_subgroups={self.head_subgroups}, correction={self.correction})")
+
+    # -- placement --------------------------------------------------------------------------------------------------
+    def _arrays_for(self, lib: ArrayLib) -> tuple:
+        """The host index arrays in the compute library and on the device of `lib` (copied once, then cached)."""
+        if not lib.cuda and lib.compute == self._lib.compute:
+            return tuple(getattr(self, n) for n in self._ARRAYS)
+        key = (lib.compute, lib.cuda, lib.device_id if lib.cuda else 0,
+               str(getattr(lib.ref, "device", "")) if lib.compute == "torch" else "")
+        if key not in self._cache:
+            self._cache[key] = tuple(lib.from_numpy(self.host[n]) for n in self._ARRAYS)
+        return self._cache[key]
+
+    def _view_tuple(self, lib: ArrayLib) -> tuple:
+        return (self.block_size, self.correction, self.head_subgroups) + self._arrays_for(lib) + (self.binding,)
+
+    def _host_tuple(self) -> tuple:
+        h = self.host
+        return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
+                h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
+                self.visible_blocks, self.head_subgroups, self.binding)
+
+
+def _as_head_subgroups(value: Any) -> int:
+    s = _as_int32("head_subgroups", value)
+    if s < 1:
+        raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {s}")
+    return s
+
+
+def _as_rule(value: Any) -> int:
+    if not isinstance(value, str) or value not in _RULES:
+        raise ValueError(f"rule: must be one of {', '.join(repr(r) for r in _RULES)}, got {value!r}")
+    return _RULES[value]
+
+
+def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
+                    head_subgroups=1, rule=_D["rule"]) -> tuple:
+    """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
+    the shapes)."""
+    return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
+            _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
+            _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
+            _as_rule(rule))
+
+
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
+                block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                last_n: int = _D["last_n"], correction: bool = _D["correction"],
+                causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
+                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
+                workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
+                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None) -> Index:
+    """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
+
+    Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
+    s_rJ = scale * q_r . kmean_J. rule (how the scores are thresholded):
+      'row_max' (default): with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see
+          J of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top block of at least one row;
+      'tile_energy' (FlashPrefill V2): keep J iff E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, M_I the
+          tile's maximum score. It loses 47 points of copy top-1 at 8K on a real LM (SmolLM2-135M), row_max 2
+          (bench/accuracy/NOTES.md): a block that only a few rows need, with low scores of their own, drowns in the
+          tile-wide sum.
+      'probe_row_max' (CUDA: a correctness-first kernel, ~1/8 of dense attention's QK^T on CUDA cores): the
+          row_max test on the exact
+          softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
+          heads), plus the pooled-means row_max test at 0.5 for the other rows (SelectionRule::kProbeRowMax,
+          docs/semantics.md). Sees the one strong key of a block that pooled means dilute 128x.
+    Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
+    before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
+    visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
+
+    KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None).
+    `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
+    block_size must be a positive multiple of 64. `correction` (default off) is recorded in the index:
+    sparse_attention then adds, for every dropped block fully visible to the whole tile, one virtual key kmean_J with
+    value vmean_J and weight |B_J|. It halves the error on the structured workload but changed nothing measurable on
+    SmolLM2 (the mean logit underestimates a peaked block's mass) and costs +30 % (32K) to +66 % (128K) of the sparse
+    attention time, hence off by default.
+
+    Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
+    for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
+    `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
+    'union'), built in the same call.
+
+    head_subgroups (S, default 1; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query
+    heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
+    [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads, group_size, segments and means
+    are over these virtual heads). In union mode the union is then per sub-group rather than over the whole group.
+
+    CUDA inputs: the index stays on the device (Index.on_device), in `workspace` when given (a 1-D array of q's
+    library on q's device of at least index_workspace_bytes(...) bytes, 256-byte aligned: the call then allocates
+    nothing and can be captured in a CUDA graph; the index lives there until the buffer is reused) or else in a
+    workspace array allocated in q's library. mean_cache (paged KV): as for chunked_prefill().
+
+    Returns:
+        Index (see its docstring); `index.density` is kept / visible blocks.
+    """
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
+                          rule)
+    mode = "union" if sel[7] else "tile"
+    mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
+    if not call.lib.cuda:
+        if mean_cache is not None:
+            raise ValueError("mean_cache: build_index() takes a mean cache on CUDA only (the CPU reference pools "
+                             "every block)")
+        return Index(_C.build_index(inputs, sel), call.lib, call.arrays["cu_seqlens_q"], mode)
+    ws = call.workspace(workspace)
+    if ws is None:
+        ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel)), 1),), "uint8")
+        # torch arrays travel as DLPack capsules, which the extension consumes once: fresh ones for the build
+        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
+    binding = _C.build_index_device(inputs, sel, call.c(ws), call.c(mean_k), call.c(mean_v), mean_bs)
+    return Index._device(ws, sel, binding, call.lib, inputs[13], call.arrays["cu_seqlens_q"], mode)
+
+
+def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                          block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
+                          head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
+                          options: Optional[LaunchOptions] = None, **selection) -> int:
+    """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
+    0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out."""
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
+    sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
+                          selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
+                          selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
+                          head_subgroups, selection.get("rule", _D["rule"]))
+    return int(_C.index_workspace_bytes(inputs, sel))
+
+
+def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                   block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
+                                   head_subgroups: int = 1, causal: bool = True,
+                                   softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
+                                   **selection) -> int:
+    """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays."""
+    return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
+                                 head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
+                                 options=options, **selection)
+
+
+def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
+                                    max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
+                                    head_subgroups: int = 1, options: Optional[LaunchOptions] = None,
+                                    **selection) -> int:
+    """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
+    return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
+                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
+                                 head_subgroups=head_subgroups, options=options, **selection)
+
+
+
+def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
+                stream=None) -> Index:
+    """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
+    its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union'). With
+    index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group.
+
+    Pass the inputs `index` was built from (the shapes and lengths are needed to lay the segments out).
+    """
+    if not isinstance(index, Index):
+        raise TypeError(f"index: expected a sparse_prefill.Index, got {type(index).__name__}")
+    index = index.to_host()
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
+    d = _C.union_index(inputs, index._host_tuple())
+    return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union")
+
+
+def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[int] = None, block_table=None,
+            seqused_k=None, stream=None):
+    """Pooled block means of K and V: block J of sequence b averages its keys (a tail block its valid keys).
+
+    Contiguous (k, v [total_k, Hkv, D] + cu_seqlens_k) or paged (k, v [num_pages, page_size, Hkv, D] + block_table +
+    seqused_k, cu_seqlens_k=None) KV. max_seqlen_k defaults to the longest sequence (read from the host).
+
+    Returns:
+        (k_mean, v_mean, cu_blocks): [total_blocks, Hkv, D] float32 twice and [B+1] int32 block offsets, in k's
+        array library and device.
+    """
+    block_size = _as_int32("block_size", block_size)
+    call = _Call({"k": k, "v": v, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
+                  "seqused_k": seqused_k}, ref="k")
+    a = call.arrays
+    paged = block_table is not None
+    kv_rank = 4 if paged else 3
+    if len(a["k"].shape) != kv_rank:
+        raise ValueError(f"k: expected a {kv_rank}-dimensional array "
+                         f"{'[num_pages, page_size, Hkv, D]' if paged else '[total_k, Hkv, D]'}, got shape "
+                         f"{tuple(a['k'].shape)}")
+    if paged:
+        bt = a["block_table"]
+        if len(bt.shape) != 2 or bt.shape[0] < 1:
+            raise ValueError(f"block_table: expected a 2-dimensional array [B, max_pages] with B >= 1, got shape "
+                             f"{tuple(bt.shape)}")
+        batch = int(bt.shape[0])
+    else:
+        cu = a["cu_seqlens_k"]
+        if cu is None:
+            raise ValueError("cu_seqlens_k: is required with contiguous KV (or pass block_table and seqused_k)")
+        if len(cu.shape) != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_k: expected a 1-dimensional array of B+1 >= 2 entries, got shape "
+                             f"{tuple(cu.shape)}")
+        batch = int(cu.shape[0]) - 1
+    if max_seqlen_k is None:
+        if paged:
+            used = to_numpy(a["seqused_k"]) if a["seqused_k"] is not None else np.zeros(0)
+            max_seqlen_k = int(used.max()) if used.size else 0
+        else:
+            max_seqlen_k = int(np.diff(to_numpy(a["cu_seqlens_k"]).astype(np.int64)).max())
+    # The C++ entry point takes full attention inputs; q is a zero-row stand-in (group size 1) used for shapes only.
+    kw = a["k"]
+    a["q"] = call.lib.empty((0, kw.shape[-2], kw.shape[-1]), kw.dtype)
+    a["cu_seqlens_q"] = call.lib.zeros((batch + 1,), "int32")
+    inputs = call.inputs(0, max_seqlen_k, True, None, (-1, -1), stream)
+    try:
+        d = _C.pool_kv(inputs, block_size)
+    except (ValueError, TypeError) as e:
+        if getattr(e, "argument", None) != "q":
+            raise
+        # the stand-in q mirrors k's head count and head dim: report its problems against k
+        err = type(e)("k" + str(e)[1:])
+        err.argument = "k"
+        raise err from None
+    return tuple(call.lib.wrap_out(call.lib.from_numpy(d[n])) for n in ("k_mean", "v_mean", "cu_blocks"))

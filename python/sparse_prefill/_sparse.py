@@ -1,0 +1,224 @@
+"""Block-sparse attention over an index: sparse_attention(), sparse_prefill(), the pooled-means cache (MeanCache,
+mean_cache()), chunked_prefill() (conventions: sparse_prefill._api)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+from ._arrays import ArrayLib, library_of, to_numpy
+from ._call import LaunchOptions, _Call, _as_bool, _as_int, _kv_arrays, _mean_cache_arrays
+from ._index import _D, Index, _selection_args, build_index
+
+
+def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                                     max_seqlen_k: int, block_table=None, seqused_k=None, causal: bool = True,
+                                     softmax_scale: Optional[float] = None,
+                                     options: Optional[LaunchOptions] = None) -> int:
+    """Bytes of the `workspace` of sparse_attention() over a host index with CUDA arrays (0 for a device index, which
+    carries its own, and for CPU arrays)."""
+    _check_index(index)
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    if index.on_device or not call.lib.cuda:
+        return 0
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
+    return int(_C.sparse_attention_workspace_bytes(inputs, index._view_tuple(call.lib)))
+
+
+def _check_index(index: Any) -> None:
+    if not isinstance(index, Index):
+        raise TypeError(f"index: expected a sparse_prefill.Index (from build_index or union_index), got "
+                        f"{type(index).__name__}")
+
+
+def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     causal: bool = True, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
+                     block_table=None, seqused_k=None, stream=None, workspace=None, reuse_index: bool = False,
+                     options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None):
+    """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
+    correction for the dropped, fully visible blocks when index.correction is set.
+
+    The KV arguments are those of attention(). `index` must come from build_index() or union_index() on these very
+    arrays (its binding is checked: a different mask, scale, shape, length bound or array raises an error naming the
+    argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
+    A device index is read in place; a host index with CUDA arrays is copied to the device once (cached) and
+    prepared in `workspace` (sparse_attention_workspace_bytes(...)) or a stream-ordered temporary.
+    Returns out, or (out, lse) when return_lse is True.
+    """
+    _check_index(index)
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), out)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
+    return_lse = _as_bool("return_lse", return_lse)
+    reuse_index = _as_bool("reuse_index", reuse_index)
+    out_c, lse, out_ret = call.outputs(out, return_lse)
+    if index.on_device:
+        if workspace is not None:
+            raise ValueError("workspace: a device index carries its own workspace; pass workspace= to build_index()")
+        lib_ws = library_of(index.workspace)
+        if lib_ws != call.lib.compute or not call.lib.cuda:
+            raise TypeError(f"index: lives on the device in a {lib_ws} array; pass {lib_ws} CUDA arrays (or use "
+                            "index.to_host())")
+        _C.sparse_attention_device(inputs, call.c(index.workspace), index._selection, index.binding, call.c(out_c),
+                                   call.c(lse), reuse_index)
+    else:
+        _C.sparse_attention(inputs, index._view_tuple(call.lib), call.c(out_c), call.c(lse),
+                            call.c(call.workspace(workspace)), reuse_index)
+    return call.result(out_c, lse, out_ret, return_lse)
+
+
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
+                   block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                   last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
+                   return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
+                   stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
+                   head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
+                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
+    """build_index() + sparse_attention() in one call (same arguments as the two; rule as in build_index()).
+
+    final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
+    into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
+    cache (see mean_cache() and chunked_prefill()), read for the blocks before each chunk and written for the blocks
+    the chunk completes. On CUDA the index never leaves the device: it lives in `workspace` (at least
+    sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned; the call then allocates nothing and can be captured
+    in a CUDA graph) or else in a stream-ordered temporary; no host synchronisation either way. return_index=True
+    returns the index as well (build_index() + sparse_attention(); on CUDA a device index).
+
+    Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
+    """
+    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
+                          rule)
+    if not _as_bool("return_index", return_index):
+        call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                                (q_descale, k_descale, v_descale)), out)
+        mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
+        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
+        return_lse = _as_bool("return_lse", return_lse)
+        out_c, lse, out_ret = call.outputs(out, return_lse)
+        _C.sparse_prefill(inputs, sel, call.c(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
+                          call.c(call.workspace(workspace)), mean_bs)
+        return call.result(out_c, lse, out_ret, return_lse)
+    if mean_cache is not None and library_of(q) is not None and not _Call(
+            _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                       (q_descale, k_descale, v_descale))).lib.cuda:
+        raise ValueError("mean_cache: not supported with return_index=True on the CPU (that path builds the index "
+                         "with the reference, which pools every block)")
+    index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
+                        block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
+                        causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
+                        stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
+                        workspace=workspace, mean_cache=mean_cache, options=options, rule=rule,
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                           softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
+                           seqused_k=seqused_k, stream=stream, options=options, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale)
+    return (res + (index,)) if isinstance(res, tuple) else (res, index)
+
+
+class MeanCache(tuple):
+    """The pair (k_mean, v_mean) that mean_cache() returns, which remembers the block size it was made for (a step
+    with another block size raises a ValueError naming mean_cache, also when the slot counts coincide)."""
+
+    block_size: int
+
+    def __new__(cls, k_mean, v_mean, block_size: int):
+        self = super().__new__(cls, (k_mean, v_mean))
+        self.block_size = int(block_size)
+        return self
+
+    def __getnewargs__(self):
+        return (self[0], self[1], self.block_size)
+
+
+
+def mean_cache(k_cache, block_size: int = 128):
+    """A pooled-means cache for the paged KV cache `k_cache` [num_pages, page_size, Hkv, D]: the pair
+    (k_mean, v_mean) of zeroed float32 arrays [mean_cache_slots, Hkv, D] in k_cache's library, on its device.
+
+    Pass it to every chunked_prefill() step of the prompts that use these pages (from their first chunk on): each
+    step then reads the means of the blocks earlier chunks completed and pools only the blocks its own chunk completes
+    plus each sequence's tail block, instead of re-pooling the whole cache. A complete block's means live in the slot
+    of the page holding its last key (page * (page_size // block_size) + offset when pages hold whole blocks), so
+    pages shared between sequences (prefix caching) share their slots, and a page reused for new tokens has its slot
+    rewritten by the step that completes its block. page_size and block_size must divide one another. The cache
+    holds the real KV heads (Hkv), whatever head_subgroups the steps use.
+    """
+    if library_of(k_cache) is None:
+        raise TypeError(f"k_cache: expected an array, got {type(k_cache).__name__}")
+    if library_of(k_cache) == "jax":
+        raise TypeError("k_cache: jax arrays are immutable; the mean cache is written in place (use torch or cupy)")
+    shape = tuple(int(s) for s in k_cache.shape)
+    if len(shape) != 4:
+        raise ValueError(f"k_cache: expected a paged cache [num_pages, page_size, Hkv, D], got shape {shape}")
+    block_size = _as_int("block_size", block_size)
+    num_pages, page_size, hkv, d = shape
+    if block_size <= 0 or block_size % 64 != 0:
+        raise ValueError(f"block_size: must be a positive multiple of 64, got {block_size}")
+    if page_size % block_size != 0 and block_size % page_size != 0:
+        raise ValueError(f"block_size: page_size ({page_size}) and block_size ({block_size}) must divide one another")
+    lib = ArrayLib(library_of(k_cache), k_cache)
+    slots = int(_C.mean_cache_slots(num_pages, page_size, block_size))
+    return MeanCache(lib.zeros((slots, hkv, d), "float32"), lib.zeros((slots, hkv, d), "float32"), block_size)
+
+
+def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
+                    *, final_chunk: bool, union: bool = False, alpha: float = _D["alpha"],
+                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
+                    last_n: int = _D["last_n"], correction: bool = _D["correction"],
+                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
+                    mean_cache=None, head_subgroups: int = 1, workspace=None,
+                    options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
+                    k_descale=None, v_descale=None):
+    """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
+    be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
+
+    final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles run
+    dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. union: one block list per
+    (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
+    faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). head_subgroups (S, dividing Hq // Hkv): each GQA group
+    is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
+    sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
+    at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). rule: as in
+    build_index() ('row_max', the default, or 'tile_energy'). Everything else is sparse_prefill()'s.
+
+    mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
+    chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
+    completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
+
+    workspace (CUDA): at least chunked_prefill_workspace_bytes(...) bytes, allocated once and passed to every step on
+    one stream: the step then allocates nothing, never synchronises and can be captured in a CUDA graph.
+
+    Checks beyond attention()'s: for host arrays, every chunk fits in its cache (chunk length <= seqused_k[b]) and
+    max_seqlen_k bounds the cache lengths. Device arrays are trusted, as cu_seqlens are (reading them would
+    synchronise).
+    """
+    final_chunk = _as_bool("final_chunk", final_chunk)
+    union = _as_bool("union", union)
+    if block_table is None or seqused_k is None:
+        raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
+    call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), out)
+    if not call.lib.cuda:
+        cu = to_numpy(cu_seqlens_q).astype(np.int64).reshape(-1)
+        used = to_numpy(seqused_k).astype(np.int64).reshape(-1)
+        if cu.shape[0] == used.shape[0] + 1:
+            chunk = np.diff(cu)
+            short = np.nonzero(chunk > used)[0]
+            if short.size:
+                b = int(short[0])
+                raise ValueError(f"seqused_k: sequence {b} holds {int(used[b])} tokens, fewer than its chunk of "
+                                 f"{int(chunk[b])} queries (append the chunk's K/V to the cache first)")
+            if used.size and int(used.max()) > _as_int("max_seqlen_k", max_seqlen_k):
+                raise ValueError(f"max_seqlen_k: {int(max_seqlen_k)} is below the longest cache "
+                                 f"(seqused_k has {int(used.max())})")
+    return sparse_prefill(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha=alpha,
+                          block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
+                          causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
+                          block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
+                          union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
+                          options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+

@@ -1,0 +1,206 @@
+// DLPack <-> TensorView conversions and the argument tuples of the _C module (views.h).
+#include "views.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+
+namespace sparse_prefill::bindings {
+
+std::string type_name_of(nb::handle obj) {
+  return nb::borrow<nb::str>(nb::handle(obj.type()).attr("__name__")).c_str();
+}
+
+namespace {
+
+const char* dl_dtype_name(nb::dlpack::dtype dt, char* buf, size_t n) {
+  using C = nb::dlpack::dtype_code;
+  const char* base = "unknown";
+  switch (static_cast<C>(dt.code)) {
+    case C::Int: base = "int"; break;
+    case C::UInt: base = "uint"; break;
+    case C::Float: base = "float"; break;
+    case C::Bfloat: base = "bfloat"; break;
+    case C::Complex: base = "complex"; break;
+    case C::Bool: return "bool";
+    default: base = "float8/other"; break;
+  }
+  std::snprintf(buf, n, "%s%d", base, int(dt.bits));
+  return buf;
+}
+
+template <typename Array>
+sp::TensorView view_from(const Array& a, const char* name) {
+  sp::TensorView t;
+  using C = nb::dlpack::dtype_code;
+  const nb::dlpack::dtype dt = a.dtype();
+  const C code = static_cast<C>(dt.code);
+  if (dt.lanes != 1) throw sp::ArgumentError(name, "vector dtypes (lanes != 1) are not supported", true);
+  if (code == C::Float && dt.bits == 32) t.dtype = sp::DType::kFloat32;
+  else if (code == C::Float && dt.bits == 16) t.dtype = sp::DType::kFloat16;
+  else if (code == C::Bfloat && dt.bits == 16) t.dtype = sp::DType::kBFloat16;
+  else if (code == C::Int && dt.bits == 32) t.dtype = sp::DType::kInt32;
+  else if (code == C::UInt && dt.bits == 8) t.dtype = sp::DType::kUInt8;  // workspaces
+  else if ((code == C::Float8_E4M3FN || code == C::Float8_E4M3) && dt.bits == 8) t.dtype = sp::DType::kFloat8E4M3;
+  else {
+    char buf[32];
+    throw sp::ArgumentError(name,
+                            std::string("unsupported dtype ") + dl_dtype_name(dt, buf, sizeof buf) +
+                                " (supported: float32, float16, bfloat16, float8_e4m3fn, int32 for index arrays, uint8 for "
+                                "workspaces)",
+                            true);
+  }
+  switch (a.device_type()) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value:  // pinned host memory is host memory
+      t.device = sp::Device::kCPU;
+      t.device_id = 0;
+      break;
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value:
+      t.device = sp::Device::kCUDA;
+      t.device_id = a.device_id();
+      break;
+    default:
+      throw sp::ArgumentError(name, "unsupported device type " + std::to_string(a.device_type()) +
+                                        " (only CPU and CUDA arrays are supported)", true);
+  }
+  if (a.ndim() > size_t(sp::TensorView::kMaxDims))
+    throw sp::ArgumentError(name, "expected at most " + std::to_string(sp::TensorView::kMaxDims) +
+                                      " dimensions, got " + std::to_string(a.ndim()));
+  t.ndim = int(a.ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = int64_t(a.shape(size_t(i)));
+    t.stride[i] = a.stride(size_t(i));
+  }
+  if (t.numel() == 0) {
+    // Strides of an empty array are meaningless (producers may report 0): use row-major ones so that layout checks
+    // (e.g. "last dimension contiguous") do not reject it.
+    int64_t s = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      t.stride[i] = s;
+      s *= std::max<int64_t>(t.shape[i], 1);
+    }
+  }
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  return t;
+}
+
+}  // namespace
+
+sp::TensorView to_view(nb::handle obj, const char* name, Held& held) {
+  ROArray a;
+  if (obj.is_none() || !nb::try_cast(obj, a, false))
+    throw sp::ArgumentError(name, "expected an array supporting DLPack (numpy, torch, cupy, jax), got " +
+                                      type_name_of(obj), true);
+  held.ro.push_back(a);
+  return view_from(a, name);
+}
+
+sp::TensorView to_writable_view(nb::handle obj, const char* name, Held& held) {
+  RWArray a;
+  if (obj.is_none() || !nb::try_cast(obj, a, false))
+    throw sp::ArgumentError(name, "expected a writable array supporting DLPack (numpy, torch, cupy), got " +
+                                      type_name_of(obj), true);
+  held.rw.push_back(a);
+  return view_from(a, name);
+}
+
+std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held& held) {
+  if (obj.is_none()) return std::nullopt;
+  return to_view(obj, name, held);
+}
+
+sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
+  // The last three: LaunchOptions (dense_path code, split_kv, checked), _api.LaunchOptions._codes().
+  if (nb::len(t) != 20) throw nb::value_error("internal: attention inputs tuple must have 20 entries");
+  sp::AttentionInputs in;
+  in.q = to_view(t[0], "q", held);
+  in.k = to_view(t[1], "k", held);
+  in.v = to_view(t[2], "v", held);
+  in.cu_seqlens_q = to_view(t[3], "cu_seqlens_q", held);
+  in.cu_seqlens_k = to_opt_view(t[4], "cu_seqlens_k", held);
+  in.block_table = to_opt_view(t[5], "block_table", held);
+  in.seqused_k = to_opt_view(t[6], "seqused_k", held);
+  in.max_seqlen_q = nb::cast<int64_t>(t[7]);
+  in.max_seqlen_k = nb::cast<int64_t>(t[8]);
+  in.causal = nb::cast<bool>(t[9]);
+  if (!t[10].is_none()) in.softmax_scale = float(nb::cast<double>(t[10]));
+  in.window_left = nb::cast<int>(t[11]);
+  in.window_right = nb::cast<int>(t[12]);
+  in.stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[13]));
+  const int path = nb::cast<int>(t[14]);
+  if (path < 0 || path > 2) throw sp::ArgumentError("dense_path", "unknown kernel path");
+  in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
+  in.options.split_kv = nb::cast<bool>(t[15]);
+  in.options.checked = nb::cast<bool>(t[16]);
+  in.q_descale = to_opt_view(t[17], "q_descale", held);
+  in.k_descale = to_opt_view(t[18], "k_descale", held);
+  in.v_descale = to_opt_view(t[19], "v_descale", held);
+  return in;
+}
+
+sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held) {
+  sp::AttentionOutputs o;
+  o.out = to_writable_view(out, "out", held);
+  if (!lse.is_none()) o.lse = to_writable_view(lse, "lse", held);
+  return o;
+}
+
+sp::SelectionParams selection_params(nb::tuple t) {
+  if (nb::len(t) != 10) throw nb::value_error("internal: the selection tuple must have 10 entries");
+  sp::SelectionParams p;
+  p.alpha = nb::cast<float>(t[0]);
+  p.block_size = nb::cast<int>(t[1]);
+  p.sink = nb::cast<int>(t[2]);
+  p.window = nb::cast<int>(t[3]);
+  p.last_n = nb::cast<int>(t[4]);
+  p.correction = nb::cast<bool>(t[5]);
+  p.final_chunk = nb::cast<bool>(t[6]);
+  p.union_lists = nb::cast<bool>(t[7]);
+  p.head_subgroups = nb::cast<int>(t[8]);
+  p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
+  return p;
+}
+
+nb::dict index_to_dict(sp::BlockIndex&& idx) {
+  const int64_t head_dim = idx.head_dim;
+  nb::dict d;
+  d["binding"] = nb::cast(idx.binding);
+  d["block_size"] = idx.block_size;
+  d["group_size"] = idx.group_size;
+  d["num_kv_heads"] = idx.num_kv_heads;
+  d["head_subgroups"] = idx.head_subgroups;
+  d["correction"] = idx.correction;
+  d["head_dim"] = idx.head_dim;
+  d["kept_blocks"] = idx.kept_blocks;
+  d["visible_blocks"] = idx.visible_blocks;
+  const size_t S = idx.segment_start.size(), E = idx.segment_end.size(), N = idx.block_ids.size(), C = idx.cu_blocks.size();
+  const size_t total_blocks = C ? size_t(idx.cu_blocks.back()) : 0;
+  const size_t hkv = size_t(idx.num_kv_heads);
+  d["segment_start"] = numpy_owning(std::move(idx.segment_start), {S});
+  d["segment_end"] = numpy_owning(std::move(idx.segment_end), {E});
+  d["block_ids"] = numpy_owning(std::move(idx.block_ids), {N});
+  d["cu_blocks"] = numpy_owning(std::move(idx.cu_blocks), {C});
+  d["k_mean"] = numpy_owning(std::move(idx.k_mean), {total_blocks, hkv, size_t(head_dim)});
+  d["v_mean"] = numpy_owning(std::move(idx.v_mean), {total_blocks, hkv, size_t(head_dim)});
+  return d;
+}
+
+sp::BlockIndexView make_index_view(nb::tuple t, Held& held) {
+  if (nb::len(t) != 10) throw nb::value_error("internal: index tuple must have 10 entries");
+  sp::BlockIndexView v;
+  if (!t[9].is_none()) v.binding = nb::cast<sp::IndexBinding>(t[9]);
+  v.block_size = nb::cast<int>(t[0]);
+  v.correction = nb::cast<bool>(t[1]);
+  v.head_subgroups = nb::cast<int>(t[2]);
+  v.segment_start = to_view(t[3], "index.segment_start", held);
+  v.segment_end = to_view(t[4], "index.segment_end", held);
+  v.block_ids = to_view(t[5], "index.block_ids", held);
+  v.cu_blocks = to_view(t[6], "index.cu_blocks", held);
+  v.k_mean = to_view(t[7], "index.k_mean", held);
+  v.v_mean = to_view(t[8], "index.v_mean", held);
+  return v;
+}
+
+}  // namespace sparse_prefill::bindings
