@@ -75,6 +75,8 @@ struct Mainloop {
   using Work = typename Schedule::Work;
   using Iterator = typename Schedule::Iterator;
   static constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
+  // 8-bit operands (FP8): P is the compact A fragment of the 8-bit RS wgmma (convert_p), V^T a K-major smem copy.
+  static constexpr bool k8BitP = sizeof(Element) == 1;
   // Rows of the S / O accumulators one consumer thread holds.
   using TensorS = decltype(cute::partition_fragment_C(std::declval<typename Config::TiledMmaQK>(),
                                                       cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
@@ -192,7 +194,7 @@ struct Mainloop {
     // P as the A operand of O = P V: the 16-bit S accumulator's register order (acc_to_a_layout), or for FP8 the
     // compact ((4, 2, 2), MMA_M, MMA_K) fragment of the 8-bit RS wgmma filled by convert_p (config_fp8.h).
     auto make_p = [&]() {
-      if constexpr (Config::kTwoLevelPv)
+      if constexpr (k8BitP)
         return make_tensor<Element>(partition_shape_A(mma_pv, Shape<Int<kBlockM>, Int<kBlockN>>{}));
       else
         return make_tensor<Element>(acc_to_a_layout(tSrS.layout()));
@@ -226,7 +228,7 @@ struct Mainloop {
     };
     auto convert_p = [&]() {
       constexpr int N = decltype(size(tSrS))::value;
-      if constexpr (Config::kTwoLevelPv) {
+      if constexpr (k8BitP) {
         // 8-bit A operand, per 32-key k-step kk: register q holds row r (q even) or r + 8 (q odd) of keys
         // 4t..4t+3 (q < 2) or 16+4t.. (q >= 2) in smem_vt's order; from the S accumulator (index v0 + 2 v1 + 4 v2:
         // column pair, row half, 8-column group) these are elements base, base+1, base+4, base+5.
@@ -293,6 +295,42 @@ struct Mainloop {
     if constexpr (Config::kTwoLevelPv) clear(tOrO);  // O += tOrPV from the first step
     q.acquire(p.q, pr, storage, work, mma_tidx, cwg);
     fusion.prepare_tile(storage, iter, mma_tidx);
+
+    if constexpr (!Config::kIntraWgOverlap) {
+      // One step at a time (FwdConfigFp8): S(i), softmax, P(i), then O += P(i) V(i) with O's rescale under the PV
+      // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
+      // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there). The
+      // two consumer warpgroups still overlap each other's softmax and GEMMs.
+      CUTE_NO_UNROLL
+      for (int i = 0; i < n_count; ++i) {
+        wait_kv(pipeline_k, st);
+        wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
+        fusion.prepare_step(storage, iter, i);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        pipeline_k.consumer_release(st);
+        if (iter.needs_mask(i)) mask_step(i);
+        if (i == 0)
+          softmax.template step<true>(S_rc, o_scale);
+        else
+          softmax.template step<false>(S_rc, o_scale);
+        convert_p();
+        wait_v(pipeline_v, st);
+        sanitize_v(st.index(), v_block(i));
+        if constexpr (!Config::kTwoLevelPv) {  // O is the GEMM's accumulator: rescaled before it
+          if (i > 0) rescale_o(tOrO, o_scale);
+        }
+        mma_pv_step(st.index(), i == 0);
+        if constexpr (Config::kTwoLevelPv) {  // O is not an operand of the GEMM in flight: rescaled under it
+          if (i > 0) rescale_o(tOrO, o_scale);
+        }
+        warpgroup_wait<0>();
+        finish_pv();
+        pipeline_v.consumer_release(st);
+        ++st;
+      }
+      return;
+    }
 
     // Block 0 (descending order: the diagonal block first under causal).
     wait_kv(pipeline_k, st);
