@@ -4,10 +4,13 @@
 // arrive on the stage's vt_full barrier, which is what the consumers wait on before O = P V.
 //
 // The transpose: a thread moves 4 x 4 byte blocks (4 keys x 4 head dims): four 32-bit loads of smem_v (one per
-// key), a 4 x 4 byte transpose in 8 PRMTs, four 32-bit stores into smem_v^T (one per head dim). Lanes: bits 0-1 and
-// 4 pick the head-dim quad (the reads of a warp hit 32 distinct banks), bits 2-3 the key quad t (the stores of 8
-// lanes fill 8 distinct banks of one smem_vt row: 4-way conflicts). 32 warp-iterations per 128 x 128 stage over 3
-// warps (11, 11, 10). An LDSM / STSM version (FA3's copy_Vt_to_V) is the known faster route (bench/NOTES_fp8.md).
+// key), a 4 x 4 byte transpose in PRMTs, four 32-bit stores into smem_v^T (one per head dim). Lanes: bits 0-1 and 4
+// pick the head-dim quad (the reads of a warp hit 32 distinct banks), bits 2-3 the key quad t. Store s of a lane
+// writes head dim d0 + (s + 2*l1 + l4) % 4 (lane bits l1, l4), so that the 32 stores of one instruction hit 32
+// distinct banks of the SW128 layout (bank = ((col/16) ^ (d % 8)) * 4 + t); without the stagger they are 4-way
+// conflicts. tests/python/test_fp8_layout_model.py models this mapping (coverage, permutation, banks). 32
+// warp-iterations per 128 x 128 stage over 3 warps (11, 11, 10). An LDSM / STSM version (FA3's copy_Vt_to_V) would
+// need fewer instructions (bench/NOTES_fp8.md).
 //
 // Paged V tail: the rows of the last page beyond seqused_k may hold anything (NaN bit patterns); 0 x NaN = NaN in
 // O = P V, so the transpose writes zeros for the keys of the tail block beyond k_len (the bf16 kernel's consumers
@@ -44,14 +47,17 @@ struct KvTmaTransposeV : KvTma<Config> {
     storage.vt_full[s.index()].wait(s.phase());
   }
 
-  // 4 x 4 byte transpose: out[x] byte j = in[j] byte x.
-  __device__ __forceinline__ static void transpose4x4(const uint32_t (&in)[4], uint32_t (&out)[4]) {
-    const uint32_t t0 = __byte_perm(in[0], in[1], 0x5140), t1 = __byte_perm(in[0], in[1], 0x7362);
-    const uint32_t t2 = __byte_perm(in[2], in[3], 0x5140), t3 = __byte_perm(in[2], in[3], 0x7362);
-    out[0] = __byte_perm(t0, t2, 0x5410);
-    out[1] = __byte_perm(t0, t2, 0x7632);
-    out[2] = __byte_perm(t1, t3, 0x5410);
-    out[3] = __byte_perm(t1, t3, 0x7632);
+  // 4 x 4 byte transpose, in two halves: interleave(in) then row x: out[x] byte j = in[j] byte x.
+  struct Interleaved {
+    uint32_t t0, t1, t2, t3;  // t0 = {in0.b0, in1.b0, in0.b1, in1.b1}, t1 = bytes 2-3 of in0/in1; t2, t3 of in2/in3
+  };
+  __device__ __forceinline__ static Interleaved interleave(const uint32_t (&in)[4]) {
+    return {__byte_perm(in[0], in[1], 0x5140), __byte_perm(in[0], in[1], 0x7362), __byte_perm(in[2], in[3], 0x5140),
+            __byte_perm(in[2], in[3], 0x7362)};
+  }
+  __device__ __forceinline__ static uint32_t transposed_row(const Interleaved& v, int x) {  // x in [0, 4), runtime
+    const bool hi = x >= 2;
+    return __byte_perm(hi ? v.t1 : v.t0, hi ? v.t3 : v.t2, (x & 1) ? 0x7632 : 0x5410);
   }
 
   // The transpose warps' side of one tile: every V step of the tile's block iterator, in the order the producer
@@ -66,6 +72,7 @@ struct KvTmaTransposeV : KvTma<Config> {
     const int warp = tid / 32, lane = tid % 32;
     const int d_lane = (lane & 3) | ((lane >> 4) << 2);  // head-dim quad bits 0-2
     const int t = (lane >> 2) & 3;                        // key quad inside a 16-key half
+    const int stagger = 2 * ((lane >> 1) & 1) + (lane >> 4);  // store s writes head dim d0 + (s + stagger) % 4
     const int n_count = work.iter.count();
     for (int i = 0; i < n_count; ++i) {
       const int n_block = work.iter.block(i);
@@ -76,15 +83,18 @@ struct KvTmaTransposeV : KvTma<Config> {
         const int d0 = 4 * (d_lane | ((it & 3) << 3));
         const int col = 32 * (it >> 3) + 16 * ((it >> 2) & 1) + 4 * t;  // first smem_vt column of this block
         const int key0 = Config::vt_key_of(col);                         // its keys: key0 + {0, 1, 8, 9}
-        uint32_t in[4], out[4];
+        uint32_t in[4];
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
           const int key = key0 + (j & 1) + 8 * (j >> 1);
           in[j] = key < valid ? *reinterpret_cast<const uint32_t*>(&sV(key, d0, s)) : 0u;
         }
-        transpose4x4(in, out);
+        const Interleaved v = interleave(in);
         CUTE_UNROLL
-        for (int x = 0; x < 4; ++x) *reinterpret_cast<uint32_t*>(&sVt(d0 + x, col, s)) = out[x];
+        for (int st_i = 0; st_i < 4; ++st_i) {
+          const int x = (st_i + stagger) & 3;
+          *reinterpret_cast<uint32_t*>(&sVt(d0 + x, col, s)) = transposed_row(v, x);
+        }
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to wgmma (async proxy)
       storage.vt_full[s].arrive();
