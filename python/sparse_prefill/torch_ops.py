@@ -86,7 +86,9 @@ except AttributeError:  # pragma: no cover - CPU-only torch builds
 _attention_ws_cache: dict = {}
 
 
-def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> torch.Tensor:
+def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> Optional[torch.Tensor]:
+    if head_dim not in (64, 128):
+        return None  # the call itself raises, naming q's head dim
     key = (head_dim, device_index)
     n = _attention_ws_cache.get(key)
     if n is None:

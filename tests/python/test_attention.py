@@ -116,6 +116,9 @@ def test_workspace_is_accepted_and_ignored_on_cpu(rng):
     got = sp.attention(q, k, v, cu_q, cu_k, 40, 300, workspace=np.zeros(16, np.int32))
     assert np.array_equal(got, ref)
     assert sp.attention_workspace_bytes(128) >= 0   # 0 without a CUDA build, ~35 MB on an H200
+    for bad in (0, -128, 77, 256):
+        with pytest.raises(ValueError, match="^head_dim: unsupported head dim"):
+            sp.attention_workspace_bytes(bad)
 
 
 def test_out_strided_view(rng):

@@ -227,8 +227,8 @@ class VarlenDispatch:
 
     # -- workspaces --------------------------------------------------------------------------------------------------
     def _dense_workspace(self, q):
-        if not q.is_cuda:
-            return None
+        if not q.is_cuda or q.shape[-1] not in (64, 128):
+            return None  # an unsupported head dim: the call itself raises, naming q
         key = (q.device.index, q.shape[-1])
         ws = self._dense_ws.get(key)
         if ws is None:
