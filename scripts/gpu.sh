@@ -200,11 +200,12 @@ PYEOF
     accuracy)
       step "accuracy harness (bench/accuracy)"
       [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
-      # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates
+      # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates; kv
+      # over 4 prompts per length (run.py --kv-prompts: 240 scored digits instead of 60)
       lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
-       timeout 300 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
-         --configs default,probe,probe_a02,fpv2,fpv2_nocorr,s3_a001,rowmax_a03 --chunked 512,1024 \
+       timeout 360 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+         --configs default,probe,probe_a02,fpv2,rowmax_a03 --chunked 512,1024 \
          --chunked-configs default,probe,fpv2 --out "$OUT/accuracy_h200.json" &&
        timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
          --configs "default,probe8,probe4_a02,probe8_um05,score=exact;agg=rowcum;gamma=0.5;subgroups=3" \

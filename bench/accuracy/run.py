@@ -81,6 +81,8 @@ def main():
     ap.add_argument("--chunked", default="", help="chunk sizes for chunked-prefill rows (sp backend), e.g. 512,1024")
     ap.add_argument("--chunked-configs", default="default,fpv2")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-prompts", type=int, default=4,
+                    help="kv prompts per length (seeds seed..seed+n-1), metric and density over all of them")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -105,46 +107,54 @@ def main():
     def save():
         json.dump(doc, open(out, "w"), indent=1)
 
-    def forward(task, backend, rule=None, sp_args=None, chunk=0):
+    def forward(parts, backend, rule=None, sp_args=None, chunk=0):
+        """(mean metric over the task's prompts, density over all their sparse layers, seconds)."""
         m.set_backend(backend, rule=rule, sp_args=sp_args, chunk=chunk)
-        t0 = time.time()
-        lg = m.logits(task["ids"])
+        t0, scores, stats = time.time(), [], []
+        for part in parts:
+            lg = m.logits(part["ids"])
+            scores.append(part["score"](lg))
+            stats += ROUTER.stats
         if args.device != "cpu":
             torch.cuda.synchronize()
-        return task["score"](lg), ROUTER.density(), time.time() - t0
+        ROUTER.stats = stats
+        return sum(scores) / len(scores), ROUTER.density(), time.time() - t0
 
     for L in lengths:
         for tname in args.tasks.split(","):
-            task = T.make(tname, m.tok, L, args.seed)
+            parts = T.make_set(tname, m.tok, L, args.seed, args.kv_prompts if tname == "kv" else 1)
+            task = dict(parts=parts, metric=parts[0]["metric"], prompts=len(parts))
             dense_backend = "dense" if args.backend == "emulate" else "sp"
-            dm, _, dt = forward(task, dense_backend, sp_args=dict(alpha=None))
+            dm, _, dt = forward(parts, dense_backend, sp_args=dict(alpha=None))
             print(f"L={L} {tname} dense {task['metric']}={dm:.4f} ({dt:.1f}s)", flush=True)
             doc["rows"].append(dict(model=m.name, task=tname, L=L, config="dense", density=1.0, metric=dm,
-                                    dense_metric=dm, metric_name=task["metric"], backend=args.backend))
+                                    dense_metric=dm, metric_name=task["metric"], backend=args.backend,
+                                    prompts=task["prompts"]))
             for c in configs:
                 rule, sp_args = parse_config(c)
                 if args.backend == "sp" and sp_args is None:
                     print(f"  {c}: not in the library, skipped", flush=True)
                     continue
                 try:
-                    mv, dens, dt = forward(task, args.backend, rule=rule, sp_args=sp_args)
+                    mv, dens, dt = forward(parts, args.backend, rule=rule, sp_args=sp_args)
                 except TypeError as e:  # an argument the installed package does not take yet
                     print(f"  {c}: {e}", flush=True)
                     continue
                 print(f"  {c}: {task['metric']}={mv:.4f} density={dens:.3f} ({dt:.1f}s)", flush=True)
                 doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, density=dens, metric=mv,
                                         dense_metric=dm, metric_name=task["metric"], backend=args.backend,
-                                        rule=rule if args.backend == "emulate" else sp_args))
+                                        rule=rule if args.backend == "emulate" else sp_args,
+                                        prompts=task["prompts"]))
                 save()
             if args.chunked and args.backend == "sp" and L == max(lengths):
                 for C in (int(x) for x in args.chunked.split(",")):
                     for c in args.chunked_configs.split(","):
                         _, sp_args = parse_config(c)
-                        mv, dens, dt = forward(task, "sp", sp_args=sp_args, chunk=C)
+                        mv, dens, dt = forward(parts, "sp", sp_args=sp_args, chunk=C)
                         print(f"  chunked {C} {c}: {task['metric']}={mv:.4f} ({dt:.1f}s)", flush=True)
                         doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, chunk=C, density=None,
                                                 metric=mv, dense_metric=dm, metric_name=task["metric"],
-                                                backend="sp_chunked", rule=sp_args))
+                                                backend="sp_chunked", rule=sp_args, prompts=task["prompts"]))
                         save()
             save()
 

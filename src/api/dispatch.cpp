@@ -88,9 +88,7 @@ LaunchOptions::DensePath attention_path(const AttentionInputs& in) {
 }
 
 int64_t attention_workspace_bytes(int head_dim) {
-  if (head_dim != 64 && head_dim != 128) {
-    throw ArgumentError("head_dim", "unsupported head dim " + std::to_string(head_dim) + " (supported: 64, 128)");
-  }
+  check_head_dim(head_dim, "head_dim");
 #ifdef SPARSE_PREFILL_WITH_CUDA
   return cuda::attention_workspace_bytes(head_dim);
 #else

@@ -122,6 +122,12 @@ void check_cu_seqlens(const TensorView& cu, int64_t total, int64_t max_len, cons
 
 }  // namespace
 
+void check_head_dim(int64_t head_dim, const char* name) {
+  if (head_dim != 64 && head_dim != 128) {
+    throw ArgumentError(name, "unsupported head dim " + std::to_string(head_dim) + " (supported: 64, 128)");
+  }
+}
+
 Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs) {
   Problem p;
   // q
@@ -137,9 +143,7 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
   p.num_q_heads = int(in.q.shape[1]);
   p.head_dim = int(in.q.shape[2]);
   if (p.num_q_heads <= 0) throw ArgumentError("q", "needs at least one head, got shape " + shape_string(in.q));
-  if (p.head_dim != 64 && p.head_dim != 128) {
-    throw ArgumentError("q", "unsupported head dim " + std::to_string(p.head_dim) + " (supported: 64, 128)");
-  }
+  check_head_dim(in.q.shape[2], "q");
 
   // k, v
   p.paged = in.block_table.has_value();

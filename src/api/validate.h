@@ -15,6 +15,8 @@ void check_dtype(const TensorView& t, DType dtype, const char* name);
 void check_last_dim_contiguous(const TensorView& t, const char* name);
 void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name);
 void check_selection_params(const SelectionParams& params);
+// The head dims every backend is built for (64, 128); `name` is the argument that carries it (q, head_dim).
+void check_head_dim(int64_t head_dim, const char* name);
 // Head sub-groups (SelectionParams::head_subgroups, BlockIndex::head_subgroups): S >= 1 dividing the GQA group size
 // g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.head_subgroups").
 void check_head_subgroups(int subgroups, int group_size, const char* name);

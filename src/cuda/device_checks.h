@@ -168,6 +168,17 @@ __device__ __forceinline__ void report_seq_error(DeviceError* e, int code, int b
   }
   report_device_error(e, code, b, index, value, bound);
 }
+
+// The page of key token `tok` of sequence `batch` (block_table[batch, tok / page_size]), or -1 for an id outside
+// [0, num_pages), which poison(kErrBlockTable, column, id) reports (every KV source loads pages through this).
+template <class KvParams, class Poison>
+__device__ __forceinline__ int checked_page(const KvParams& p, int batch, int tok, Poison& poison) {
+  const int col = tok / p.page_size;
+  const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
+  if (unsigned(page) < unsigned(p.num_pages)) return page;
+  poison(kErrBlockTable, col, page);
+  return -1;
+}
 #endif
 
 }  // namespace sparse_prefill::cuda

@@ -67,14 +67,6 @@ struct KvCpAsyncGather {
     const int batch, kv_head;  // kv_head: in memory
     Poison& poison;
 
-    // Page of key token `tok`, or -1 for an id outside [0, num_pages) (poisons the tile).
-    __device__ __forceinline__ int page_of(const Params& p, int tok) const {
-      const int col = tok / p.page_size;
-      const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
-      if (unsigned(page) < unsigned(p.num_pages)) return page;
-      poison(kErrBlockTable, col, page);
-      return -1;
-    }
 
     // 16-byte chunks per K/V row, and rows one warp-wide cp.async covers.
     static constexpr int kChunks = kHeadDim * int(sizeof(Element)) / 16;
@@ -87,7 +79,7 @@ struct KvCpAsyncGather {
     __device__ __forceinline__ int gather_row(const Params& p, int n, int lane, int warp) const {
       const int tok = n * kBlockN + 32 * warp + kRowsPerCopy * (lane % kChunks) + lane / kChunks;
       if (tok >= seq.k_len) return -1;
-      const int page = page_of(p, tok);
+      const int page = checked_page(p, batch, tok, poison);
       return page < 0 ? 0 : page * p.page_size + tok % p.page_size;  // bad page: row 0, in bounds
     }
     // Each warp copies its 32 rows, kRowsPerCopy per instruction (the lanes of a row read its contiguous bytes).

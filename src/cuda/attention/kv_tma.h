@@ -91,14 +91,6 @@ struct KvTma {
     const int batch, kv_head;  // kv_head: in memory
     Poison& poison;
 
-    // Page of key token `tok` (paged KV), or -1 for an id outside [0, num_pages) (poisons the tile).
-    __device__ __forceinline__ int page_of(const Params& p, int tok) const {
-      const int col = tok / p.page_size;
-      const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
-      if (unsigned(page) < unsigned(p.num_pages)) return page;
-      poison(kErrBlockTable, col, page);
-      return -1;
-    }
     // Row of the K/V row space where key block n starts: contiguous (k_start + n*N) or paged (page % N == 0).
     // A step without keys (n < 0) or a bad page: a box past the end, zero-filled by TMA.
     __device__ __forceinline__ int block_row(const Params& p, const FwdProblem& pr, int n) const {
@@ -107,7 +99,7 @@ struct KvTma {
         if (n < 0) return pr.total_k_rows;
       }
       if (p.page_size == 0) return seq.k_start + tok;
-      const int page = page_of(p, tok);
+      const int page = checked_page(p, batch, tok, poison);
       return page < 0 ? pr.total_k_rows : page * p.page_size + tok % p.page_size;
     }
     // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
@@ -116,7 +108,7 @@ struct KvTma {
     __device__ __forceinline__ int half_row(const Params& p, const FwdProblem& pr, int n, int h) const {
       const int tok = n * kBlockN + h * kHalfN;
       if (n < 0 || tok >= seq.k_len) return pr.total_k_rows;
-      const int page = page_of(p, tok);
+      const int page = checked_page(p, batch, tok, poison);
       return page < 0 ? pr.total_k_rows : page * p.page_size + tok % p.page_size;
     }
     // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table

@@ -36,6 +36,25 @@ __device__ inline int find_sequence(const int32_t* cu, int batch, int64_t idx) {
   return lo;
 }
 
+// The selection tile of this CTA in a grid of (the tiles of every sequence, virtual KV heads): sequence b, tile t of
+// its `tiles`, the lengths and off = k_len - q_len (bottom-right causal); b = -1 for the CTAs past the last tile.
+struct SelectTile {
+  int b, kvh;
+  int64_t t, tiles, q_len, k_len, off;
+};
+__device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int32_t* cu_tiles) {
+  SelectTile st{};
+  const int64_t tile_idx = blockIdx.x;
+  st.b = -1;
+  if (tile_idx >= cu_tiles[seq.batch]) return st;
+  st.kvh = blockIdx.y;
+  st.b = find_sequence(cu_tiles, seq.batch, tile_idx);
+  st.t = tile_idx - cu_tiles[st.b];
+  st.tiles = cu_tiles[st.b + 1] - cu_tiles[st.b];
+  st.q_len = seq.q_len(st.b), st.k_len = seq.k_len(st.b), st.off = st.k_len - st.q_len;
+  return st;
+}
+
 struct KVArgs {
   const void* k;
   const void* v;

@@ -28,13 +28,10 @@ __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs
                                                              const int32_t* cu_tiles, int64_t words,
                                                              uint32_t* probe_bits) {
   extern __shared__ __align__(16) float probe_smem[];
-  const int64_t tile_idx = blockIdx.x;
-  if (tile_idx >= cu_tiles[seq.batch]) return;
-  const int kvh = blockIdx.y;
-  const int b = find_sequence(cu_tiles, seq.batch, tile_idx);
-  const int64_t t = tile_idx - cu_tiles[b];
-  const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
-  const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
+  const SelectTile st = select_tile(seq, cu_tiles);
+  if (st.b < 0) return;
+  const int kvh = st.kvh, b = st.b;
+  const int64_t t = st.t, tiles = st.tiles, q_len = st.q_len, k_len = st.k_len, off = st.off;
   const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
   const int B = sel.block_size;
   const int64_t last_pos = (t * kTileRows + rows - 1) / group_size;

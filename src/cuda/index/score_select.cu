@@ -102,13 +102,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   float* energy = reinterpret_cast<float*>(smem_raw + sizeof(typename Cfg::Smem));
 
-  const int64_t tile_idx = blockIdx.x;
-  if (tile_idx >= cu_tiles[seq.batch]) return;
-  const int kvh = blockIdx.y;
-  const int b = find_sequence(cu_tiles, seq.batch, tile_idx);
-  const int64_t t = tile_idx - cu_tiles[b];
-  const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
-  const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
+  const SelectTile st = select_tile(seq, cu_tiles);
+  if (st.b < 0) return;
+  const int kvh = st.kvh, b = st.b;
+  const int64_t t = st.t, tiles = st.tiles, q_len = st.q_len, k_len = st.k_len, off = st.off;
   const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
   const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
   const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
