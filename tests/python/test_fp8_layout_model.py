@@ -1,11 +1,11 @@
 """A model of the FP8 kernel's register and shared-memory index maps (no GPU, no library): the V transpose of
-src/cuda/attention/kv_tma_vt.h (lane mapping, byte permutes, the store stagger, the paged-tail zeros aside) and
+src/cuda/attention/kv_tma_vt.h (ldmatrix.trans / stmatrix lane addresses, byte permutes, the paged-tail zeros aside) and
 convert_p of mainloop_sm90.h, against CuTe's SM90 GMMA fragment layouts (CLayout_64xN for the f32 accumulator,
 ALayout_64x32 for the 8-bit A operand, cute/atom/mma_traits_sm90_gmma.hpp) and the 128-byte swizzle.
 
 It checks what the kernel relies on: every smem_vt byte written once with V[vt_key_of(k), d]; the A fragment holding
 P[m, vt_key_of(k)] at (m, k), so sum_k A[m, k] V^T[n, k] = (P V)[m, n]; and the bank conflicts of the transpose
-(reads and stores conflict-free). Written from the C++ by hand: change it with kv_tma_vt.h / convert_p / vt_key_of.
+(every ldmatrix / stmatrix matrix one wavefront). Written from the C++ by hand: change it with kv_tma_vt.h / convert_p / vt_key_of.
 """
 import numpy as np
 
@@ -20,52 +20,81 @@ def byte_perm(x, y, s):  # CUDA __byte_perm: bytes 0-3 of x, 4-7 of y
     return sum(src[(s >> (4 * n)) & 7] << (8 * n) for n in range(4))
 
 
-def sw128_word(row, col):
-    """32-bit word of byte (row, col) in a K-major SW128 tile of 128-byte rows (Swizzle<3, 4, 3> on byte offsets)."""
-    return (row * 128 + ((col // 16) ^ (row % 8)) * 16 + col % 16) // 4
+def ldsm_x4_trans(smem_bytes, row_addr):
+    """ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane L gives the address of row L % 8 of matrix L // 8 (16
+    bytes = 8 b16); lane T receives in register m the b16 elements (row 2 (T % 4), col T // 4) and (row 2 (T % 4) + 1,
+    col T // 4) of matrix m (PTX ISA, "Matrix fragments for ldmatrix", .trans)."""
+    regs = np.zeros((32, 4), dtype=np.int64)
+    for T in range(32):
+        c, r = T % 4, T // 4
+        for m in range(4):
+            lo_row, hi_row = row_addr[8 * m + 2 * c], row_addr[8 * m + 2 * c + 1]
+            b = [smem_bytes[lo_row + 2 * r], smem_bytes[lo_row + 2 * r + 1],
+                 smem_bytes[hi_row + 2 * r], smem_bytes[hi_row + 2 * r + 1]]
+            regs[T, m] = sum(int(x) << (8 * i) for i, x in enumerate(b))
+    return regs
 
 
-def conflict_degree(words):
-    words = np.array(sorted(set(words)))
-    return int(np.bincount(words % 32, minlength=32).max())
+def stsm_x4(smem_bytes, row_addr, regs, written):
+    """stmatrix.sync.aligned.m8n8.x4.shared.b16: lane L gives the address of row L % 8 of matrix L // 8; lane T's
+    register m holds bytes 4 (T % 4) .. + 3 of row T // 4 of matrix m."""
+    for T in range(32):
+        c, r = T % 4, T // 4
+        for m in range(4):
+            addr = row_addr[8 * m + r] + 4 * c
+            for i in range(4):
+                assert not written[addr + i], "a byte written twice"
+                written[addr + i] = True
+                smem_bytes[addr + i] = (int(regs[T, m]) >> (8 * i)) & 0xFF
+
+
+def sw128(row, col):  # byte offset of (row, byte col) in a K-major SW128 tile of 128-byte rows
+    return row * 128 + (((col >> 4) ^ row) & 7) * 16 + (col & 15)
+
+
+def bank_degree(row_addr):
+    """Wavefronts of one 8-row matrix phase of ldmatrix / stmatrix (16-byte rows): 1 when the 8 rows hit 8 distinct
+    16-byte bank groups."""
+    groups = [(a // 16) % 8 for a in row_addr]
+    return max(groups.count(g) for g in set(groups))
 
 
 def test_v_transpose_covers_the_tile_in_vt_key_order_without_bank_conflicts():
+    """The LDSM.T / STSM transpose of kv_tma_vt.h: group g (key block kb = g % 8 of 16 keys, dims 32 (g // 8) ..
+    + 31), lane constants as in the C++."""
     rng = np.random.default_rng(0)
     V = rng.integers(0, 256, (128, 128))  # smem_v of one stage: [key, d]
-    Vt = -np.ones((128, 128), dtype=np.int64)  # smem_vt: [d, column]
-    worst_read = worst_store = 0
-    for warp in range(3):  # the transpose warps (producer warps 1-3)
-        for it in range(warp, 32, 3):
-            reads, stores = [[] for _ in range(4)], [[] for _ in range(4)]
-            for lane in range(32):
-                d_lane = (lane & 3) | ((lane >> 4) << 2)
-                t = (lane >> 2) & 3
-                stagger = 2 * ((lane >> 1) & 1) + (lane >> 4)
-                d0 = 4 * (d_lane | ((it & 3) << 3))
-                col = 32 * (it >> 3) + 16 * ((it >> 2) & 1) + 4 * t
-                key0 = vt_key_of(col)
-                words = []
-                for j in range(4):
-                    key = key0 + (j & 1) + 8 * (j >> 1)
-                    words.append(sum(int(V[key, d0 + b]) << (8 * b) for b in range(4)))
-                    reads[j].append(sw128_word(key, d0))
-                t0, t1 = byte_perm(words[0], words[1], 0x5140), byte_perm(words[0], words[1], 0x7362)
-                t2, t3 = byte_perm(words[2], words[3], 0x5140), byte_perm(words[2], words[3], 0x7362)
-                for s in range(4):
-                    x = (s + stagger) & 3
-                    hi = x >= 2
-                    row = byte_perm(t1 if hi else t0, t3 if hi else t2, 0x7632 if x & 1 else 0x5410)
-                    for b in range(4):
-                        assert Vt[d0 + x, col + b] == -1, "a byte written twice"
-                        Vt[d0 + x, col + b] = (row >> (8 * b)) & 0xFF
-                    stores[s].append(sw128_word(d0 + x, col))
-            worst_read = max([worst_read] + [conflict_degree(r) for r in reads])
-            worst_store = max([worst_store] + [conflict_degree(s) for s in stores])
-    assert (Vt >= 0).all(), "smem_vt not fully written"
+    smem_v = np.zeros(128 * 128, dtype=np.int64)
+    for key in range(128):
+        for d in range(128):
+            smem_v[sw128(key, d)] = V[key, d]
+    smem_vt = np.zeros(128 * 128, dtype=np.int64)
+    written = np.zeros(128 * 128, dtype=bool)
+    worst = 0
+    for g in range(32):
+        kb, dpair = g % 8, g // 8
+        ld_rows, st_rows = [], []
+        for L in range(32):
+            m, i = L // 8, L % 8
+            key = 16 * kb + i + 8 * (m & 1)
+            ld_rows.append(sw128(key, 32 * dpair + 16 * (m >> 1)))
+            dim = 32 * dpair + 16 * (m >> 1) + 2 * i + ((m & 1) ^ (i >= 4))
+            st_rows.append(sw128(dim, 16 * kb))
+        for m in range(4):
+            worst = max(worst, bank_degree(ld_rows[8 * m:8 * m + 8]), bank_degree(st_rows[8 * m:8 * m + 8]))
+        x = ldsm_x4_trans(smem_v, ld_rows)
+        out = np.zeros((32, 4), dtype=np.int64)
+        for T in range(32):
+            r = T // 4
+            sel_a, sel_b = (0x6420, 0x7531) if r < 4 else (0x7531, 0x6420)
+            out[T] = [byte_perm(x[T, 0], x[T, 1], sel_a), byte_perm(x[T, 0], x[T, 1], sel_b),
+                      byte_perm(x[T, 2], x[T, 3], sel_a), byte_perm(x[T, 2], x[T, 3], sel_b)]
+        stsm_x4(smem_vt, st_rows, out, written)
+    assert written.all(), "smem_vt not fully written"
+    got = np.array([[smem_vt[sw128(d, k)] for k in range(128)] for d in range(128)])
     want = np.array([[V[vt_key_of(k), d] for k in range(128)] for d in range(128)])
-    np.testing.assert_array_equal(Vt, want)
-    assert (worst_read, worst_store) == (1, 1)
+    np.testing.assert_array_equal(got, want)
+    assert worst == 1
 
 
 def test_p_fragment_is_p_in_vt_key_order():

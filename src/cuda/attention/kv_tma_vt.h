@@ -3,14 +3,16 @@
 // write it transposed into smem_vt (keys contiguous, the keys of every 32-key chunk in Config::vt_key_of order) and
 // arrive on the stage's vt_full barrier, which is what the consumers wait on before O = P V.
 //
-// The transpose: a thread moves 4 x 4 byte blocks (4 keys x 4 head dims): four 32-bit loads of smem_v (one per
-// key), a 4 x 4 byte transpose in PRMTs, four 32-bit stores into smem_v^T (one per head dim). Lanes: bits 0-1 and 4
-// pick the head-dim quad (the reads of a warp hit 32 distinct banks), bits 2-3 the key quad t. Store s of a lane
-// writes head dim d0 + (s + 2*l1 + l4) % 4 (lane bits l1, l4), so that the 32 stores of one instruction hit 32
-// distinct banks of the SW128 layout (bank = ((col/16) ^ (d % 8)) * 4 + t); without the stagger they are 4-way
-// conflicts. tests/python/test_fp8_layout_model.py models this mapping (coverage, permutation, banks). 32
-// warp-iterations per 128 x 128 stage over 3 warps (11, 11, 10). An LDSM / STSM version (FA3's copy_Vt_to_V) would
-// need fewer instructions (bench/NOTES_fp8.md).
+// The transpose (tests/python/test_fp8_layout_model.py models it: coverage, the key permutation, banks): 32 groups
+// per 128 x 128 stage over the 3 warps (11, 11, 10); group g moves keys 16 kb .. 16 kb + 15 (kb = g % 8) x head
+// dims 32 (g / 8) .. + 31 with one ldmatrix.x4.trans (four 8-key x 16-byte matrices; lane T = 4 r + c receives keys
+// 2c, 2c + 1 x dims 2r, 2r + 1 of each, as b16 pairs), four byte permutes (keys 2c, 2c + 1, 2c + 8, 2c + 9 of one
+// dim: exactly smem_vt columns 4c .. 4c + 3 of the key block in vt_key_of order) and one stmatrix.x4 (rows = dims).
+// Matrix rows hit 8 distinct 16-byte bank groups: the load rows are 8 consecutive keys; the store matrices take the
+// even dims of rows 0-3 and the odd dims of rows 4-7 (and the other way round), so that their dim % 8, which picks
+// the swizzled chunk, differs in every row. Against the first version (4 x 4 bytes per thread with 32-bit LDS / STS:
+// 4 x the shared-memory instructions and ~30 integer instructions per 512 bytes) this is 2 memory and ~10 other
+// instructions per 512 bytes.
 //
 // Paged V tail: the rows of the last page beyond seqused_k may hold anything (NaN bit patterns); 0 x NaN = NaN in
 // O = P V, so the transpose writes zeros for the keys of the tail block beyond k_len (the bf16 kernel's consumers
@@ -47,17 +49,17 @@ struct KvTmaTransposeV : KvTma<Config> {
     storage.vt_full[s.index()].wait(s.phase());
   }
 
-  // 4 x 4 byte transpose, in two halves: interleave(in) then row x: out[x] byte j = in[j] byte x.
-  struct Interleaved {
-    uint32_t t0, t1, t2, t3;  // t0 = {in0.b0, in1.b0, in0.b1, in1.b1}, t1 = bytes 2-3 of in0/in1; t2, t3 of in2/in3
-  };
-  __device__ __forceinline__ static Interleaved interleave(const uint32_t (&in)[4]) {
-    return {__byte_perm(in[0], in[1], 0x5140), __byte_perm(in[0], in[1], 0x7362), __byte_perm(in[2], in[3], 0x5140),
-            __byte_perm(in[2], in[3], 0x7362)};
+  // Raw shared-memory addresses: through CuTe's swizzled tensors with runtime coordinates the compiler lost the
+  // address space (generic LD.E / ST.E and ~20 address instructions per access; H200, 16K causal: 8.28 ms with that
+  // transpose, 2.76 ms with the transpose skipped). volatile keeps them after the barrier wait and in order.
+  __device__ __forceinline__ static void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
   }
-  __device__ __forceinline__ static uint32_t transposed_row(const Interleaved& v, int x) {  // x in [0, 4), runtime
-    const bool hi = x >= 2;
-    return __byte_perm(hi ? v.t1 : v.t0, hi ? v.t3 : v.t2, (x & 1) ? 0x7632 : 0x5410);
+  __device__ __forceinline__ static void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3]));
   }
 
   // The transpose warps' side of one tile: every V step of the tile's block iterator, in the order the producer
@@ -65,39 +67,63 @@ struct KvTmaTransposeV : KvTma<Config> {
   template <class Storage, class Work>
   __device__ __forceinline__ static void transpose_tile(const Params& p, Storage& storage, const Work& work,
                                                         Pipeline& pipeline_v, PipelineState& st, int tid) {
-    using namespace cute;
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_vt.data()), typename Config::SmemLayoutVt{});
+    constexpr uint32_t kStageBytes = kBlockN * kHeadDim;  // one stage of smem_v / smem_vt (1-byte elements)
+    // Groups per pass: H200, 32K causal, 2: 11.80 ms, 4: 11.96 ms (and in the first, 32-bit version 1 was 9 % slower
+    // than 2: the loop is latency-bound).
+    constexpr int kPass = 2;
+    const uint32_t v_base = static_cast<uint32_t>(__cvta_generic_to_shared(storage.smem_v.data()));
+    const uint32_t vt_base = static_cast<uint32_t>(__cvta_generic_to_shared(storage.smem_vt.data()));
     const int tail = Base::v_tail_block(p, work.seq);
     const int warp = tid / 32, lane = tid % 32;
-    const int d_lane = (lane & 3) | ((lane >> 4) << 2);  // head-dim quad bits 0-2
-    const int t = (lane >> 2) & 3;                        // key quad inside a 16-key half
-    const int stagger = 2 * ((lane >> 1) & 1) + (lane >> 4);  // store s writes head dim d0 + (s + stagger) % 4
+    // smem_v and smem_vt are K-major SW128 tiles of 128-byte rows (Config::SmemLayoutV / SmemLayoutVt; sw128 in the
+    // model): byte (row, col) of a stage at row * 128 + (((col >> 4) ^ row) & 7) * 16 + col % 16. Lane L gives the
+    // address of row i = L % 8 of matrix m = L / 8; the addresses split into a lane part and a group part:
+    //   load  (key 16 kb + i + 8 (m & 1), dims from 32 dp + 16 (m >> 1)): ld_lane + 2048 kb + ((dp ^ (i >> 1)) << 5)
+    //   store (dim 32 dp + 16 (m >> 1) + 2 i + odd, odd = (m & 1) ^ (i >= 4), columns from 16 kb):
+    //         st_lane + 4096 dp + ((kb ^ (dim % 8)) << 4)
+    const int m = lane >> 3, i8 = lane & 7;
+    const int odd = (m & 1) ^ (i8 >= 4 ? 1 : 0);
+    const uint32_t ld_lane = uint32_t((i8 + 8 * (m & 1)) * 128 + (((m >> 1) ^ (i8 & 1)) << 4));
+    const uint32_t ld_xor = uint32_t(i8 >> 1);
+    const uint32_t st_lane = uint32_t((16 * (m >> 1) + 2 * i8 + odd) * 128);
+    const uint32_t st_xor = uint32_t((2 * i8 + odd) & 7);
+    // The received register of matrix pair (0, 1) / (2, 3) holds keys 2c, 2c + 1 (bytes 0-1: dims 2r, 2r + 1 of key
+    // 2c; bytes 2-3 of key 2c + 1) and, in the pair's second matrix, keys 2c + 8, 2c + 9: the even-dim word is bytes
+    // {0, 2} of both (0x6420), the odd-dim word bytes {1, 3} (0x7531); store rows 4-7 take them the other way round.
+    const int r = lane >> 2, c = lane & 3;
+    const uint32_t sel_a = r < 4 ? 0x6420u : 0x7531u, sel_b = sel_a ^ 0x6420u ^ 0x7531u;
     const int n_count = work.iter.count();
-    for (int i = 0; i < n_count; ++i) {
-      const int n_block = work.iter.block(i);
+    for (int step = 0; step < n_count; ++step) {
+      const int n_block = work.iter.block(step);
       const int valid = n_block == tail ? work.seq.k_len - n_block * kBlockN : kBlockN;
       pipeline_v.consumer_wait(st);  // the V tile's TMA landed (waiting on the full barrier only; no release)
-      const int s = st.index();
-      for (int it = warp; it < 32; it += 3) {
-        const int d0 = 4 * (d_lane | ((it & 3) << 3));
-        const int col = 32 * (it >> 3) + 16 * ((it >> 2) & 1) + 4 * t;  // first smem_vt column of this block
-        const int key0 = Config::vt_key_of(col);                         // its keys: key0 + {0, 1, 8, 9}
-        uint32_t in[4];
+      const uint32_t v_stage = v_base + st.index() * kStageBytes, vt_stage = vt_base + st.index() * kStageBytes;
+      // kPass groups per pass: their loads issue back to back (one load latency exposed per pass).
+      for (int g0 = warp; g0 < 32; g0 += 3 * kPass) {
+        uint32_t in[kPass][4];
         CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          const int key = key0 + (j & 1) + 8 * (j >> 1);
-          in[j] = key < valid ? *reinterpret_cast<const uint32_t*>(&sV(key, d0, s)) : 0u;
+        for (int u = 0; u < kPass; ++u) {
+          const int g = g0 + 3 * u, kb = g & 7, dp = g >> 3;
+          if (g < 32) ldsm_x4_trans(v_stage + ld_lane + 2048u * kb + ((dp ^ ld_xor) << 5), in[u]);
+          if (valid < kBlockN) {  // the paged tail block: zero the keys >= k_len (warp-uniform)
+            CUTE_UNROLL
+            for (int mm = 0; mm < 4; ++mm) {
+              const int key = 16 * kb + 8 * (mm & 1) + 2 * c;
+              in[u][mm] &= (key < valid ? 0x0000ffffu : 0u) | (key + 1 < valid ? 0xffff0000u : 0u);
+            }
+          }
         }
-        const Interleaved v = interleave(in);
         CUTE_UNROLL
-        for (int st_i = 0; st_i < 4; ++st_i) {
-          const int x = (st_i + stagger) & 3;
-          *reinterpret_cast<uint32_t*>(&sVt(d0 + x, col, s)) = transposed_row(v, x);
+        for (int u = 0; u < kPass; ++u) {
+          const int g = g0 + 3 * u, kb = g & 7, dp = g >> 3;
+          if (g >= 32) break;
+          const uint32_t out[4] = {__byte_perm(in[u][0], in[u][1], sel_a), __byte_perm(in[u][0], in[u][1], sel_b),
+                                   __byte_perm(in[u][2], in[u][3], sel_a), __byte_perm(in[u][2], in[u][3], sel_b)};
+          stsm_x4(vt_stage + st_lane + 4096u * dp + ((uint32_t(kb) ^ st_xor) << 4), out);
         }
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to wgmma (async proxy)
-      storage.vt_full[s].arrive();
+      storage.vt_full[st.index()].arrive();
       ++st;
     }
   }

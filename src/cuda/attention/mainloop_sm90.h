@@ -300,7 +300,8 @@ struct Mainloop {
       // One step at a time (FwdConfigFp8): S(i), softmax, P(i), then O += P(i) V(i) with O's rescale under the PV
       // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
       // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there). The
-      // two consumer warpgroups still overlap each other's softmax and GEMMs.
+      // two consumer warpgroups still overlap each other's softmax and GEMMs (a named-barrier pingpong ordering their
+      // S GEMMs measured 16.53 vs 16.33 ms without, H200 32K causal: not kept).
       CUTE_NO_UNROLL
       for (int i = 0; i < n_count; ++i) {
         wait_kv(pipeline_k, st);
