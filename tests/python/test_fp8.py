@@ -191,6 +191,16 @@ def test_fp8_bad_arguments(rng):
         call(q8, k8, v8, out=torch.empty(q8.shape, dtype=torch.float16))
     with pytest.raises(TypeError, match="^out: dtype float8_e4m3fn must be bfloat16"):
         call(q8, k8, v8, out=torch.empty(q8.shape, dtype=F8))
+    # descales are >= 0 (the kernels' running max assumes a non-negative logit scale); 0 is allowed
+    neg = ds[1].clone()
+    neg[1, 0] = -0.5
+    with pytest.raises(ValueError, match=r"^k_descale: k_descale\[1, 0\] is negative; descales must be >= 0"):
+        call(q8, k8, v8, k_descale=neg)
+    with pytest.raises(ValueError, match=r"^v_descale: v_descale\[0, 1\] is negative"):
+        call(q8, k8, v8, v_descale=torch.tensor([[1.0, -1.0], [1.0, 1.0]]))
+    zero = torch.zeros(2, 2)
+    out = call(q8, k8, v8, q_descale=zero)  # a zero logit scale: uniform weights over the visible keys
+    assert torch.isfinite(out.float()).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -313,6 +323,31 @@ def test_fp8_cuda_descales_broadcast_and_per_sequence_head(rng):
     base = sp.attention(*args).double()
     torch.testing.assert_close(c[50:, 4:6], base[50:, 4:6] * 2, rtol=2 ** -7, atol=1e-3)
     assert torch.equal(c[50:, :4], base[50:, :4]) and torch.equal(c[:50], base[:50])
+
+
+@cuda_only
+@pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
+def test_fp8_cuda_negative_descale_is_flagged_on_the_device(rng, which):
+    """A negative descale on the device cannot be read without a host sync: the kernel makes the rows of that
+    (sequence, KV head) NaN and check_errors() names the argument; every other row is the valid call's."""
+    (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [50, 190], [50, 260], hq=6, hkv=3, d=128)
+    args = _cuda(q8, k8, v8, cu_q, cu_k) + [190, 260]
+    d = {n: x.cuda() for n, x in zip(("q_descale", "k_descale", "v_descale"), ds)}
+    sp.check_errors()
+    good = sp.attention(*args, **d)
+    sp.check_errors()  # nothing flagged
+    d[which] = d[which].clone()
+    d[which][1, 2] = -d[which][1, 2]
+    bad = sp.attention(*args, out=_poisoned(q8.shape), return_lse=True, **d)
+    out, lse = bad
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError) as e:
+        sp.check_errors()
+    assert getattr(e.value, "argument", None) == which, str(e.value)
+    assert f"{which}[1, 2] is negative" in str(e.value)
+    sp.check_errors()  # cleared
+    assert torch.isnan(out[50:, 4:6].float()).all() and torch.isnan(lse[4:6, 50:]).all()
+    assert torch.equal(out[50:, :4], good[50:, :4]) and torch.equal(out[:50], good[:50])
 
 
 def _torch_attention(q, k, v, cu_q, cu_k, causal, dtype):

@@ -164,6 +164,7 @@ struct Fp8Descale : NoFusion<Config> {
   }
   struct Scales {
     float qk, v;
+    int negative;  // -1, or the first negative descale: 0 q, 1 k, 2 v (kErrDescale; NaN and inf propagate)
   };
   __device__ __forceinline__ static float at(const float* d, const int64_t (&stride)[2], int b, int h) {
     return d == nullptr ? 1.f : __ldg(d + b * stride[0] + h * stride[1]);
@@ -171,7 +172,10 @@ struct Fp8Descale : NoFusion<Config> {
   template <class Work>
   __device__ __forceinline__ static Scales scales(const Params& p, const FwdProblem& pr, const Work& w) {
     const int h = w.kv_head_mem(pr);
-    return {at(p.q, p.q_stride, w.batch, h) * at(p.k, p.k_stride, w.batch, h), at(p.v, p.v_stride, w.batch, h)};
+    const float q = at(p.q, p.q_stride, w.batch, h), k = at(p.k, p.k_stride, w.batch, h);
+    const float v = at(p.v, p.v_stride, w.batch, h);
+    // The running max assumes a non-negative logit scale (softmax_scale > 0 is validated on the host).
+    return {q * k, v, q < 0.f ? 0 : k < 0.f ? 1 : v < 0.f ? 2 : -1};
   }
 };
 

@@ -155,6 +155,10 @@ struct FwdKernel {
         scale_log2 *= d.qk;
         softmax_scale *= d.qk;
         v_descale = d.v;
+        if (d.negative >= 0) {  // cold path: the tile's rows (and LSE) are NaN, check_errors() names the descale
+          v_descale = softmax_scale = __int_as_float(0x7fc00000);
+          if (mma_tidx == 0) report_device_error(pr.err, kErrDescale, work.batch, work.kv_head_mem(pr), d.negative, 0);
+        }
       }
       OnlineSoftmax<kRows, Config::kMaxOffset> softmax(scale_log2);
       Mainloop::mma(params.mainloop, storage, work, pipeline_k, pipeline_v, st, q, mma_pv, tOrO, softmax, mma_tidx,

@@ -297,6 +297,7 @@ struct Mainloop {
     fusion.prepare_tile(storage, iter, mma_tidx);
 
     if constexpr (!Config::kIntraWgOverlap) {
+      static_assert(Config::kTwoLevelPv, "the one-step schedule is FP8's, with two-level accumulation");
       // One step at a time (FwdConfigFp8): S(i), softmax, P(i), then O += P(i) V(i) with O's rescale under the PV
       // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
       // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there). The
@@ -318,13 +319,8 @@ struct Mainloop {
         convert_p();
         wait_v(pipeline_v, st);
         sanitize_v(st.index(), v_block(i));
-        if constexpr (!Config::kTwoLevelPv) {  // O is the GEMM's accumulator: rescaled before it
-          if (i > 0) rescale_o(tOrO, o_scale);
-        }
         mma_pv_step(st.index(), i == 0);
-        if constexpr (Config::kTwoLevelPv) {  // O is not an operand of the GEMM in flight: rescaled under it
-          if (i > 0) rescale_o(tOrO, o_scale);
-        }
+        if (i > 0) rescale_o(tOrO, o_scale);  // O is not an operand of the GEMM in flight: rescaled under it
         warpgroup_wait<0>();
         finish_pv();
         pipeline_v.consumer_release(st);
