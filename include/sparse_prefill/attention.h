@@ -38,7 +38,8 @@ struct LaunchOptions {
 // FP8 (float8_e4m3fn q, k, v): the values attended to are x * descale, with q_descale, k_descale, v_descale float32
 // [B, Hkv] of any strides (0 broadcasts; FA3's contract: query head h uses q_descale[b, h / (Hq / Hkv)]); a descale
 // left out is 1. The output is bfloat16. Descales are refused for other dtypes. The CPU reference computes FP8 inputs
-// (dequantised, then the exact math); the CUDA FP8 kernels are not built yet (NotImplementedError).
+// (dequantised, then the exact math); CUDA runs dense FP8 attention for head dim 128 (contiguous KV or paged KV with
+// page_size % 64 == 0) and raises NotImplementedError for the rest (other head dims and page sizes, sparse FP8).
 struct AttentionInputs {
   TensorView q, k, v;
   TensorView cu_seqlens_q;

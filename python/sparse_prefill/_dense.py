@@ -48,8 +48,9 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
             [B, Hkv] arrays of any strides (0 broadcasts a per-tensor scale), the factor each stored value is
             multiplied by (query head h uses column h // (Hq // Hkv), FA3's convention); None = 1. Refused for other
             dtypes. The same keywords exist on build_index, sparse_attention, sparse_prefill and chunked_prefill.
-            FP8 runs on the CPU reference today (the exact math on the dequantised values); the CUDA FP8 kernels
-            are not built yet and raise NotImplementedError.
+            FP8 runs on the CPU reference (the exact math on the dequantised values) and, on CUDA, the dense FP8
+            kernel for head dim 128 (contiguous KV or page_size % 64 == 0); other CUDA FP8 combinations (head dim
+            64, other page sizes, the sparse functions) raise NotImplementedError.
 
     Returns:
         out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.

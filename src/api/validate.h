@@ -27,6 +27,10 @@ inline int64_t num_tiles(int64_t q_len, int group_size) { return geometry::num_t
 inline int64_t num_blocks(int64_t k_len, int block_size) { return geometry::num_blocks(k_len, block_size); }
 static_assert(geometry::kTileRows == kTileRows, "one tile height (sparse.h, core/geometry.h)");
 
+// Element i of a host int32 vector (already checked by the caller).
+inline int32_t at1(const TensorView& t, int64_t i) { return t.ptr<const int32_t>()[i * t.stride[0]]; }
+
+// validate_index.cpp: the index, its binding to a call and the mean cache.
 // Checks an index view against a resolved (host-readable) problem: head sub-groups, segment count, ranges, ascending
 // block ids within each sequence's block count, pooled-mean shapes (segments and means over Hkv * S virtual heads).
 void validate_index(const Problem& p, const BlockIndexView& index);

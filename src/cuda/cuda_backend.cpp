@@ -21,22 +21,53 @@ namespace {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
-// TMA and the 16-byte epilogue stores need 16-byte aligned bases and strides (8 elements of 16 bits).
+// TMA and the 16-byte epilogue stores need 16-byte aligned bases and strides (8 elements of 16 bits, 16 of FP8).
 void require_aligned(const TensorView& t, const char* name, int first_dim, int last_dim) {
+  const int per16 = t.dtype == DType::kFloat8E4M3 ? 16 : 8;
   bool ok = aligned16(t.data);
-  for (int i = first_dim; i <= last_dim; ++i) ok = ok && (t.stride[i] % 8 == 0);
+  for (int i = first_dim; i <= last_dim; ++i) ok = ok && (t.stride[i] % per16 == 0);
   if (!ok)
     throw NotImplementedError(std::string("CUDA attention: ") + name +
-                              " needs a 16-byte aligned base and strides that are multiples of 8 elements");
+                              " needs a 16-byte aligned base and strides that are multiples of " +
+                              std::to_string(per16) + " elements");
 }
 
 // Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
 bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
 
+bool fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
+
+// What the FP8 kernel (DenseFp8Fwd, attention/variants.h) is built for: dense attention, head dim 128, contiguous KV
+// or paged KV with page_size % 64 == 0 (TMA loads).
+void check_fp8_supported(const Problem& p) {
+  if (p.head_dim != 128)
+    throw NotImplementedError("CUDA FP8 attention is built for head dim 128 only, got head dim " +
+                              std::to_string(p.head_dim) + " (FP8 runs on the CPU reference for any head dim)");
+  if (gathered_pages(p))
+    throw NotImplementedError("CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async "
+                              "gather of other page sizes is not built for FP8); got page_size " +
+                              std::to_string(p.page_size));
+}
+void refuse_sparse_fp8(const Problem& p) {
+  if (fp8(p))
+    throw NotImplementedError("CUDA sparse attention with FP8 (float8_e4m3fn) inputs is not built: the index stage "
+                              "and the block-sparse kernel take bfloat16 / float16 (dense FP8 attention is built; "
+                              "sparse FP8 runs on the CPU reference)");
+}
+
+// The descale's pointer and (batch, KV head) strides (absent: null = 1).
+void set_descale(const std::optional<TensorView>& t, const float*& ptr, int64_t (&stride)[2]) {
+  if (!t) return;
+  ptr = t->ptr<const float>();
+  stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
+  stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
+}
+
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
-    throw NotImplementedError(std::string("q: CUDA attention supports bfloat16 and float16 inputs only, got ") +
-                              dtype_name(p.dtype) + " (FP8 runs on the CPU reference; its CUDA kernel is not built yet)");
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !fp8(p))
+    throw NotImplementedError(std::string("q: CUDA attention supports bfloat16, float16 and float8_e4m3fn inputs "
+                                          "only, got ") + dtype_name(p.dtype));
+  if (fp8(p)) check_fp8_supported(p);
   // The head dim (64 or 128) and a mean cache's paged KV are checked once, by validate_inputs / validate_mean_cache.
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
     throw NotImplementedError("CUDA attention: more than 2^31 - 1 rows");
@@ -102,6 +133,9 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
   a.window_left = in.window_left;
   a.window_right = in.window_right;
   a.stream = in.stream;
+  set_descale(in.q_descale, a.q_descale, a.q_descale_stride);
+  set_descale(in.k_descale, a.k_descale, a.k_descale_stride);
+  set_descale(in.v_descale, a.v_descale, a.v_descale_stride);
   if (a.total_k_rows == 0) {
     // No key at all: every tile is empty (zeros, lse = -inf) and no K/V load is issued, but the TMA descriptors
     // still need a valid non-empty domain: describe q's memory instead.
@@ -114,6 +148,10 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
 }
 
 void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
+  if (fp8(p)) {
+    if (sparse != nullptr) refuse_sparse_fp8(p);  // (refused before any launch; kept as the last guard)
+    return run_fwd_e4m3_hdim128(a);
+  }
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (p.head_dim == 64)
     bf16 ? run_fwd_bf16_hdim64(a, sparse) : run_fwd_fp16_hdim64(a, sparse);
@@ -122,6 +160,7 @@ void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
 }
 
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
+  refuse_sparse_fp8(p);
   if (p.head_dim != 128)
     throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
   if (gathered_pages(p))
@@ -217,6 +256,7 @@ ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, c
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   using Path = LaunchOptions::DensePath;
   if (in.options.dense_path == Path::kDenseKernel || p.head_dim != 128) return false;  // sparse kernel: D = 128
+  if (fp8(p)) return false;  // FP8: the dense kernel only (DenseFp8Fwd)
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (in.max_seqlen_k <= in.max_seqlen_q) return false;  // only chunk and decode shapes
   if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
@@ -305,6 +345,7 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                  const TensorView& workspace, const MeanCache* cache) {
+  refuse_sparse_fp8(p);
   const size_t bytes = index_workspace_bytes(in, p, params);
   check_workspace(workspace, in.q, int64_t(bytes), "index_workspace_bytes(...)");
   build_index(in, p, params, workspace.data, bytes, cache);

@@ -36,6 +36,7 @@ enum DeviceErrorCode : int {
   kErrSegment = 14,        // index segment `index` of sequence seq: [value, bound) outside the block id array
   kErrBlockId = 15,        // a segment of sequence seq lists block id value outside [0, bound = its block count)
   kErrCuBlocks = 16,       // index.cu_blocks[seq] .. [seq + 1] = value .. bound do not hold seq's pooled blocks
+  kErrDescale = 17,        // FP8 descale `value` (0 q, 1 k, 2 v) of (sequence seq, KV head index) is negative
   kErrNumCodes
 };
 

@@ -96,6 +96,10 @@ ArgumentError device_error_message(int code, int seq, int index, int value, int 
     case kErrCuBlocks:
       return ArgumentError("index.cu_blocks", "cu_blocks[" + s + "] .. cu_blocks[" + s + " + 1] = " + v + " .. " + b +
                                                   " do not match sequence " + s + "'s pooled blocks" + note);
+    case kErrDescale: {
+      const char* name = value == 0 ? "q_descale" : value == 1 ? "k_descale" : "v_descale";
+      return ArgumentError(name, std::string(name) + "[" + s + ", " + i + "] is negative; descales must be >= 0" + note);
+    }
     default:
       return ArgumentError("(device)", "unknown device error code " + num(code) + note);
   }

@@ -32,6 +32,11 @@ struct FwdArgs {
   int num_pages = 0;                     // paged KV: pages of the cache
   SeqLimits limits;                      // what a sequence's span may be (device_checks.h): kernel, plan, combine
   float softmax_scale = 0.f;
+  // FP8 inputs: float32 descales [B, Hkv] (null = 1) and their (batch, KV head) strides in elements (0 broadcasts).
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t q_descale_stride[2] = {0, 0}, k_descale_stride[2] = {0, 0}, v_descale_stride[2] = {0, 0};
   bool causal = true;
   int window_left = -1, window_right = -1;
   void* stream = nullptr;                // cudaStream_t
@@ -121,5 +126,7 @@ void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nul
 void run_fwd_fp16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
 void run_fwd_bf16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
 void run_fwd_fp16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
+// FP8 (float8_e4m3fn q, k, v; bfloat16 out): dense only, contiguous or paged KV with page_size % 64 == 0.
+void run_fwd_e4m3_hdim128(const FwdArgs& args);
 
 }  // namespace sparse_prefill::cuda

@@ -42,7 +42,9 @@ __host__ __device__ constexpr auto acc_to_a_layout(AccLayout acc) {
                      coalesce(make_layout(get<1>(vv), get<2>(acc))));
 }
 
-template <int kRows>
+// kMaxOffset (FP8, FA3's Max_offset): P = exp2(s * scale_log2 - max * scale_log2 + kMaxOffset), in [0, 2^kMaxOffset]
+// for more of e4m3's range; row sums carry the same factor, so O / sum is unchanged and the LSE subtracts it.
+template <int kRows, int kMaxOffset = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];   // per-thread partial sums
@@ -75,10 +77,12 @@ struct OnlineSoftmax {
       const float mb = m_ref * scale_log2;
       o_scale[r] = kFirst ? 1.f : fast_exp2(row_max[r] * scale_log2 - mb);
       row_max[r] = m;
+      float mbp = mb;  // the reference of P
+      if constexpr (kMaxOffset != 0) mbp = mb - float(kMaxOffset);
       float sp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const float p = fast_exp2(fmaf(s(r, c), scale_log2, -mb));
+        const float p = fast_exp2(fmaf(s(r, c), scale_log2, -mbp));
         s(r, c) = p;
         sp[c % 4] += p;
       }
@@ -95,6 +99,7 @@ struct OnlineSoftmax {
       const bool empty = !(sum > 0.f) || row_max[r] == -INFINITY;
       inv_sum[r] = empty ? 0.f : 1.f / sum;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
+      if constexpr (kMaxOffset != 0) lse[r] -= float(kMaxOffset * M_LN2);  // -inf stays -inf
     }
   }
 };

@@ -19,7 +19,11 @@ namespace sparse_prefill::cuda {
 template <class Element_, int kHeadDim_>
 struct FwdConfig {
   using Element = Element_;
+  using ElementOut = Element_;  // out's dtype (the FP8 config, config_fp8.h, writes bfloat16)
   using Accum = float;
+  static constexpr bool kTwoLevelPv = false;  // O += P V straight into O (see FwdConfigFp8)
+  static constexpr bool kIntraWgOverlap = true;  // softmax(i) under the GEMMs S(i+1), O += P(i) V(i) (mainloop_sm90.h)
+  static constexpr int kMaxOffset = 0;        // P = exp2(s - max) in [0, 1]
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 128;
@@ -112,6 +116,10 @@ struct FwdConfig {
     cutlass::arch::ClusterBarrier tile_full[2];
     cutlass::arch::ClusterBarrier tile_empty[2];
   };
+  // The V^T operand of O += P V (a view of the V tiles) and the O staging buffer (the Q buffer).
+  using SmemLayoutO = SmemLayoutQ;
+  __device__ __forceinline__ static Element* vt_smem(SharedStorage& s) { return s.smem_v.data(); }
+  __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& s) { return s.smem_q.data(); }
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm90 per-block shared memory limit");
 };

@@ -21,7 +21,7 @@ namespace sparse_prefill::cuda {
 
 template <class Config>
 struct DirectStore {
-  using Element = typename Config::Element;
+  using Element = typename Config::ElementOut;
   static constexpr int kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
   struct Params {
     void* out;
@@ -78,7 +78,7 @@ struct DirectStore {
       }
     }
     // O: registers -> smem (this warpgroup's 64 rows of the Q buffer; its own QK GEMMs are complete) -> 16-byte stores.
-    Tensor sO = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
+    Tensor sO = make_tensor(make_smem_ptr(Config::o_smem(storage)), typename Config::SmemLayoutO{});
     Tensor tOsO = thr_pv.partition_C(sO);
     {
       constexpr int N = decltype(size(tOrO))::value;

@@ -21,6 +21,7 @@ namespace sparse_prefill::cuda {
 template <class Config>
 struct NoFusion {
   static constexpr bool kSteps = false;
+  static constexpr bool kDescale = false;  // Fp8Descale: per-(sequence, KV head) scales of FP8 q, k, v
   struct Params {};
   template <class MakeTma, class KvParams>
   static Params to_params(const FwdArgs&, const SparseFwdArgs*, MakeTma&&, const KvParams&) { return {}; }
@@ -38,6 +39,7 @@ struct NoFusion {
 template <class Config>
 struct MeanCorrection {
   static constexpr bool kSteps = true;
+  static constexpr bool kDescale = false;
   static constexpr int kBlockN = Config::kBlockN;
   struct Params {
     typename Config::TmaKV tma_k_mean;  // pooled means [mean_rows, Hkv, D] in the input dtype (correction keys)
@@ -141,6 +143,40 @@ struct MeanCorrection {
       }
     }
   };
+};
+
+// FP8 inputs (docs/semantics.md "FP8 inputs"): q, k, v are x * descale with float32 descales [B, Hkv] of any strides
+// (0 broadcasts; null = 1); query head h uses q_descale[b, h / g]. No steps of its own: the consumers fold
+// q_descale * k_descale into the tile's softmax scale and v_descale into the final normalisation (kernel_sm90.h).
+template <class Config>
+struct Fp8Descale : NoFusion<Config> {
+  static constexpr bool kDescale = true;
+  struct Params {
+    const float* q;
+    const float* k;
+    const float* v;
+    int64_t q_stride[2], k_stride[2], v_stride[2];  // (batch, KV head), elements
+  };
+  template <class MakeTma, class KvParams>
+  static Params to_params(const FwdArgs& a, const SparseFwdArgs*, MakeTma&&, const KvParams&) {
+    return {a.q_descale, a.k_descale, a.v_descale, {a.q_descale_stride[0], a.q_descale_stride[1]},
+            {a.k_descale_stride[0], a.k_descale_stride[1]}, {a.v_descale_stride[0], a.v_descale_stride[1]}};
+  }
+  struct Scales {
+    float qk, v;
+    int negative;  // -1, or the first negative descale: 0 q, 1 k, 2 v (kErrDescale; NaN and inf propagate)
+  };
+  __device__ __forceinline__ static float at(const float* d, const int64_t (&stride)[2], int b, int h) {
+    return d == nullptr ? 1.f : __ldg(d + b * stride[0] + h * stride[1]);
+  }
+  template <class Work>
+  __device__ __forceinline__ static Scales scales(const Params& p, const FwdProblem& pr, const Work& w) {
+    const int h = w.kv_head_mem(pr);
+    const float q = at(p.q, p.q_stride, w.batch, h), k = at(p.k, p.k_stride, w.batch, h);
+    const float v = at(p.v, p.v_stride, w.batch, h);
+    // The running max assumes a non-negative logit scale (softmax_scale > 0 is validated on the host).
+    return {q * k, v, q < 0.f ? 0 : k < 0.f ? 1 : v < 0.f ? 2 : -1};
+  }
 };
 
 }  // namespace sparse_prefill::cuda

@@ -65,6 +65,7 @@ struct FwdKernel {
       Mainloop::prefetch(params.mainloop);
       storage.barrier_q.init(1);
       storage.barrier_q_empty.init(Config::kNumMmaThreads);
+      if constexpr (KvSource::kTransposeV) KvSource::init_barriers(storage);
       for (int s = 0; s < 4; ++s) storage.poisoned[s] = 0;
       for (int s = 0; s < 2; ++s) {
         storage.tile_full[s].init(1);
@@ -87,6 +88,9 @@ struct FwdKernel {
   __device__ __forceinline__ static void producer(const Params& params, SharedStorage& storage, Pipeline& pipeline_k,
                                                   Pipeline& pipeline_v) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+    if constexpr (KvSource::kTransposeV) {  // warps 1-3: the V transpose (KvTmaTransposeV)
+      if (threadIdx.x >= 32) return transposer(params, storage, pipeline_v);
+    }
     if (KvSource::kProducerThreads == 1 && threadIdx.x != 0) return;  // TMA: one thread issues everything
     const bool issuer = threadIdx.x == 0;                              // Q (and, TMA, K/V)
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
@@ -105,6 +109,20 @@ struct FwdKernel {
       if (!work.valid) continue;            // beyond this sequence
       if (work.iter.count() == 0) continue;  // consumers write zeros without smem
       Mainloop::load_tile(params.mainloop, storage, work, pipeline_k, pipeline_v, st_k, st_v, q, issuer, poison);
+    }
+  }
+
+  // The V transpose warps (KvTmaTransposeV): the tiles of the producer loop, each V step of each tile. They follow the
+  // producer's tile order, which only a non-persistent scheduler gives them without a tile slot of their own.
+  __device__ __forceinline__ static void transposer(const Params& params, SharedStorage& storage, Pipeline& pipeline_v) {
+    static_assert(!Scheduler::kPersistent, "the V transpose warps follow a non-persistent scheduler's tiles");
+    PipelineState st;  // read state of the V pipeline (like a consumer's)
+    typename Scheduler::template Producer<SharedStorage> sched{storage};
+    for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);
+         t = sched.next(params.scheduler, t), ++n) {
+      const Work work = work_of(params, Scheduler::unit(params.scheduler, t));
+      if (!work.valid || work.iter.count() == 0) continue;
+      KvSource::transpose_tile(params.mainloop.kv, storage, work, pipeline_v, st, int(threadIdx.x) - 32);
     }
   }
 
@@ -130,13 +148,29 @@ struct FwdKernel {
       }
       typename Config::TiledMmaPV mma_pv;
       Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      OnlineSoftmax<kRows> softmax(pr.scale_log2);
+      // FP8 (Fp8Descale): q_descale * k_descale scales the logits, v_descale the normalised O.
+      float scale_log2 = pr.scale_log2, softmax_scale = pr.softmax_scale, v_descale = 1.f;
+      if constexpr (Fusion::kDescale) {
+        const auto d = Fusion::scales(params.mainloop.fusion, pr, work);
+        scale_log2 *= d.qk;
+        softmax_scale *= d.qk;
+        v_descale = d.v;
+        if (d.negative >= 0) {  // cold path: the tile's rows (and LSE) are NaN, check_errors() names the descale
+          v_descale = softmax_scale = __int_as_float(0x7fc00000);
+          if (mma_tidx == 0) report_device_error(pr.err, kErrDescale, work.batch, work.kv_head_mem(pr), d.negative, 0);
+        }
+      }
+      OnlineSoftmax<kRows, Config::kMaxOffset> softmax(scale_log2);
       Mainloop::mma(params.mainloop, storage, work, pipeline_k, pipeline_v, st, q, mma_pv, tOrO, softmax, mma_tidx,
                     cwg);
 
       // ---- epilogue ----
       float inv_sum[kRows], lse[kRows];
-      softmax.finalize(pr.softmax_scale, inv_sum, lse);
+      softmax.finalize(softmax_scale, inv_sum, lse);
+      if constexpr (Fusion::kDescale) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) inv_sum[r] *= v_descale;
+      }
       // A bad page or block id met by the producer while loading this tile (poison_tile, mainloop_sm90.h): its rows
       // are NaN.
       {

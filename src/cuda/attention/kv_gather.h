@@ -21,6 +21,7 @@ namespace sparse_prefill::cuda {
 template <class Config>
 struct KvCpAsyncGather {
   static constexpr int kProducerThreads = 128;  // the whole producer warpgroup copies
+  static constexpr bool kTransposeV = false;
   static constexpr bool kGenericProxy = true;   // cp.async writes through the generic proxy
   using Pipeline = typename Config::PipelineGather;
   using PipelineState = typename Config::PipelineState;

@@ -54,4 +54,15 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   launch_fwd<DenseFwd<Config>>(a, nullptr);
 }
 
+// Dense FP8 attention (float8_e4m3fn q, k, v; bfloat16 out): contiguous KV or paged KV with page_size % 64 == 0
+// (cuda_backend.cpp refuses the rest with NotImplementedError before this point).
+template <int kHeadDim>
+void run_fwd_fp8(const FwdArgs& a) {
+  using Config = FwdConfigFp8<kHeadDim>;
+  if (a.total_q == 0 || a.batch == 0) return;
+  if (a.page_size > 0 && a.page_size % Config::kHalfN != 0)
+    throw std::runtime_error("sparse_prefill cuda: the FP8 kernel needs page_size % 64 == 0");
+  launch_fwd<DenseFp8Fwd<Config>>(a, nullptr);
+}
+
 }  // namespace sparse_prefill::cuda

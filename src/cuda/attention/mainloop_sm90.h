@@ -47,6 +47,19 @@ __device__ __forceinline__ void poison_tile(Storage& storage, int n, int code, i
   if constexpr (kFence) __threadfence_block();  // before the cp.async arrive (no release of its own)
 }
 
+// Four f32 values -> four e4m3 bytes of one 32-bit register, a in byte 0 ... d in byte 3 (round to nearest,
+// saturating to +-448; NaN stays NaN).
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  uint32_t r;
+  asm("{\n\t.reg .b16 lo, hi;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"  // lo = {upper: b, lower: a}
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+      "mov.b32 %0, {lo, hi};\n\t}"
+      : "=r"(r)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return r;
+}
+
 template <class Config_, template <class> class QLoad_, template <class> class KvSource_,
           template <class> class Schedule_, template <class> class Fusion_>
 struct Mainloop {
@@ -62,6 +75,8 @@ struct Mainloop {
   using Work = typename Schedule::Work;
   using Iterator = typename Schedule::Iterator;
   static constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
+  // 8-bit operands (FP8): P is the compact A fragment of the 8-bit RS wgmma (convert_p), V^T a K-major smem copy.
+  static constexpr bool k8BitP = sizeof(Element) == 1;
   // Rows of the S / O accumulators one consumer thread holds.
   using TensorS = decltype(cute::partition_fragment_C(std::declval<typename Config::TiledMmaQK>(),
                                                       cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
@@ -171,12 +186,23 @@ struct Mainloop {
 
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Config::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(Config::vt_smem(storage)), typename Config::SmemLayoutVt{});
     Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
     Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor tOrP = make_tensor<Element>(acc_to_a_layout(tSrS.layout()));
+    // P as the A operand of O = P V: the 16-bit S accumulator's register order (acc_to_a_layout), or for FP8 the
+    // compact ((4, 2, 2), MMA_M, MMA_K) fragment of the 8-bit RS wgmma filled by convert_p (config_fp8.h).
+    auto make_p = [&]() {
+      if constexpr (k8BitP)
+        return make_tensor<Element>(partition_shape_A(mma_pv, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+      else
+        return make_tensor<Element>(acc_to_a_layout(tSrS.layout()));
+    };
+    Tensor tOrP = make_p();
+    static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
+    // Two-level accumulation (kTwoLevelPv): each step's P V goes into this fresh accumulator, then into O.
+    Tensor tOrPV = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     Tensor S_rc = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(S_rc))::value == kRows);
 
@@ -202,9 +228,42 @@ struct Mainloop {
     };
     auto convert_p = [&]() {
       constexpr int N = decltype(size(tSrS))::value;
-      cutlass::NumericArrayConverter<Element, float, N> conv;
-      *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
-          conv(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+      if constexpr (k8BitP) {
+        // 8-bit A operand, per 32-key k-step kk: register q holds row r (q even) or r + 8 (q odd) of keys
+        // 4t..4t+3 (q < 2) or 16+4t.. (q >= 2) in smem_vt's order; from the S accumulator (index v0 + 2 v1 + 4 v2:
+        // column pair, row half, 8-column group) these are elements base, base+1, base+4, base+5.
+        static_assert(N % 16 == 0);
+        uint32_t* pa = reinterpret_cast<uint32_t*>(tOrP.data());
+        CUTE_UNROLL
+        for (int kk = 0; kk < N / 16; ++kk) {
+          CUTE_UNROLL
+          for (int q = 0; q < 4; ++q) {
+            const int base = 16 * kk + 8 * (q >> 1) + 2 * (q & 1);
+            pa[4 * kk + q] = pack_e4m3x4(tSrS(base), tSrS(base + 1), tSrS(base + 4), tSrS(base + 5));
+          }
+        }
+      } else {
+        cutlass::NumericArrayConverter<Element, float, N> conv;
+        *reinterpret_cast<cutlass::Array<Element, N>*>(tOrP.data()) =
+            conv(*reinterpret_cast<cutlass::Array<float, N> const*>(tSrS.data()));
+      }
+    };
+    // O = P V of one step: into O (zero_init on the first), or (two-level) into the fresh tOrPV.
+    auto mma_pv_step = [&](int stage, bool first) {
+      if constexpr (Config::kTwoLevelPv)
+        wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrPV, true);
+      else
+        wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, stage), tOrO, first);
+    };
+    // After warpgroup_wait<0>: the step's product is complete (two-level: O += tOrPV in full f32).
+    auto finish_pv = [&]() {
+      if constexpr (Config::kTwoLevelPv) {
+        warpgroup_fence_operand(tOrPV);
+        CUTE_UNROLL
+        for (int e = 0; e < size(tOrO); ++e) tOrO(e) += tOrPV(e);
+      } else {
+        warpgroup_fence_operand(tOrO);
+      }
     };
 
     // Paged V tail (KvSource::v_tail_block): each warpgroup zeroes all tail rows itself and syncs only its own 128
@@ -212,6 +271,7 @@ struct Mainloop {
     // optional pingpong).
     const int v_tail_block = KvSource::v_tail_block(p.kv, seq);
     auto sanitize_v = [&](int stage, int n_block) {
+      if constexpr (KvSource::kTransposeV) return;  // the transpose writes the tail's zeros (kv_tma_vt.h)
       if (n_block < 0 || n_block != v_tail_block) return;
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Config::SmemLayoutV{});
       constexpr int kChunks = kHeadDim / 8;
@@ -224,10 +284,50 @@ struct Mainloop {
       cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
     };
     auto wait_kv = [&](Pipeline& pipe, const PipelineState& s) { KvSource::wait(pipe, s); };
+    auto wait_v = [&](Pipeline& pipe, const PipelineState& s) {
+      if constexpr (KvSource::kTransposeV)
+        KvSource::wait_v(storage, pipe, s);  // V^T written (after the V tile's TMA)
+      else
+        KvSource::wait(pipe, s);
+    };
 
     float o_scale[kRows];
+    if constexpr (Config::kTwoLevelPv) clear(tOrO);  // O += tOrPV from the first step
     q.acquire(p.q, pr, storage, work, mma_tidx, cwg);
     fusion.prepare_tile(storage, iter, mma_tidx);
+
+    if constexpr (!Config::kIntraWgOverlap) {
+      static_assert(Config::kTwoLevelPv, "the one-step schedule is FP8's, with two-level accumulation");
+      // One step at a time (FwdConfigFp8): S(i), softmax, P(i), then O += P(i) V(i) with O's rescale under the PV
+      // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
+      // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there). The
+      // two consumer warpgroups still overlap each other's softmax and GEMMs (a named-barrier pingpong ordering their
+      // S GEMMs measured 16.53 vs 16.33 ms without, H200 32K causal: not kept).
+      CUTE_NO_UNROLL
+      for (int i = 0; i < n_count; ++i) {
+        wait_kv(pipeline_k, st);
+        wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
+        fusion.prepare_step(storage, iter, i);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        pipeline_k.consumer_release(st);
+        if (iter.needs_mask(i)) mask_step(i);
+        if (i == 0)
+          softmax.template step<true>(S_rc, o_scale);
+        else
+          softmax.template step<false>(S_rc, o_scale);
+        convert_p();
+        wait_v(pipeline_v, st);
+        sanitize_v(st.index(), v_block(i));
+        mma_pv_step(st.index(), i == 0);
+        if (i > 0) rescale_o(tOrO, o_scale);  // O is not an operand of the GEMM in flight: rescaled under it
+        warpgroup_wait<0>();
+        finish_pv();
+        pipeline_v.consumer_release(st);
+        ++st;
+      }
+      return;
+    }
 
     // Block 0 (descending order: the diagonal block first under causal).
     wait_kv(pipeline_k, st);
@@ -247,9 +347,9 @@ struct Mainloop {
       wait_kv(pipeline_k, st);
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       if (i > 1) rescale_o(tOrO, o_scale);
-      wait_kv(pipeline_v, st_v);
+      wait_v(pipeline_v, st_v);
       sanitize_v(st_v.index(), v_block(i - 1));
-      wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO, i == 1);
+      mma_pv_step(st_v.index(), i == 1);
       fusion.prepare_step(storage, iter, i);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
@@ -257,16 +357,16 @@ struct Mainloop {
       if (iter.needs_mask(i)) mask_step(i);
       softmax.template step<false>(S_rc, o_scale);
       warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
+      finish_pv();
       pipeline_v.consumer_release(st_v);
       convert_p();
     }
-    wait_kv(pipeline_v, st);
+    wait_v(pipeline_v, st);
     sanitize_v(st.index(), v_block(n_count - 1));
     if (n_count > 1) rescale_o(tOrO, o_scale);
-    wgmma_batch<true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO, n_count == 1);
+    mma_pv_step(st.index(), n_count == 1);
     warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
+    finish_pv();
     pipeline_v.consumer_release(st);
     ++st;
   }

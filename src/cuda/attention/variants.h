@@ -1,7 +1,9 @@
 // The attention kernels that are built, by name (one set per dtype x head dim, launch.h picks one per launch).
 #pragma once
 
+#include "cuda/attention/config_fp8.h"
 #include "cuda/attention/kernel_sm90.h"
+#include "cuda/attention/kv_tma_vt.h"
 
 namespace sparse_prefill::cuda {
 
@@ -12,6 +14,11 @@ using DenseFwd = FwdKernel<Mainloop<Config, QTma, KvTma, DenseRange, NoFusion>, 
 template <class Config>
 using DensePagedGatherFwd =
     FwdKernel<Mainloop<Config, QTma, KvCpAsyncGather, DenseRange, NoFusion>, DirectStore, SingleTileScheduler>;
+// Dense FP8 attention (Config = FwdConfigFp8, config_fp8.h): the TMA loads of DenseFwd, V transposed in shared
+// memory by the producer warpgroup's warps 1-3, the descales folded into the softmax scale and the normalisation.
+template <class Config>
+using DenseFp8Fwd =
+    FwdKernel<Mainloop<Config, QTma, KvTmaTransposeV, DenseRange, Fp8Descale>, DirectStore, SingleTileScheduler>;
 // Block-sparse attention (CSR index or the full list) with mean correction, persistent, one-shot launches.
 template <class Config>
 using SparseFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>, DirectStore,
