@@ -43,6 +43,13 @@ struct FwdConfigFp8 {
   // One step at a time in each consumer warpgroup (mainloop_sm90.h): the overlapped schedule with the two-level
   // accumulator needs S + O + acc + P = 208 live registers of 240 and spilled 172 bytes (ptxas).
   static constexpr bool kIntraWgOverlap = false;
+  // The pingpong between the consumer warpgroups of the one-step schedule (mainloop_sm90.h): 0 off, 1 around S(i),
+  // 2 around O += P(i) V(i), S(i + 1). Branch fp8-pingpong: an A/B for the H200 (-DSP_FP8_PINGPONG=0/1/2), then the
+  // losers go.
+#ifndef SP_FP8_PINGPONG
+#define SP_FP8_PINGPONG 2
+#endif
+  static constexpr int kPingpong = SP_FP8_PINGPONG;
   // FA3's offset: P = exp2(s - max + 8) in [0, 256] uses more of e4m3's range than [0, 1] (the normalisation
   // divides the 2^8 out; OnlineSoftmax<kRows, 8>).
   static constexpr int kMaxOffset = 8;

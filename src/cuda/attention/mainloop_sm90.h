@@ -300,13 +300,46 @@ struct Mainloop {
       static_assert(Config::kTwoLevelPv, "the one-step schedule is FP8's, with two-level accumulation");
       // One step at a time (FwdConfigFp8): S(i), softmax, P(i), then O += P(i) V(i) with O's rescale under the PV
       // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
-      // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there). The
-      // two consumer warpgroups still overlap each other's softmax and GEMMs (a named-barrier pingpong ordering their
-      // S GEMMs measured 16.53 vs 16.33 ms without, H200 32K causal: not kept).
-      CUTE_NO_UNROLL
-      for (int i = 0; i < n_count; ++i) {
+      // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there).
+      //
+      // Pingpong (Config::kPingpong, FA3's warp-scheduler barriers): without it the two consumer warpgroups wait on
+      // the same barriers and run the same phase at the same time, both GEMMs then both softmaxes (H200, 32K causal:
+      // ~2580 cycles per 128 x 128 tile, about GEMM + exp2 time in series). Named barriers 3 + cwg hand the tensor
+      // core from one warpgroup to the other: a warpgroup's GEMM phase waits for its turn and ends by handing over,
+      //   kPingpong 1: the phase is S(i) alone;
+      //   kPingpong 2: the phase is O += P(i) V(i) then S(i + 1) (S(0) alone first), so that one warpgroup's
+      //                softmax runs under the other's two GEMMs.
+      // Warpgroup 1 pre-arrives for warpgroup 0's first turn and skips its last hand-over: per tile and barrier, as
+      // many syncs as arrivals.
+      constexpr int kPing = Config::kPingpong;
+      constexpr int kPingBarrier = 3;  // 3, 4 (1, 2: each warpgroup's own syncs; 5: the fusion's)
+      auto turn = [&]() {
+        if constexpr (kPing != 0) cutlass::arch::NamedBarrier::sync(256, kPingBarrier + cwg);
+      };
+      auto hand_over = [&](bool last) {
+        if constexpr (kPing != 0) {
+          if (cwg == 0 || !last) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 1 - cwg);
+        }
+      };
+      if constexpr (kPing != 0) {
+        if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 0);
+      }
+      auto issue_s = [&]() {
         wait_kv(pipeline_k, st);
         wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
+      };
+      if constexpr (kPing == 2) {
+        turn();
+        issue_s();
+        hand_over(false);
+      }
+      CUTE_NO_UNROLL
+      for (int i = 0; i < n_count; ++i) {
+        if constexpr (kPing != 2) {
+          if constexpr (kPing == 1) turn();
+          issue_s();
+          if constexpr (kPing == 1) hand_over(i + 1 == n_count);
+        }
         fusion.prepare_step(storage, iter, i);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
@@ -319,13 +352,21 @@ struct Mainloop {
         convert_p();
         wait_v(pipeline_v, st);
         sanitize_v(st.index(), v_block(i));
+        if constexpr (kPing == 2) turn();
         mma_pv_step(st.index(), i == 0);
         if (i > 0) rescale_o(tOrO, o_scale);  // O is not an operand of the GEMM in flight: rescaled under it
         warpgroup_wait<0>();
         finish_pv();
         pipeline_v.consumer_release(st);
         ++st;
+        if constexpr (kPing == 2) {
+          if (i + 1 < n_count) issue_s();  // S(i + 1) in the same turn (st is step i + 1's now)
+          hand_over(i + 1 == n_count);
+        }
       }
+      // Nothing is in flight here, but ptxas cannot tie the loop's exit to the last step's skipped S issue and would
+      // inject this wait itself (C7517).
+      if constexpr (kPing == 2) warpgroup_wait<0>();
       return;
     }
 
