@@ -16,6 +16,11 @@
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
 #             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
 #             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes)
+#   abflags   compile-time variants of this tree in one call: each entry of SP_AB_FLAGS (';'-separated CUDA flag sets,
+#             e.g. "-DSP_FP8_PINGPONG=0;-DSP_FP8_PINGPONG=2") built into /tmp/abflags-site-<i> (the builds run in
+#             parallel), then for 3 rounds each variant in turn runs SP_AB_CMD (default: bench/bench_fp8.py on 16K,
+#             32K, 128K, no float32 reference) with PYTHONPATH on its site and --out OUT/abflags_<i>_r<round>.json, and pytest SP_AB_TESTS
+#             (default tests/python/test_fp8.py) once per variant; a summary of the *_ms fields -> OUT/abflags.txt
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
@@ -38,7 +43,7 @@
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|abflags|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -160,6 +165,45 @@ PYEOF
         --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_h200.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -20 "$OUT/ab.log"
+      ;;
+    abflags)
+      IFS=';' read -r -a flagsets <<< "${SP_AB_FLAGS:?SP_AB_FLAGS: ';'-separated CUDA flag sets}"
+      step "abflags: building ${#flagsets[@]} variants"
+      for i in "${!flagsets[@]}"; do
+        "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/abflags-site-$i" \
+          -C "build-dir=/tmp/abflags-build-$i" -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" \
+          -C "cmake.define.CMAKE_CUDA_FLAGS=${flagsets[$i]}" . > "$OUT/abflags_build_$i.log" 2>&1 &
+      done
+      wait
+      cmd="${SP_AB_CMD:-bench/bench_fp8.py --lengths 16384,32768,131072 --error-max-len 0}"
+      for i in "${!flagsets[@]}"; do
+        [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || { echo "variant $i (${flagsets[$i]}) failed to build"; tail -5 "$OUT/abflags_build_$i.log"; rc=1; }
+      done
+      for r in 0 1 2; do
+        for i in "${!flagsets[@]}"; do
+          [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || continue
+          PYTHONPATH="/tmp/abflags-site-$i" timeout 200 "$PY" $cmd --out "$OUT/abflags_${i}_r$r.json" \
+            > "$OUT/abflags_${i}_r$r.log" 2>&1 || { echo "variant $i round $r failed"; tail -5 "$OUT/abflags_${i}_r$r.log"; rc=1; }
+        done
+      done
+      for i in "${!flagsets[@]}"; do
+        [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || continue
+        (cd /tmp && PYTHONPATH="/tmp/abflags-site-$i" timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
+           $(for t in ${SP_AB_TESTS:-tests/python/test_fp8.py}; do echo "$ROOT/$t"; done) 2>&1 | tail -1 |
+           sed "s|^|variant $i (${flagsets[$i]}): |")
+      done | tee "$OUT/abflags_tests.txt"
+      "$PY" - "$OUT" "${flagsets[@]}" <<'PYEOF' | tee "$OUT/abflags.txt"
+import glob, json, os, statistics, sys
+out, flags = sys.argv[1], sys.argv[2:]
+for i, f in enumerate(flags):
+    vals = {}
+    for path in sorted(glob.glob(os.path.join(out, f"abflags_{i}_r*.json"))):
+        for row in json.load(open(path)).get("rows", []):
+            for k, v in row.items():
+                if k.endswith("_ms") and isinstance(v, (int, float)):
+                    vals.setdefault((row.get("L"), k), []).append(v)
+    print(f"variant {i} {f}: " + ", ".join(f"L={L} {k} {statistics.median(v):.3f}" for (L, k), v in sorted(vals.items())))
+PYEOF
       ;;
     bench)
       full=()

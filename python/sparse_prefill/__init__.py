@@ -19,8 +19,9 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
 CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
 NotImplementedError). See sparse_prefill._api for shapes, masking and error conventions.
 
-dtypes: q/k/v are float32 (CPU only), float16 or bfloat16 (or float8_e4m3fn); float64 is refused with a TypeError
-naming the argument. Index arrays (cu_seqlens_q/k, block_table, seqused_k) are int32; numpy's default int64 is accepted
+dtypes: q/k/v are float32 (CPU only), float16 or bfloat16 (or float8_e4m3fn, or its uint8 bit patterns with
+qkv_dtype='float8_e4m3fn' for array libraries without float8); float64 is refused with a TypeError naming the
+argument. Index arrays (cu_seqlens_q/k, block_table, seqused_k) are int32; numpy's default int64 is accepted
 on the host and converted to int32 (a small host copy) when every value fits, and refused on CUDA ("pass int32").
 
 Install: `pip install .` (or `pip install -e .` for development) from the repository root; a plain CMake build

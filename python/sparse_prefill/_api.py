@@ -5,12 +5,13 @@ Every array argument may come from numpy, torch, cupy or jax (any DLPack produce
 from one array library, and outputs are allocated in it, on the device of `q`.
 
 Shapes (B sequences, Hq query heads, Hkv KV heads, head dim D in {64, 128}; Hq % Hkv == 0):
-    q                   [total_q, Hq, D]           float32 / float16 / bfloat16
+    q                   [total_q, Hq, D]           float32 / float16 / bfloat16 / float8_e4m3fn (or uint8 bit
+                                                   patterns with qkv_dtype='float8_e4m3fn', as k and v)
     k, v (contiguous)   [total_k, Hkv, D]          with cu_seqlens_k [B+1] int32
     k, v (paged)        [num_pages, page_size, Hkv, D]  with block_table [B, max_pages] int32, seqused_k [B] int32,
                                                         and cu_seqlens_k=None
     cu_seqlens_q        [B+1] int32, monotone, cu_seqlens_q[-1] == total_q
-    out                 [total_q, Hq, D]           q's dtype
+    out                 [total_q, Hq, D]           q's dtype; bfloat16 for FP8 (uint16 bits with qkv_dtype)
     lse                 [Hq, total_q]              float32, natural log; -inf for rows that see no key
 
 Masking: causal is aligned bottom-right (query i of a sequence with Lq queries and Lk keys sees key j iff

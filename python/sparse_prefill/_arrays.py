@@ -21,6 +21,8 @@ dtypes (normalize_dtypes, applied to every call's inputs before the extension se
                   and converted to int32 when every value fits (a host copy of a few bytes per sequence or page);
                   a value outside int32 is a ValueError. On CUDA an int64 index array is refused (TypeError: pass
                   int32, e.g. x.to(torch.int32)): a conversion there would allocate and launch on the caller's stream.
+    uint8 q, k, v  float8_e4m3fn bit patterns when the call says so (qkv_dtype='float8_e4m3fn', _call._Call); without
+                  it they are refused (uint8 is for workspaces).
     Other dtypes go to the extension, which names the argument and lists the supported dtypes.
 """
 

@@ -1,7 +1,7 @@
 """One call's arguments: the Python-side checks and conversions every public function shares (see sparse_prefill._api
 for the shapes and conventions): the scalar coercions (_as_int, _as_int32, _as_bool, _as_float, _as_window),
-LaunchOptions, check_errors, _Call (one call's arrays, checked and converted for the extension), _kv_arrays and the
-mean-cache argument (_mean_cache_arrays)."""
+LaunchOptions, check_errors, _Call (one call's arrays, checked and converted for the extension; qkv_dtype= bit
+patterns, _as_qkv_dtype), _kv_arrays and the mean-cache argument (_mean_cache_arrays)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import ArrayLib, library_of, resolve_stream
-from ._arrays import _dtype_name, normalize_dtypes
+from ._arrays import DATA_ARRAYS, _dtype_name, normalize_dtypes
 
 _to_dlpack = None
 
@@ -142,15 +142,45 @@ def _option_codes(options: Any) -> tuple:
     return options._codes()
 
 
+def _type_error(name: str, message: str) -> TypeError:
+    err = TypeError(f"{name}: {message}")
+    err.argument = name
+    return err
+
+
+_QKV_DTYPES = ("float8_e4m3fn",)
+
+
+def _as_qkv_dtype(value: Any) -> Any:
+    """None, or the name of the dtype whose bit patterns uint8 q, k, v hold ('float8_e4m3fn'). Takes the name or a
+    dtype object that spells it (torch.float8_e4m3fn, an ml_dtypes / jax float8_e4m3fn dtype or scalar type)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value
+    elif isinstance(value, type):
+        name = getattr(value, "__name__", "")
+    else:
+        name = str(value).replace("torch.", "")
+    if name not in _QKV_DTYPES:
+        raise ValueError(f"qkv_dtype: expected None or 'float8_e4m3fn' (q, k and v given as uint8 arrays of "
+                         f"float8_e4m3fn bit patterns), got {value!r}")
+    return name
+
+
 class _Call:
     """One call's arrays, checked for kind and array library, converted for the extension.
 
-    `ref` names the array whose library and device the call uses (q, or k for pool_kv).
+    `ref` names the array whose library and device the call uses (q, or k for pool_kv). `qkv_dtype`
+    ('float8_e4m3fn' or None, _as_qkv_dtype): q, k and v are uint8 arrays of float8_e4m3fn bit patterns, read as
+    float8_e4m3fn where they enter the extension (inputs(); torch: Tensor.view, other libraries: _C.bit_view, zero
+    copy); `out` is then bfloat16 bit patterns in uint16 (allocated so; a caller's out may be uint16 or bfloat16).
     """
 
     _REQUIRED = ("q", "k", "v", "cu_seqlens_q")
 
-    def __init__(self, arrays: dict, out: Any = None, ref: str = "q"):
+    def __init__(self, arrays: dict, out: Any = None, ref: str = "q", qkv_dtype: Any = None):
+        self.bits = _as_qkv_dtype(qkv_dtype)
         first = arrays[ref]
         name = library_of(first)
         if name is None:
@@ -177,10 +207,48 @@ class _Call:
                 raise TypeError(f"out: is a {other or type(out).__name__} array but {ref} is a {name} array")
         self.arrays = {k: self._wrap(x) for k, x in arrays.items()}
         self.arrays = normalize_dtypes(self.arrays, self.lib)  # numpy defaults: int64 / float64 rule (_arrays.py)
+        self._check_bits()
         if "q" in self.arrays:
             qw = self.arrays["q"]
             if len(qw.shape) != 3:
                 raise ValueError(f"q: expected a 3-dimensional array [total_q, Hq, D], got shape {tuple(qw.shape)}")
+
+    def _check_bits(self) -> None:
+        """With qkv_dtype, every data array is uint8; without it, a uint8 q gets a pointer to qkv_dtype (the error
+        is the extension's, which also refuses uint8 k or v against another q)."""
+        if self.bits is None:
+            q = self.arrays.get("q")
+            if q is not None and _dtype_name(q) == "uint8":
+                raise _type_error("q", "dtype must be float16, bfloat16, float32 or float8_e4m3fn, got uint8 (for "
+                                       "uint8 arrays of float8_e4m3fn bit patterns pass qkv_dtype='float8_e4m3fn')")
+            return
+        for name in DATA_ARRAYS:
+            x = self.arrays.get(name)
+            if x is None:
+                continue  # pool_kv: q is made later, in k's dtype
+            dt = _dtype_name(x)
+            if dt != "uint8":
+                hint = " (a float8_e4m3fn array needs no qkv_dtype)" if dt in _FP8 else ""
+                raise _type_error(name, f"dtype {dt} is not uint8: qkv_dtype={self.bits!r} takes q, k and v as "
+                                        f"uint8 arrays of {self.bits} bit patterns{hint}")
+
+    def _data(self, name: str, x: Any) -> Any:
+        """q, k or v as handed to the extension: uint8 bit patterns read as float8_e4m3fn with qkv_dtype."""
+        if self.bits is None or x is None:
+            return self.c(x)
+        if self.lib.compute == "torch":
+            import torch
+            return self.c(x.view(torch.float8_e4m3fn))
+        return _C.bit_view(x, self.bits, False, name)
+
+    def c_out(self, out: Any) -> Any:
+        """out as handed to the extension: with qkv_dtype, a uint16 out is read as bfloat16."""
+        if self.bits is None or _dtype_name(out) != "uint16":
+            return self.c(out)
+        if self.lib.compute == "torch":
+            import torch
+            return self.c(out.view(torch.bfloat16))
+        return _C.bit_view(out, "bfloat16", True, "out")
 
     def _wrap(self, x: Any) -> Any:
         x = self.lib.wrap_in(x)
@@ -202,7 +270,8 @@ class _Call:
         scale = None if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
         left, right = _as_window(window)
         c = self.c
-        return (c(a["q"]), c(a["k"]), c(a["v"]), c(a["cu_seqlens_q"]), c(a.get("cu_seqlens_k")),
+        d = self._data
+        return (d("q", a["q"]), d("k", a["k"]), d("v", a["v"]), c(a["cu_seqlens_q"]), c(a.get("cu_seqlens_k")),
                 c(a.get("block_table")), c(a.get("seqused_k")), max_q, max_k, _as_bool("causal", causal), scale, left, right,
                 resolve_stream(stream, self.lib)) + _option_codes(options) + tuple(c(a.get(n)) for n in _DESCALES)
 
@@ -227,13 +296,17 @@ class _Call:
     def outputs(self, out: Any, return_lse: bool):
         """(out for C++, lse for C++ or None, out to return)."""
         q = self.arrays["q"]
-        if out is None:  # q's dtype; bfloat16 for FP8 inputs
-            out_c = self.lib.empty(q.shape, "bfloat16" if _dtype_name(q) in _FP8 else q.dtype)
+        if out is None:  # q's dtype; bfloat16 for FP8 inputs, as uint16 bit patterns for qkv_dtype
+            dtype = "uint16" if self.bits else "bfloat16" if _dtype_name(q) in _FP8 else q.dtype
+            out_c = self.lib.empty(q.shape, dtype)
             out_ret = None
         else:
             out_c = out
             if self.lib.compute == "torch" and out.requires_grad:
                 raise TypeError("out: must not require grad (it is written in place)")
+            if self.bits and _dtype_name(out) not in ("uint16", "bfloat16"):
+                raise _type_error("out", f"dtype {_dtype_name(out)} must be uint16 (bfloat16 bit patterns) or "
+                                         f"bfloat16 for qkv_dtype={self.bits!r} inputs")
             out_ret = out
         lse = self.lib.empty((q.shape[1], q.shape[0]), "float32") if return_lse else None
         return out_c, lse, out_ret

@@ -16,11 +16,12 @@ def attention_workspace_bytes(head_dim: int = 128) -> int:
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
               return_lse: bool = False, block_table=None, seqused_k=None, stream=None, workspace=None,
-              options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None):
+              options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None,
+              qkv_dtype=None):
     """Dense varlen attention: out = softmax(q k^T * softmax_scale + mask) v, per sequence and query head.
 
     Args:
-        q: [total_q, Hq, D] queries (float32, float16, bfloat16 or float8_e4m3fn; see q_descale).
+        q: [total_q, Hq, D] queries (float32, float16, bfloat16 or float8_e4m3fn; see q_descale and qkv_dtype).
         k, v: contiguous [total_k, Hkv, D] or, with `block_table`, paged [num_pages, page_size, Hkv, D]
             (any page_size >= 1; on CUDA pages of a multiple of 64 tokens load by TMA, other sizes such as 16 or 1 by
             a cp.async gather, see bench/NOTES.md). Query head h reads KV head h // (Hq // Hkv).
@@ -33,7 +34,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
         causal: bottom-right aligned causal mask.
         softmax_scale: default 1/sqrt(D).
         window: sliding window (left, right) in the causal alignment; -1 = unbounded.
-        out: optional [total_q, Hq, D] array of q's dtype (bfloat16 for FP8 inputs), written in place and returned.
+        out: optional [total_q, Hq, D] array of q's dtype (bfloat16 for FP8 inputs; uint16 bfloat16 bit patterns, or
+            bfloat16, with qkv_dtype), written in place and returned.
         return_lse: also return lse [Hq, total_q] float32 (default False, like flash_attn_varlen_func).
         block_table: [B, max_pages] int32 page ids (paged KV).
         seqused_k: [B] int32 key lengths (paged KV).
@@ -51,24 +53,30 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
             FP8 runs on the CPU reference (the exact math on the dequantised values) and, on CUDA, the dense FP8
             kernel for head dim 128 (contiguous KV or page_size % 64 == 0); other CUDA FP8 combinations (head dim
             64, other page sizes, the sparse functions) raise NotImplementedError.
+        qkv_dtype: None (default: q, k, v are what their dtype says) or 'float8_e4m3fn' (or torch.float8_e4m3fn):
+            q, k and v are uint8 arrays of float8_e4m3fn bit patterns, for array libraries without float8 (numpy,
+            cupy; sp.quantize_fp8 of a numpy array makes them). They are read as float8_e4m3fn without a copy, so
+            the call equals the float8 call on the same bits; the output is then uint16 bfloat16 bit patterns
+            (float32 values: (out.astype(np.uint32) << 16).view(np.float32)). Each of q, k, v must be uint8 (else a
+            TypeError naming it). The same keyword exists on every function that takes q, k, v.
 
     Returns:
         out, or (out, lse) when return_lse is True. Outputs are arrays of q's library on q's device.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                            (q_descale, k_descale, v_descale)), out)
+                            (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.attention(inputs, call.c(out_c), call.c(lse), call.c(call.workspace(workspace)))
+    _C.attention(inputs, call.c_out(out_c), call.c(lse), call.c(call.workspace(workspace)))
     return call.result(out_c, lse, out_ret, return_lse)
 
 
 def attention_path(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
                    window: Tuple[int, int] = (-1, -1), block_table=None, seqused_k=None,
-                   options: Optional[LaunchOptions] = None) -> str:
+                   options: Optional[LaunchOptions] = None, qkv_dtype=None) -> str:
     """Which kernel attention() runs for these arguments: 'dense' (one 128-row tile per query head) or 'split_kv'
     (PackGQA tiles with split-KV; CUDA only). For tests and benchmarks; reads shapes only."""
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     return str(_C.attention_path(call.inputs(max_seqlen_q, max_seqlen_k, causal, None, window, 0, options)))
 

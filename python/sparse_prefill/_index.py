@@ -222,7 +222,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None) -> Index:
+                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -242,7 +242,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
     visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
 
-    KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None).
+    KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None;
+    FP8 with the descales, or as uint8 bit patterns with qkv_dtype='float8_e4m3fn').
     `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
     block_size must be a positive multiple of 64. `correction` (default off) is recorded in the index:
     sparse_attention then adds, for every dropped block fully visible to the whole tile, one virtual key kmean_J with
@@ -269,7 +270,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                            (q_descale, k_descale, v_descale)))
+                            (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule)
@@ -292,10 +293,10 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                           block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                           head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
-                          options: Optional[LaunchOptions] = None, **selection) -> int:
+                          options: Optional[LaunchOptions] = None, qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
     0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out."""
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
     sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
                           selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
@@ -308,28 +309,28 @@ def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                                    head_subgroups: int = 1, causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
-                                   **selection) -> int:
+                                   qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays."""
     return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
                                  head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
-                                 options=options, **selection)
+                                 options=options, qkv_dtype=qkv_dtype, **selection)
 
 
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
                                     max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
                                     head_subgroups: int = 1, options: Optional[LaunchOptions] = None,
-                                    **selection) -> int:
+                                    qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
     return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
-                                 head_subgroups=head_subgroups, options=options, **selection)
+                                 head_subgroups=head_subgroups, options=options, qkv_dtype=qkv_dtype, **selection)
 
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None) -> Index:
+                stream=None, qkv_dtype=None) -> Index:
     """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
     its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union'). With
     index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group.
@@ -339,18 +340,19 @@ def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     if not isinstance(index, Index):
         raise TypeError(f"index: expected a sparse_prefill.Index, got {type(index).__name__}")
     index = index.to_host()
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
     d = _C.union_index(inputs, index._host_tuple())
     return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union")
 
 
 def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[int] = None, block_table=None,
-            seqused_k=None, stream=None):
+            seqused_k=None, stream=None, qkv_dtype=None):
     """Pooled block means of K and V: block J of sequence b averages its keys (a tail block its valid keys).
 
     Contiguous (k, v [total_k, Hkv, D] + cu_seqlens_k) or paged (k, v [num_pages, page_size, Hkv, D] + block_table +
-    seqused_k, cu_seqlens_k=None) KV. max_seqlen_k defaults to the longest sequence (read from the host).
+    seqused_k, cu_seqlens_k=None) KV. max_seqlen_k defaults to the longest sequence (read from the host). qkv_dtype as
+    in attention() (uint8 k, v of float8_e4m3fn bit patterns).
 
     Returns:
         (k_mean, v_mean, cu_blocks): [total_blocks, Hkv, D] float32 twice and [B+1] int32 block offsets, in k's
@@ -358,7 +360,7 @@ def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[in
     """
     block_size = _as_int32("block_size", block_size)
     call = _Call({"k": k, "v": v, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,
-                  "seqused_k": seqused_k}, ref="k")
+                  "seqused_k": seqused_k}, ref="k", qkv_dtype=qkv_dtype)
     a = call.arrays
     paged = block_table is not None
     kv_rank = 4 if paged else 3

@@ -16,11 +16,11 @@ from ._index import _D, Index, _selection_args, build_index
 def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                                      max_seqlen_k: int, block_table=None, seqused_k=None, causal: bool = True,
                                      softmax_scale: Optional[float] = None,
-                                     options: Optional[LaunchOptions] = None) -> int:
+                                     options: Optional[LaunchOptions] = None, qkv_dtype=None) -> int:
     """Bytes of the `workspace` of sparse_attention() over a host index with CUDA arrays (0 for a device index, which
     carries its own, and for CPU arrays)."""
     _check_index(index)
-    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     if index.on_device or not call.lib.cuda:
         return 0
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
@@ -36,11 +36,12 @@ def _check_index(index: Any) -> None:
 def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = True, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
                      block_table=None, seqused_k=None, stream=None, workspace=None, reuse_index: bool = False,
-                     options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None):
+                     options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None, v_descale=None,
+                     qkv_dtype=None):
     """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
     correction for the dropped, fully visible blocks when index.correction is set.
 
-    The KV arguments are those of attention(). `index` must come from build_index() or union_index() on these very
+    The KV arguments (the FP8 descales and qkv_dtype included) are those of attention(). `index` must come from build_index() or union_index() on these very
     arrays (its binding is checked: a different mask, scale, shape, length bound or array raises an error naming the
     argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
     A device index is read in place; a host index with CUDA arrays is copied to the device once (cached) and
@@ -49,7 +50,7 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     """
     _check_index(index)
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                            (q_descale, k_descale, v_descale)), out)
+                            (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     reuse_index = _as_bool("reuse_index", reuse_index)
@@ -61,10 +62,10 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
         if lib_ws != call.lib.compute or not call.lib.cuda:
             raise TypeError(f"index: lives on the device in a {lib_ws} array; pass {lib_ws} CUDA arrays (or use "
                             "index.to_host())")
-        _C.sparse_attention_device(inputs, call.c(index.workspace), index._selection, index.binding, call.c(out_c),
+        _C.sparse_attention_device(inputs, call.c(index.workspace), index._selection, index.binding, call.c_out(out_c),
                                    call.c(lse), reuse_index)
     else:
-        _C.sparse_attention(inputs, index._view_tuple(call.lib), call.c(out_c), call.c(lse),
+        _C.sparse_attention(inputs, index._view_tuple(call.lib), call.c_out(out_c), call.c(lse),
                             call.c(call.workspace(workspace)), reuse_index)
     return call.result(out_c, lse, out_ret, return_lse)
 
@@ -75,7 +76,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
                    head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
-                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
+                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None):
     """build_index() + sparse_attention() in one call (same arguments as the two; rule as in build_index()).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
@@ -92,17 +93,17 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                           rule)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                                (q_descale, k_descale, v_descale)), out)
+                                (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
         mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
-        _C.sparse_prefill(inputs, sel, call.c(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
+        _C.sparse_prefill(inputs, sel, call.c_out(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
                           call.c(call.workspace(workspace)), mean_bs)
         return call.result(out_c, lse, out_ret, return_lse)
     if mean_cache is not None and library_of(q) is not None and not _Call(
             _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                       (q_descale, k_descale, v_descale))).lib.cuda:
+                       (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype).lib.cuda:
         raise ValueError("mean_cache: not supported with return_index=True on the CPU (that path builds the index "
                          "with the reference, which pools every block)")
     index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
@@ -110,11 +111,11 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                         causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
                         stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
                         workspace=workspace, mean_cache=mean_cache, options=options, rule=rule,
-                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qkv_dtype=qkv_dtype)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream, options=options, q_descale=q_descale,
-                           k_descale=k_descale, v_descale=v_descale)
+                           k_descale=k_descale, v_descale=v_descale, qkv_dtype=qkv_dtype)
     return (res + (index,)) if isinstance(res, tuple) else (res, index)
 
 
@@ -171,7 +172,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
                     mean_cache=None, head_subgroups: int = 1, workspace=None,
                     options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
-                    k_descale=None, v_descale=None):
+                    k_descale=None, v_descale=None, qkv_dtype=None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -201,7 +202,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
     call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,
-                            (q_descale, k_descale, v_descale)), out)
+                            (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
     if not call.lib.cuda:
         cu = to_numpy(cu_seqlens_q).astype(np.int64).reshape(-1)
         used = to_numpy(seqused_k).astype(np.int64).reshape(-1)
@@ -220,5 +221,6 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
                           union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
-                          options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                          options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          qkv_dtype=qkv_dtype)
 

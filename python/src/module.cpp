@@ -18,8 +18,10 @@
 //   bind_sparse.cpp     IndexBinding, selection_defaults, build_index (host and device), sparse_attention,
 //                       sparse_prefill, the workspace sizes, mean_cache_slots, union_index, pool_kv
 //   bind_workload.cpp   the synthetic workloads (workload_topic, workload_structured, workload_needles)
-//   module.cpp          NB_MODULE: the error translation, with_cuda, tile_rows, the geometry submodule, bind_*(m)
+//   module.cpp          NB_MODULE: the error translation, with_cuda, tile_rows, the geometry submodule, bit_view,
+//                       bind_*(m)
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -83,6 +85,13 @@ NB_MODULE(_C, m) {
   geo.def("virtual_kv_heads", &sp::geometry::virtual_kv_heads, nb::arg("num_kv_heads"), nb::arg("subgroups"));
   geo.def("virtual_group_size", &sp::geometry::virtual_group_size, nb::arg("group_size"), nb::arg("subgroups"));
   geo.def("memory_kv_head", &sp::geometry::memory_kv_head, nb::arg("virtual_kv_head"), nb::arg("subgroups"));
+  m.def(
+      "bit_view",
+      [](nb::handle obj, const std::string& dtype, bool writable, const std::string& name) {
+        return sparse_prefill::bindings::bit_view(obj, dtype, writable, name.c_str());
+      },
+      nb::arg("array"), nb::arg("dtype"), nb::arg("writable"), nb::arg("name"),
+      "uint8 bits as float8_e4m3fn or uint16 bits as bfloat16: a DLPack array of the same memory (qkv_dtype=)");
   sparse_prefill::bindings::bind_attention(m);
   sparse_prefill::bindings::bind_sparse(m);
   sparse_prefill::bindings::bind_workload(m);

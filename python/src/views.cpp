@@ -111,6 +111,46 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
   return to_view(obj, name, held);
 }
 
+namespace {
+
+template <typename Array>
+nb::object reinterpret_as(const Array& a, nb::handle owner, nb::dlpack::dtype to) {
+  std::vector<size_t> shape(a.ndim());
+  std::vector<int64_t> strides(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    shape[i] = a.shape(i);
+    strides[i] = a.stride(i);
+  }
+  return nb::cast(Array(a.data(), a.ndim(), shape.data(), owner, strides.data(), to, a.device_type(), a.device_id()));
+}
+
+}  // namespace
+
+nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, const char* name) {
+  using C = nb::dlpack::dtype_code;
+  nb::dlpack::dtype from{uint8_t(C::UInt), 8, 1}, to{uint8_t(C::Float8_E4M3FN), 8, 1};
+  if (dtype == "bfloat16") {
+    from.bits = 16;
+    to = nb::dlpack::dtype{uint8_t(C::Bfloat), 16, 1};
+  } else if (dtype != "float8_e4m3fn") {
+    throw nb::value_error("internal: bit_view reads uint8 as float8_e4m3fn or uint16 as bfloat16");
+  }
+  ROArray ro;
+  RWArray rw;
+  const bool ok = writable ? nb::try_cast(obj, rw, false) : nb::try_cast(obj, ro, false);
+  if (obj.is_none() || !ok)
+    throw sp::ArgumentError(name, std::string("expected a ") + (writable ? "writable " : "") +
+                                      "array supporting DLPack (numpy, torch, cupy, jax), got " + type_name_of(obj),
+                            true);
+  const nb::dlpack::dtype dt = writable ? rw.dtype() : ro.dtype();
+  if (dt != from) {
+    char buf[32];
+    throw sp::ArgumentError(name, std::string("expected uint") + std::to_string(from.bits) + " bit patterns of " +
+                                      dtype + ", got " + dl_dtype_name(dt, buf, sizeof buf), true);
+  }
+  return writable ? reinterpret_as(rw, obj, to) : reinterpret_as(ro, obj, to);
+}
+
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   // The last three: LaunchOptions (dense_path code, split_kv, checked), _api.LaunchOptions._codes().
   if (nb::len(t) != 20) throw nb::value_error("internal: attention inputs tuple must have 20 entries");

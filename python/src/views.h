@@ -42,6 +42,11 @@ sp::TensorView to_view(nb::handle obj, const char* name, Held& held);
 sp::TensorView to_writable_view(nb::handle obj, const char* name, Held& held);
 std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held& held);
 
+// The memory of `obj` (a uint8 array for dtype "float8_e4m3fn", a uint16 array for "bfloat16"; any DLPack producer)
+// as a DLPack array of that dtype: same data, shape, strides and device, keeping `obj` alive. The Python layer's
+// qkv_dtype= (sparse_prefill/_call.py) reads bit patterns through it for array libraries without these dtypes.
+nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, const char* name);
+
 // The attention inputs tuple (order above) and the outputs (lse may be None).
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held);
 sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held);

@@ -53,10 +53,15 @@ SP_HOST_DEVICE int virtual_group_size(int group_size, int subgroups) { return gr
 SP_HOST_DEVICE int memory_kv_head(int virtual_kv_head, int subgroups) { return virtual_kv_head / subgroups; }
 
 // --- pages --------------------------------------------------------------------------------------------------------
-SP_HOST_DEVICE int64_t page_column(int64_t key, int64_t page_size) { return key / page_size; }
-SP_HOST_DEVICE int64_t page_slot(int64_t key, int64_t page_size) { return key % page_size; }
+// In the arguments' common integer type: the kernels' loaders call them with int (32-bit division and remainder; a
+// 64-bit one is a software routine on the GPU), the host with int64_t.
+template <class Key, class Size>
+SP_HOST_DEVICE auto page_column(Key key, Size page_size) { return key / page_size; }
+template <class Key, class Size>
+SP_HOST_DEVICE auto page_slot(Key key, Size page_size) { return key % page_size; }
 // Row of key `key` in the [num_pages * page_size] row space of a paged cache whose block_table entry is `page`.
-SP_HOST_DEVICE int64_t paged_row(int64_t page, int64_t key, int64_t page_size) {
+template <class Page, class Key, class Size>
+SP_HOST_DEVICE auto paged_row(Page page, Key key, Size page_size) {
   return page * page_size + page_slot(key, page_size);
 }
 

@@ -174,7 +174,7 @@ __device__ __forceinline__ void report_seq_error(DeviceError* e, int code, int b
 // [0, num_pages), which poison(kErrBlockTable, column, id) reports (every KV source loads pages through this).
 template <class KvParams, class Poison>
 __device__ __forceinline__ int checked_page(const KvParams& p, int batch, int tok, Poison& poison) {
-  const int col = tok / p.page_size;
+  const int col = geometry::page_column(tok, p.page_size);
   const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
   if (unsigned(page) < unsigned(p.num_pages)) return page;
   poison(kErrBlockTable, col, page);

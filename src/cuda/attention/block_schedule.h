@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "core/geometry.h"
+
 #if defined(__CUDACC__)
 #define SP_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -199,7 +201,7 @@ struct SparseBlockIterator {
     return hi < 0 ? 0 : hi / kBlockN + 1;
   }
   SP_HOST_DEVICE static int packed_tiles(int q_len, int group_size) {
-    return int((int64_t(q_len) * group_size + kTileRows - 1) / kTileRows);
+    return int(geometry::num_tiles(q_len, group_size));
   }
 
   // Upper bound of total() from the list length and the geometry alone (no scan of the list): the split-KV plan

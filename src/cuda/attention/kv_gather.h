@@ -80,7 +80,7 @@ struct KvCpAsyncGather {
       const int tok = n * kBlockN + 32 * warp + kRowsPerCopy * (lane % kChunks) + lane / kChunks;
       if (tok >= seq.k_len) return -1;
       const int page = checked_page(p, batch, tok, poison);
-      return page < 0 ? 0 : page * p.page_size + tok % p.page_size;  // bad page: row 0, in bounds
+      return page < 0 ? 0 : geometry::paged_row(page, tok, p.page_size);  // bad page: row 0, in bounds
     }
     // Each warp copies its 32 rows, kRowsPerCopy per instruction (the lanes of a row read its contiguous bytes).
     // Smem address of (row, 16-byte chunk c) in a stage, in the 128-byte-swizzled K-major layout the GMMA

@@ -100,7 +100,7 @@ struct KvTma {
       }
       if (p.page_size == 0) return seq.k_start + tok;
       const int page = checked_page(p, batch, tok, poison);
-      return page < 0 ? pr.total_k_rows : page * p.page_size + tok % p.page_size;
+      return page < 0 ? pr.total_k_rows : geometry::paged_row(page, tok, p.page_size);
     }
     // Page size % 128 == 64: row of the 64-row half h of key block n, each half from its own page. A half that
     // lies entirely beyond seqused_k reads no block_table entry (the table may have no such page) and points the
@@ -109,7 +109,7 @@ struct KvTma {
       const int tok = n * kBlockN + h * kHalfN;
       if (n < 0 || tok >= seq.k_len) return pr.total_k_rows;
       const int page = checked_page(p, batch, tok, poison);
-      return page < 0 ? pr.total_k_rows : page * p.page_size + tok % p.page_size;
+      return page < 0 ? pr.total_k_rows : geometry::paged_row(page, tok, p.page_size);
     }
     // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
     // loads), computed at each K and at each V issue. Computing them once per block and one block ahead was

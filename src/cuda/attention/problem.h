@@ -39,8 +39,8 @@ struct FwdProblem {
     p.num_q_heads = a.num_q_heads;
     p.num_kv_heads_mem = a.num_kv_heads;
     p.head_subgroups = pack_gqa ? head_subgroups : 1;
-    p.num_kv_heads = a.num_kv_heads * p.head_subgroups;
-    p.group_size = a.num_q_heads / p.num_kv_heads;
+    p.num_kv_heads = geometry::virtual_kv_heads(a.num_kv_heads, p.head_subgroups);
+    p.group_size = geometry::virtual_group_size(a.num_q_heads / a.num_kv_heads, p.head_subgroups);
     const int64_t rows = pack_gqa ? int64_t(a.max_seqlen_q) * p.group_size : int64_t(a.max_seqlen_q);
     p.num_m_blocks = int((rows + block_m - 1) / block_m);
     p.softmax_scale = a.softmax_scale;
