@@ -9,7 +9,7 @@ Engines differ in one place, what a full prefix hit leaves to compute (`full_hit
 
 FP8 KV caches (kv_cache_dtype fp8_e4m3): `Tables.fp8_scales(layer)` gives each layer its own q/k/v scales (what a
 checkpoint's per-layer k_scale / v_scale / q_scale hold), `fp8_quant` is the tests' model of the engines'
-quantisation (x / scale, saturated to +-448, cast to e4m3: vLLM's reshape_and_cache_flash and QuantFP8),
+quantisation (x / scale, saturated to +-448, cast to e4m3, as vLLM's QuantFP8 does),
 `cache_rows` reads a request's rows back from a paged cache and `reference_attention` computes the expected output
 of any rows (dense, or the library's selection) on the CPU reference.
 """

@@ -2,7 +2,9 @@
 
 Everything here needs torch (imported lazily, on first use); nothing imports an engine. The three adapters
 (`transformers.py`, `vllm.py`, `sglang.py`) translate their engine's metadata into the arguments of
-`VarlenDispatch.__call__` and route their engine's KV-cache writes through `MeanCacheTracker.on_write`.
+`VarlenDispatch.__call__` and route their engine's KV-cache writes through `MeanCacheTracker.on_write`. For FP8 KV
+caches, `check_kv_cache_dtype`, `fp8_descale`, `quantize_query` and `fp8_kernel_reason` are the shared pieces
+(docs/integrations.md, "FP8 KV caches").
 
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
@@ -486,9 +488,9 @@ class MeanCacheTracker:
         Without `write`: call it BEFORE the engine's write; the new values are new_k/new_v (16-bit caches store them
         as given). With `write` (a callable doing the engine's write): it reads the old values, calls write(), then
         takes the new values from what the cache holds at `loc` — what an FP8 cache stores is the engine's own
-        quantisation of new_k/new_v (vLLM: reshape_and_cache_flash, saturating; SGLang: an in-place divide and a
-        cast), which this reads instead of re-deriving. k_descale/v_descale (None = 1; a number, or a float32 tensor of
-        one element or one per KV head: the engine's k/v scale) turn stored values into the dequantised values the
+        quantisation of new_k/new_v (vLLM: reshape_and_cache_flash; SGLang: an in-place divide and a cast), which
+        this reads instead of re-deriving. k_descale/v_descale (None = 1; a number, or a float32 tensor of one
+        element or one per KV head: the engine's k/v scale) turn stored values into the dequantised values the
         library pools (stored x descale, docs/semantics.md "FP8 inputs"), so the means of an FP8 cache are those of
         its dequantised contents. The scales must stay fixed once a block is written (checkpoint scales, or vLLM's
         calculate_kv_scales, which fixes them at the first forward)."""

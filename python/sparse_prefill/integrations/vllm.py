@@ -9,15 +9,22 @@ flags and no backend config).
 The classes subclass vLLM's FlashAttention ones and are built when first accessed (importing this module does not
 import vLLM):
 - `SparsePrefillBackend(FlashAttentionBackend)`: name "CUSTOM", FA's NHD cache `(2, num_blocks, block_size, Hkv, D)`,
-  kernel block sizes multiple of 64, head sizes 64/128, KV cache dtypes auto/bfloat16/float16 (FP8 KV caches are
-  rejected with an error until FP8 lands), no attention sinks, no KV connectors (the mean cache must see every KV
-  write), compute capability 9.0.
+  kernel block sizes multiple of 64, head sizes 64/128, KV cache dtypes auto/bfloat16/float16/fp8/fp8_e4m3 (fp8_e5m2
+  and the others raise NotImplementedError naming kv_cache_dtype), no attention sinks, no KV connectors (the mean
+  cache must see every KV write), compute capability 9.0.
 - `SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder)`: decodes first (`reorder_batch_threshold = 1`), no
   cascade attention, full CUDA graphs only for pure-decode batches (which go to FA unchanged); `build()` adds a
   `sparse_plan` (the prefill rows' rebased `cu_seqlens_q`, `seqused_k`, block table and the host bounds) computed once
   per step from host metadata (`query_start_loc_cpu`, `max_seq_len`): no device read.
-- `SparsePrefillImpl(FlashAttentionImpl)`: `do_kv_cache_update` runs the mean-cache tracker, then FA's write;
+- `SparsePrefillImpl(FlashAttentionImpl)`: `do_kv_cache_update` runs FA's write inside the mean-cache tracker;
   `forward` runs FA on the decode rows and `VarlenDispatch` (sparse or dense) on the prefill rows, into `output`.
+
+FP8 KV caches (`--kv-cache-dtype fp8` / `fp8_e4m3`), as FA hands them to flash_attn_varlen_func: the uint8 cache
+viewed as float8_e4m3fn, q e4m3 with `layer._q_scale` (quantised by vLLM's Attention layer when the impl
+supports_quant_query_input(), else here: clamp(q / _q_scale, +-448), cast), and `layer._q_scale / _k_scale /
+_v_scale` expanded to `[num_prefills, Hkv]` as the descales (stride-0 views: no copy, no host sync, read per call).
+On CUDA, which has no block-sparse FP8 kernel, FP8 prefill runs dense FP8 attention (one warning), and FP8 layers
+with no CUDA FP8 kernel at all (head dim 64) go to FlashAttention: docs/integrations.md, "FP8 KV caches".
 
 The engine-facing logic is in `plan_step` and the mixins, which `make_classes()` combines with any base classes that
 have FlashAttention's interface: the contract tests combine them with faithful fakes (not run inside a vLLM server).
@@ -183,7 +190,7 @@ class ImplMixin:
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         # the tracker reads the old values, FA's write (reshape_and_cache_flash: for FP8, x / layer._k_scale,
-        # saturated, cast) runs, and the tracker reads back what the cache now holds, dequantised with the same scales
+        # cast) runs, and the tracker reads back what the cache now holds, dequantised with the same scales
         k_cache, v_cache = self._sp_fp8_caches(kv_cache)
         result = []
 
