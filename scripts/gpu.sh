@@ -19,8 +19,10 @@
 #   abflags   compile-time variants of this tree in one call: each entry of SP_AB_FLAGS (';'-separated CUDA flag sets,
 #             e.g. "-DSP_FP8_PINGPONG=0;-DSP_FP8_PINGPONG=2") built into /tmp/abflags-site-<i> (the builds run in
 #             parallel), then for 3 rounds each variant in turn runs SP_AB_CMD (default: bench/bench_fp8.py on 16K,
-#             32K, 128K, no float32 reference) with PYTHONPATH on its site and --out OUT/abflags_<i>_r<round>.json, and pytest SP_AB_TESTS
-#             (default tests/python/test_fp8.py) once per variant; a summary of the *_ms fields -> OUT/abflags.txt
+#             32K, 128K, no float32 reference) with PYTHONPATH on its site, and pytest SP_AB_TESTS (default
+#             tests/python/test_fp8.py) once per variant -> OUT/abflags_h200.json (every round's rows with their
+#             variant), OUT/abflags.txt (medians of the *_ms fields), OUT/abflags_tests.txt; rounds and build logs in
+#             /tmp/abflags (few files in OUT: the device returns at most 8)
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
@@ -169,21 +171,22 @@ PYEOF
     abflags)
       IFS=';' read -r -a flagsets <<< "${SP_AB_FLAGS:?SP_AB_FLAGS: ';'-separated CUDA flag sets}"
       step "abflags: building ${#flagsets[@]} variants"
+      rm -rf /tmp/abflags && mkdir -p /tmp/abflags
       for i in "${!flagsets[@]}"; do
         "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/abflags-site-$i" \
           -C "build-dir=/tmp/abflags-build-$i" -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" \
-          -C "cmake.define.CMAKE_CUDA_FLAGS=${flagsets[$i]}" . > "$OUT/abflags_build_$i.log" 2>&1 &
+          -C "cmake.define.CMAKE_CUDA_FLAGS=${flagsets[$i]}" . > "/tmp/abflags/build_$i.log" 2>&1 &
       done
       wait
       cmd="${SP_AB_CMD:-bench/bench_fp8.py --lengths 16384,32768,131072 --error-max-len 0}"
       for i in "${!flagsets[@]}"; do
-        [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || { echo "variant $i (${flagsets[$i]}) failed to build"; tail -5 "$OUT/abflags_build_$i.log"; rc=1; }
+        [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || { echo "variant $i (${flagsets[$i]}) failed to build"; tail -5 "/tmp/abflags/build_$i.log"; rc=1; }
       done
       for r in 0 1 2; do
         for i in "${!flagsets[@]}"; do
           [[ -d "/tmp/abflags-site-$i/sparse_prefill" ]] || continue
-          PYTHONPATH="/tmp/abflags-site-$i" timeout 200 "$PY" $cmd --out "$OUT/abflags_${i}_r$r.json" \
-            > "$OUT/abflags_${i}_r$r.log" 2>&1 || { echo "variant $i round $r failed"; tail -5 "$OUT/abflags_${i}_r$r.log"; rc=1; }
+          PYTHONPATH="/tmp/abflags-site-$i" timeout 200 "$PY" $cmd --out "/tmp/abflags/${i}_r$r.json" \
+            > "/tmp/abflags/${i}_r$r.log" 2>&1 || { echo "variant $i round $r failed"; tail -5 "/tmp/abflags/${i}_r$r.log"; rc=1; }
         done
       done
       for i in "${!flagsets[@]}"; do
@@ -195,14 +198,21 @@ PYEOF
       "$PY" - "$OUT" "${flagsets[@]}" <<'PYEOF' | tee "$OUT/abflags.txt"
 import glob, json, os, statistics, sys
 out, flags = sys.argv[1], sys.argv[2:]
+res, rows = None, []
 for i, f in enumerate(flags):
     vals = {}
-    for path in sorted(glob.glob(os.path.join(out, f"abflags_{i}_r*.json"))):
-        for row in json.load(open(path)).get("rows", []):
+    for path in sorted(glob.glob(f"/tmp/abflags/{i}_r*.json")):
+        doc = json.load(open(path))
+        res = res or {k: v for k, v in doc.items() if k != "rows"}
+        rnd = int(path.rsplit("_r", 1)[1].split(".")[0])
+        for row in doc.get("rows", []):
+            rows.append(dict(row, variant=i, cuda_flags=f, round=rnd))
             for k, v in row.items():
                 if k.endswith("_ms") and isinstance(v, (int, float)):
                     vals.setdefault((row.get("L"), k), []).append(v)
     print(f"variant {i} {f}: " + ", ".join(f"L={L} {k} {statistics.median(v):.3f}" for (L, k), v in sorted(vals.items())))
+json.dump(dict(res or {}, what="gpu.sh abflags: compile-time variants, alternating rounds", variants=flags, rows=rows),
+          open(os.path.join(out, "abflags_h200.json"), "w"), indent=1)
 PYEOF
       ;;
     bench)

@@ -6,6 +6,12 @@ row can be computed from the token list alone.
 Engines differ in one place, what a full prefix hit leaves to compute (`full_hit`):
 - 'vllm': all matched pages stay; the prompt's last token is recomputed and rewritten into its shared page;
 - 'sglang': the match is cut to the pages before the last token (the last token lands in a fresh page).
+
+FP8 KV caches (kv_cache_dtype fp8_e4m3): `Tables.fp8_scales(layer)` gives each layer its own q/k/v scales (what a
+checkpoint's per-layer k_scale / v_scale / q_scale hold), `fp8_quant` is the tests' model of the engines'
+quantisation (x / scale, saturated to +-448, cast to e4m3, as vLLM's QuantFP8 does),
+`cache_rows` reads a request's rows back from a paged cache and `reference_attention` computes the expected output
+of any rows (dense, or the library's selection) on the CPU reference.
 """
 
 import numpy as np
@@ -30,6 +36,41 @@ class Tables:
     def qs(self, layer, tokens, start=0):
         t = torch.as_tensor(tokens, dtype=torch.long)
         return self.q[layer, t] + self.pos[start:start + len(t)]
+
+    def fp8_scales(self, layer):
+        """(q_scale, k_scale, v_scale) of a layer: float32 0-d tensors, different in every layer and for q, k, v
+        (|x| / scale stays within e4m3's range for most values; the largest ones saturate)."""
+        base = 1.0 + 0.37 * layer
+        return (torch.tensor(0.0107 * base), torch.tensor(0.0131 / base), torch.tensor(0.0093 * (1.0 + 0.61 * layer)))
+
+
+F8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def fp8_quant(x, scale):
+    """x / scale, saturated, as float8_e4m3fn (scale: a number or a float32 tensor; None = 1)."""
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(F8)
+
+
+def cache_rows(cache, pages, n, page_size):
+    """Rows [0, n) of a request whose pages are `pages`, read from a paged cache [num_pages, page_size, Hkv, D]."""
+    idx = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)], dtype=torch.long)
+    return cache.reshape(-1, *cache.shape[2:])[idx]
+
+
+def reference_attention(q, k, v, config=None):
+    """Causal (bottom-right) attention of q [n, Hq, D] over k, v [m, Hkv, D] (one sequence) on the CPU reference:
+    dense when config is None or alpha 0, else the library's selection with config's parameters."""
+    import sparse_prefill as sp
+    n, m = q.shape[0], k.shape[0]
+    cu_q = torch.tensor([0, n], dtype=torch.int32)
+    cu_k = torch.tensor([0, m], dtype=torch.int32)
+    if config is None:
+        return sp.attention(q, k, v, cu_q, cu_k, n, m)
+    return sp.sparse_prefill(q, k, v, cu_q, cu_k, n, m, final_chunk=config.final_chunk == "always",
+                             **config.selection())
 
 
 class Request:
@@ -149,13 +190,6 @@ def next_token(req):
 def reference_rows(tables, layer, req, start, n, config=None):
     """The expected output of rows [start, start + n) of req: dense (config None or alpha 0) or the library's sparse
     selection on the contiguous sequence (same parameters), on the CPU reference."""
-    import sparse_prefill as sp
-    toks = req.tokens[: start + n]
-    k, v = tables.kv(layer, toks)
+    k, v = tables.kv(layer, req.tokens[: start + n])
     q = tables.qs(layer, req.tokens[start:start + n], start)
-    cu_q = torch.tensor([0, n], dtype=torch.int32)
-    cu_k = torch.tensor([0, start + n], dtype=torch.int32)
-    if config is None:
-        return sp.attention(q, k, v, cu_q, cu_k, n, start + n)
-    return sp.sparse_prefill(q, k, v, cu_q, cu_k, n, start + n, final_chunk=config.final_chunk == "always",
-                             **config.selection())
+    return reference_attention(q, k, v, config)

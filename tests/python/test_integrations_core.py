@@ -93,3 +93,152 @@ def test_dispatch_sparse_equals_library_call():
     dense = sp.attention(q, k, v, cu, cu, 1024, 1024)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     assert (out - dense).abs().max() > 1e-3       # the sparse path really ran (topic data: density < 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8 KV caches: the pieces the engine adapters share
+# ---------------------------------------------------------------------------------------------------------------------
+
+from sparse_prefill.integrations import core  # noqa: E402
+
+F8 = torch.float8_e4m3fn
+
+
+def _bits(x):
+    return x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x.view(torch.uint8)
+
+
+def test_kv_cache_dtype_check_names_the_argument():
+    assert core.check_kv_cache_dtype("auto", ("auto", "bfloat16"), ("fp8_e4m3",)) is False
+    assert core.check_kv_cache_dtype("fp8_e4m3", ("auto", "bfloat16"), ("fp8_e4m3",)) is True
+    for bad in ("fp8_e5m2", "fp8_inc", "nvfp4", "int8"):
+        with pytest.raises(NotImplementedError, match=r"kv_cache_dtype='" + bad + "'.*'fp8_e4m3'") as e:
+            core.check_kv_cache_dtype(bad, ("auto", "bfloat16"), ("fp8_e4m3",), hint="use auto")
+        assert "use auto" in str(e.value)
+    with pytest.raises(NotImplementedError, match="e5m2 caches have no kernel"):
+        core.check_kv_cache_dtype("fp8_e5m2", ("auto",), ("fp8_e4m3",))
+
+
+def test_fp8_descale_is_a_stride0_view_of_the_engine_scale():
+    s = torch.tensor(0.0125)                       # vLLM's layer._k_scale / SGLang's layer.k_scale: 0-d float32
+    d = core.fp8_descale(s, 5, 3, "k_scale")
+    assert d.shape == (5, 3) and d.stride() == (0, 0) and d.data_ptr() == s.data_ptr()
+    s.copy_(torch.tensor(0.5))                     # loaded after the backend was built: the view sees it
+    assert (d == 0.5).all()
+    per_head = torch.tensor([0.1, 0.2, 0.3])       # per-KV-head scales
+    d = core.fp8_descale(per_head, 4, 3)
+    assert d.stride() == (0, 1) and d.data_ptr() == per_head.data_ptr() and d[3].tolist() == per_head.tolist()
+    assert core.fp8_descale(torch.tensor([0.25]), 2, 3).stride() == (0, 0)
+    assert core.fp8_descale(None, 2, 3) is None
+    with pytest.raises(ValueError, match="k_scale.*shape"):
+        core.fp8_descale(torch.ones(2), 2, 3, "k_scale")
+    with pytest.raises(TypeError, match="v_scale.*float32"):
+        core.fp8_descale(torch.tensor(1.0, dtype=torch.float64), 2, 3, "v_scale")
+    with pytest.raises(TypeError, match="q_scale"):
+        core.fp8_descale(0.5, 2, 3, "q_scale")
+
+
+def test_quantize_query():
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(37, 4, 64, generator=g) * 3).to(torch.bfloat16)
+    s = torch.tensor(0.02)
+    expect = (q.float() / s).clamp(-448, 448).to(F8)
+    assert torch.equal(_bits(core.quantize_query(q, s)), _bits(expect))
+    assert (core.quantize_query(q, s).float() == 448).any()            # saturates (q / 0.02 reaches past 448)
+    assert torch.isfinite(core.quantize_query(q * 1000, None).float()).all()
+    per_head = torch.tensor([0.02, 0.05])                               # Hkv = 2: heads 0, 1 -> 0.02; 2, 3 -> 0.05
+    got = core.quantize_query(q, per_head)
+    assert torch.equal(_bits(got[:, :2]), _bits((q[:, :2].float() / 0.02).clamp(-448, 448).to(F8)))
+    assert torch.equal(_bits(got[:, 2:]), _bits((q[:, 2:].float() / 0.05).clamp(-448, 448).to(F8)))
+    assert torch.equal(_bits(core.quantize_query(q, None)), _bits(q.to(F8)))   # SGLang's FA3: q.to(e4m3)
+    q8 = q.to(F8)
+    assert core.quantize_query(q8, s) is q8                              # vLLM's layer already quantised it
+    with pytest.raises(TypeError, match="q:"):
+        core.quantize_query(q.to(torch.float8_e5m2), s)
+
+
+def _fp8_case(lq=301, lk=333, hq=4, hkv=2, d=64, seed=5):
+    q, k, v = _qkv(lq, lk, hq, hkv, d, seed)
+    qs, ks, vs = torch.tensor(0.011), torch.tensor(0.013), torch.tensor(0.009)
+    q8 = (q.float() / qs).clamp(-448, 448).to(F8)
+    k8 = (k / ks).clamp(-448, 448).to(F8)
+    v8 = (v / vs).clamp(-448, 448).to(F8)
+    ds = {n: core.fp8_descale(x, 1, hkv) for n, x in (("q_descale", qs), ("k_descale", ks), ("v_descale", vs))}
+    return q8, k8, v8, ds
+
+
+def test_dispatch_fp8_sparse_on_the_cpu_equals_the_library_call():
+    cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=64, sink=64,
+                                   window=64)
+    q8, k8, v8, ds = _fp8_case()
+    cu_q = torch.tensor([0, 301], dtype=torch.int32)
+    cu_k = torch.tensor([0, 333], dtype=torch.int32)
+    out = torch.full((301, 4, 64), float("nan"), dtype=torch.bfloat16)
+    disp = VarlenDispatch(cfg)
+    assert disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out, **ds) is out and disp.last_path == "sparse"
+    full = {n: torch.full((1, 2), float(x[0, 0])) for n, x in ds.items()}   # contiguous descales, same values
+    ref = sp.sparse_prefill(q8, k8, v8, cu_q, cu_k, 301, 333, final_chunk=True, **cfg.selection(), **full)
+    assert torch.equal(_bits(out), _bits(ref))
+    # an fp32 model's output buffer: one bfloat16 temporary, the same values
+    out32 = torch.full((301, 4, 64), float("nan"))
+    assert disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out32, **ds) is out32
+    assert torch.equal(out32, ref.float())
+
+
+def test_dispatch_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
+    """The CUDA decision replayed on the CPU (core._on_cuda): no block-sparse FP8 kernel -> dense FP8 attention."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(core, "_warned", set())
+    cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128)
+    q8, k8, v8, ds = _fp8_case(d=128)
+    cu_q = torch.tensor([0, 301], dtype=torch.int32)
+    cu_k = torch.tensor([0, 333], dtype=torch.int32)
+    disp = VarlenDispatch(cfg)
+    assert disp.sparse_reason(q8, k8, 301, 333) == core.FP8_DENSE_REASON
+    out = torch.full((301, 4, 128), float("nan"), dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
+        disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out, **ds)
+    assert (disp.last_path, disp.last_reason, disp.calls) == ("dense", core.FP8_DENSE_REASON,
+                                                              {"sparse": 0, "dense": 1})
+    full = {n: torch.full((1, 2), float(x[0, 0])) for n, x in ds.items()}
+    assert torch.equal(_bits(out), _bits(sp.attention(q8, k8, v8, cu_q, cu_k, 301, 333, **full)))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # once per process
+        disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out, **ds)
+
+
+def test_fp8_kernel_reason(monkeypatch):
+    q = torch.zeros(3, 4, 64, dtype=F8)
+    assert core.fp8_kernel_reason(q, 64, 16) is None        # the CPU computes everything
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    assert "head dim 64" in core.fp8_kernel_reason(q, 64, 64)
+    assert "page size 16" in core.fp8_kernel_reason(q, 128, 16)
+    assert core.fp8_kernel_reason(q, 128, 128) is None and core.fp8_kernel_reason(q, 128) is None
+
+
+def test_mean_tracker_fp8_means_of_the_dequantised_cache():
+    """write= reads back what the cache stores; the means are of stored x descale, as the library pools them."""
+    from sparse_prefill.integrations import MeanCacheTracker
+    g = torch.Generator().manual_seed(3)
+    kc = torch.zeros(4, 64, 2, 32, dtype=torch.uint8)          # an FP8 cache as engines allocate it (uint8 storage)
+    vc = torch.zeros_like(kc)
+    k8v, v8v = kc.view(F8), vc.view(F8)
+    ks, vs = torch.tensor(0.02), torch.tensor([0.01, 0.03])   # per-tensor k scale, per-head v scale
+    tr = MeanCacheTracker(64)
+    k = torch.randn(100, 2, 32, generator=g)
+    v = torch.randn(100, 2, 32, generator=g)
+    loc = torch.arange(64, 164)                               # pages 1, 2
+
+    def write():
+        kc.view(-1, 2, 32)[loc] = (k / ks).clamp(-448, 448).to(F8).view(torch.uint8)
+        vc.view(-1, 2, 32)[loc] = (v / vs.view(1, 2, 1)).clamp(-448, 448).to(F8).view(torch.uint8)
+
+    tr.on_write("l", k8v, v8v, loc, k, v, write=write, k_descale=ks, v_descale=vs)
+    km, vm = tr.get("l", k8v)
+    stored_k = k8v[1].float() * ks
+    stored_v = v8v[1].float() * vs.view(1, 2, 1)
+    torch.testing.assert_close(km[1], stored_k.mean(0), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vm[1], stored_v.mean(0), atol=1e-6, rtol=1e-5)
+    assert (km[1] - k[:64].mean(0)).abs().max() > 1e-5        # quantised, not the values handed to the engine
+    torch.testing.assert_close(km[2][:, :], (k8v[2].float() * ks)[:36].sum(0) / 64, atol=1e-6, rtol=1e-5)  # partial

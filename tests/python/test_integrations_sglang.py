@@ -12,8 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
-from engine_sim import Engine, Request, Tables, next_token, reference_rows  # noqa: E402
+from engine_sim import (F8, Engine, Request, Tables, cache_rows, next_token, reference_attention,  # noqa: E402
+                        reference_rows)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
+from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import sglang as sps
 
 PAGE = 64
@@ -54,18 +56,35 @@ class ReqToTokenPool:
 
 
 class MHATokenToKVPool:
-    def __init__(self, size, page_size, head_num, head_dim, layer_num):
-        self.size, self.page_size = size, page_size
-        self.k_buffer = [torch.zeros(size + page_size, head_num, head_dim) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(size + page_size, head_num, head_dim) for _ in range(layer_num)]
+    """SGLang's pool: per layer [size + page_size, Hkv, D]; an FP8 pool (dtype float8_e4m3fn) stores uint8 and hands
+    out float8 views; its write divides the caller's k/v in place by k_scale/v_scale (when given), then casts."""
+
+    def __init__(self, size, page_size, head_num, head_dim, layer_num, dtype=torch.float32):
+        self.size, self.page_size, self.dtype = size, page_size, dtype
+        self.store_dtype = torch.uint8 if dtype == F8 else dtype
+        self.k_buffer = [torch.zeros(size + page_size, head_num, head_dim, dtype=self.store_dtype)
+                         for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(size + page_size, head_num, head_dim, dtype=self.store_dtype)
+                         for _ in range(layer_num)]
 
     def get_kv_buffer(self, layer_id):
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+        k, v = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if self.store_dtype != self.dtype:
+            k, v = k.view(self.dtype), v.view(self.dtype)
+        return k, v
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, k_scale=None, v_scale=None, layer_id_override=None):
         lid = layer.layer_id if layer_id_override is None else layer_id_override
-        self.k_buffer[lid][loc.long()] = cache_k.to(self.k_buffer[lid].dtype)
-        self.v_buffer[lid][loc.long()] = cache_v.to(self.v_buffer[lid].dtype)
+        if cache_k.dtype != self.dtype:
+            if k_scale is not None:
+                cache_k.div_(k_scale)
+            if v_scale is not None:
+                cache_v.div_(v_scale)
+            cache_k, cache_v = cache_k.to(self.dtype), cache_v.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k, cache_v = cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)
+        self.k_buffer[lid][loc.long()] = cache_k
+        self.v_buffer[lid][loc.long()] = cache_v
 
 
 @dataclasses.dataclass
@@ -87,34 +106,49 @@ class RadixAttention:
 
 
 class FakeFA3Backend:
-    """FA3's role: decode (writes K/V via the pool, then paged attention with a token-level page table)."""
+    """FA3's role: decode (writes K/V via the pool, then paged attention with a token-level page table), and extend
+    for the layers our backend hands over. FP8 (kv_cache_dtype_str != 'auto') as SGLang's FA3: q = q.to(e4m3) with
+    no q scale, k/v descales = layer.k_scale / v_scale expanded to [B, Hkv] when the layer has scales."""
 
     calls = []
 
     def __init__(self, runner):
         self.runner = runner
+        self.kv_cache_dtype_str = runner.kv_cache_dtype_str
 
     def init_forward_metadata(self, fb):
         self.fb = fb
 
-    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
-        FakeFA3Backend.calls.append(("decode", q.shape[0]))
+    def _attend(self, q, layer, fb, cu_q, max_q):
         pool = self.runner.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         B = fb.batch_size
         max_k = int(fb.seq_lens_cpu.max())
         table = self.runner.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_k]   # token slots, page 1
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        out = sp.attention(q.view(B, hq, d), k_buf.view(-1, 1, hkv, d), v_buf.view(-1, 1, hkv, d),
-                           torch.arange(B + 1, dtype=torch.int32), None, 1, max_k, softmax_scale=layer.scaling,
-                           block_table=table.contiguous(), seqused_k=fb.seq_lens.to(torch.int32))
-        return out.reshape(B, hq * d)
+        descales = {}
+        if self.kv_cache_dtype_str != "auto":
+            if layer.k_scale is not None:
+                descales = dict(k_descale=layer.k_scale.expand(B, hkv), v_descale=layer.v_scale.expand(B, hkv))
+            q = q.to(F8)
+        out = sp.attention(q.reshape(-1, hq, d), k_buf.view(-1, 1, hkv, d), v_buf.view(-1, 1, hkv, d), cu_q, None,
+                           max_q, max_k, softmax_scale=layer.scaling, block_table=table.contiguous(),
+                           seqused_k=fb.seq_lens.to(torch.int32), **descales)
+        return out.reshape(-1, hq * d)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        FakeFA3Backend.calls.append(("decode", q.shape[0]))
+        if save_kv_cache:
+            self.runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        return self._attend(q, layer, fb, torch.arange(fb.batch_size + 1, dtype=torch.int32), 1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
         FakeFA3Backend.calls.append(("extend", q.shape[0]))
-        raise AssertionError("extend is ours in these tests")
+        if save_kv_cache:
+            self.runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+        cu_q = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
+        cu_q[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+        return self._attend(q, layer, fb, cu_q, max(fb.extend_seq_lens_cpu))
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         FakeFA3Backend.calls.append(("graph", max_bs))
@@ -133,8 +167,10 @@ class Runner:
     def __init__(self, num_pages, tables, dtype="auto"):
         self.page_size = PAGE
         self.kv_cache_dtype_str = dtype
+        self.kv_cache_dtype = {"fp8_e4m3": F8, "fp8_e5m2": torch.float8_e5m2}.get(dtype, torch.float32)
         self.req_to_token_pool = ReqToTokenPool(16, 2048)
-        self.token_to_kv_pool = MHATokenToKVPool(num_pages * PAGE, PAGE, tables.hkv, tables.d, tables.layers)
+        self.token_to_kv_pool = MHATokenToKVPool(num_pages * PAGE, PAGE, tables.hkv, tables.d, tables.layers,
+                                                 dtype=self.kv_cache_dtype)
 
 
 Backend = sps.make_backend_class(FakeBase, FakeFA3Backend)
@@ -146,20 +182,59 @@ def _config(**kw):
     return SparsePrefillConfig.load(environ={}, **base)
 
 
-def run(config, mixed=True, check_means=True, steps=70):
-    tables = Tables(seed=3)
+@dataclasses.dataclass
+class Fp8Run:
+    """An FP8 (--kv-cache-dtype fp8_e4m3) replay and what it checks."""
+    scales: bool = True        # the checkpoint has k/v scales (layer.k_scale / v_scale); else None (scale 1)
+    path: str = "sparse"       # what serves extend batches: 'sparse' / 'dense' (the dispatch) or 'fa3'
+    bf16_reference: bool = False
+
+
+class DispatchRecorder:
+    """Wraps the backend's dispatch: keeps the mean cache it was given as it was at the call (the direct call of the
+    test reads the same means)."""
+
+    def __init__(self, dispatch):
+        self.inner, self.means, self.seen = dispatch, None, []
+
+    def __call__(self, *args, mean_cache=None, **kwargs):
+        self.means = None if mean_cache is None else (mean_cache[0].clone(), mean_cache[1].clone())
+        self.seen.append((args, kwargs))
+        return self.inner(*args, mean_cache=mean_cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=64):
+    """fp8 (an Fp8Run): the pool is an FP8 pool (uint8 storage, float8 views), the model dtype bfloat16, each layer
+    has its own k/v scales (loaded into the layers after the backend was built, as SGLang's
+    process_weights_after_loading copies them in place) or none; every extend call must equal the library's direct
+    FP8 call bit for bit, and every row attention on the pool's dequantised contents (checks['worst_deq'], relative)
+    and on the original values (checks['worst_orig'])."""
+    tables = Tables(seed=seed, d=d)
     num_pages = 40
-    runner = Runner(num_pages, tables)
+    runner = Runner(num_pages, tables, dtype="fp8_e4m3" if fp8 else "auto")
+    hq, hkv, d, L = tables.hq, tables.hkv, tables.d, tables.layers
+    layers = [RadixAttention(i, hq, hkv, d, d ** -0.5) for i in range(L)]
+    if fp8 and fp8.scales:
+        for lay in layers:            # SGLang's BaseKVCacheMethod: -1.0 until the checkpoint's are loaded
+            lay.k_scale, lay.v_scale = torch.tensor(-1.0), torch.tensor(-1.0)
     backend = Backend(runner, config=config)
+    backend.dispatch = recorder = DispatchRecorder(backend.dispatch)
+    if fp8 and fp8.scales:
+        for lay in layers:
+            _, ks, vs = tables.fp8_scales(lay.layer_id)
+            lay.k_scale.copy_(ks)
+            lay.v_scale.copy_(vs)
     decode_backend = FakeFA3Backend(runner)          # HybridAttnBackend: decode goes to FA3, not to us
     eng = Engine(num_pages, PAGE, full_hit="sglang", chunk=100)
     slot_of_req = {}
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed + 2)
     a = Request("A", torch.randint(0, 61, (260,), generator=g).tolist(), max_new=80)
-    worst, checks = 0.0, {"extend_steps": 0, "decode_steps": 0, "mixed_rows": 0, "mean_blocks": 0}
+    worst, checks = 0.0, {"extend_steps": 0, "decode_steps": 0, "mixed_rows": 0, "mean_blocks": 0, "exact_calls": 0,
+                          "worst_deq": 0.0, "worst_orig": 0.0, "worst_orig_mean": 0.0, "worst_bf16": 0.0, "rows": 0}
     sent = set()
-    hq, hkv, d, L = tables.hq, tables.hkv, tables.d, tables.layers
-    layers = [RadixAttention(i, hq, hkv, d, d ** -0.5) for i in range(L)]
     for step in range(steps):
         if step == 0:
             eng.add(a)
@@ -196,13 +271,19 @@ def run(config, mixed=True, check_means=True, steps=70):
                 toks = [(r, s, n) for r, s, n, _ in brows]
                 q = torch.cat([tables.qs(layer.layer_id, r.tokens[s:s + n], s) for r, s, n in toks])
                 k, v = map(torch.cat, zip(*[tables.kv(layer.layer_id, r.tokens[s:s + n], s) for r, s, n in toks]))
+                if fp8:
+                    q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
                 if mode == "decode":
                     out = be.forward_decode(q.reshape(-1, hq * d), k, v, layer, fb)
                 else:
                     out = backend.forward(q.reshape(-1, hq * d), k, v, layer, fb)
                 o = out.view(-1, hq, d)
                 if check_means:
-                    checks["mean_blocks"] += check_means_fn(backend, runner, tables, layer.layer_id, eng, brows)
+                    checks["mean_blocks"] += check_means_fn(backend, runner, tables, layer, eng, brows, fp8)
+                if fp8:
+                    _check_fp8_layer(fp8, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks)
+                    worst = checks["worst_deq"]
+                    continue
                 row = 0
                 for r, s, n in toks:
                     ref = reference_rows(tables, layer.layer_id, r, s, n,
@@ -211,6 +292,58 @@ def run(config, mixed=True, check_means=True, steps=70):
                     row += n
         eng.commit(rows, next_token)
     return worst, eng, backend, checks
+
+
+def _fp8_pool(runner, layer):
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    hkv, d = layer.tp_k_head_num, layer.head_dim
+    return k_buf.view(-1, PAGE, hkv, d), v_buf.view(-1, PAGE, hkv, d)
+
+
+def _scale(x):
+    return 1.0 if x is None else x
+
+
+def _check_fp8_layer(fp8, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks):
+    kc8, vc8 = _fp8_pool(runner, layer)
+    assert kc8.dtype == F8
+    hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+    q8 = q.reshape(-1, hq, d).clamp(-448, 448).to(F8)          # FA3's q.to(e4m3), saturated; no q scale
+    if mode != "decode" and fp8.path != "fa3":
+        m = backend.meta
+        assert backend.dispatch.last_path == fp8.path, backend.dispatch.last_reason
+        b = m.cu_seqlens_q.shape[0] - 1
+        ds = {} if layer.k_scale is None else dict(k_descale=torch.full((b, hkv), float(layer.k_scale)),
+                                                   v_descale=torch.full((b, hkv), float(layer.v_scale)))
+        if fp8.path == "sparse":
+            direct = sp.chunked_prefill(q8, kc8, vc8, m.cu_seqlens_q, m.page_table, m.seqused_k, m.max_seqlen_q,
+                                        m.max_seqlen_k, final_chunk=config.final_chunk == "always",
+                                        softmax_scale=layer.scaling, mean_cache=recorder.means, **config.selection(),
+                                        **ds)
+        else:
+            direct = sp.attention(q8, kc8, vc8, m.cu_seqlens_q, None, m.max_seqlen_q, m.max_seqlen_k,
+                                  softmax_scale=layer.scaling, block_table=m.page_table, seqused_k=m.seqused_k, **ds)
+        assert torch.equal(o.view(torch.int16), direct.view(torch.int16)), (layer.layer_id, mode)
+        checks["exact_calls"] += 1
+    row = 0
+    for r, s, n in toks:
+        dense = mode == "decode" or config.alpha == 0 or fp8.path != "sparse"
+        cfg = None if dense else config
+        kd = cache_rows(kc8, r.pages, s + n, PAGE).float() * _scale(layer.k_scale)
+        vd = cache_rows(vc8, r.pages, s + n, PAGE).float() * _scale(layer.v_scale)
+        qd = q8[row:row + n].float()
+        got = o[row:row + n].float()
+        assert torch.isfinite(got).all()
+        ref = reference_attention(qd, kd, vd, cfg)
+        checks["worst_deq"] = max(checks["worst_deq"], ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item())
+        orig = (got - reference_rows(tables, layer.layer_id, r, s, n, cfg)).abs()
+        checks["worst_orig"] = max(checks["worst_orig"], orig.max().item())
+        checks["worst_orig_mean"] = max(checks["worst_orig_mean"], orig.mean().item())
+        if fp8.bf16_reference:
+            bf = reference_attention(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), None).float()
+            checks["worst_bf16"] = max(checks["worst_bf16"], (got - bf).abs().max().item())
+        checks["rows"] += 1
+        row += n
 
 
 def make_batch(mode, rows, eng, runner, slot_of_req):
@@ -230,8 +363,11 @@ def make_batch(mode, rows, eng, runner, slot_of_req):
                         positions=torch.cat([torch.arange(s, s + n) for _, s, n, _ in rows]))
 
 
-def check_means_fn(backend, runner, tables, layer_id, eng, rows):
-    k_buf, _ = runner.token_to_kv_pool.get_kv_buffer(layer_id)
+def check_means_fn(backend, runner, tables, layer, eng, rows, fp8=None):
+    """The tracker's means of every complete block of every live request: the block's true means (FP8: the means of
+    the pool's dequantised contents, stored x the layer's scale)."""
+    layer_id = layer.layer_id
+    k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(layer_id)
     means = backend.tracker.get(layer_id, k_buf.view(-1, PAGE, tables.hkv, tables.d))
     if means is None:
         return 0
@@ -239,7 +375,12 @@ def check_means_fn(backend, runner, tables, layer_id, eng, rows):
     n = 0
     for req in eng.running:
         for i in range(written.get(req.rid, req.computed) // PAGE):
-            km, vm = tables.kv(layer_id, req.tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)
+            if fp8:
+                kc8, vc8 = _fp8_pool(runner, layer)
+                km = kc8[req.pages[i]].float() * _scale(layer.k_scale)
+                vm = vc8[req.pages[i]].float() * _scale(layer.v_scale)
+            else:
+                km, vm = tables.kv(layer_id, req.tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)
             torch.testing.assert_close(means[0][req.pages[i]], km.mean(0), atol=2e-5, rtol=1e-5)
             torch.testing.assert_close(means[1][req.pages[i]], vm.mean(0), atol=2e-5, rtol=1e-5)
             n += 1
@@ -277,10 +418,103 @@ def test_page_table_from_req_to_token():
     assert (m.max_seqlen_q, m.max_seqlen_k) == (100, 300)
 
 
-def test_fp8_kv_cache_rejected():
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8 KV caches (--kv-cache-dtype fp8_e4m3)
+# ---------------------------------------------------------------------------------------------------------------------
+
+BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """The backend's output buffers (q.new_empty) start as NaN: every value must be written."""
+    real = torch.Tensor.new_empty
+
+    def new_empty(self, *size, **kwargs):
+        return real(self, *size, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
+
+
+@pytest.mark.parametrize("scales,seed", [(True, 61), (False, 62)])
+def test_fp8_pool_equals_the_library_call_and_the_dequantised_computation(poisoned_outputs, scales, seed):
+    """alpha 0: every extend call (mixed chunks, radix prefix hits on decode-completed pages) == the library's direct
+    FP8 call bit for bit; every row == attention on the pool's dequantised contents up to the bf16 output rounding,
+    == dense bf16 attention on bf16 dequantised values and == the original values within FP8 tolerance. Each layer's
+    own k/v scales (loaded after the backend was built), or none (SGLang without checkpoint scales: scale 1)."""
+    worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(scales=scales, bf16_reference=True), seed=seed)
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6
+    assert worst < BF16_ROUNDING, worst
+    assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]
+    assert 1e-3 < checks["worst_orig"] < 0.35 and checks["worst_orig_mean"] < 0.02, checks
+    assert eng.stats["prefix_hit_tokens"] >= 320 and eng.stats["decode_completed_pages"]
+    assert checks["mixed_rows"] > 0 and checks["mean_blocks"] > 50
+    assert backend.dispatch.calls == {"sparse": 2 * checks["extend_steps"], "dense": 0}
+
+
+def test_fp8_pool_sparse_selection_separate_decode_batches(poisoned_outputs):
+    FakeFA3Backend.calls.clear()
+    worst, eng, backend, checks = run(_config(), mixed=False, fp8=Fp8Run(), seed=63)
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6 and worst < BF16_ROUNDING, worst
+    assert checks["decode_steps"] > 10 and checks["mean_blocks"] > 50     # FA3's FP8 decode writes tracked too
+    assert checks["worst_orig_mean"] < 0.02
+    assert not any(c[0] == "extend" for c in FakeFA3Backend.calls)
+
+
+def test_fp8_scales_are_read_per_layer():
+    """The descales the backend passes are stride-0 [B, Hkv] views of each layer's own k_scale / v_scale tensors
+    (holding the values loaded after the backend was built), q is e4m3 and has no descale (SGLang's FA3)."""
+    tables = Tables(seed=64)
+    _, _, backend, _ = run(_config(), fp8=Fp8Run(), steps=3, check_means=False, seed=64)
+    seen = backend.dispatch.seen
+    assert len(seen) >= 4
+    ptrs = set()
+    for args, kw in seen:
+        _, ks, vs = tables.fp8_scales(kw["layer_idx"])
+        b = args[3].shape[0] - 1
+        for name, want in (("k_descale", ks), ("v_descale", vs)):
+            d = kw[name]
+            assert d.shape == (b, tables.hkv) and d.stride() == (0, 0) and (d == want).all(), name
+            ptrs.add(d.data_ptr())
+        assert args[0].dtype == F8 and kw.get("q_descale") is None
+    assert len(ptrs) == 4                                   # 2 layers x (k, v): each its own tensor, never a copy
+
+
+def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch, poisoned_outputs):
+    """CUDA has no block-sparse FP8 kernel: dense FP8 attention (head dim 128, pages of 64), announced once."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(core, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
+        worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(path="dense"), seed=65, d=128, steps=30)
+    assert backend.dispatch.calls == {"sparse": 0, "dense": 2 * checks["extend_steps"]}
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 4 and worst < BF16_ROUNDING
+
+
+def test_fp8_head_dim_64_on_cuda_goes_to_fa3(monkeypatch):
+    """No CUDA FP8 kernel for head dim 64: the FA3 delegate serves those extend calls (it writes through the wrapped
+    pool, so the mean cache stays valid), announced once naming kv_cache_dtype."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(core, "_warned", set())
+    FakeFA3Backend.calls.clear()
+    with pytest.warns(RuntimeWarning, match="kv_cache_dtype='fp8_e4m3': FP8 with head dim 64.*FA3"):
+        worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(path="fa3"), seed=66, steps=30)
+    assert backend.dispatch.calls == {"sparse": 0, "dense": 0}
+    assert any(c[0] == "extend" for c in FakeFA3Backend.calls)
+    assert worst < BF16_ROUNDING and checks["mean_blocks"] > 10
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e5m2", "fp4_e2m1", "int8"])
+def test_unsupported_kv_cache_dtypes_raise_naming_the_argument(dtype):
     tables = Tables()
-    with pytest.raises(NotImplementedError, match="FP8"):
-        Backend(Runner(4, tables, dtype="fp8_e4m3"), config=_config())
+    with pytest.raises(NotImplementedError, match=f"kv_cache_dtype='{dtype}'.*'fp8_e4m3'"):
+        Backend(Runner(4, tables, dtype=dtype), config=_config())
+
+
+def test_fp8_e4m3fnuz_pool_rejected():
+    runner = Runner(4, Tables(), dtype="fp8_e4m3")
+    runner.kv_cache_dtype = torch.float8_e4m3fnuz              # ROCm resolves fp8_e4m3 to e4m3fnuz
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8_e4m3'.*float8_e4m3fnuz"):
+        Backend(runner, config=_config())
 
 
 def test_page_size_64_with_block_128_disables_the_mean_cache():

@@ -10,8 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
-from engine_sim import Engine, Request, Tables, next_token, reference_rows  # noqa: E402
+from engine_sim import (F8, Engine, Request, Tables, cache_rows, fp8_quant, next_token,  # noqa: E402
+                        reference_attention, reference_rows)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
+from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import vllm as spv
 
 PAGE = 64
@@ -74,9 +76,16 @@ class FakeFlashAttentionMetadataBuilder:
 
 
 class FakeFlashAttentionImpl:
-    """FA's impl: reshape_and_cache_flash for the write, flash_attn_varlen_func (here: the reference) for forward."""
+    """FA's impl: reshape_and_cache_flash for the write, flash_attn_varlen_func (here: the reference) for forward.
+    FP8 caches (uint8 storage) as vLLM's FA: the write stores fp8_quant(key, layer._k_scale), forward views the cache
+    as float8_e4m3fn, takes q e4m3 (quantised by the Attention layer when supports_quant_query_input(), else here
+    with layer._q_scale, as older FA did) and passes the layer's scales expanded to [B, Hkv] as descales."""
 
     calls = []
+    quant_query_input = True
+
+    def supports_quant_query_input(self):
+        return type(self).quant_query_input
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None):
@@ -90,8 +99,12 @@ class FakeFlashAttentionImpl:
         k_cache, v_cache = kv_cache.unbind(0)
         n = slot_mapping.shape[0]
         ok = slot_mapping >= 0
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[ok].long()] = key[:n][ok].to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[ok].long()] = value[:n][ok].to(v_cache.dtype)
+        k, v = key[:n][ok], value[:n][ok]
+        if self.kv_cache_dtype.startswith("fp8"):
+            k = fp8_quant(k, layer._k_scale).view(torch.uint8)
+            v = fp8_quant(v, layer._v_scale).view(torch.uint8)
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[ok].long()] = k.to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[ok].long()] = v.to(v_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None):
@@ -99,15 +112,36 @@ class FakeFlashAttentionImpl:
         FakeFlashAttentionImpl.calls.append(("fa", md.num_actual_tokens))
         k_cache, v_cache = kv_cache.unbind(0)
         n = md.num_actual_tokens
+        descales = {}
+        if self.kv_cache_dtype.startswith("fp8"):
+            k_cache, v_cache = k_cache.view(F8), v_cache.view(F8)
+            if query.dtype != F8:
+                query = fp8_quant(query, layer._q_scale)
+            shape = (md.query_start_loc.shape[0] - 1, self.num_kv_heads)
+            descales = dict(q_descale=layer._q_scale.expand(shape), k_descale=layer._k_scale.expand(shape),
+                            v_descale=layer._v_scale.expand(shape))
         sp.attention(query[:n], k_cache, v_cache, md.query_start_loc, None, md.max_query_len, md.max_seq_len,
                      softmax_scale=self.scale, block_table=md.block_table, seqused_k=md.seq_lens,
-                     out=output[:n].view(n, self.num_heads, self.head_size))
+                     out=output[:n].view(n, self.num_heads, self.head_size), **descales)
         return output
 
 
 class Layer:
+    """vLLM's Attention layer as the impl sees it: the name and the FP8 scales (0-d float32 tensors, 1.0 until the
+    checkpoint's are loaded in place, as process_weights_after_loading does)."""
+
     def __init__(self, i):
         self.layer_name = f"model.layers.{i}.self_attn.attn"
+        self._q_scale, self._k_scale, self._v_scale = (torch.tensor(1.0) for _ in range(3))
+
+    def load_scales(self, q_scale, k_scale, v_scale):
+        for mine, x in ((self._q_scale, q_scale), (self._k_scale, k_scale), (self._v_scale, v_scale)):
+            mine.copy_(x)
+
+    def query_quant(self, query):
+        """QuantFP8(static=True, per-tensor) with _q_scale, which the layer applies before the impl when the cache is
+        FP8 and the impl supports_quant_query_input()."""
+        return fp8_quant(query, self._q_scale)
 
 
 Backend, Impl, Builder = spv.make_classes(FakeFlashAttentionBackend, FakeFlashAttentionImpl,
@@ -118,16 +152,41 @@ Backend, Impl, Builder = spv.make_classes(FakeFlashAttentionBackend, FakeFlashAt
 # Replaying vLLM's call sequence
 # ---------------------------------------------------------------------------------------------------------------------
 
-def run_engine(config, scenario, tables, num_pages=48, check_means=True):
-    """Runs the scenario through the backend; returns (max error vs reference, engine, state, checks)."""
+@dataclasses.dataclass
+class Fp8Run:
+    """An FP8 (fp8_e4m3) KV cache replay and what it checks at every step and layer."""
+    kv_cache_dtype: str = "fp8_e4m3"
+    layer_quantises_q: bool = True   # vLLM's Attention layer quantises q (impl.supports_quant_query_input())
+    path: str = "sparse"             # what serves the prefill rows: 'sparse' / 'dense' (the dispatch) or 'fa'
+    bf16_reference: bool = False     # also compare with a dense computation on bf16-rounded dequantised values
+    other_layer_differs: bool = False  # the direct call with another layer's scales must differ (scales matter)
+
+
+def run_engine(config, scenario, tables, num_pages=48, check_means=True, fp8=None):
+    """Runs the scenario through the backend; returns (max error vs reference, engine, state, checks).
+
+    fp8 (an Fp8Run): the caches are uint8 FP8 caches written by FA's write with each layer's own k/v scales (loaded
+    into the layers after the impls were built), the model dtype is bfloat16 and outputs start as NaN. At every step
+    and layer the prefill rows must equal, bit for bit, the library's direct FP8 call on the same cache with
+    descales built here (and the mean cache as it was before the call); every row is compared with attention on the
+    cache's dequantised values (checks['worst_deq']), with the original values (checks['worst_orig']) and, with
+    bf16_reference, with dense attention on bf16 dequantised values (checks['worst_bf16']); the error returned is the
+    dequantised one."""
     state = spv.engine_state(reset=True, config=config)
     L, hq, hkv, d = tables.layers, tables.hq, tables.hkv, tables.d
-    impls = [Impl(hq, d, d ** -0.5, hkv) for _ in range(L)]
+    kv_dtype = fp8.kv_cache_dtype if fp8 else "auto"
+    impls = [Impl(hq, d, d ** -0.5, hkv, kv_cache_dtype=kv_dtype) for _ in range(L)]
+    layers = [Layer(i) for i in range(L)]
+    if fp8:
+        for i, lay in enumerate(layers):        # after the impls exist: the scales are read at call time
+            lay.load_scales(*tables.fp8_scales(i))
     builder = Builder()
-    kv = [torch.zeros(Backend.get_kv_cache_shape(num_pages, PAGE, hkv, d)) for _ in range(L)]
+    cache_dtype = torch.uint8 if fp8 else torch.float32
+    kv = [torch.zeros(Backend.get_kv_cache_shape(num_pages, PAGE, hkv, d), dtype=cache_dtype) for _ in range(L)]
     eng = Engine(num_pages, PAGE, full_hit="vllm", chunk=96)
     worst, checks = 0.0, {"rows": 0, "decode_rows": 0, "prefill_rows": 0, "mixed_steps": 0, "mean_blocks": 0,
-              "prefill_steps": 0}
+              "prefill_steps": 0, "exact_calls": 0, "worst_deq": 0.0, "worst_orig": 0.0, "worst_bf16": 0.0,
+              "other_layer_differs": 0}
     for step, arrivals in scenario:
         for req in arrivals:
             eng.add(req)
@@ -156,13 +215,23 @@ def run_engine(config, scenario, tables, num_pages=48, check_means=True):
             toks = [(r, s, n) for r, s, n, _ in rows]
             q = torch.cat([tables.qs(layer, r.tokens[s:s + n], s) for r, s, n in toks])
             k, v = map(torch.cat, zip(*[tables.kv(layer, r.tokens[s:s + n], s) for r, s, n in toks]))
-            out = torch.full((q.shape[0], hq * d), float("nan"))
-            impls[layer].do_kv_cache_update(Layer(layer), k, v, kv[layer], slots)
+            if fp8:
+                q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+            out = torch.full((q.shape[0], hq * d), float("nan"), dtype=q.dtype)
+            impls[layer].do_kv_cache_update(layers[layer], k, v, kv[layer], slots)
             if check_means:   # before forward: on the CPU the library rewrites the means of the blocks it pools
                 written = {r.rid: s + n for r, s, n, _ in rows}
-                checks["mean_blocks"] += check_mean_cache(state, kv[layer], tables, layer, eng, written)
-            impls[layer].forward(Layer(layer), q, k, v, kv[layer], md, out)
+                checks["mean_blocks"] += check_mean_cache(state, kv[layer], tables, layer, eng, written,
+                                                          layers[layer] if fp8 else None)
+            snap = _means_snapshot(state, kv[layer]) if fp8 else None
+            q_in = layers[layer].query_quant(q) if fp8 and fp8.layer_quantises_q else q
+            impls[layer].forward(layers[layer], q_in, k, v, kv[layer], md, out)
             o = out.view(-1, hq, d)
+            if fp8:
+                _check_fp8_layer(fp8, config, state, md.sparse_plan, layers, layer, q, kv[layer], snap, o, toks,
+                                 tables, checks)
+                worst = checks["worst_deq"]
+                continue
             for i, (r, s, n) in enumerate(toks):
                 is_dec = i < nd
                 ref = reference_rows(tables, layer, r, s, n, None if (is_dec or config.alpha == 0) else config)
@@ -173,32 +242,99 @@ def run_engine(config, scenario, tables, num_pages=48, check_means=True):
     return worst, eng, state, checks
 
 
+def _means_snapshot(state, kv_layer):
+    means = state.tracker.get(kv_layer.data_ptr(), kv_layer[0])
+    return None if means is None else (means[0].clone(), means[1].clone())
+
+
+def direct_fp8_call(path, config, q8, kc8, vc8, plan, lay, mean_cache, d, scales=None):
+    """The library's FP8 call for the prefill rows, built from scratch: contiguous [B, Hkv] descales holding the
+    layer's scales (or `scales`)."""
+    b, hkv = plan.num_prefills, kc8.shape[2]
+    qs, ks, vs = scales if scales is not None else (lay._q_scale, lay._k_scale, lay._v_scale)
+    ds = dict(q_descale=torch.full((b, hkv), float(qs)), k_descale=torch.full((b, hkv), float(ks)),
+              v_descale=torch.full((b, hkv), float(vs)))
+    if path == "sparse":
+        return sp.chunked_prefill(q8, kc8, vc8, plan.cu_seqlens_q, plan.block_table, plan.seqused_k,
+                                  plan.max_seqlen_q, plan.max_seqlen_k, final_chunk=config.final_chunk == "always",
+                                  softmax_scale=d ** -0.5, mean_cache=mean_cache, **config.selection(), **ds)
+    return sp.attention(q8, kc8, vc8, plan.cu_seqlens_q, None, plan.max_seqlen_q, plan.max_seqlen_k,
+                        softmax_scale=d ** -0.5, block_table=plan.block_table, seqused_k=plan.seqused_k, **ds)
+
+
+def _rel_err(got, ref):
+    """max |got - ref| / max(|ref|, 1e-3): the bfloat16 output rounding alone is < 2^-8 (8 bits of precision)."""
+    return ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+
+
+def _check_fp8_layer(fp8, config, state, plan, layers, layer, q, kv_layer, snap, o, toks, tables, checks):
+    lay = layers[layer]
+    d = tables.d
+    kc8, vc8 = kv_layer[0].view(F8), kv_layer[1].view(F8)
+    q8 = fp8_quant(q, lay._q_scale)
+    if plan.num_prefills:
+        nt, na = plan.num_decode_tokens, plan.num_actual_tokens
+        if fp8.path != "fa":
+            assert state.dispatch.last_path == fp8.path, state.dispatch.last_reason
+            direct = direct_fp8_call(fp8.path, config, q8[nt:na], kc8, vc8, plan, lay, snap, d)
+            assert torch.equal(o[nt:na].view(torch.int16), direct.view(torch.int16)), (layer, plan)
+            checks["exact_calls"] += 1
+            if fp8.other_layer_differs:
+                other = layers[(layer + 1) % len(layers)]
+                wrong = direct_fp8_call(fp8.path, config, q8[nt:na], kc8, vc8, plan, lay, snap, d,
+                                        scales=(lay._q_scale, other._k_scale, lay._v_scale))
+                checks["other_layer_differs"] += not torch.equal(wrong, direct)
+    row = 0
+    for i, (r, s, n) in enumerate(toks):
+        dense = i < plan.num_decodes or config.alpha == 0 or fp8.path != "sparse"
+        cfg = None if dense else config
+        kd = cache_rows(kc8, r.pages, s + n, PAGE).float() * lay._k_scale
+        vd = cache_rows(vc8, r.pages, s + n, PAGE).float() * lay._v_scale
+        qd = q8[row:row + n].float() * lay._q_scale
+        got = o[row:row + n].float()
+        assert torch.isfinite(got).all()
+        checks["worst_deq"] = max(checks["worst_deq"], _rel_err(got, reference_attention(qd, kd, vd, cfg)))
+        orig = (got - reference_rows(tables, layer, r, s, n, cfg)).abs()
+        checks["worst_orig"] = max(checks["worst_orig"], orig.max().item())
+        checks["worst_orig_mean"] = max(checks.get("worst_orig_mean", 0.0), orig.mean().item())
+        if fp8.bf16_reference:
+            bf = reference_attention(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), None).float()
+            checks["worst_bf16"] = max(checks["worst_bf16"], (got - bf).abs().max().item())
+        checks["rows"] += 1
+        row += n
+
+
 def true_block_means(tables, layer, req, page_idx):
     k, v = tables.kv(layer, req.tokens[page_idx * PAGE:(page_idx + 1) * PAGE], page_idx * PAGE)
     return k.mean(0), v.mean(0)
 
 
-def check_mean_cache(state, kv_layer, tables, layer, eng, written):
-    """Every complete block of every live request: the tracker's means equal the block's true means."""
+def check_mean_cache(state, kv_layer, tables, layer, eng, written, fp8_layer=None):
+    """Every complete block of every live request: the tracker's means equal the block's true means (FP8: the means
+    of the block's dequantised cache contents, stored x the layer's scale)."""
     means = state.tracker.get(kv_layer.data_ptr(), kv_layer[0])
     if means is None:
         return 0
     n = 0
     for req in eng.running:
         for i in range(written.get(req.rid, req.computed) // PAGE):
-            km, vm = true_block_means(tables, layer, req, i)
             page = req.pages[i]
+            if fp8_layer is None:
+                km, vm = true_block_means(tables, layer, req, i)
+            else:
+                km = (kv_layer[0][page].view(F8).float() * fp8_layer._k_scale).mean(0)
+                vm = (kv_layer[1][page].view(F8).float() * fp8_layer._v_scale).mean(0)
             torch.testing.assert_close(means[0][page], km, atol=2e-5, rtol=1e-5)
             torch.testing.assert_close(means[1][page], vm, atol=2e-5, rtol=1e-5)
             n += 1
     return n
 
 
-def scenario_basic():
+def scenario_basic(seed=0):
     """A: 300-token prompt, decodes 90 tokens (completes a page by decode); B arrives with A's first 320 tokens +
     more (prefix hit on the decode-completed page 4); C = A's first 256 tokens (full hit: vLLM recomputes token 255
     into its shared page); D, E plain prompts that run mixed with decodes; pages get reused after A finishes."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     a = Request("A", torch.randint(0, 61, (300,), generator=g).tolist(), max_new=90)
     steps = [(0, [a])]
     return a, steps
@@ -207,13 +343,14 @@ def scenario_basic():
 class Driver:
     """Arrivals that depend on A's generated tokens (B, C copy A's sequence once it is long enough)."""
 
-    def __init__(self, a):
+    def __init__(self, a, seed=1):
         self.a = a
         self.sent = set()
+        self.seed = seed
 
     def __iter__(self):
         step = 0
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(self.seed)
         while step < 60:
             arrivals = []
             if step == 0:
@@ -309,15 +446,133 @@ def test_untracked_mean_cache_would_be_stale():
     torch.testing.assert_close(tr.get("l0", kv[0])[0], before)
 
 
-def test_fp8_kv_cache_rejected():
-    with pytest.raises(NotImplementedError, match="FP8"):
-        Impl(4, 64, 0.125, 2, kv_cache_dtype="fp8_e4m3")
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8 KV caches (--kv-cache-dtype fp8 / fp8_e4m3)
+# ---------------------------------------------------------------------------------------------------------------------
+
+BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
+
+
+def _run_fp8(fp8, config, seed, d=64, check_means=True):
+    """Fresh inputs per seed (tables, prompts); odd lengths: prompts of 300/470/256/200/230 tokens in 96-token
+    chunks, decode rows of 1."""
+    tables = Tables(seed=seed, d=d)
+    a, _ = scenario_basic(seed=seed)
+    return run_engine(config, Driver(a, seed=seed + 1), tables, check_means=check_means, fp8=fp8)
+
+
+@pytest.mark.parametrize("layer_quantises_q,seed", [(True, 11), (False, 12)])
+def test_fp8_cache_equals_the_library_call_and_the_dequantised_computation(monkeypatch, layer_quantises_q, seed):
+    """alpha 0 (every block kept): the adapter's FP8 prefill == the library's direct FP8 call bit for bit at every
+    step and layer; == attention on the dequantised cache up to the bf16 output rounding; == dense bf16 attention
+    on bf16 dequantised values, and == the original (unquantised) values, within FP8 tolerance; the k/v scales
+    are each layer's own (another layer's give other bits); q arrives quantised by the layer or is quantised by the
+    adapter with layer._q_scale, to the same bits."""
+    monkeypatch.setattr(FakeFlashAttentionImpl, "quant_query_input", layer_quantises_q)
+    fp8 = Fp8Run(layer_quantises_q=layer_quantises_q, bf16_reference=True, other_layer_differs=True)
+    worst, eng, state, checks = _run_fp8(fp8, _config(alpha=0.0), seed)
+    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10
+    assert checks["other_layer_differs"] == checks["exact_calls"]
+    assert worst < BF16_ROUNDING, worst                   # the bfloat16 output rounding, nothing more
+    assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]          # + bf16 rounding of the dequantised inputs
+    # e4m3 rounds each of q, k, v by up to 2^-4 relative: against the unquantised values the output is close, not
+    # exact (max over ~3000 rows x 256 values; the mean error per row stays near 1 %)
+    assert 1e-3 < checks["worst_orig"] < 0.35 and checks["worst_orig_mean"] < 0.02, checks
+    assert eng.stats["prefix_hit_tokens"] >= 320 + 255 and eng.stats["decode_completed_pages"]
+    assert checks["mixed_steps"] > 0 and checks["mean_blocks"] > 50
+    assert state.dispatch.calls == {"sparse": 2 * checks["prefill_steps"], "dense": 0}
+
+
+@pytest.mark.parametrize("kv_cache_dtype,seed", [("fp8_e4m3", 21), ("fp8", 22)])
+def test_fp8_cache_sparse_selection(kv_cache_dtype, seed):
+    """The library's selection (default alpha) over an FP8 cache with the tracked mean cache (valid through decode
+    writes and rewrites: its means are those of the dequantised cache): bit for bit the direct chunked_prefill, and
+    the contiguous sparse reference on the dequantised values up to the output rounding. vLLM's 'fp8' is e4m3."""
+    fp8 = Fp8Run(kv_cache_dtype=kv_cache_dtype)
+    worst, eng, state, checks = _run_fp8(fp8, _config(), seed)
+    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10
+    assert worst < BF16_ROUNDING, worst
+    assert checks["worst_orig_mean"] < 0.02, checks
+    assert checks["mean_blocks"] > 50 and state.dispatch.calls["dense"] == 0
+
+
+def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
+    """CUDA has no block-sparse FP8 kernel: the documented fallback is dense FP8 attention (the library's DenseFp8Fwd
+    for head dim 128, pages of 64), announced once. Replayed on the CPU with the dispatch's CUDA decisions."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(core, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
+        worst, eng, state, checks = _run_fp8(Fp8Run(path="dense"), _config(alpha=0.0), 31, d=128)
+    assert state.dispatch.calls == {"sparse": 0, "dense": 2 * checks["prefill_steps"]}
+    assert state.dispatch.last_reason == core.FP8_DENSE_REASON
+    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10 and worst < BF16_ROUNDING
+
+
+def test_fp8_head_dim_64_on_cuda_goes_to_flash_attention(monkeypatch):
+    """No CUDA FP8 kernel at all for head dim 64: the whole layer call goes to vLLM's FlashAttention (which serves
+    FP8 at every head size), announced once naming kv_cache_dtype; results stay exact."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(core, "_warned", set())
+    FakeFlashAttentionImpl.calls.clear()
+    with pytest.warns(RuntimeWarning, match="kv_cache_dtype='fp8_e4m3': FP8 with head dim 64.*FlashAttention"):
+        worst, eng, state, checks = _run_fp8(Fp8Run(path="fa"), _config(alpha=0.0), 41)
+    assert state.dispatch.calls == {"sparse": 0, "dense": 0}
+    assert max(n for _, n in FakeFlashAttentionImpl.calls) > 90        # FA got the prefill chunks too
+    assert worst < BF16_ROUNDING and checks["rows"] > 100
+
+
+def test_fp8_descales_are_views_of_the_layer_scales(monkeypatch):
+    """The library gets q quantised with layer._q_scale and [num_prefills, Hkv] descales that are stride-0 views of
+    the layer's own scale tensors (no copy, no host read), for each layer its own."""
+    seen = []
+    original = sp.chunked_prefill
+
+    def spy(q, *args, **kwargs):
+        seen.append((q, kwargs))
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(sp, "chunked_prefill", spy)
+    tables = Tables(seed=51)
+    state = spv.engine_state(reset=True, config=_config())
+    impl = Impl(tables.hq, tables.d, tables.d ** -0.5, tables.hkv, kv_cache_dtype="fp8_e4m3")
+    lay = Layer(1)
+    lay.load_scales(*tables.fp8_scales(1))
+    kv = torch.zeros(Backend.get_kv_cache_shape(8, PAGE, tables.hkv, tables.d), dtype=torch.uint8)
+    lens = [77, 131]                                                 # two prompts, odd lengths
+    qsl = torch.tensor([0, 77, 208], dtype=torch.int32)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(77), 3 * PAGE + torch.arange(131)])
+    cm = CommonAttentionMetadata(query_start_loc=qsl.clone(), query_start_loc_cpu=qsl,
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32), num_reqs=2, num_actual_tokens=208,
+                                 max_query_len=131, max_seq_len=131, block_table_tensor=bt, slot_mapping=slots)
+    md = Builder().build(0, cm)
+    toks = torch.randint(0, 61, (208,), generator=torch.Generator().manual_seed(52))
+    q = tables.qs(1, toks).bfloat16()
+    k, v = (x.bfloat16() for x in tables.kv(1, toks))
+    impl.do_kv_cache_update(lay, k, v, kv, slots)
+    out = torch.full((208, tables.hq * tables.d), float("nan"), dtype=torch.bfloat16)
+    impl.forward(lay, q, k, v, kv, md, out)
+    assert len(seen) == 1 and state.dispatch.last_path == "sparse"
+    q8, kw = seen[0]
+    assert q8.dtype == F8 and torch.equal(q8.view(torch.uint8), fp8_quant(q, lay._q_scale).view(torch.uint8))
+    for name, mine in (("q_descale", lay._q_scale), ("k_descale", lay._k_scale), ("v_descale", lay._v_scale)):
+        d = kw[name]
+        assert d.shape == (2, tables.hkv) and d.stride() == (0, 0) and d.data_ptr() == mine.data_ptr(), name
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e5m2", "fp8_inc", "nvfp4", "int8"])
+def test_unsupported_kv_cache_dtypes_raise_naming_the_argument(dtype):
+    with pytest.raises(NotImplementedError, match=f"kv_cache_dtype='{dtype}'.*'fp8_e4m3'"):
+        Impl(4, 64, 0.125, 2, kv_cache_dtype=dtype)
+    assert not Backend.supports_kv_cache_dtype(dtype)
 
 
 def test_backend_declarations():
     assert Backend.get_name() == "CUSTOM"
     assert Backend.get_impl_cls() is Impl and Backend.get_builder_cls() is Builder
-    assert "fp8" not in " ".join(Backend.supported_kv_cache_dtypes)
+    assert Backend.supported_kv_cache_dtypes == ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]
+    assert all(Backend.supports_kv_cache_dtype(x) for x in (None, "auto", "fp8", "fp8_e4m3"))
     assert not Backend.supports_kv_connector() and not Backend.supports_sink()
     assert Backend.supports_compute_capability((9, 0)) and not Backend.supports_compute_capability((8, 0))
     assert Builder.reorder_batch_threshold == 1

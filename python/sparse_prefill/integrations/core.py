@@ -2,7 +2,9 @@
 
 Everything here needs torch (imported lazily, on first use); nothing imports an engine. The three adapters
 (`transformers.py`, `vllm.py`, `sglang.py`) translate their engine's metadata into the arguments of
-`VarlenDispatch.__call__` and route their engine's KV-cache writes through `MeanCacheTracker.on_write`.
+`VarlenDispatch.__call__` and route their engine's KV-cache writes through `MeanCacheTracker.on_write`. For FP8 KV
+caches, `check_kv_cache_dtype`, `fp8_descale`, `quantize_query` and `fp8_kernel_reason` are the shared pieces
+(docs/integrations.md, "FP8 KV caches").
 
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
@@ -23,7 +25,8 @@ from typing import Any, Optional
 
 import sparse_prefill as sp
 
-__all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch", "MeanCacheTracker", "layer_index"]
+__all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch", "MeanCacheTracker", "layer_index",
+           "check_kv_cache_dtype", "fp8_descale", "quantize_query", "fp8_kernel_reason", "FP8_MAX"]
 
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
 SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups")
@@ -168,6 +171,96 @@ def layer_index(name: Any) -> Optional[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# FP8 KV caches
+# ---------------------------------------------------------------------------------------------------------------------
+
+FP8_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+def _on_cuda(t) -> bool:
+    """Whether `t` lives on a CUDA device: the one place the adapters ask it for kernel choices (the contract tests
+    replace it to replay the CUDA decisions on the CPU, where the library computes every configuration)."""
+    return bool(t.is_cuda)
+
+
+def check_kv_cache_dtype(kv_cache_dtype, accepted_16bit, accepted_fp8, hint: str = "") -> bool:
+    """The engine's KV cache dtype string: False for a 16-bit cache, True for an FP8 e4m3 one; anything else (fp8_e5m2,
+    other quantised caches) raises NotImplementedError naming kv_cache_dtype and what is supported."""
+    value = str(kv_cache_dtype)
+    if value in accepted_16bit:
+        return False
+    if value in accepted_fp8:
+        return True
+    why = ""
+    if "e5m2" in value:
+        why = " (SparsePrefill's FP8 path reads float8_e4m3fn only: e5m2 caches have no kernel and no CPU reference)"
+    raise NotImplementedError(
+        f"sparse_prefill: kv_cache_dtype={value!r} is not supported{why}; supported: "
+        f"{', '.join(map(repr, tuple(accepted_16bit) + tuple(accepted_fp8)))}" + (f". {hint}" if hint else ""))
+
+
+def fp8_descale(scale, batch: int, num_kv_heads: int, name: str = "scale"):
+    """An engine's per-layer scale as the library's [B, Hkv] descale: a float32 tensor of one element (vLLM's
+    `layer._k_scale`, SGLang's `layer.k_scale`: 0-d) or of Hkv elements (vLLM's per-head scales) becomes
+    `scale.reshape(-1).expand(batch, num_kv_heads)`, a stride-0 view of the engine's own tensor: no copy, no
+    allocation, no host synchronisation, and the value the engine holds at call time (scales loaded or updated in
+    place after the backend was built are seen). None (SGLang without checkpoint scales) stays None, i.e. 1."""
+    if scale is None:
+        return None
+    import torch
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name}: expected a float32 tensor (the engine's per-layer scale) or None, got "
+                        f"{type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected float32, got {scale.dtype}")
+    if scale.numel() not in (1, num_kv_heads):
+        raise ValueError(f"{name}: expected one scale per layer or one per KV head ({num_kv_heads}), got shape "
+                         f"{tuple(scale.shape)}")
+    return scale.reshape(-1).expand(int(batch), int(num_kv_heads))
+
+
+def quantize_query(q, q_scale=None):
+    """q [T, Hq, D] as float8_e4m3fn for an FP8 KV cache, the way the engines' FA3 paths hand it to the kernel:
+    q already float8_e4m3fn (vLLM's Attention layer quantised it with QuantFP8 and `_q_scale`) passes through;
+    otherwise `clamp(q / q_scale, -448, 448)` in float32, cast (round to nearest even). q_scale: a float32 tensor of
+    one element or one per KV head (query head h uses element h // (Hq / n)), or None = 1 (SGLang's FA3 casts q with
+    no scale). The clamp makes out-of-range queries saturate instead of becoming NaN."""
+    import torch
+    if q.dtype == torch.float8_e4m3fn:
+        return q
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q: expected float8_e4m3fn, bfloat16, float16 or float32 for an FP8 KV cache, got {q.dtype}")
+    if q_scale is None:
+        return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    t, hq, d = q.shape
+    s = q_scale.reshape(-1)
+    n = s.numel()
+    if n == 1:
+        x = q.float() / s
+    elif hq % n == 0:
+        x = (q.float().reshape(t, n, hq // n, d) / s.view(1, n, 1, 1)).reshape(t, hq, d)
+    else:
+        raise ValueError(f"q_scale: expected one scale or one per KV head, got {n} for {hq} query heads")
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Optional[str]:
+    """None when the library has an FP8 attention kernel for a call on q's device (the CPU backend computes every
+    configuration; CUDA builds dense FP8 for head dim 128, contiguous KV or pages of a multiple of 64 tokens), else
+    why not. The adapters hand such calls to the engine's own FlashAttention, which serves every FP8 configuration."""
+    if not _on_cuda(q):
+        return None
+    if head_dim != 128:
+        return f"FP8 with head dim {head_dim} (CUDA FP8 attention is built for head dim 128)"
+    if page_size is not None and page_size % 64:
+        return f"FP8 with page size {page_size} (CUDA FP8 attention needs pages of a multiple of 64 tokens)"
+    return None
+
+
+FP8_DENSE_REASON = "FP8 inputs (CUDA has no block-sparse FP8 kernel: dense FP8 attention)"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The varlen dispatch
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -178,6 +271,14 @@ class VarlenDispatch:
     Sparse runs when: layer_idx >= dense_layers, max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len,
     causal, no sliding window and no softcap, and (CUDA) head dim 128, bf16/fp16, block_size % 128 == 0, pages of a
     multiple of 64 tokens. Everything else runs dense `sp.attention` (any page size, windows, decode rows).
+
+    FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
+    passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through
+    one bfloat16 temporary copied into it). On the CPU the sparse path runs as above (the library computes sparse FP8
+    exactly); on CUDA, which has no block-sparse FP8 kernel, every FP8 call runs dense FP8 attention (reason
+    FP8_DENSE_REASON, one RuntimeWarning per process): the documented fallback (docs/integrations.md, "FP8 KV
+    caches"). FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the dispatch:
+    the adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
 
     Workspaces: one `attention_workspace_bytes(D)` buffer per device, and one sparse buffer per device sized by
     `sparse_prefill_workspace_bytes` (computed from shapes once per distinct shape and cached: the layers of one
@@ -213,8 +314,10 @@ class VarlenDispatch:
             return "sliding window"
         if softcap:
             return "softcap"
-        if q.is_cuda:
+        if _on_cuda(q):
             import torch
+            if q.dtype == torch.float8_e4m3fn:
+                return FP8_DENSE_REASON
             if q.shape[-1] != 128:
                 return f"head dim {q.shape[-1]} (the sparse CUDA kernels take 128)"
             if q.dtype not in (torch.bfloat16, torch.float16):
@@ -274,35 +377,49 @@ class VarlenDispatch:
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, out,
                  layer_idx: Optional[int] = 0, softmax_scale: Optional[float] = None, block_table=None,
                  seqused_k=None, window=(-1, -1), softcap: float = 0.0, mean_cache=None,
-                 final_chunk: Optional[bool] = None, causal: bool = True, force_dense: bool = False):
+                 final_chunk: Optional[bool] = None, causal: bool = True, force_dense: bool = False,
+                 q_descale=None, k_descale=None, v_descale=None):
         """Attention of q [total_q, Hq, D] over k/v (contiguous with cu_seqlens_k, or paged with block_table and
-        seqused_k), written into `out` [total_q, Hq, D]; returns `out`. max_seqlen_q/k are host ints (bounds)."""
+        seqused_k), written into `out` [total_q, Hq, D]; returns `out`. max_seqlen_q/k are host ints (bounds).
+        FP8: q, k, v float8_e4m3fn and q/k/v_descale [B, Hkv] (any strides; None = 1)."""
+        import torch
         max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
         paged = block_table is not None
         reason = "forced dense" if force_dense else self.sparse_reason(
             q, k, max_q, max_k, layer_idx=layer_idx, paged=paged, window=window, softcap=softcap, causal=causal)
         self.last_reason = reason
+        fp8 = q.dtype == torch.float8_e4m3fn
+        descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale) if fp8 else {}
+        target = out
+        if fp8 and out.dtype != torch.bfloat16:      # FP8 attention writes bfloat16 (an fp16/fp32 model's buffer)
+            out = torch.empty(out.shape, dtype=torch.bfloat16, device=out.device)
         if reason is not None:
+            if reason == FP8_DENSE_REASON:
+                warn_once("fp8-dense", "sparse_prefill: FP8 KV cache (kv_cache_dtype fp8_e4m3): the CUDA build has no "
+                          "block-sparse FP8 kernel, so prefill runs dense FP8 attention (head dim 128, pages of a "
+                          "multiple of 64); run with kv_cache_dtype auto for sparse prefill (docs/integrations.md)")
             self.last_path = "dense"
             self.calls["dense"] += 1
             sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,
                          softmax_scale=softmax_scale, window=tuple(window), out=out, block_table=block_table,
-                         seqused_k=seqused_k, workspace=self._dense_workspace(q))
-            return out
-        self.last_path = "sparse"
-        self.calls["sparse"] += 1
-        c = self.config
-        if final_chunk is None:
-            final_chunk = c.final_chunk == "always"
-        ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k)
-        if paged:
-            sp.chunked_prefill(q, k, v, cu_seqlens_q, block_table, seqused_k, max_q, max_k, final_chunk=final_chunk,
-                               softmax_scale=softmax_scale, out=out, mean_cache=mean_cache, workspace=ws,
-                               **c.selection())
+                         seqused_k=seqused_k, workspace=self._dense_workspace(q), **descales)
         else:
-            sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=softmax_scale,
-                              out=out, workspace=ws, final_chunk=final_chunk, **c.selection())
-        return out
+            self.last_path = "sparse"
+            self.calls["sparse"] += 1
+            c = self.config
+            if final_chunk is None:
+                final_chunk = c.final_chunk == "always"
+            ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k)
+            if paged:
+                sp.chunked_prefill(q, k, v, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
+                                   final_chunk=final_chunk, softmax_scale=softmax_scale, out=out,
+                                   mean_cache=mean_cache, workspace=ws, **c.selection(), **descales)
+            else:
+                sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=softmax_scale,
+                                  out=out, workspace=ws, final_chunk=final_chunk, **c.selection(), **descales)
+        if target is not out:
+            target.copy_(out)
+        return target
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -363,10 +480,23 @@ class MeanCacheTracker:
         s = st["slots"]
         return st["k"][:s], st["v"][:s]
 
-    def on_write(self, key, k_cache, v_cache, loc, new_k, new_v) -> None:
+    def on_write(self, key, k_cache, v_cache, loc, new_k, new_v, *, write=None, k_descale=None,
+                 v_descale=None) -> None:
         """Account for the engine writing new_k/new_v [T, Hkv, D] at token slots `loc` [T] (< 0: padding) of the layer
-        `key` whose paged caches are k_cache/v_cache [num_pages, page_size, Hkv, D]. Call it BEFORE the write."""
+        `key` whose paged caches are k_cache/v_cache [num_pages, page_size, Hkv, D].
+
+        Without `write`: call it BEFORE the engine's write; the new values are new_k/new_v (16-bit caches store them
+        as given). With `write` (a callable doing the engine's write): it reads the old values, calls write(), then
+        takes the new values from what the cache holds at `loc` — what an FP8 cache stores is the engine's own
+        quantisation of new_k/new_v (vLLM: reshape_and_cache_flash; SGLang: an in-place divide and a cast), which
+        this reads instead of re-deriving. k_descale/v_descale (None = 1; a number, or a float32 tensor of one
+        element or one per KV head: the engine's k/v scale) turn stored values into the dequantised values the
+        library pools (stored x descale, docs/semantics.md "FP8 inputs"), so the means of an FP8 cache are those of
+        its dequantised contents. The scales must stay fixed once a block is written (checkpoint scales, or vLLM's
+        calculate_kv_scales, which fixes them at the first forward)."""
         if not self.compatible(int(k_cache.shape[1])):
+            if write is not None:
+                write()
             return
         import torch
         st = self._state(key, k_cache)
@@ -374,15 +504,21 @@ class MeanCacheTracker:
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         t = min(int(loc.numel()), int(new_k.shape[0]))   # shapes only: engines pad one or the other
         loc = loc.reshape(-1)[:t].long()
-        new_k, new_v = new_k[:t], new_v[:t]
         valid = loc >= 0
         locc = loc.clamp(min=0)
         p = locc % bs
         ms = torch.where(valid, locc // bs, torch.full_like(locc, trash))
         kflat = k_cache.view(-1, hkv, d)
         vflat = v_cache.view(-1, hkv, d)
-        old_k = kflat.index_select(0, locc).float()
-        old_v = vflat.index_select(0, locc).float()
+        old_k = _dequantised(kflat.index_select(0, locc), k_descale)
+        old_v = _dequantised(vflat.index_select(0, locc), v_descale)
+        if write is None:
+            new_k = _dequantised(new_k[:t].reshape(-1, hkv, d), k_descale)
+            new_v = _dequantised(new_v[:t].reshape(-1, hkv, d), v_descale)
+        else:
+            write()
+            new_k = _dequantised(kflat.index_select(0, locc), k_descale)
+            new_v = _dequantised(vflat.index_select(0, locc), v_descale)
         n_old = st["n"].index_select(0, ms)
         start = valid & (p == 0)
         zero_idx = torch.where(start, ms, torch.full_like(ms, trash))
@@ -393,11 +529,22 @@ class MeanCacheTracker:
             st[name].index_fill_(0, zero_idx, 0)
         w = replaced[:, None, None]
         inv = 1.0 / bs
-        st["k"].index_add_(0, ms, (new_k.reshape(-1, hkv, d).float() - torch.where(w, old_k, 0.0)) * inv)
-        st["v"].index_add_(0, ms, (new_v.reshape(-1, hkv, d).float() - torch.where(w, old_v, 0.0)) * inv)
+        st["k"].index_add_(0, ms, (new_k - torch.where(w, old_k, 0.0)) * inv)
+        st["v"].index_add_(0, ms, (new_v - torch.where(w, old_v, 0.0)) * inv)
         st["n"].scatter_reduce_(0, ms, (p + 1).to(torch.int32), reduce="amax")
         # the spare row collects padding and resets: keep it harmless
         st["n"][trash] = 0
+
+
+def _dequantised(x, descale):
+    """float32 values of cache rows x [T, Hkv, D] times the engine's scale (None = 1; a number; a float32 tensor of
+    one element or one per KV head), as the library dequantises FP8 values (one float32 product per value)."""
+    x = x.float()
+    if descale is None:
+        return x
+    if isinstance(descale, (int, float)):
+        return x * float(descale)
+    return x * descale.reshape(-1, 1)
 
 
 _warned: set = set()

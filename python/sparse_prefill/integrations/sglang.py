@@ -13,7 +13,14 @@ batches, CUDA-graph hooks, sliding-window layers, softcap, attention sinks and o
 `cu_seqlens_q` from `extend_seq_lens`, `seqused_k = seq_lens`, and the page table from `req_to_token` (every
 page_size-th token slot // page_size); `forward_extend` writes the layer's K/V (`set_kv_buffer`), views the pool as
 `[pages, page_size, Hkv, D]` and runs `VarlenDispatch` into its output buffer. Mixed chunks (decode rows of length 1
-in an extend batch) are short varlen rows. FP8 KV caches are rejected until FP8 lands.
+in an extend batch) are short varlen rows.
+
+FP8 KV caches (`--kv-cache-dtype fp8_e4m3`), as SGLang's FA3 backend hands them over: the pool's float8 views, q cast
+to e4m3 with no q scale (FA3 passes no q_descale; saturated at +-448 here), `layer.k_scale / v_scale` expanded to
+`[B, Hkv]` as the descales (stride-0 views, read per call; None without checkpoint scales = 1). On CUDA, which has no
+block-sparse FP8 kernel, FP8 extends run dense FP8 attention (one warning), and FP8 layers with no CUDA FP8 kernel at
+all (head dim 64, pages not a multiple of 64) go to the FA3 delegate. fp8_e5m2, fp4_e2m1 and e4m3fnuz pools raise
+NotImplementedError naming kv_cache_dtype. docs/integrations.md, "FP8 KV caches".
 
 The mean cache: the backend wraps the pool's `set_kv_buffer` so that every write, including the decode backend's
 (HybridAttnBackend routes decode to FA3, which writes through the same pool), updates the running means
@@ -30,11 +37,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .core import MeanCacheTracker, SparsePrefillConfig, VarlenDispatch
+from .core import (MeanCacheTracker, SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
+                   fp8_kernel_reason, quantize_query, warn_once)
 
 __all__ = ["register", "make_backend_class", "NAME", "ExtendMetadata", "extend_metadata"]
 
 NAME = "sparse_prefill"
+
+# SGLang's --kv-cache-dtype values the backend takes (fp8_e4m3 = torch.float8_e4m3fn on CUDA); fp8_e5m2, fp4_e2m1 and
+# ROCm's e4m3fnuz pools are refused by name.
+KV_CACHE_DTYPES_16BIT = ("auto", "bfloat16", "bf16", "float16", "fp16")
+KV_CACHE_DTYPES_FP8 = ("fp8_e4m3",)
 
 
 def _create(runner):
@@ -87,11 +100,16 @@ def make_backend_class(base, fa3_factory):
     class SparsePrefillAttnBackend(base):
 
         def __init__(self, model_runner, config: Optional[SparsePrefillConfig] = None):
+            import torch
             dtype = str(getattr(model_runner, "kv_cache_dtype_str", None) or
                         getattr(getattr(model_runner, "server_args", None), "kv_cache_dtype", "auto"))
-            if dtype not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
-                raise NotImplementedError(f"sparse_prefill: KV cache dtype {dtype!r} is not supported yet (FP8 has "
-                                          "not landed); run with --kv-cache-dtype auto")
+            hint = "Run with --kv-cache-dtype auto or fp8_e4m3, or with another prefill attention backend"
+            self.fp8 = check_kv_cache_dtype(dtype, KV_CACHE_DTYPES_16BIT, KV_CACHE_DTYPES_FP8, hint)
+            self.kv_cache_dtype_str = dtype
+            pool_dtype = getattr(model_runner, "kv_cache_dtype", None)   # the torch dtype SGLang resolved
+            if self.fp8 and isinstance(pool_dtype, torch.dtype) and pool_dtype != torch.float8_e4m3fn:
+                raise NotImplementedError(f"sparse_prefill: kv_cache_dtype={dtype!r} resolves to a {pool_dtype} pool "
+                                          "(ROCm's e4m3fnuz?); SparsePrefill reads float8_e4m3fn only. " + hint)
             self.model_runner = model_runner
             self.page_size = int(model_runner.page_size)
             self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -110,17 +128,27 @@ def make_backend_class(base, fa3_factory):
                 self.tracker = pool._sparse_prefill_tracker   # one tracker per pool (several backends, one pool)
                 return
             original = pool.set_kv_buffer
-            tracker, ps = self.tracker, self.page_size
+            tracker, ps, fp8 = self.tracker, self.page_size, self.fp8
 
             def set_kv_buffer(layer, loc, cache_k, cache_v, *args, **kwargs):
                 lid = kwargs.get("layer_id_override")
                 lid = layer.layer_id if lid is None else lid
-                k_buf, v_buf = pool.get_kv_buffer(lid)
+                k_buf, v_buf = _fp8_view(pool.get_kv_buffer(lid), fp8)
                 hkv, d = k_buf.shape[-2], k_buf.shape[-1]
                 loc_t = getattr(loc, "loc", loc)     # KVWriteLoc or a bare tensor
+                result = []
+
+                def write():   # the pool's own write (FP8: cache_k.div_(k_scale), then the cast)
+                    result.append(original(layer, loc, cache_k, cache_v, *args, **kwargs))
+
+                scales = {}
+                if fp8:        # dequantise what the cache holds with the scales this write used
+                    scales = dict(k_descale=args[0] if len(args) > 0 else kwargs.get("k_scale"),
+                                  v_descale=args[1] if len(args) > 1 else kwargs.get("v_scale"))
                 tracker.on_write(lid, k_buf.view(-1, ps, hkv, d), v_buf.view(-1, ps, hkv, v_buf.shape[-1]), loc_t,
-                                 cache_k.view(-1, hkv, d), cache_v.view(-1, hkv, v_buf.shape[-1]))
-                return original(layer, loc, cache_k, cache_v, *args, **kwargs)
+                                 cache_k.view(-1, hkv, d), cache_v.view(-1, hkv, v_buf.shape[-1]), write=write,
+                                 **scales)
+                return result[0]
 
             pool.set_kv_buffer = set_kv_buffer
             pool._sparse_prefill_tracker = tracker
@@ -133,7 +161,7 @@ def make_backend_class(base, fa3_factory):
                 return
             self.meta = extend_metadata(forward_batch, self.req_to_token, self.page_size)
 
-        def _unsupported(self, layer, kwargs) -> Optional[str]:
+        def _unsupported(self, layer, kwargs, q=None) -> Optional[str]:
             if getattr(layer, "sliding_window_size", -1) not in (None, -1):
                 return "sliding window"
             if getattr(layer, "logit_cap", 0):
@@ -144,25 +172,41 @@ def make_backend_class(base, fa3_factory):
                 return "head dim"
             if any(kwargs.get(k) is not None for k in ("sinks", "q_rope", "k_rope", "score_mod", "rel_bias")):
                 return "extra inputs"
+            if self.fp8 and q is not None:
+                why = fp8_kernel_reason(q, layer.head_dim, self.page_size)
+                if why is not None:   # no SparsePrefill FP8 kernel for this layer: the FA3 delegate serves it
+                    warn_once("sglang-fp8-fa3", f"sparse_prefill: kv_cache_dtype={self.kv_cache_dtype_str!r}: {why}; "
+                              "these layers run SGLang's FA3 backend (docs/integrations.md, 'FP8 KV caches')")
+                    return why
             return None
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-            if self.meta is None or self._unsupported(layer, kwargs) is not None:
+            if self.meta is None or self._unsupported(layer, kwargs, q) is not None:
                 return self.delegate.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             if save_kv_cache and k is not None:
                 self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale,
                                                     layer.v_scale)
-            k_buf, v_buf = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            k_buf, v_buf = _fp8_view(self.token_to_kv_pool.get_kv_buffer(layer.layer_id), self.fp8)
             hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
             k_cache = k_buf.view(-1, self.page_size, hkv, d)
             v_cache = v_buf.view(-1, self.page_size, hkv, d)
             tokens = q.shape[0]
             out = q.new_empty(tokens, hq * d)
             m = self.meta
-            self.dispatch(q.reshape(tokens, hq, d), k_cache, v_cache, m.cu_seqlens_q, None, m.max_seqlen_q,
+            q3 = q.reshape(tokens, hq, d)
+            fp8 = {}
+            if self.fp8:
+                # as SGLang's FA3 backend: q cast to e4m3 without a q scale (q_descale = 1; saturated here, where a
+                # bare cast can overflow), k/v descales = layer.k_scale / v_scale expanded to [B, Hkv] (stride-0
+                # views; None without checkpoint scales = 1, as the pool then stores k / v unscaled)
+                q3 = quantize_query(q3, None)
+                b = int(m.cu_seqlens_q.shape[0]) - 1
+                fp8 = dict(k_descale=fp8_descale(layer.k_scale, b, hkv, "layer.k_scale"),
+                           v_descale=fp8_descale(layer.v_scale, b, hkv, "layer.v_scale"))
+            self.dispatch(q3, k_cache, v_cache, m.cu_seqlens_q, None, m.max_seqlen_q,
                           m.max_seqlen_k, out=out.view(tokens, hq, d), layer_idx=layer.layer_id,
                           softmax_scale=layer.scaling, block_table=m.page_table, seqused_k=m.seqused_k,
-                          mean_cache=self.tracker.get(layer.layer_id, k_cache))
+                          mean_cache=self.tracker.get(layer.layer_id, k_cache), **fp8)
             return out
 
     for name in _DELEGATED:
@@ -173,6 +217,17 @@ def make_backend_class(base, fa3_factory):
             return method
         setattr(SparsePrefillAttnBackend, name, make(name))
     return SparsePrefillAttnBackend
+
+
+def _fp8_view(buffers, fp8: bool):
+    """The pool's (K, V) buffers as float8_e4m3fn for an FP8 cache (SGLang's get_kv_buffer already returns float8 views
+    of its uint8 storage; a bare uint8 buffer is viewed here)."""
+    k_buf, v_buf = buffers
+    if fp8:
+        import torch
+        if k_buf.dtype != torch.float8_e4m3fn:
+            k_buf, v_buf = k_buf.view(torch.float8_e4m3fn), v_buf.view(torch.float8_e4m3fn)
+    return k_buf, v_buf
 
 
 _CLASS = None

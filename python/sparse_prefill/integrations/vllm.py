@@ -9,15 +9,22 @@ flags and no backend config).
 The classes subclass vLLM's FlashAttention ones and are built when first accessed (importing this module does not
 import vLLM):
 - `SparsePrefillBackend(FlashAttentionBackend)`: name "CUSTOM", FA's NHD cache `(2, num_blocks, block_size, Hkv, D)`,
-  kernel block sizes multiple of 64, head sizes 64/128, KV cache dtypes auto/bfloat16/float16 (FP8 KV caches are
-  rejected with an error until FP8 lands), no attention sinks, no KV connectors (the mean cache must see every KV
-  write), compute capability 9.0.
+  kernel block sizes multiple of 64, head sizes 64/128, KV cache dtypes auto/bfloat16/float16/fp8/fp8_e4m3 (fp8_e5m2
+  and the others raise NotImplementedError naming kv_cache_dtype), no attention sinks, no KV connectors (the mean
+  cache must see every KV write), compute capability 9.0.
 - `SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder)`: decodes first (`reorder_batch_threshold = 1`), no
   cascade attention, full CUDA graphs only for pure-decode batches (which go to FA unchanged); `build()` adds a
   `sparse_plan` (the prefill rows' rebased `cu_seqlens_q`, `seqused_k`, block table and the host bounds) computed once
   per step from host metadata (`query_start_loc_cpu`, `max_seq_len`): no device read.
-- `SparsePrefillImpl(FlashAttentionImpl)`: `do_kv_cache_update` runs the mean-cache tracker, then FA's write;
+- `SparsePrefillImpl(FlashAttentionImpl)`: `do_kv_cache_update` runs FA's write inside the mean-cache tracker;
   `forward` runs FA on the decode rows and `VarlenDispatch` (sparse or dense) on the prefill rows, into `output`.
+
+FP8 KV caches (`--kv-cache-dtype fp8` / `fp8_e4m3`), as FA hands them to flash_attn_varlen_func: the uint8 cache
+viewed as float8_e4m3fn, q e4m3 with `layer._q_scale` (quantised by vLLM's Attention layer when the impl
+supports_quant_query_input(), else here: clamp(q / _q_scale, +-448), cast), and `layer._q_scale / _k_scale /
+_v_scale` expanded to `[num_prefills, Hkv]` as the descales (stride-0 views: no copy, no host sync, read per call).
+On CUDA, which has no block-sparse FP8 kernel, FP8 prefill runs dense FP8 attention (one warning), and FP8 layers
+with no CUDA FP8 kernel at all (head dim 64) go to FlashAttention: docs/integrations.md, "FP8 KV caches".
 
 The engine-facing logic is in `plan_step` and the mixins, which `make_classes()` combines with any base classes that
 have FlashAttention's interface: the contract tests combine them with faithful fakes (not run inside a vLLM server).
@@ -28,11 +35,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .core import MeanCacheTracker, SparsePrefillConfig, VarlenDispatch, layer_index
+from .core import (MeanCacheTracker, SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
+                   fp8_kernel_reason, layer_index, quantize_query, warn_once)
 
 __all__ = ["register", "plan_step", "SparseStepPlan", "make_classes", "engine_state", "BACKEND_PATH"]
 
 BACKEND_PATH = "sparse_prefill.integrations.vllm.SparsePrefillBackend"
+
+# vLLM's --kv-cache-dtype values the backend takes. "fp8" is e4m3 on CUDA (FlashAttentionBackend.
+# get_fp8_dtype_for_flashattn maps "fp8" and "fp8_e4m3" to torch.float8_e4m3fn); fp8_e5m2 and the other quantised
+# caches are refused by name.
+KV_CACHE_DTYPES_16BIT = ("auto", "bfloat16", "float16")
+KV_CACHE_DTYPES_FP8 = ("fp8", "fp8_e4m3")
 
 
 def register() -> None:
@@ -140,13 +154,12 @@ class ImplMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        dtype = str(getattr(self, "kv_cache_dtype", "auto"))
-        if dtype.startswith("fp8"):
-            raise NotImplementedError(f"sparse_prefill: FP8 KV caches (kv_cache_dtype={dtype!r}) are not supported yet; "
-                                      "run with --kv-cache-dtype auto, or another attention backend")
+        self._sp_fp8 = check_kv_cache_dtype(
+            getattr(self, "kv_cache_dtype", "auto"), KV_CACHE_DTYPES_16BIT, KV_CACHE_DTYPES_FP8,
+            hint="Run with --kv-cache-dtype auto or fp8_e4m3, or with another attention backend")
         self._sp = engine_state()
 
-    def _sp_unsupported(self) -> Optional[str]:
+    def _sp_unsupported(self, query=None, kv_cache=None) -> Optional[str]:
         if getattr(self, "alibi_slopes", None) is not None:
             return "alibi"
         sw = getattr(self, "sliding_window", None)
@@ -158,31 +171,66 @@ class ImplMixin:
             return "sinks"
         if getattr(self, "head_size", 128) not in (64, 128):
             return "head size"
+        if self._sp_fp8 and query is not None:
+            why = fp8_kernel_reason(query, int(query.shape[-1]), int(kv_cache.shape[2]))
+            if why is not None:   # no SparsePrefill FP8 kernel for this layer: FlashAttention serves it
+                warn_once("vllm-fp8-fa", f"sparse_prefill: kv_cache_dtype={self.kv_cache_dtype!r}: {why}; these "
+                          "layers run vLLM's FlashAttention (docs/integrations.md, 'FP8 KV caches')")
+                return why
         return None
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+    def _sp_fp8_caches(self, kv_cache):
+        """K and V of the layer's cache as the library reads them: FP8 caches (uint8 storage in vLLM) as
+        float8_e4m3fn views, as FlashAttention views them."""
         k_cache, v_cache = kv_cache.unbind(0)
-        self._sp.tracker.on_write(kv_cache.data_ptr(), k_cache, v_cache, slot_mapping, key, value)
-        return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self._sp_fp8:
+            import torch
+            k_cache, v_cache = k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn)
+        return k_cache, v_cache
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        # the tracker reads the old values, FA's write (reshape_and_cache_flash: for FP8, x / layer._k_scale,
+        # cast) runs, and the tracker reads back what the cache now holds, dequantised with the same scales
+        k_cache, v_cache = self._sp_fp8_caches(kv_cache)
+        result = []
+
+        def write():
+            result.append(super(ImplMixin, self).do_kv_cache_update(layer, key, value, kv_cache, slot_mapping))
+
+        scales = dict(k_descale=layer._k_scale, v_descale=layer._v_scale) if self._sp_fp8 else {}
+        self._sp.tracker.on_write(kv_cache.data_ptr(), k_cache, v_cache, slot_mapping, key, value, write=write,
+                                  **scales)
+        return result[0]
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None, **kwargs):
         plan = getattr(attn_metadata, "sparse_plan", None)
         if (plan is None or plan.num_prefills == 0 or output_scale is not None or output_block_scale is not None
-                or self._sp_unsupported() is not None):
+                or self._sp_unsupported(query, kv_cache) is not None):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale, **kwargs)
         nt, na = plan.num_decode_tokens, plan.num_actual_tokens
         if plan.num_decodes:
             super().forward(layer, query[:nt], key[:nt] if key is not None else None,
                             value[:nt] if value is not None else None, kv_cache, plan.decode_metadata, output[:nt])
-        k_cache, v_cache = kv_cache.unbind(0)
+        k_cache, v_cache = self._sp_fp8_caches(kv_cache)
         hq, d = query.shape[-2], query.shape[-1]
         out = output[nt:na].view(na - nt, hq, d)
-        self._sp.dispatch(query[nt:na], k_cache, v_cache, plan.cu_seqlens_q, None, plan.max_seqlen_q,
+        q = query[nt:na]
+        fp8 = {}
+        if self._sp_fp8:
+            # FA3's contract: q e4m3 with layer._q_scale (vLLM's Attention layer has quantised it when the impl
+            # supports_quant_query_input, else this does, as FA's own forward did), descales = the layer's scales
+            # expanded to [num_prefills, Hkv] (stride-0 views of the layer's tensors)
+            q = quantize_query(q, layer._q_scale)
+            b, hkv = plan.num_prefills, int(k_cache.shape[-2])
+            fp8 = dict(q_descale=fp8_descale(layer._q_scale, b, hkv, "layer._q_scale"),
+                       k_descale=fp8_descale(layer._k_scale, b, hkv, "layer._k_scale"),
+                       v_descale=fp8_descale(layer._v_scale, b, hkv, "layer._v_scale"))
+        self._sp.dispatch(q, k_cache, v_cache, plan.cu_seqlens_q, None, plan.max_seqlen_q,
                           plan.max_seqlen_k, out=out, layer_idx=layer_index(getattr(layer, "layer_name", None)),
                           softmax_scale=self.scale, block_table=plan.block_table, seqused_k=plan.seqused_k,
-                          mean_cache=self._sp.tracker.get(kv_cache.data_ptr(), k_cache))
+                          mean_cache=self._sp.tracker.get(kv_cache.data_ptr(), k_cache), **fp8)
         return output
 
 
@@ -200,7 +248,7 @@ def make_classes(fa_backend, fa_impl, fa_builder, cg_support=None, multiple_of=N
         pass
 
     class SparsePrefillBackend(fa_backend):
-        supported_kv_cache_dtypes = ["auto", "bfloat16", "float16"]
+        supported_kv_cache_dtypes = list(KV_CACHE_DTYPES_16BIT + KV_CACHE_DTYPES_FP8)
         forward_includes_kv_cache_update = False
         accept_output_buffer = True
 
@@ -223,6 +271,15 @@ def make_classes(fa_backend, fa_impl, fa_builder, cg_support=None, multiple_of=N
         @classmethod
         def get_supported_head_sizes(cls):
             return [64, 128]
+
+        @classmethod
+        def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+            if kv_cache_dtype is None:
+                return True
+            if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+                return False                  # fp8_e5m2, fp8_inc, nvfp4, ...: refused by name
+            base = getattr(super(), "supports_kv_cache_dtype", None)   # FA's: FP8 only where FA has it
+            return True if base is None else bool(base(kv_cache_dtype))
 
         @classmethod
         def supports_sink(cls) -> bool:
