@@ -1,5 +1,6 @@
 // The public entry points: validate once, then dispatch by device (CPU reference or CUDA backend).
 #include <algorithm>
+#include <utility>
 
 #include "api/problem.h"
 #include "api/validate.h"
@@ -40,6 +41,11 @@ void checked_before(const AttentionInputs& in, const Problem& p, const BlockInde
   Problem hp = p;
   hp.device = Device::kCPU;
   validate_values(in, h_cu_q, h_cu_k ? &*h_cu_k : nullptr, h_bt ? &*h_bt : nullptr, h_used ? &*h_used : nullptr, hp);
+  for (const auto& [t, name] : {std::pair{&in.q_descale, "q_descale"}, std::pair{&in.k_descale, "k_descale"},
+                                std::pair{&in.v_descale, "v_descale"}}) {
+    std::vector<int32_t> bits;  // float32 values moved as 4-byte words
+    if (t->has_value()) check_descale_values(cuda::download_int32(**t, in.stream, bits), name);
+  }
   if (view == nullptr) return;
   std::vector<int32_t> s0, s1, ids, cu_blocks;
   BlockIndexView hv = *view;

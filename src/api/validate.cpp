@@ -120,6 +120,15 @@ void check_cu_seqlens(const TensorView& cu, int64_t total, int64_t max_len, cons
 
 }  // namespace
 
+void check_descale_values(const TensorView& d, const char* name) {
+  const float* v = d.ptr<const float>();
+  for (int64_t b = 0; b < d.shape[0]; ++b)
+    for (int64_t h = 0; h < d.shape[1]; ++h)
+      if (v[b * d.stride[0] + h * d.stride[1]] < 0.f)
+        throw ArgumentError(name, std::string(name) + "[" + std::to_string(b) + ", " + std::to_string(h) +
+                                      "] is negative; descales must be >= 0");
+}
+
 void check_head_dim(int64_t head_dim, const char* name) {
   if (head_dim != 64 && head_dim != 128) {
     throw ArgumentError(name, "unsupported head dim " + std::to_string(head_dim) + " (supported: 64, 128)");
@@ -245,16 +254,9 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
                                     std::to_string(p.num_kv_heads) + "] ([batch, KV heads]), got " +
                                     shape_string(**t));
     }
-    // Descales are >= 0 (the kernels' running max assumes a non-negative logit scale, as softmax_scale > 0); NaN and
-    // inf propagate. Host values are read here; device values are checked by the kernel (kErrDescale).
-    if ((*t)->device == Device::kCPU) {
-      const float* d = (*t)->ptr<const float>();
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t h = 0; h < p.num_kv_heads; ++h)
-          if (d[b * (*t)->stride[0] + h * (*t)->stride[1]] < 0.f)
-            throw ArgumentError(name, std::string(name) + "[" + std::to_string(b) + ", " + std::to_string(h) +
-                                          "] is negative; descales must be >= 0");
-    }
+    // Host values are read here; device values are checked by the kernel (kErrDescale) and, in checked mode, on a
+    // host copy before the launch (dispatch.cpp).
+    if ((*t)->device == Device::kCPU) check_descale_values(**t, name);
   }
 
   // outputs

@@ -61,8 +61,8 @@ BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 std::optional<ArgumentError> take_device_error(void* stream);
 ArgumentError device_error_message(int code, int seq, int index, int value, int bound);
 
-// Checked mode (LaunchOptions::checked): copies a 1-D or 2-D int32 device array to the host (synchronises `stream`)
-// and returns a contiguous host view of it in `storage`.
+// Checked mode (LaunchOptions::checked): copies a 1-D or 2-D device array of 4-byte elements (int32 indices, float32
+// descales) to the host (synchronises `stream`) and returns a contiguous host view of it (t's dtype) in `storage`.
 TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t>& storage);
 
 }  // namespace sparse_prefill::cuda

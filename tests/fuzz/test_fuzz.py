@@ -10,6 +10,9 @@ head geometry, head dim, page size, mask, and then either leaves it valid or app
     monotone, not starting at 0, not ending at the rows; lengths above max_seqlen_q / max_seqlen_k; seqused_k
     negative or beyond the pages of its block_table row; block_table ids outside the cache; index segments outside
     the block id array; listed block ids outside the sequence.
+FP8 (about 30 % of the dense cases, needs torch): float8_e4m3fn q, k, v with random [B, Hkv] descales; mutations
+  of the descales' shape and dtype (host) and a negative descale (a device value on CUDA: NaN rows and
+  sp.check_errors() naming it; checked mode checks a host copy before the launch).
 Array layouts (any case, valid or not): contiguous, or q (and k, v when contiguous KV) as strided views — rows and
 heads padded by 8 elements (16 bytes: valid on every backend), heads interleaved (head stride 2·D: valid), or rows
 padded by 4 elements (valid on the CPU; CUDA needs 16-byte strides and raises NotImplementedError naming the array);
@@ -43,11 +46,12 @@ CANARY = 7.0
 
 HOST_MUTATIONS = ("head_dim", "heads", "cu_len", "cu_dtype", "out_shape", "max_neg", "window_bad", "scale_bad",
                   "v_dtype", "alpha_bad", "block_size_bad", "workspace_small", "scale_mismatch", "mean_cache_block",
-                  "last_stride")
+                  "last_stride", "descale_shape", "descale_dtype")
 LAYOUTS = ("contiguous", "padded", "heads_strided", "padded4")
 DEVICE_MUTATIONS = ("cu_q_over", "cu_q_nonmono", "cu_q_start", "cu_q_under", "max_q_small", "cu_k_over",
                     "cu_k_nonmono", "cu_k_start", "cu_k_under", "max_k_small", "used_over", "used_neg", "bt_bad",
-                    "seg_bad", "id_bad")
+                    "seg_bad", "id_bad", "descale_neg")
+FP8_MUTATIONS = ("descale_shape", "descale_dtype", "descale_neg")  # only for FP8 cases
 
 
 def pytest_generate_tests(metafunc):
@@ -77,6 +81,9 @@ class Case:
         self.B = int(rng.integers(1, 4))
         self.hq, self.hkv = [(2, 1), (4, 2), (8, 2), (4, 4), (8, 1)][int(rng.integers(5))]
         self.D = 128 if (cuda and sparse_kind) else int(rng.choice([64, 128]))
+        # FP8 (float8_e4m3fn q, k, v with [B, Hkv] descales) on the dense kinds: CUDA runs head dim 128 and pages of
+        # a multiple of 64, the rest raises NotImplementedError (counted as unsupported); the CPU computes all.
+        self.fp8 = torch is not None and self.kind in ("dense", "paged") and rng.random() < 0.3
         top = 600 if cuda else 160
         B = self.B
         if self.kind == "chunked":
@@ -127,6 +134,8 @@ class Case:
 
     def _device_mutation_applies(self, m):
         contiguous = not self.paged
+        if m in FP8_MUTATIONS:  # descale_neg: a (sequence, KV head) whose tiles run (CUDA checks it there)
+            return self.fp8 and any(self.q_lens[b] >= 1 and self.k_lens[b] >= 1 for b in range(self.B))
         if self.kind == "index":  # the index is bound to the valid arrays: only its own arrays are mutated
             return m in ("seg_bad", "id_bad")
         if self.q_lens.sum() == 0:  # no query row: no tile runs, nothing is read (and nothing checked) on CUDA
@@ -152,6 +161,8 @@ class Case:
         return True
 
     def _host_mutation_applies(self, m):
+        if m in FP8_MUTATIONS:
+            return self.fp8
         if self.kind == "index":
             return m == "scale_mismatch"
         if m == "last_stride":
@@ -171,7 +182,7 @@ class Case:
     def __repr__(self):
         return (f"Case({self.device} {self.kind} B={self.B} hq={self.hq} hkv={self.hkv} D={self.D} q={list(self.q_lens)} "
                 f"k={list(self.k_lens)} paged={self.paged} page={self.page_size} causal={self.causal} "
-                f"window={self.window} alpha={self.alpha} layout={self.layout} mutation={self.mutation})")
+                f"window={self.window} alpha={self.alpha} layout={self.layout} fp8={self.fp8} mutation={self.mutation})")
 
 
 def expected_argument(m):
@@ -183,7 +194,8 @@ def expected_argument(m):
             "cu_q_under": "cu_seqlens_q", "max_q_small": "max_seqlen_q", "cu_k_over": "cu_seqlens_k",
             "cu_k_nonmono": "cu_seqlens_k", "cu_k_start": "cu_seqlens_k", "cu_k_under": "cu_seqlens_k",
             "max_k_small": "max_seqlen_k", "used_over": "seqused_k", "used_neg": "seqused_k",
-            "bt_bad": "block_table", "seg_bad": "index.segment_start", "id_bad": "index.block_ids"}[m]
+            "bt_bad": "block_table", "seg_bad": "index.segment_start", "id_bad": "index.block_ids",
+            "descale_shape": "k_descale", "descale_dtype": "q_descale", "descale_neg": "v_descale"}[m]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -202,6 +214,8 @@ def build_arrays(c):
     q = rng.standard_normal((int(cu_q[-1]), hq, D)).astype(np.float32)
     k = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
     v = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
+    if c.fp8:  # values that float8_e4m3fn holds exactly (to_device casts them without rounding)
+        q, k, v = (fp8_round(x) for x in (q, k, v))
     a = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "block_table": None, "seqused_k": None,
          "max_seqlen_q": int(c.q_lens.max(initial=0)), "max_seqlen_k": int(c.k_lens.max(initial=0)),
          "k_contig": k, "v_contig": v, "cu_k_contig": cu_k}
@@ -212,6 +226,8 @@ def build_arrays(c):
         perm = rng.permutation(num_pages)
         kc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)  # garbage past seqused_k
         vc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)
+        if c.fp8:
+            kc, vc = fp8_round(kc), fp8_round(vc)
         bt = np.full((c.B, max(pages) + 1), -1, np.int32)
         nxt = 0
         for b in range(c.B):
@@ -224,8 +240,28 @@ def build_arrays(c):
                 vc[page, :hi - lo] = v[lo:hi]
         bt[bt < 0] = perm[-1]  # spare slots of the table: a valid page (never read past seqused_k)
         a.update(k=kc, v=vc, cu_seqlens_k=None, block_table=bt, seqused_k=c.k_lens.astype(np.int32))
+    if c.fp8:
+        for n in DESCALES:
+            a[n] = rng.uniform(0.05, 0.5, (c.B, hkv)).astype(np.float32)
     mutate(c, a)
     return a
+
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def fp8_round(x):
+    """float32 values rounded to float8_e4m3fn (torch's cast) and back."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.float8_e4m3fn).float().numpy()
+
+
+def dequantised(c, a, name, rows, heads_per_column):
+    """a[name] (q, or contiguous k / v) times its descale per (sequence, head), float64."""
+    x = a[name].astype(np.float64)
+    d = a[{"q": "q_descale", "k_contig": "k_descale", "v_contig": "v_descale"}[name]].astype(np.float64)
+    seq = np.repeat(np.arange(c.B), rows)
+    cols = np.arange(x.shape[1]) // heads_per_column
+    return x * d[seq][:, cols, None]
 
 
 def mutate(c, a):
@@ -294,6 +330,14 @@ def mutate(c, a):
         a["max_seqlen_q"] = -1
     elif m == "v_dtype":
         a["v"] = a["v"].astype(np.float16)
+    elif m == "descale_shape":
+        a["k_descale"] = np.ones((c.B, c.hkv + 1), np.float32)
+    elif m == "descale_dtype":
+        a["q_descale"] = a["q_descale"].astype(np.float16)
+    elif m == "descale_neg":
+        d = a["v_descale"] = a["v_descale"].copy()
+        live = [b for b in range(c.B) if c.q_lens[b] >= 1 and c.k_lens[b] >= 1]
+        d[live[int(r.integers(len(live)))], int(r.integers(c.hkv))] *= -1.0
 
 
 def expected_cu_len_argument(c):
@@ -305,16 +349,21 @@ def expected_cu_len_argument(c):
 # ------------------------------------------------------------------------------------------------------------------
 
 def to_device(a, c):
-    """The arrays in the case's library: numpy float32 on the CPU, torch bf16 / int32 on CUDA."""
-    if c.device == "cpu":
+    """The arrays in the case's library: numpy float32 on the CPU, torch bf16 / int32 on CUDA; FP8 cases: torch on
+    both, q / k / v float8_e4m3fn and the descales float32 (or the mutation's float16)."""
+    if c.device == "cpu" and not c.fp8:
         return dict(a)
     out = {}
     for n, x in a.items():
         if isinstance(x, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(x))
-            if x.dtype == np.float32 and n not in ("cu_seqlens_q",):
+            if n in DESCALES:
+                pass
+            elif c.fp8 and n in ("q", "k", "v", "k_contig", "v_contig") and x.dtype == np.float32:
+                t = t.to(torch.float8_e4m3fn)
+            elif x.dtype == np.float32 and n not in ("cu_seqlens_q",):
                 t = t.to(torch.bfloat16)
-            out[n] = t.cuda()
+            out[n] = t.cuda() if c.device == "cuda" else t
         else:
             out[n] = x
     return out
@@ -332,6 +381,8 @@ def strided_view(t, layout):
         shape, view = (rows, heads, D + pad), (slice(None), slice(None), slice(0, D))
     if isinstance(t, np.ndarray):
         buf = np.full(shape, np.nan, t.dtype)
+    elif t.dtype == torch.float8_e4m3fn:  # NaN bit patterns (0x7F)
+        buf = torch.full(shape, 0x7F, dtype=torch.uint8, device=t.device).view(torch.float8_e4m3fn)
     else:
         buf = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
     out = buf[view]
@@ -358,7 +409,9 @@ def canary_out(x, c):
     total, hq, D = x["q"].shape
     if c.mutation == "out_shape":
         hq += 1
-    if c.device == "cpu":
+    if c.fp8:  # FP8 inputs write bfloat16
+        buf = torch.full((total + 2 * PAD, hq, D), CANARY, dtype=torch.bfloat16, device=c.device)
+    elif c.device == "cpu":
         buf = np.full((total + 2 * PAD, hq, D), CANARY, np.float32)
     else:
         buf = torch.full((total + 2 * PAD, hq, D), CANARY, dtype=x["q"].dtype, device="cuda")
@@ -366,7 +419,7 @@ def canary_out(x, c):
 
 
 def canaries_intact(buf, c):
-    if c.device == "cpu":
+    if c.device == "cpu" and not c.fp8:
         return bool((buf[:PAD] == CANARY).all() and (buf[-PAD:] == CANARY).all())
     return bool((buf[:PAD] == CANARY).all().item() and (buf[-PAD:] == CANARY).all().item())
 
@@ -382,6 +435,8 @@ def call(c, x, out, options=None, index_state=None):
         ws = torch.empty(256 if c.mutation == "workspace_small" else index_state.get("ws_bytes", 1 << 20), dtype=torch.uint8,
                          device="cuda")
     common = dict(causal=c.causal, softmax_scale=scale, out=out, return_lse=True, options=options, **kv)
+    if c.fp8:
+        common.update({n: x[n] for n in DESCALES})
     mq, mk = x["max_seqlen_q"], x["max_seqlen_k"]
     if c.kind in ("dense", "paged"):
         return sp.attention(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
@@ -433,6 +488,11 @@ def prepare_index(c, a, x):
 
 def reference(c, a):
     """The reference result of a valid case: (out, lse) as float64 numpy."""
+    if c.fp8:  # the exact math on the dequantised values
+        g = c.hq // c.hkv
+        return sp_naive.attention(dequantised(c, a, "q", c.q_lens, g), dequantised(c, a, "k_contig", c.k_lens, 1),
+                                  dequantised(c, a, "v_contig", c.k_lens, 1), a["cu_seqlens_q"], a["cu_k_contig"],
+                                  causal=c.causal, window=c.window)
     if c.device == "cpu":
         return sp_naive.attention(a["q"], a["k_contig"], a["v_contig"], a["cu_seqlens_q"], a["cu_k_contig"],
                                   causal=c.causal, window=c.window)
@@ -469,6 +529,8 @@ def test_fuzz(case_id, request):
     rng = np.random.default_rng([cfg.getoption("--fuzz-seed"), 0 if device == "cpu" else 1, i])
     c = Case(rng, device)
     record("cases")
+    if c.fp8:
+        record("fp8_cases")
     SUMMARY["kinds"][c.kind] = SUMMARY["kinds"].get(c.kind, 0) + 1
     SUMMARY["mutations"][str(c.mutation)] = SUMMARY["mutations"].get(str(c.mutation), 0) + 1
     SUMMARY["layouts"][c.layout] = SUMMARY["layouts"].get(c.layout, 0) + 1
@@ -527,6 +589,11 @@ def check_valid_result(c, a, got, lse):
         return
     ref, ref_lse = reference(c, a)
     tol, ltol = (1e-4, 1e-4) if c.device == "cpu" else (3e-2, 3e-3)
+    if c.fp8:  # bfloat16 output; CUDA also rounds P to e4m3 (2^-4 relative per weight, test_fp8.py's bound)
+        big = float(np.abs(ref).max(initial=0.0))
+        vmax = float(np.abs(dequantised(c, a, "v_contig", c.k_lens, 1)).max(initial=0.0))
+        tol = 2 ** -8 * big + 1e-3 if c.device == "cpu" else 2 ** -4 * vmax + 2 ** -8 * big + 1e-3
+        ltol = 1e-3 if c.device == "cpu" else 3e-2
     assert got.shape == ref.shape, c
     err = np.abs(got - ref).max(initial=0.0)
     assert err <= tol, (err, c)
