@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 namespace sparse_prefill::bindings {
 
@@ -88,22 +89,30 @@ sp::TensorView view_from(const Array& a, const char* name) {
 
 }  // namespace
 
+namespace {
+
+// obj as a read-only (ROArray) or writable (RWArray) DLPack array, else a TypeError naming the argument.
+template <class Array>
+Array cast_array(nb::handle obj, const char* name) {
+  Array a;
+  if (obj.is_none() || !nb::try_cast(obj, a, false)) {
+    const char* what = std::is_same_v<Array, RWArray> ? "a writable array supporting DLPack (numpy, torch, cupy)"
+                                                       : "an array supporting DLPack (numpy, torch, cupy, jax)";
+    throw sp::ArgumentError(name, std::string("expected ") + what + ", got " + type_name_of(obj), true);
+  }
+  return a;
+}
+
+}  // namespace
+
 sp::TensorView to_view(nb::handle obj, const char* name, Held& held) {
-  ROArray a;
-  if (obj.is_none() || !nb::try_cast(obj, a, false))
-    throw sp::ArgumentError(name, "expected an array supporting DLPack (numpy, torch, cupy, jax), got " +
-                                      type_name_of(obj), true);
-  held.ro.push_back(a);
-  return view_from(a, name);
+  held.ro.push_back(cast_array<ROArray>(obj, name));
+  return view_from(held.ro.back(), name);
 }
 
 sp::TensorView to_writable_view(nb::handle obj, const char* name, Held& held) {
-  RWArray a;
-  if (obj.is_none() || !nb::try_cast(obj, a, false))
-    throw sp::ArgumentError(name, "expected a writable array supporting DLPack (numpy, torch, cupy), got " +
-                                      type_name_of(obj), true);
-  held.rw.push_back(a);
-  return view_from(a, name);
+  held.rw.push_back(cast_array<RWArray>(obj, name));
+  return view_from(held.rw.back(), name);
 }
 
 std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held& held) {
@@ -135,20 +144,15 @@ nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, con
   } else if (dtype != "float8_e4m3fn") {
     throw nb::value_error("internal: bit_view reads uint8 as float8_e4m3fn or uint16 as bfloat16");
   }
-  ROArray ro;
-  RWArray rw;
-  const bool ok = writable ? nb::try_cast(obj, rw, false) : nb::try_cast(obj, ro, false);
-  if (obj.is_none() || !ok)
-    throw sp::ArgumentError(name, std::string("expected a ") + (writable ? "writable " : "") +
-                                      "array supporting DLPack (numpy, torch, cupy, jax), got " + type_name_of(obj),
-                            true);
-  const nb::dlpack::dtype dt = writable ? rw.dtype() : ro.dtype();
-  if (dt != from) {
-    char buf[32];
-    throw sp::ArgumentError(name, std::string("expected uint") + std::to_string(from.bits) + " bit patterns of " +
-                                      dtype + ", got " + dl_dtype_name(dt, buf, sizeof buf), true);
-  }
-  return writable ? reinterpret_as(rw, obj, to) : reinterpret_as(ro, obj, to);
+  auto reinterpret = [&](const auto& a) {
+    if (a.dtype() != from) {
+      char buf[32];
+      throw sp::ArgumentError(name, std::string("expected uint") + std::to_string(from.bits) + " bit patterns of " +
+                                        dtype + ", got " + dl_dtype_name(a.dtype(), buf, sizeof buf), true);
+    }
+    return reinterpret_as(a, obj, to);
+  };
+  return writable ? reinterpret(cast_array<RWArray>(obj, name)) : reinterpret(cast_array<ROArray>(obj, name));
 }
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
