@@ -21,7 +21,6 @@ struct FwdConfig {
   using Element = Element_;
   using ElementOut = Element_;  // out's dtype (the FP8 config, config_fp8.h, writes bfloat16)
   using Accum = float;
-  static constexpr int kPingpong = 0;  // the one-step schedule's pingpong (FP8 only, config_fp8.h)
   static constexpr bool kTwoLevelPv = false;  // O += P V straight into O (see FwdConfigFp8)
   static constexpr bool kIntraWgOverlap = true;  // softmax(i) under the GEMMs S(i+1), O += P(i) V(i) (mainloop_sm90.h)
   static constexpr int kMaxOffset = 0;        // P = exp2(s - max) in [0, 1]

@@ -40,16 +40,9 @@ struct FwdConfigFp8 {
   // dequantised values): 32K 0.02224 vs 0.02233, 128K 0.02257 vs 0.02337, at the same speed (12.23 vs 12.35 ms,
   // 199.3 vs 203.8 ms; bench/results/fp8_single_level_pv_h200.json).
   static constexpr bool kTwoLevelPv = true;
-  // One step at a time in each consumer warpgroup (mainloop_sm90.h): the overlapped schedule with the two-level
-  // accumulator needs S + O + acc + P = 208 live registers of 240 and spilled 172 bytes (ptxas).
+  // One step at a time in each consumer warpgroup, the two warpgroups in pingpong (mainloop_sm90.h): the overlapped
+  // schedule with the two-level accumulator needs S + O + acc + P = 208 live registers of 240 and spilled 172 bytes.
   static constexpr bool kIntraWgOverlap = false;
-  // The pingpong between the consumer warpgroups of the one-step schedule (mainloop_sm90.h): 0 off, 1 around S(i),
-  // 2 around O += P(i) V(i), S(i + 1). Branch fp8-pingpong: an A/B for the H200 (-DSP_FP8_PINGPONG=0/1/2), then the
-  // losers go.
-#ifndef SP_FP8_PINGPONG
-#define SP_FP8_PINGPONG 2
-#endif
-  static constexpr int kPingpong = SP_FP8_PINGPONG;
   // FA3's offset: P = exp2(s - max + 8) in [0, 256] uses more of e4m3's range than [0, 1] (the normalisation
   // divides the 2^8 out; OnlineSoftmax<kRows, 8>).
   static constexpr int kMaxOffset = 8;

@@ -302,44 +302,29 @@ struct Mainloop {
       // GEMM. Only P (not S) is live during the PV GEMM: S 64 + O 64 + the two-level accumulator 64 + P 16 registers
       // never coexist in full, which the overlapped schedule below needs (ptxas: 172 bytes of spills there).
       //
-      // Pingpong (Config::kPingpong, FA3's warp-scheduler barriers): without it the two consumer warpgroups wait on
-      // the same barriers and run the same phase at the same time, both GEMMs then both softmaxes (H200, 32K causal:
-      // ~2580 cycles per 128 x 128 tile, about GEMM + exp2 time in series). Named barriers 3 + cwg hand the tensor
-      // core from one warpgroup to the other: a warpgroup's GEMM phase waits for its turn and ends by handing over,
-      //   kPingpong 1: the phase is S(i) alone;
-      //   kPingpong 2: the phase is O += P(i) V(i) then S(i + 1) (S(0) alone first), so that one warpgroup's
-      //                softmax runs under the other's two GEMMs.
+      // Pingpong (FA3's warp-scheduler barriers): without it the two consumer warpgroups wait on the same barriers
+      // and run the same phase at the same time, both GEMMs then both softmaxes. Named barriers 3 + cwg hand the
+      // tensor core from one warpgroup to the other: a turn is O += P(i) V(i) then S(i + 1) (S(0) alone first), so
+      // that one warpgroup's softmax runs under the other's two GEMMs. H200 A/B in one call (bench/NOTES_fp8.md):
+      // 16K / 32K / 128K causal 3.24 / 12.41 / 205.9 ms without, 3.37 / 13.01 / 219.6 with a turn of S(i) alone,
+      // 3.18 / 12.20 / 193.1 with this one.
       // Warpgroup 1 pre-arrives for warpgroup 0's first turn and skips its last hand-over: per tile and barrier, as
-      // many syncs as arrivals.
-      constexpr int kPing = Config::kPingpong;
+      // many syncs as arrivals (n_count > 0 here: the kernel skips empty tiles).
       constexpr int kPingBarrier = 3;  // 3, 4 (1, 2: each warpgroup's own syncs; 5: the fusion's)
-      auto turn = [&]() {
-        if constexpr (kPing != 0) cutlass::arch::NamedBarrier::sync(256, kPingBarrier + cwg);
-      };
+      auto turn = [&]() { cutlass::arch::NamedBarrier::sync(256, kPingBarrier + cwg); };
       auto hand_over = [&](bool last) {
-        if constexpr (kPing != 0) {
-          if (cwg == 0 || !last) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 1 - cwg);
-        }
+        if (cwg == 0 || !last) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 1 - cwg);
       };
-      if constexpr (kPing != 0) {
-        if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 0);
-      }
+      if (cwg == 1) cutlass::arch::NamedBarrier::arrive(256, kPingBarrier + 0);
       auto issue_s = [&]() {
         wait_kv(pipeline_k, st);
         wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
       };
-      if constexpr (kPing == 2) {
-        turn();
-        issue_s();
-        hand_over(false);
-      }
+      turn();
+      issue_s();
+      hand_over(false);
       CUTE_NO_UNROLL
       for (int i = 0; i < n_count; ++i) {
-        if constexpr (kPing != 2) {
-          if constexpr (kPing == 1) turn();
-          issue_s();
-          if constexpr (kPing == 1) hand_over(i + 1 == n_count);
-        }
         fusion.prepare_step(storage, iter, i);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
@@ -352,21 +337,19 @@ struct Mainloop {
         convert_p();
         wait_v(pipeline_v, st);
         sanitize_v(st.index(), v_block(i));
-        if constexpr (kPing == 2) turn();
+        turn();
         mma_pv_step(st.index(), i == 0);
         if (i > 0) rescale_o(tOrO, o_scale);  // O is not an operand of the GEMM in flight: rescaled under it
         warpgroup_wait<0>();
         finish_pv();
         pipeline_v.consumer_release(st);
         ++st;
-        if constexpr (kPing == 2) {
-          if (i + 1 < n_count) issue_s();  // S(i + 1) in the same turn (st is step i + 1's now)
-          hand_over(i + 1 == n_count);
-        }
+        if (i + 1 < n_count) issue_s();  // S(i + 1) in the same turn (st is step i + 1's now)
+        hand_over(i + 1 == n_count);
       }
       // Nothing is in flight here, but ptxas cannot tie the loop's exit to the last step's skipped S issue and would
       // inject this wait itself (C7517).
-      if constexpr (kPing == 2) warpgroup_wait<0>();
+      warpgroup_wait<0>();
       return;
     }
 
