@@ -10,9 +10,9 @@
 #   sass      ptxas registers/spills of every kernel and the SASS summary (HGMMA, local memory) of each CUDA object
 #   test      the whole pytest suite through the installed package (its CUDA cases run here)
 #   sanitize  compute-sanitizer memcheck and racecheck on small CUDA cases (dense, sparse, chunked, workspaces)
-#   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, valid and invalid calls,
-#             bad device values included) under compute-sanitizer memcheck, then racecheck on the kernel matrix and
-#             the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
+#   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, for at most
+#             $SP_FUZZ_TIME s, default 320; valid and invalid calls, bad device values included) under compute-sanitizer
+#             memcheck, then racecheck on the kernel matrix, the FP8 kernel and the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
 #             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
 #             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes)
@@ -107,17 +107,17 @@ for phase in "${PHASES[@]}"; do
       done
       ;;
     fuzz)
-      n="${SP_FUZZ_CUDA_CASES:-600}"
-      step "fuzz: $n CUDA cases under compute-sanitizer memcheck"
-      timeout 360 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 100 "$PY" -m pytest -q \
-        -p no:cacheprovider -rfE tests/fuzz --fuzz-device cuda --fuzz-cases "$n" --fuzz-time 320 \
+      n="${SP_FUZZ_CUDA_CASES:-600}" t="${SP_FUZZ_TIME:-320}"
+      step "fuzz: $n CUDA cases (at most ${t} s) under compute-sanitizer memcheck"
+      timeout $((t + 40)) compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 100 "$PY" -m pytest -q \
+        -p no:cacheprovider -rfE tests/fuzz --fuzz-device cuda --fuzz-cases "$n" --fuzz-time "$t" \
         --fuzz-report "$OUT/fuzz_report.json" > "$OUT/fuzz_memcheck.log" 2>&1
       r_mem=$?; (( r_mem == 0 )) || rc=$r_mem
       grep -E "ERROR SUMMARY|passed|failed" "$OUT/fuzz_memcheck.log" | tail -3
       step "fuzz: racecheck on the kernel matrix and the device-check tests"
       timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$PY" -m pytest -q -p no:cacheprovider \
-        tests/python/test_cuda.py tests/python/test_dense_cuda.py tests/python/test_guards_cuda.py \
-        -k "forced_paths_agree or device_index_two_steps or block_table_page_out_of_range or index_view_bad_values" \
+        tests/python/test_cuda.py tests/python/test_dense_cuda.py tests/python/test_guards_cuda.py tests/python/test_fp8.py \
+        -k "forced_paths_agree or device_index_two_steps or block_table_page_out_of_range or index_view_bad_values or fp8_cuda_matches_the_cpu_reference" \
         > "$OUT/fuzz_racecheck.log" 2>&1
       r_race=$?; (( r_race == 0 )) || rc=$r_race
       grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/fuzz_racecheck.log" | tail -3
