@@ -641,7 +641,11 @@ def run_cuda(c, a, x, index_state):
         return
     record("valid")
     if c.layout == "padded4":  # 8-byte strides: TMA and the 16-byte stores need 16-byte strides
-        with pytest.raises(NotImplementedError, match=r"\bq\b"):
+        # An FP8 case the FP8 kernel is not built for (head dim != 128, pages of other than a multiple of 64 rows) is
+        # refused first for that (H200 at 64a9743: 4 of 3600 cases)
+        fp8_unbuilt = c.fp8 and (c.D != 128 or (c.paged and c.page_size % 64 != 0))
+        unsupported = r"\bq\b|CUDA FP8 attention" if fp8_unbuilt else r"\bq\b"
+        with pytest.raises(NotImplementedError, match=unsupported):
             call(c, x, out, index_state=index_state)
         record("unsupported")
         return
