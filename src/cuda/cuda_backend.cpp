@@ -37,7 +37,7 @@ bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0;
 
 bool fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
 
-// What the FP8 kernel (DenseFp8Fwd, attention/variants.h) is built for: dense attention, head dim 128, contiguous KV
+// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: head dim 128, contiguous KV
 // or paged KV with page_size % 64 == 0 (TMA loads).
 void check_fp8_supported(const Problem& p) {
   if (p.head_dim != 128)
@@ -50,9 +50,9 @@ void check_fp8_supported(const Problem& p) {
 }
 void refuse_sparse_fp8(const Problem& p) {
   if (fp8(p))
-    throw NotImplementedError("CUDA sparse attention with FP8 (float8_e4m3fn) inputs is not built: the index stage "
-                              "and the block-sparse kernel take bfloat16 / float16 (dense FP8 attention is built; "
-                              "sparse FP8 runs on the CPU reference)");
+    throw NotImplementedError("CUDA build_index with FP8 (float8_e4m3fn) inputs is not built: the index stage takes "
+                              "bfloat16 / float16 (FP8 attention over a given index is built; the FP8 index runs on "
+                              "the CPU reference)");
 }
 
 // The descale's pointer and (batch, KV head) strides (absent: null = 1).
@@ -148,10 +148,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
 }
 
 void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
-  if (fp8(p)) {
-    if (sparse != nullptr) refuse_sparse_fp8(p);  // (refused before any launch; kept as the last guard)
-    return run_fwd_e4m3_hdim128(a);
-  }
+  if (fp8(p)) return run_fwd_e4m3_hdim128(a, sparse);
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (p.head_dim == 64)
     bf16 ? run_fwd_bf16_hdim64(a, sparse) : run_fwd_fp16_hdim64(a, sparse);
@@ -160,7 +157,6 @@ void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
 }
 
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
-  refuse_sparse_fp8(p);
   if (p.head_dim != 128)
     throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
   if (gathered_pages(p))
@@ -200,7 +196,7 @@ void run_sparse(const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) 
   s.launch.plan = plan && s.launch.max_split_units > 0;
   run_split_plan(a, s);
   run(a, p, &s);
-  run_split_combine(a, s, p.dtype == DType::kBFloat16);
+  run_split_combine(a, s, p.dtype == DType::kBFloat16 || fp8(p));  // FP8 writes bfloat16
 }
 bool planned(const AttentionInputs& in) {
   return split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k);

@@ -126,7 +126,7 @@ void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nul
 void run_fwd_fp16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
 void run_fwd_bf16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
 void run_fwd_fp16_hdim64(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);  // dense only
-// FP8 (float8_e4m3fn q, k, v; bfloat16 out): dense only, contiguous or paged KV with page_size % 64 == 0.
-void run_fwd_e4m3_hdim128(const FwdArgs& args);
+// FP8 (float8_e4m3fn q, k, v; bfloat16 out): contiguous or paged KV with page_size % 64 == 0.
+void run_fwd_e4m3_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);
 
 }  // namespace sparse_prefill::cuda

@@ -4,6 +4,8 @@
 //                   one per chunk of kBlockN pooled blocks holding a prunable block that is not listed) loads the
 //                   chunk's pooled means as keys and values; the consumer adds log|B_J| to the logits of the blocks to
 //                   correct and masks the rest. Runtime-off (no means given) it runs no step.
+//   Descaled<Inner>: FP8 inputs; the per-(sequence, KV head) descales of q, k, v on top of the fusion Inner
+//                   (Fp8Descale = Descaled over NoFusion, MeanCorrectionFp8 = Descaled over MeanCorrection).
 #pragma once
 
 #include <cmath>
@@ -21,7 +23,7 @@ namespace sparse_prefill::cuda {
 template <class Config>
 struct NoFusion {
   static constexpr bool kSteps = false;
-  static constexpr bool kDescale = false;  // Fp8Descale: per-(sequence, KV head) scales of FP8 q, k, v
+  static constexpr bool kDescale = false;  // Descaled: per-(sequence, KV head) scales of FP8 q, k, v
   struct Params {};
   template <class MakeTma, class KvParams>
   static Params to_params(const FwdArgs&, const SparseFwdArgs*, MakeTma&&, const KvParams&) { return {}; }
@@ -122,10 +124,11 @@ struct MeanCorrection {
       }
     }
     // Column j of the chunk is pooled block J = chunk * kBlockN + j. Blocks to correct (prunable, not listed) get
-    // logit + log|B_J| (raw units: log2|B_J| / scale_log2), all other columns -inf.
+    // logit + log|B_J| (raw units: log2|B_J| / scale_log2), all other columns -inf. bias_scale: 1, or with FP8
+    // descales (Descaled) 1 / (q_descale * k_descale), since the tile's logit scale is scale_log2 times that product.
     template <class TensorS, class TensorC, class Iterator>
     __device__ __forceinline__ void apply(const Params& p, const FwdProblem& pr, TensorS& S_rc, const TensorC& cS_rc,
-                                          const Iterator& iter, int block_size, int k_len) {
+                                          const Iterator& iter, int block_size, int k_len, float bias_scale) {
       using namespace cute;
       constexpr int kRows = decltype(size<0>(S_rc))::value;
       const int J0 = corr_chunk * kBlockN;
@@ -137,7 +140,7 @@ struct MeanCorrection {
         const uint32_t word = j < 64 ? (j < 32 ? listed[0] : listed[1]) : (j < 96 ? listed[2] : listed[3]);
         const bool todo = J < iter.n_prunable && !((word >> (j % 32)) & 1u);
         const int cnt = sp_min(block_size, k_len - J * block_size);
-        const float bias = cnt == block_size ? p.corr_bias_full : __log2f(float(cnt)) / pr.scale_log2;
+        const float bias = (cnt == block_size ? p.corr_bias_full : __log2f(float(cnt)) / pr.scale_log2) * bias_scale;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) S_rc(r, c) = todo ? S_rc(r, c) + bias : -INFINITY;
       }
@@ -147,20 +150,31 @@ struct MeanCorrection {
 
 // FP8 inputs (docs/semantics.md "FP8 inputs"): q, k, v are x * descale with float32 descales [B, Hkv] of any strides
 // (0 broadcasts; null = 1); query head h uses q_descale[b, h / g]. No steps of its own: the consumers fold
-// q_descale * k_descale into the tile's softmax scale and v_descale into the final normalisation (kernel_sm90.h).
-template <class Config>
-struct Fp8Descale : NoFusion<Config> {
+// q_descale * k_descale into the tile's softmax scale and v_descale into the final normalisation (kernel_sm90.h);
+// Inner's steps (the mean correction's pooled means, e4m3 in the same raw units as k and v) run unchanged.
+template <class Config, template <class> class Inner>
+struct Descaled : Inner<Config> {
+  using Base = Inner<Config>;
   static constexpr bool kDescale = true;
-  struct Params {
+  struct Params : Base::Params {
     const float* q;
     const float* k;
     const float* v;
     int64_t q_stride[2], k_stride[2], v_stride[2];  // (batch, KV head), elements
   };
   template <class MakeTma, class KvParams>
-  static Params to_params(const FwdArgs& a, const SparseFwdArgs*, MakeTma&&, const KvParams&) {
-    return {a.q_descale, a.k_descale, a.v_descale, {a.q_descale_stride[0], a.q_descale_stride[1]},
-            {a.k_descale_stride[0], a.k_descale_stride[1]}, {a.v_descale_stride[0], a.v_descale_stride[1]}};
+  static Params to_params(const FwdArgs& a, const SparseFwdArgs* s, MakeTma&& make_tma, const KvParams& kv) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_params(a, s, make_tma, kv);
+    p.q = a.q_descale;
+    p.k = a.k_descale;
+    p.v = a.v_descale;
+    for (int i = 0; i < 2; ++i) {
+      p.q_stride[i] = a.q_descale_stride[i];
+      p.k_stride[i] = a.k_descale_stride[i];
+      p.v_stride[i] = a.v_descale_stride[i];
+    }
+    return p;
   }
   struct Scales {
     float qk, v;
@@ -178,5 +192,9 @@ struct Fp8Descale : NoFusion<Config> {
     return {q * k, v, q < 0.f ? 0 : k < 0.f ? 1 : v < 0.f ? 2 : -1};
   }
 };
+template <class Config>
+using Fp8Descale = Descaled<Config, NoFusion>;
+template <class Config>
+using MeanCorrectionFp8 = Descaled<Config, MeanCorrection>;
 
 }  // namespace sparse_prefill::cuda

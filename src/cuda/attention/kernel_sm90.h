@@ -67,9 +67,9 @@ struct FwdKernel {
       storage.barrier_q_empty.init(Config::kNumMmaThreads);
       if constexpr (KvSource::kTransposeV) KvSource::init_barriers(storage);
       for (int s = 0; s < 4; ++s) storage.poisoned[s] = 0;
-      for (int s = 0; s < 2; ++s) {
+      for (int s = 0; s < 2; ++s) {  // the tile mailbox (persistent schedulers): consumers and V transposers read it
         storage.tile_full[s].init(1);
-        storage.tile_empty[s].init(Config::kNumMmaThreads);
+        storage.tile_empty[s].init(Config::kNumMmaThreads + KvSource::kTransposeThreads);
       }
     }
     typename Pipeline::Params pipe_params;
@@ -112,12 +112,11 @@ struct FwdKernel {
     }
   }
 
-  // The V transpose warps (KvTmaTransposeV): the tiles of the producer loop, each V step of each tile. They follow the
-  // producer's tile order, which only a non-persistent scheduler gives them without a tile slot of their own.
+  // The V transpose warps (KvTmaTransposeV): the tiles of the producer loop, each V step of each tile. They read the
+  // tiles as the consumers do (a persistent scheduler's mailbox counts their arrivals too).
   __device__ __forceinline__ static void transposer(const Params& params, SharedStorage& storage, Pipeline& pipeline_v) {
-    static_assert(!Scheduler::kPersistent, "the V transpose warps follow a non-persistent scheduler's tiles");
     PipelineState st;  // read state of the V pipeline (like a consumer's)
-    typename Scheduler::template Producer<SharedStorage> sched{storage};
+    typename Scheduler::template Consumer<SharedStorage> sched{storage};
     for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);
          t = sched.next(params.scheduler, t), ++n) {
       const Work work = work_of(params, Scheduler::unit(params.scheduler, t));

@@ -22,6 +22,7 @@ template <class Config>
 struct KvCpAsyncGather {
   static constexpr int kProducerThreads = 128;  // the whole producer warpgroup copies
   static constexpr bool kTransposeV = false;
+  static constexpr int kTransposeThreads = 0;
   static constexpr bool kGenericProxy = true;   // cp.async writes through the generic proxy
   using Pipeline = typename Config::PipelineGather;
   using PipelineState = typename Config::PipelineState;

@@ -15,6 +15,7 @@ template <class Config>
 struct KvTma {
   static constexpr int kProducerThreads = 1;  // one thread issues every copy
   static constexpr bool kTransposeV = false;   // V is read MN-major in place (KvTmaTransposeV: FP8)
+  static constexpr int kTransposeThreads = 0;  // producer threads that transpose V (KvTmaTransposeV)
   static constexpr bool kGenericProxy = false;
   using Pipeline = typename Config::Pipeline;
   using PipelineState = typename Config::PipelineState;

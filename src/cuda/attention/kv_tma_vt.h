@@ -94,8 +94,10 @@ struct KvTmaTransposeV : KvTma<Config> {
     const uint32_t sel_a = r < 4 ? 0x6420u : 0x7531u, sel_b = sel_a ^ 0x6420u ^ 0x7531u;
     const int n_count = work.iter.count();
     for (int step = 0; step < n_count; ++step) {
-      const int n_block = work.iter.block(step);
-      const int valid = n_block == tail ? work.seq.k_len - n_block * kBlockN : kBlockN;
+      // A correction step (MeanCorrection) holds pooled means (rows past them zero-filled by TMA): no tail. Without a
+      // tail block (contiguous KV, whole last block) the step's block is not needed: no listed-id load.
+      const int n_block = tail < 0 || work.iter.is_corr(step) ? -1 : work.iter.block(step);
+      const int valid = n_block >= 0 && n_block == tail ? work.seq.k_len - n_block * kBlockN : kBlockN;
       pipeline_v.consumer_wait(st);  // the V tile's TMA landed (waiting on the full barrier only; no release)
       const uint32_t v_stage = v_base + st.index() * kStageBytes, vt_stage = vt_base + st.index() * kStageBytes;
       // kPass groups per pass: their loads issue back to back (one load latency exposed per pass).

@@ -54,14 +54,19 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   launch_fwd<DenseFwd<Config>>(a, nullptr);
 }
 
-// Dense FP8 attention (float8_e4m3fn q, k, v; bfloat16 out): contiguous KV or paged KV with page_size % 64 == 0
-// (cuda_backend.cpp refuses the rest with NotImplementedError before this point).
+// FP8 attention (float8_e4m3fn q, k, v; bfloat16 out), dense (sparse == nullptr) or block-sparse: contiguous KV or
+// paged KV with page_size % 64 == 0 (cuda_backend.cpp refuses the rest with NotImplementedError before this point).
 template <int kHeadDim>
-void run_fwd_fp8(const FwdArgs& a) {
+void run_fwd_fp8(const FwdArgs& a, const SparseFwdArgs* sparse) {
   using Config = FwdConfigFp8<kHeadDim>;
   if (a.total_q == 0 || a.batch == 0) return;
   if (a.page_size > 0 && a.page_size % Config::kHalfN != 0)
     throw std::runtime_error("sparse_prefill cuda: the FP8 kernel needs page_size % 64 == 0");
+  if (sparse != nullptr) {
+    const SparseLaunchWorkspace& w = sparse->launch;
+    if (w.counters != nullptr && w.plan) return launch_fwd<SparseSplitKvFp8Fwd<Config>>(a, sparse);
+    return launch_fwd<SparseFp8Fwd<Config>>(a, sparse);
+  }
   launch_fwd<DenseFp8Fwd<Config>>(a, nullptr);
 }
 

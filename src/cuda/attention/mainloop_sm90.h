@@ -2,7 +2,7 @@
 //   QLoad    (q_load.h):    QTma | QPackGqaGather
 //   KvSource (kv_source.h): KvTma (contiguous, paged whole / half boxes) | KvCpAsyncGather
 //   Schedule (tile_work.h): DenseRange | CsrBlocks (CSR list or full list)
-//   Fusion   (fusion.h):    NoFusion | MeanCorrection
+//   Fusion   (fusion.h):    NoFusion | MeanCorrection | Descaled<either> (FP8)
 // load_tile() is the producer's side of one tile (Q, then K/V of every step of the tile's block iterator into the
 // 3-stage pipelines), mma() the consumers' side: wgmma S = Q K^T from smem, mask / correction, online softmax in
 // registers, wgmma O += P V with P from registers.
@@ -212,10 +212,16 @@ struct Mainloop {
     auto row_pos = [&](int row) { return work.row_pos(pr, row); };
 
     typename Fusion::Consumer fusion;
+    // The correction's log|B| in raw logit units: FP8 descales (Descaled) make the tile's logit scale softmax.scale_log2
+    // = q_descale * k_descale * pr.scale_log2. A zero product makes every logit 0; the bias then stays 0 (finite).
+    float corr_bias_scale = 1.f;
+    if constexpr (Fusion::kDescale && Fusion::kSteps)
+      corr_bias_scale = softmax.scale_log2 > 0.f ? pr.scale_log2 / softmax.scale_log2 : 0.f;
     // Element-wise mask of step i (only called when iter.needs_mask(i)).
     auto mask_step = [&](int i) {
       if constexpr (Fusion::kSteps) {
-        if (iter.is_corr(i)) return fusion.apply(p.fusion, pr, S_rc, cS_rc, iter, p.schedule.block_size, seq.k_len);
+        if (iter.is_corr(i))
+          return fusion.apply(p.fusion, pr, S_rc, cS_rc, iter, p.schedule.block_size, seq.k_len, corr_bias_scale);
       }
       apply_mask<kBlockN>(S_rc, cS_rc, iter, row_pos, iter.block(i));
     };

@@ -88,7 +88,8 @@ struct QPackGqaGather {
       using namespace cute;
       using Element = typename Config::Element;
       Tensor sQw = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
-      constexpr int kChunks = Config::kHeadDim / 8;
+      constexpr int kPerChunk = 16 / int(sizeof(Element));  // elements per 16-byte load: 8 (16-bit), 16 (FP8)
+      constexpr int kChunks = Config::kHeadDim / kPerChunk;
       const Element* q_base = static_cast<const Element*>(p.q);
       const int tq = mma_tidx % 128;
       const int tile_rows = work.tile_rows(pr);  // rows past the sequence are zeros
@@ -100,14 +101,14 @@ struct QPackGqaGather {
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
         vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(
                                         q_base + int64_t(work.seq.q_start + work.row_pos(pr, row)) * p.q_row_stride +
-                                        int64_t(work.row_head(pr, row)) * p.q_head_stride + ch * 8))
+                                        int64_t(work.row_head(pr, row)) * p.q_head_stride + ch * kPerChunk))
                                   : make_uint4(0, 0, 0, 0);
       }
       CUTE_UNROLL
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
         const int idx = tq + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-        *reinterpret_cast<uint4*>(&sQw(row, ch * 8)) = vals[k];
+        *reinterpret_cast<uint4*>(&sQw(row, ch * kPerChunk)) = vals[k];
       }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(128, 1 + cwg);

@@ -27,5 +27,14 @@ using SparseFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, M
 template <class Config>
 using SparseSplitKvFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>,
                                    SplitKvPartials, PlannedScheduler>;
+// Block-sparse FP8 attention: SparseFwd's schedule with DenseFp8Fwd's operands (V transposed in shared memory, the
+// descales folded in); the correction's pooled means are e4m3 in k's and v's raw units (the index stage's
+// k_mean_kernel / v_mean_kernel), so the same descales apply to them.
+template <class Config>
+using SparseFp8Fwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTmaTransposeV, CsrBlocks, MeanCorrectionFp8>,
+                               DirectStore, DynamicPersistentScheduler>;
+template <class Config>
+using SparseSplitKvFp8Fwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTmaTransposeV, CsrBlocks, MeanCorrectionFp8>,
+                                      SplitKvPartials, PlannedScheduler>;
 
 }  // namespace sparse_prefill::cuda
