@@ -4,15 +4,20 @@ sp.attention (q, k, v from sp.quantize_fp8 per KV head, descales passed), cuDNN 
 output's error against a float32 SDPA on the dequantised values next to the bf16 output's error against float32 on
 the bf16 values (up to --error-max-len), and at every length against our bf16 kernel on the dequantised values.
 Rows alternate bf16 / fp8 over ROUNDS rounds (median of the round medians), so drift cancels.
-Target (issue 17): fp8 >= 1.35x bf16 at 16K-128K.
-Usage: python3 bench/bench_fp8.py --out bench/results/fp8_h200.json [--lengths 16384,32768] [--paged 128]"""
+Sparse rows (--sparse-lengths, kind "sparse"): the topic workload (docs/workload.md) in bf16 and quantised per KV head,
+the default selection; block-sparse attention over one index (built by build_index on the bf16 arrays, with and
+without the correction; with --fp8-index also on the FP8 arrays) for bf16 and FP8 (reuse_index=True), the one-call
+sparse_prefill totals where the FP8 index stage exists, and each output's error against our dense bf16 output.
+Targets (issue 17): fp8 >= 1.35x bf16 at 16K-128K; sparse FP8 (correction on) >= 1.25x bf16 sparse at 128K.
+Usage: python3 bench/bench_fp8.py --out bench/results/fp8_h200.json [--lengths 16384,32768] [--paged 128]
+       [--sparse-lengths 32768,131072] [--fp8-index]"""
 import argparse
 import os
 
 import torch
 
-from _common import (D, HKV, HQ, attention_workspace, emit, ints, median, rel_err, require_cuda, sdpa_layout,
-                     time_ms, time_sdpa_peers, write_results)
+from _common import (D, HKV, HQ, SEL, attention_workspace, emit, index_workspace, ints, median, rel_err, require_cuda,
+                     sdpa_layout, time_ms, time_sdpa_peers, topic, write_results)
 
 ROUNDS = 3
 
@@ -37,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
     ap.add_argument("--paged", type=int, default=0, help="also time FP8 with the KV in shuffled pages of this size")
     ap.add_argument("--error-max-len", type=int, default=32768, help="float32 reference only up to this length")
+    ap.add_argument("--sparse-lengths", default="", help="block-sparse rows on the topic workload at these lengths")
+    ap.add_argument("--fp8-index", action="store_true", help="also build the index on the FP8 arrays (CUDA index stage)")
     args = ap.parse_args(argv)
     sp = require_cuda()
     dev, hq, hkv, d = "cuda", HQ, HKV, D
@@ -124,7 +131,50 @@ def main(argv=None):
         write_results(args.out, rows, **meta)
         del q, k, v, q8, k8, v8, out_bf, out_8, qt, kt, vt
         torch.cuda.empty_cache()
+    for L in ints(args.sparse_lengths):
+        rows.append(sparse_row(sp, L, hkv, ws, args.fp8_index))
+        emit(rows[-1])
+        write_results(args.out, rows, **meta)
+        torch.cuda.empty_cache()
     write_results(args.out, rows, **meta)
+
+
+def sparse_row(sp, L, hkv, ws, fp8_index):
+    """One "sparse" row: bf16 and FP8 block-sparse attention on the topic workload at length L (see the docstring)."""
+    q, k, v = topic(L)
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    (q8, qd), (k8, kd), (v8, vd) = sp.quantize_fp8(q, num_kv_heads=hkv), sp.quantize_fp8(k), sp.quantize_fp8(v)
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    out = torch.empty_like(q)
+    sp.attention(q, k, v, cu, cu, L, L, out=out, workspace=ws)
+    dense = out.clone()
+    row = dict(kind="sparse", L=L, selection=dict(SEL))
+    nc = dict(SEL, correction=False)
+    idx_nc = sp.build_index(q, k, v, cu, cu, L, L, workspace=index_workspace(q, k, v, cu, cu, L, L, **nc), **nc)
+    row["density"] = idx_nc.density
+    t_bf, t_8 = [], []
+    for _ in range(ROUNDS):
+        t_bf.append(time_ms(lambda: sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L, out=out)))
+        t_8.append(time_ms(lambda: sp.sparse_attention(q8, k8, v8, idx_nc, cu, cu, L, L, out=out, reuse_index=True,
+                                                       **fp8)))
+    row.update(bf16_attn_no_corr_ms=median(t_bf), fp8_attn_no_corr_ms=median(t_8))
+    row["fp8_rel_err_vs_dense_bf16_no_corr"] = rel_err(out, dense)
+    sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L, out=out)
+    row["bf16_rel_err_vs_dense_bf16_no_corr"] = rel_err(out, dense)
+    del idx_nc
+    idx = sp.build_index(q, k, v, cu, cu, L, L, workspace=index_workspace(q, k, v, cu, cu, L, L, **SEL), **SEL)
+    row["bf16_attn_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
+    row["bf16_total_ms"] = time_ms(lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, out=out, **SEL))
+    row["bf16_rel_err_vs_dense_bf16"] = rel_err(out, dense)
+    if fp8_index:  # the CUDA index stage on FP8 inputs: its own index (e4m3 correction means), then the one call
+        idx8 = sp.build_index(q8, k8, v8, cu, cu, L, L, workspace=index_workspace(q8, k8, v8, cu, cu, L, L, **SEL),
+                              **SEL, **fp8)
+        row["fp8_density"] = idx8.density
+        row["fp8_attn_ms"] = time_ms(lambda: sp.sparse_attention(q8, k8, v8, idx8, cu, cu, L, L, out=out, **fp8))
+        row["fp8_total_ms"] = time_ms(lambda: sp.sparse_prefill(q8, k8, v8, cu, cu, L, L, out=out, **SEL, **fp8))
+        row["fp8_rel_err_vs_dense_bf16"] = rel_err(out, dense)
+        row["fp8_over_bf16_sparse_speedup"] = row["bf16_total_ms"] / row["fp8_total_ms"]
+    return row
 
 
 if __name__ == "__main__":

@@ -208,6 +208,14 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
   if (p.device == Device::kCPU) device_index_on_cpu();
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);
+  // A device index keeps its correction means in the kernel operand type of the arrays it was built on (16-bit, or
+  // e4m3 in k's / v's raw units): other dtypes would read them as their own.
+  if (index.params.correction && index.binding.dtype != p.dtype) {
+    throw ArgumentError("index", std::string("was built on ") + dtype_name(index.binding.dtype) +
+                                     " arrays with the correction: its pooled means cannot serve " +
+                                     dtype_name(p.dtype) + " inputs (build the index on these arrays, or with "
+                                     "correction=False)");
+  }
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
   cuda::sparse_attention(in, outs, p, index);
