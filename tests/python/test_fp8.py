@@ -1,7 +1,7 @@
 """FP8 (float8_e4m3fn) inputs with per-(sequence, KV head) descales on the CPU reference, quantize_fp8, and the
 errors of bad FP8 arguments; on CUDA the dense FP8 kernel (head dim 128, contiguous or TMA-paged KV) against the CPU
 oracle, FA3's self-calibrating rule and a 32K needle workload, and the combinations that are not built (head dim 64,
-the cp.async page gather, sparse FP8) raising NotImplementedError."""
+the cp.async page gather, sparse FP8 attention) raising NotImplementedError. The FP8 index stage: test_fp8_index.py."""
 
 import math
 
@@ -418,7 +418,7 @@ def test_fp8_cuda_needles_at_32k_within_the_bf16_band():
 
 @cuda_only
 def test_fp8_cuda_unsupported_combinations(rng):
-    # head dim 64, paged KV with page_size % 64 != 0 (the cp.async gather), and every sparse entry point
+    # head dim 64, paged KV with page_size % 64 != 0 (the cp.async gather), and the sparse attention entry points
     (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [20, 30], [20, 30], d=64)
     fp8 = dict(q_descale=ds[0].cuda(), k_descale=ds[1].cuda(), v_descale=ds[2].cuda())
     with pytest.raises(NotImplementedError, match="FP8 attention is built for head dim 128 only"):
@@ -431,9 +431,12 @@ def test_fp8_cuda_unsupported_combinations(rng):
                      block_table=torch.from_numpy(bt).cuda(), seqused_k=torch.from_numpy(used).cuda())
     (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [20, 30], [20, 30], d=128)
     args = _cuda(q8, k8, v8, cu_q, cu_k) + [30, 30]
-    for fn in (sp.sparse_prefill, sp.build_index):
-        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-            fn(*args, q_descale=ds[0].cuda())
+    # the index stage takes FP8 (test_fp8_index.py); the block-sparse FP8 kernel is not built yet
+    index = sp.build_index(*args, q_descale=ds[0].cuda())
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn.*not built"):
+        sp.sparse_prefill(*args, q_descale=ds[0].cuda())
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn.*not built"):
+        sp.sparse_attention(*args[:3], index, *args[3:], q_descale=ds[0].cuda())
 
 
 def test_fp8_torch_ops_equal_the_public_functions(rng):
