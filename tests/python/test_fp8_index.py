@@ -81,7 +81,8 @@ def _fp8_case(rng, q_lens, k_lens, hq, hkv, modes=("seq", "transposed", "head"),
 
 
 def _segments(index, batch, heads):
-    return [list(index.segment(b, h, t)) for b in range(batch) for h in range(heads) for t in range(int(index.tiles[b]))]
+    return [list(index.segment(b, h, t))
+            for b in range(batch) for h in range(heads) for t in range(int(index.tiles[b]))]
 
 
 def _check_selection(ref, got, batch, heads):
@@ -157,7 +158,7 @@ def test_fp8_index_q_without_16_byte_alignment_equals_aligned():
 
 def _paged_fp8_prompts(rng, lens, hq=8, hkv=2, ps=64):
     """Structured prompts of `lens` tokens in one paged FP8 cache (shuffled pages) with per-(sequence, KV head)
-    descales: q, the cache, block table, the descales (CPU tensors)."""
+    descales: q, the cache, block table, the descale keyword arguments (CPU tensors)."""
     cpu, _, ds, _, _, _ = _fp8_case(rng, lens, lens, hq, hkv, modes=("seq", "seq", "seq"))
     q8, k8, v8, cu_q, cu_k = cpu
     kc, vc, bt, _ = to_paged(rng, k8.float().numpy(), v8.float().numpy(), cu_k.numpy(), ps)
@@ -180,9 +181,8 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
     the CPU reference's up to ties; afterwards every complete block's slot holds the reference's real-unit means."""
     rng = np.random.default_rng(5)
     lens, C, ps, hkv = [4000, 3100], 1024, 64, 2  # ps < block_size: one slot per page
-    q8, kc8, vc8, bt, ds = _paged_fp8_prompts(rng, lens, hkv=hkv, ps=ps)
+    q8, kc8, vc8, bt, ds_cpu = _paged_fp8_prompts(rng, lens, hkv=hkv, ps=ps)
     kcg, vcg, btg = kc8.cuda(), vc8.cuda(), bt.cuda()
-    ds_cpu = {f"{n}_descale": torch.from_numpy(d) for n, (d, _) in ds.items()}
     ds_gpu = {n: d.cuda() for n, d in ds_cpu.items()}
     means = sp.mean_cache(kcg)
     for c0 in range(0, max(lens), C):
@@ -285,9 +285,9 @@ def test_fp8_chunked_prefill_mean_cache_on_gpu(needs_sparse_fp8):
     # descales) equals the steps that re-pool, bit for bit
     rng = np.random.default_rng(9)
     lens, C = [3000, 2100], 1024
-    q8, kc8, vc8, bt, ds = _paged_fp8_prompts(rng, lens)
+    q8, kc8, vc8, bt, ds_cpu = _paged_fp8_prompts(rng, lens)
     kcg, vcg, btg = kc8.cuda(), vc8.cuda(), bt.cuda()
-    ds_gpu = {f"{n}_descale": torch.from_numpy(d).cuda() for n, (d, _) in ds.items()}
+    ds_gpu = {n: d.cuda() for n, d in ds_cpu.items()}
     means = sp.mean_cache(kcg)
     for c0 in range(0, max(lens), C):
         q, cu, used, mq, mk = _step(q8, lens, c0, C)

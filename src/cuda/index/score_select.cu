@@ -110,14 +110,16 @@ __device__ __forceinline__ void gather_q_fp8(const QArgs& qa, TensorQ& sQ, int64
   for (int l = 0; l < kLoads; ++l) {
     const int i = threadIdx.x + l * kScoreThreads, r = i / kPerRow, col = (i % kPerRow) * 16;
     const uint32_t in[4] = {raw[l].x, raw[l].y, raw[l].z, raw[l].w};
-    uint32_t out[8];
-    CUTE_UNROLL
-    for (int p = 0; p < 8; ++p) {  // e4m3 pair p (elements 2p, 2p + 1) -> f16x2 (exact) -> f32 x descale -> bf16x2
-      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(
-          __nv_fp8x2_storage_t((in[p / 2] >> (16 * (p % 2))) & 0xffffu), __NV_E4M3));
-      const float2 f = __half22float2(h);
-      const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * descale, f.y * descale);
-      out[p] = *reinterpret_cast<const uint32_t*>(&bf);
+    uint32_t out[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};  // rows past the tile: zeros whatever the descale (inf, NaN)
+    if (r < rows) {
+      CUTE_UNROLL
+      for (int p = 0; p < 8; ++p) {  // e4m3 pair p (elements 2p, 2p + 1) -> f16x2 (exact) -> f32 x descale -> bf16x2
+        const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(
+            __nv_fp8x2_storage_t((in[p / 2] >> (16 * (p % 2))) & 0xffffu), __NV_E4M3));
+        const float2 f = __half22float2(h);
+        const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * descale, f.y * descale);
+        out[p] = *reinterpret_cast<const uint32_t*>(&bf);
+      }
     }
     *reinterpret_cast<uint4*>(&sQ(r, col)) = make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(&sQ(r, col + 8)) = make_uint4(out[4], out[5], out[6], out[7]);
@@ -460,10 +462,10 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   auto kernel = score_select_kernel<T, D, kRowMax>;
   (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
-                                                    d.cu_tiles,
-                                                    d.cu_blocks, d.cu_capacity, static_cast<const lowp_t<T>*>(d.k_mean_lowp),
-                                                    d.probe_bits, d.probe_words, d.segment_start, d.segment_end,
-                                                    d.block_ids, d.counters);
+                                                    d.cu_tiles, d.cu_blocks, d.cu_capacity,
+                                                    static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
+                                                    d.probe_words, d.segment_start, d.segment_end, d.block_ids,
+                                                    d.counters);
 }
 
 }  // namespace
