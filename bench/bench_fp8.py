@@ -43,7 +43,8 @@ def main(argv=None):
     ap.add_argument("--paged", type=int, default=0, help="also time FP8 with the KV in shuffled pages of this size")
     ap.add_argument("--error-max-len", type=int, default=32768, help="float32 reference only up to this length")
     ap.add_argument("--sparse-lengths", default="", help="block-sparse rows on the topic workload at these lengths")
-    ap.add_argument("--fp8-index", action="store_true", help="also build the index on the FP8 arrays (CUDA index stage)")
+    ap.add_argument("--fp8-index", action="store_true",
+                    help="also build the index on the FP8 arrays (the CUDA index stage)")
     args = ap.parse_args(argv)
     sp = require_cuda()
     dev, hq, hkv, d = "cuda", HQ, HKV, D

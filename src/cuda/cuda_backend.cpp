@@ -48,12 +48,6 @@ void check_fp8_supported(const Problem& p) {
                               "gather of other page sizes is not built for FP8); got page_size " +
                               std::to_string(p.page_size));
 }
-void refuse_sparse_fp8(const Problem& p) {
-  if (fp8(p))
-    throw NotImplementedError("CUDA build_index with FP8 (float8_e4m3fn) inputs is not built: the index stage takes "
-                              "bfloat16 / float16 (FP8 attention over a given index is built; the FP8 index runs on "
-                              "the CPU reference)");
-}
 
 // The descale's pointer and (batch, KV head) strides (absent: null = 1).
 void set_descale(const std::optional<TensorView>& t, const float*& ptr, int64_t (&stride)[2]) {
@@ -210,8 +204,8 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.block_ids = index.block_ids;
   s.cu_tiles = index.cu_tiles;
   s.cu_blocks = index.cu_blocks;
-  s.k_mean = index.k_mean_lowp;
-  s.v_mean = index.v_mean_lowp;
+  s.k_mean = index.k_mean_kernel;  // the kernel's operand type (FP8: e4m3 in raw units, index_stage.h)
+  s.v_mean = index.v_mean_kernel;
   s.mean_rows = index.max_blocks;
   s.num_segments = int(std::min<int64_t>(index.max_segments, INT32_MAX));
   s.num_block_ids = int(std::min<int64_t>(index.capacity, INT32_MAX));
@@ -222,7 +216,8 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   return s;
 }
 
-// The host-index path's prepared copies in one workspace: tiles per sequence, q-dtype pooled means, launch state.
+// The host-index path's prepared copies in one workspace: tiles per sequence, the kernel's pooled means (q's dtype;
+// FP8: e4m3), launch state.
 // Without a base only `bytes` is set.
 struct ViewLayout {
   int32_t* cu_tiles = nullptr;
@@ -233,7 +228,7 @@ struct ViewLayout {
 };
 ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, const Problem& p, void* base) {
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
-  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * 2;
+  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * (fp8(p) ? 1 : 2);
   WorkspaceCarver ws(base);
   ViewLayout l;
   l.cu_tiles = ws.take_array<int32_t>(size_t(p.batch) + 1);
@@ -341,7 +336,6 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                  const TensorView& workspace, const MeanCache* cache) {
-  refuse_sparse_fp8(p);
   const size_t bytes = index_workspace_bytes(in, p, params);
   check_workspace(workspace, in.q, int64_t(bytes), "index_workspace_bytes(...)");
   build_index(in, p, params, workspace.data, bytes, cache);

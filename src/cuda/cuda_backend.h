@@ -20,7 +20,7 @@ namespace sparse_prefill::cuda {
 // Paged KV of any page size: TMA boxes for page_size % 64 == 0, the cp.async gather producer otherwise (always on
 // the dense kernel: the split path loads by TMA only).
 // Throws NotImplementedError for combinations not built yet (fp32 inputs, head dims other than 64 and 128, fp8 inputs
-// other than dense head dim 128 with TMA-loadable KV, misaligned strides).
+// other than dense head dim 128 with TMA-loadable KV or the index stage at head dim 128, misaligned strides).
 // As with flash_attn_varlen_func, in.max_seqlen_q / max_seqlen_k must bound every sequence's query / key length:
 // they size the grid and pick the path (the device-side cu_seqlens are never read on the host).
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);

@@ -77,7 +77,8 @@ struct SparseFwdArgs {
   // Extents of segment_start / segment_end and of block_ids: the kernel and the split plan never read a segment or
   // an id beyond them, whatever cu_tiles and the segments hold (device_checks.h).
   int num_segments = 0, num_block_ids = 0;
-  const void* k_mean = nullptr;          // [mean_rows, Hkv, D] in q's dtype (correction only)
+  // [mean_rows, Hkv, D] in q's dtype; FP8: e4m3 in k's / v's raw units (correction only)
+  const void* k_mean = nullptr;
   const void* v_mean = nullptr;
   int64_t mean_rows = 0;
   int block_size = 128;                  // a multiple of 128 (one listed block = block_size / 128 kernel steps)

@@ -1,8 +1,8 @@
 """FP8 (float8_e4m3fn) inputs with per-(sequence, KV head) descales on the CPU reference, quantize_fp8, and the
 errors of bad FP8 arguments; on CUDA the dense FP8 kernel (head dim 128, contiguous or TMA-paged KV) against the CPU
-oracle, FA3's self-calibrating rule and a 32K needle workload; the block-sparse FP8 kernel over an index the CPU
-reference built; and the combinations that are not built (head dim 64, the cp.async page gather, the CUDA index stage
-on FP8) raising NotImplementedError."""
+oracle, FA3's self-calibrating rule and a 32K needle workload, and the combinations that are not built (head dim 64,
+the cp.async page gather) raising NotImplementedError. The FP8 index stage and block-sparse kernel:
+test_fp8_sparse.py."""
 
 import math
 
@@ -417,160 +417,21 @@ def test_fp8_cuda_needles_at_32k_within_the_bf16_band():
         assert cos8 >= cos16 - 0.02, (n, cos8, cos16)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# CUDA: the block-sparse FP8 kernel (SparseFp8Fwd; SparseSplitKvFp8Fwd for chunk shapes) over an index built by the
-# CPU reference from the same FP8 inputs. Its correction keys / values are e4m3 in k's / v's raw units; _e4m3_means
-# rounds the index's float32 means to those values first, so the CPU reference computes with what the GPU reads.
-def _fp8_structured(rng, q_lens, k_lens, hq, hkv):
-    """Structured-workload sequences (a sequence with Lq < Lk: the last Lq queries of an Lk-token prompt) as FP8 with
-    per-(sequence, KV head) descales from each group's amax (times a random factor in [1, 2], so they differ)."""
-    qs, ks, vs = [], [], []
-    for lq, lk in zip(q_lens, k_lens):
-        q, k, v = sp.workload.structured(lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
-                                         seed=int(rng.integers(1 << 30)))
-        qs.append(q[lk - lq:])
-        ks.append(k)
-        vs.append(v)
-    B, g = len(q_lens), hq // hkv
-    ds, out = [], []
-    for parts, heads in ((qs, hq), (ks, hkv), (vs, hkv)):
-        d = np.empty((B, hkv), np.float32)
-        x8 = []
-        for b, x in enumerate(parts):
-            amax = np.abs(x).reshape(len(x), hkv, heads // hkv, -1).max(axis=(0, 2, 3))
-            d[b] = np.maximum(amax, 1e-6) / 448 * rng.uniform(1, 2, hkv)
-            scale = np.repeat(d[b], heads // hkv)[None, :, None]
-            x8.append(torch.from_numpy(x / scale).clamp(-448, 448).to(F8))
-        ds.append(torch.from_numpy(d))
-        out.append(torch.cat(x8))
-    cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
-    cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32))
-    return out + [cu_q, cu_k], ds, max(q_lens), max(k_lens)
-
-
-def _e4m3_means(index, k_descale, v_descale):
-    """Rounds the index's pooled means in place to what the CUDA correction reads: e4m3(mean / descale) * descale per
-    (sequence, KV head), the means of sequence b in rows cu_blocks[b] .. cu_blocks[b + 1]."""
-    assert not index.on_device and not index._cache
-    cu = index.host["cu_blocks"]
-    for name, d in (("k_mean", k_descale), ("v_mean", v_descale)):
-        a = index.host[name]
-        for b in range(len(cu) - 1):
-            rows = slice(int(cu[b]), int(cu[b + 1]))
-            s = d[b].double().numpy()[None, :, None]
-            raw = torch.from_numpy(a[rows] / s).clamp(-448, 448).to(F8).double().numpy()
-            a[rows] = raw * s
-    return index
-
-
-SPARSE_FP8 = [  # (q_lens, k_lens, hq, hkv)
-    ([1763, 129], [1763, 129], 8, 2),       # odd lengths, GQA 4, two sequences
-    ([11, 300, 1], [1000, 4100, 1], 8, 1),  # chunk shapes (the split-KV plan), GQA 8, a 1-token sequence
-    ([2000], [2000], 4, 4),                 # GQA 1
-]
-
-
-@cuda_only
-@pytest.mark.parametrize("q_lens, k_lens, hq, hkv", SPARSE_FP8)
-@pytest.mark.parametrize("correction", [False, True])
-def test_fp8_cuda_sparse_attention_matches_the_cpu_reference(rng, q_lens, k_lens, hq, hkv, correction):
-    cpu, ds, mq, mk = _fp8_structured(rng, q_lens, k_lens, hq, hkv)
-    fp8 = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
-    index = _e4m3_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, **fp8), ds[1], ds[2])
-    assert 0 < index.density < 1
-    ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True, **fp8)
-    out = _poisoned(cpu[0].shape)
-    got, lse = sp.sparse_attention(*_cuda(*cpu[:3]), index, *_cuda(*cpu[3:]), mq, mk, out=out, return_lse=True,
-                                   reuse_index=True, **{k: v.cuda() for k, v in fp8.items()})
-    torch.cuda.synchronize()
-    assert got is out and got.dtype == torch.bfloat16 and not torch.isnan(got).any()
-    v_deq = cpu[2].double().numpy() * np.repeat(ds[2].double().numpy(), np.diff(cpu[4].numpy()), axis=0)[:, :, None]
-    ref = ref.double().numpy()
-    np.testing.assert_allclose(got.double().cpu().numpy(), ref, rtol=0, atol=_p8_atol(ref, v_deq))
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(fin, torch.isfinite(lse.cpu()))
-    assert (lse.cpu()[fin] - ref_lse[fin]).abs().max().item() <= 2e-2  # P's e4m3 rounding does not reach the LSE
-
-
-@cuda_only
-def test_fp8_cuda_sparse_full_list_equals_the_dense_fp8_kernel(rng):
-    # alpha 0 keeps every visible block: the sparse kernel (PackGQA tiles, CSR steps) against DenseFp8Fwd (one head
-    # per tile), both on the GPU: the same per-row math; two bf16 ulps for the tile shapes' accumulation order.
-    cpu, ds, mq, mk = _fp8_structured(rng, [1500, 700], [1500, 900], 8, 2)
-    fp8 = {k: v for k, v in zip(("q_descale", "k_descale", "v_descale"), _cuda(*ds))}
-    gpu = _cuda(*cpu)
-    dense = sp.attention(*gpu, mq, mk, **fp8)
-    index = sp.build_index(*cpu, mq, mk, alpha=0.0, correction=False, **{k: v.cpu() for k, v in fp8.items()})
-    assert index.density == 1
-    got = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=_poisoned(cpu[0].shape), reuse_index=True,
-                              **fp8)
-    torch.testing.assert_close(got.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
-
-
-@cuda_only
-def test_fp8_cuda_reusing_a_bf16_device_index(rng):
-    # A device index built on bf16 arrays applies to FP8 arrays of the same problem (reuse_index=True) without the
-    # correction; with it, its bf16 means cannot serve the FP8 kernel: an error naming the index.
-    cpu, ds, mq, mk = _fp8_structured(rng, [600], [600], 8, 2)
-    fp8 = {k: v for k, v in zip(("q_descale", "k_descale", "v_descale"), _cuda(*ds))}
-    gpu = _cuda(*cpu)
-    deq = [x.float() * d.cuda()[0].repeat_interleave(x.shape[1] // 2).view(1, -1, 1) for x, d in zip(gpu[:3], ds)]
-    bf = [x.to(torch.bfloat16) for x in deq]
-    for correction in (False, True):
-        index = sp.build_index(*bf, *gpu[3:], mq, mk, alpha=0.2, correction=correction)
-        call = lambda: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, reuse_index=True, **fp8)  # noqa: E731
-        if correction:
-            with pytest.raises(ValueError, match="index.*bfloat16.*float8_e4m3fn"):
-                call()
-        else:
-            got = call().float()
-            want = sp.sparse_attention(*bf, index, *gpu[3:], mq, mk).float()
-            assert not torch.isnan(got).any()
-            assert (got - want).abs().max().item() <= _p8_atol(want.double().cpu().numpy(), deq[2].cpu().numpy())
-
-
-@cuda_only
-@pytest.mark.parametrize("page_size", [64, 128])
-def test_fp8_cuda_sparse_paged_equals_contiguous(rng, page_size):
-    cpu, ds, mq, mk = _fp8_structured(rng, [300, 1100], [1500, 2100], 8, 2)
-    fp8 = dict(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
-    fp8_gpu = {k: v.cuda() for k, v in fp8.items()}
-    index = _e4m3_means(sp.build_index(*cpu, mq, mk, alpha=0.2, **fp8), ds[1], ds[2])
-    contiguous = sp.sparse_attention(*_cuda(*cpu[:3]), index, *_cuda(*cpu[3:]), mq, mk, reuse_index=True, **fp8_gpu)
-    # the e4m3 codes paged as floats; the garbage rows wrap to arbitrary codes (NaN bit patterns included)
-    k_codes, v_codes = (x.view(torch.uint8).numpy().astype(np.float32) for x in cpu[1:3])
-    kc, vc, bt, used = to_paged(rng, k_codes, v_codes, cpu[4].numpy(), page_size)
-    kc8, vc8 = (torch.from_numpy(np.mod(np.rint(x), 256).astype(np.uint8)).view(F8) for x in (kc, vc))
-    paged_index = sp.build_index(cpu[0], kc8, vc8, cpu[3], None, mq, mk, alpha=0.2, block_table=torch.from_numpy(bt),
-                                 seqused_k=torch.from_numpy(used), **fp8)
-    for name in ("segment_start", "segment_end", "block_ids"):  # the same selection, paged or not
-        np.testing.assert_array_equal(paged_index.host[name], index.host[name])
-    _e4m3_means(paged_index, ds[1], ds[2])
-    paged = sp.sparse_attention(cpu[0].cuda(), kc8.cuda(), vc8.cuda(), paged_index, cpu[3].cuda(), None, mq, mk,
-                                block_table=torch.from_numpy(bt).cuda(), seqused_k=torch.from_numpy(used).cuda(),
-                                reuse_index=True, out=_poisoned(cpu[0].shape), **fp8_gpu)
-    assert not torch.isnan(paged).any() and torch.equal(paged, contiguous)
-
-
 @cuda_only
 def test_fp8_cuda_unsupported_combinations(rng):
-    # head dim 64, paged KV with page_size % 64 != 0 (the cp.async gather), and the CUDA index stage (not built for
-    # FP8: sparse_prefill and build_index; sparse_attention over a given index is)
+    # head dim 64 and paged KV with page_size % 64 != 0 (the cp.async gather), on every entry point
     (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [20, 30], [20, 30], d=64)
     fp8 = dict(q_descale=ds[0].cuda(), k_descale=ds[1].cuda(), v_descale=ds[2].cuda())
-    with pytest.raises(NotImplementedError, match="FP8 attention is built for head dim 128 only"):
-        sp.attention(*_cuda(q8, k8, v8, cu_q, cu_k), 30, 30, **fp8)
+    for fn in (sp.attention, sp.sparse_prefill):
+        with pytest.raises(NotImplementedError, match="attention is built for head dim 128 only"):
+            fn(*_cuda(q8, k8, v8, cu_q, cu_k), 30, 30, **fp8)
     q, k, v, cu_q, cu_k = make_varlen(rng, [40, 7], [300, 150], 4, 2, 128)
     kc, vc, bt, used = to_paged(rng, k, v, cu_k, 16)
     q8, kc8, vc8 = (torch.from_numpy(x).to(F8).cuda() for x in (q, kc, vc))
-    with pytest.raises(NotImplementedError, match="page_size % 64 == 0"):
-        sp.attention(q8, kc8, vc8, torch.from_numpy(cu_q).cuda(), None, 40, 300,
-                     block_table=torch.from_numpy(bt).cuda(), seqused_k=torch.from_numpy(used).cuda())
-    (q8, k8, v8, cu_q, cu_k), ds, _ = _fp8_call(rng, [20, 30], [20, 30], d=128)
-    args = _cuda(q8, k8, v8, cu_q, cu_k) + [30, 30]
-    for fn in (sp.sparse_prefill, sp.build_index):
-        with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-            fn(*args, q_descale=ds[0].cuda())
+    for fn in (sp.attention, sp.sparse_prefill):
+        with pytest.raises(NotImplementedError, match="page_size % 64 == 0"):
+            fn(q8, kc8, vc8, torch.from_numpy(cu_q).cuda(), None, 40, 300, block_table=torch.from_numpy(bt).cuda(),
+               seqused_k=torch.from_numpy(used).cuda())
 
 
 def test_fp8_torch_ops_equal_the_public_functions(rng):

@@ -212,8 +212,9 @@ struct Mainloop {
     auto row_pos = [&](int row) { return work.row_pos(pr, row); };
 
     typename Fusion::Consumer fusion;
-    // The correction's log|B| in raw logit units: FP8 descales (Descaled) make the tile's logit scale softmax.scale_log2
-    // = q_descale * k_descale * pr.scale_log2. A zero product makes every logit 0; the bias then stays 0 (finite).
+    // The correction's log|B| in raw logit units: FP8 descales (Descaled) make the tile's logit scale
+    // softmax.scale_log2 = q_descale * k_descale * pr.scale_log2. A zero product makes every logit 0; the bias then
+    // stays 0 (finite).
     float corr_bias_scale = 1.f;
     if constexpr (Fusion::kDescale && Fusion::kSteps)
       corr_bias_scale = softmax.scale_log2 > 0.f ? pr.scale_log2 / softmax.scale_log2 : 0.f;

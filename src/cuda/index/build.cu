@@ -1,9 +1,11 @@
 // The index stage's entry (index_stage.h): checks what the CUDA index stage supports, carves the workspace, and
 // launches the roles in order: plan (plan.cu) -> mean cache and pooling (mean_cache.cu, pool.cu) -> probe rows,
-// score and select (probe.cu, score_select.cu) -> union (union.cu).
+// score and select (probe.cu, score_select.cu) -> union (union.cu). FP8 inputs are read raw and dequantised with the
+// call's descales by every kernel that reads them (pooling, scorer, probe): no host synchronisation, no copy.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "api/validate.h"
@@ -14,16 +16,32 @@ namespace sparse_prefill::cuda {
 
 using namespace index_stage;
 
+namespace {
+// An FP8 descale [B, Hkv] as the kernels read it (absent: null = 1; a size-1 axis broadcasts whatever its stride).
+void set_descale(const std::optional<TensorView>& t, DescaleArg& d) {
+  if (!t) return;
+  d.ptr = t->ptr<const float>();
+  d.stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
+  d.stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
+}
+}  // namespace
+
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes, const MeanCache* mean_cache) {
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
   }
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
-    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16 and float16 inputs, got ") +
-                              dtype_name(p.dtype));
+  const bool fp8 = p.dtype == DType::kFloat8E4M3;
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !fp8) {
+    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16, float16 and float8_e4m3fn inputs, "
+                                          "got ") + dtype_name(p.dtype));
   }
-  if ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4) {
+  if (fp8 && p.head_dim != 128) {  // what the sparse FP8 kernel is built for; one scorer instantiation
+    throw NotImplementedError("build_index on CUDA: float8_e4m3fn inputs need head dim 128, got head dim " +
+                              std::to_string(p.head_dim));
+  }
+  // The 16-bit scorer copies q with 4-byte cp.async at least; the FP8 one falls back to byte loads.
+  if (!fp8 && ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4)) {
     throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
   }
   const VirtualHeads heads = virtual_heads(p, params.head_subgroups);
@@ -58,6 +76,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     kv.num_pages = p.num_pages;
   }
   kv.err = device_error_word();
+  set_descale(in.k_descale, kv.k_descale);
+  set_descale(in.v_descale, kv.v_descale);
   MeanCacheArgs cache;
   if (mean_cache != nullptr) {
     cache.k = mean_cache->k_mean.ptr<float>();
@@ -74,9 +94,11 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
                            bd.max_blocks, d);
   launch_pooling(stream, p.dtype, p.head_dim, vec_ok, pool_rows, seq, kv, cache, params.block_size, p.num_kv_heads,
                  d);
-  const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % 8 == 0 &&
-                       in.q.stride[1] % 8 == 0;
-  const QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
+  const int per16 = fp8 ? 16 : 8;  // elements in 16 bytes
+  const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % per16 == 0 &&
+                       in.q.stride[1] % per16 == 0;
+  QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
+  set_descale(in.q_descale, qa.descale);
   const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                        params.final_chunk ? params.last_n : 0,
                        float(p.softmax_scale * kLog2e)};

@@ -4,9 +4,11 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/geometry.h"
 #include "cuda/device_checks.h"
@@ -55,9 +57,17 @@ __device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int3
   return st;
 }
 
+// An FP8 descale, float32 [B, Hkv] (docs/semantics.md "FP8 inputs"): strides in elements (0 broadcasts); null = 1.
+struct DescaleArg {
+  const float* ptr = nullptr;
+  int64_t stride[2] = {0, 0};
+  __device__ float at(int b, int h) const { return ptr == nullptr ? 1.f : __ldg(ptr + b * stride[0] + h * stride[1]); }
+};
+
 struct KVArgs {
   const void* k;
   const void* v;
+  DescaleArg k_descale, v_descale;  // FP8 only: key j of (b, kvh) is k[j] * k_descale(b, kvh)
   int64_t k_stride[3], v_stride[3];  // contiguous: row, head; paged: page, slot, head
   const int32_t* block_table;
   int64_t bt_stride0, bt_stride1;
@@ -106,10 +116,28 @@ template <typename T>
 __device__ float to_float(T x);
 template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ inline float to_float<__nv_fp8_e4m3>(__nv_fp8_e4m3 x) { return float(x); }
 template <typename T>
 __device__ T from_float(float x);
 template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ inline __half from_float<__half>(float x) { return __float2half(x); }
+
+// FP8 inputs (T = __nv_fp8_e4m3) keep three copies of the pooled means: float32 in real units (x * descale), the
+// scorer's bf16 copy in real units (lowp_t), and the sparse kernel's e4m3 copy in raw units (to_kernel_mean). For
+// bf16 / fp16 the two low-precision copies are one array in the input dtype.
+template <typename T>
+inline constexpr bool is_fp8_v = std::is_same_v<T, __nv_fp8_e4m3>;
+template <typename T>
+using lowp_t = std::conditional_t<is_fp8_v<T>, __nv_bfloat16, T>;
+
+// A real-unit mean as the e4m3 correction operand: raw units of the same scale, round to nearest even, saturated to
+// +-448 (so a mean never becomes NaN by overflow); 0 where the descale or the mean is 0 (no raw value represents it).
+__device__ inline __nv_fp8_e4m3 to_kernel_mean(float mean_real, float descale) {
+  __nv_fp8_e4m3 r;
+  r.__x = (descale == 0.f || mean_real == 0.f) ? __nv_fp8_storage_t(0)
+                                                : __nv_cvt_float_to_fp8(mean_real / descale, __NV_SATFINITE, __NV_E4M3);
+  return r;
+}
 
 struct SelectArgs {
   float alpha;
@@ -120,7 +148,8 @@ struct SelectArgs {
 struct QArgs {
   const void* q;
   int64_t stride_row, stride_head;
-  bool vec16;  // 16-byte aligned base and strides that are multiples of 8 elements: 16-byte copies of Q rows
+  bool vec16;  // 16-byte aligned base and strides that are multiples of 16 bytes: 16-byte copies of Q rows
+  DescaleArg descale;  // FP8 only: query head h of sequence b is q * descale(b, h / g)
 };
 
 inline SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {

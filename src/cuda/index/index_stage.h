@@ -1,6 +1,7 @@
 // GPU index stage of block-sparse prefill (FlashPrefill V2 selection), CUDA end to end, no host synchronisation:
 //   1. plan:  per-sequence prefix sums of tiles, blocks and index capacity (from cu_seqlens / seqused_k on the device);
-//   2. pool:  block means of K and V (float32, plus a bf16/fp16 copy of the K means for the tensor-core scorer);
+//   2. pool:  block means of K and V (float32 in real units, plus a bf16/fp16 copy of the K means for the
+//             tensor-core scorer and the sparse kernel's copies: FP8 inputs, docs/semantics.md "FP8 inputs");
 //   3. score: one CTA per (tile, KV head): S = Q_tile . K_mean^T on tensor cores (SS wgmma, 128 pooled blocks per
 //             step, Q and two stages of pooled keys in swizzled shared memory), running chunk maxima and block
 //             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold (or the per-row rule,
@@ -43,9 +44,14 @@ struct DeviceIndex {
   int64_t* cu_capacity = nullptr;    // [B+1] block_ids slots per sequence, prefix-summed
   float* k_mean = nullptr;           // [max_blocks, Hkv, D]
   float* v_mean = nullptr;
-  void* k_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: the scorer's B operand, correction keys
-  void* v_mean_lowp = nullptr;       // [max_blocks, Hkv, D] in q's dtype: correction values (rows past the real
-                                     // blocks are zero)
+  // Low-precision copies, [max_blocks, Hkv, D] contiguous, rows past the real blocks zero. lowp: the scorer's B
+  // operand, in q's dtype (bfloat16 in real units for FP8). kernel: the sparse kernel's correction keys / values in
+  // its operand type: the lowp arrays themselves for bf16 / fp16; for FP8 e4m3 in raw units of the call's descales,
+  // e4m3(mean / descale[b, kvh]) (docs/semantics.md "FP8 inputs").
+  void* k_mean_lowp = nullptr;
+  void* v_mean_lowp = nullptr;
+  void* k_mean_kernel = nullptr;
+  void* v_mean_kernel = nullptr;
   uint32_t* probe_bits = nullptr;   // SelectionRule::kProbeRowMax: [max_segments, probe_words] blocks the probe
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
@@ -60,17 +66,18 @@ struct DeviceIndex {
 size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 
 // Builds the index on in.stream (params.union_lists: union mode, params.final_chunk: last_n only when set).
-// Supports causal attention without an attention window, bf16/fp16, D in {64, 128},
-// contiguous or paged KV; other combinations throw NotImplementedError.
+// Supports causal attention without an attention window, bf16/fp16 with D in {64, 128} or FP8 (e4m3, with the
+// call's descales) with D = 128, contiguous or paged KV; other combinations throw NotImplementedError.
 // mean_cache (paged KV, validated by the caller: validate_mean_cache): the blocks that end before each sequence's
 // chunk are read from it, the blocks the chunk completes are pooled and written to it (MeanCache, sparse.h).
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes, const MeanCache* mean_cache = nullptr);
 
-// For sparse attention over a caller's index view (device arrays): writes cu_tiles [B+1] from cu_seqlens_q and
-// q-dtype copies of the pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]) on in.stream (view.cu).
+// For sparse attention over a caller's index view (device arrays): writes cu_tiles [B+1] from cu_seqlens_q and the
+// sparse kernel's copies of the float32 pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]: q's dtype,
+// or e4m3 in raw units of in's descales for FP8) on in.stream (view.cu).
 void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
-                        void* k_lowp, void* v_lowp);
+                        void* k_kernel, void* v_kernel);
 
 // Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
 // workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the

@@ -41,6 +41,13 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.k_mean_lowp = take(pooled * 2);
   d.v_mean_lowp = take(pooled * 2);
+  if (b.dtype == DType::kFloat8E4M3) {  // the sparse kernel's e4m3 copies (index_stage.h)
+    d.k_mean_kernel = take(pooled);
+    d.v_mean_kernel = take(pooled);
+  } else {
+    d.k_mean_kernel = d.k_mean_lowp;
+    d.v_mean_kernel = d.v_mean_lowp;
+  }
   d.counters = reinterpret_cast<unsigned long long*>(take(32));
   if (bd.probe_words) {
     d.probe_bits = reinterpret_cast<uint32_t*>(take(size_t(bd.max_segments * bd.probe_words) * 4));

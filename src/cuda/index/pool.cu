@@ -1,6 +1,8 @@
-// Index stage, step 2: pooling. Block means of K and V (float32, and q-dtype copies: the scorer's B operand and the
-// sparse kernel's correction keys / values), one CTA per (pooled block, KV head); with a mean cache, the blocks a
-// chunk completes are stored in it (the ones an earlier chunk completed: mean_cache.cu).
+// Index stage, step 2: pooling. Block means of K and V (float32, and low-precision copies: the scorer's B operand and
+// the sparse kernel's correction keys / values), one CTA per (pooled block, KV head); with a mean cache, the blocks a
+// chunk completes are stored in it (the ones an earlier chunk completed: mean_cache.cu). FP8 inputs: the raw e4m3
+// values are summed (exact in float32 for a block of up to 512 keys but for the last bits of a sum over 2^16) and the
+// sum scaled by the descale, so every copy starts from the real-unit mean (device_args.cuh, lowp_t).
 #include <algorithm>
 #include <type_traits>
 
@@ -27,10 +29,22 @@ struct PoolBlock {
 // With a mean cache the grid is exactly batch x chunk_blocks CTAs (launch_pooling's caller) and starts each sequence
 // at its block first = floor((k_len - q_len) / B), so (J + 1) B > k_len - q_len for every block it pools: pool_action
 // never answers kRead here (the blocks that end before the chunk are copy_cached_means_kernel's, mean_cache.cu).
+// The output arrays of the pooling: float32 (real units), the scorer's copies (lowp_t<T>), and for FP8 the sparse
+// kernel's e4m3 copies (for bf16 / fp16 the kernel's copies are the lowp arrays: k_kernel is unused).
+template <typename T>
+struct PoolOut {
+  float* k_mean;
+  float* v_mean;
+  lowp_t<T>* k_lowp;
+  lowp_t<T>* v_lowp;
+  T* k_kernel;
+  T* v_kernel;
+};
+
 template <typename T>
 __device__ __forceinline__ bool pool_block(const SeqArgs& seq, const KVArgs& kv, const MeanCacheArgs& cache,
                                            int block_size, int num_kv_heads, int head_dim, const int32_t* cu_blocks,
-                                           T* k_mean_lowp, T* v_mean_lowp, PoolBlock& pb) {
+                                           const PoolOut<T>& o, PoolBlock& pb) {
   int64_t idx = blockIdx.x;
   const int kvh = blockIdx.y;
   if (cache.chunk_blocks > 0) {  // grid over the blocks each sequence's chunk touches
@@ -43,8 +57,9 @@ __device__ __forceinline__ bool pool_block(const SeqArgs& seq, const KVArgs& kv,
   pb.out = (idx * num_kv_heads + kvh) * head_dim;
   if (idx >= cu_blocks[seq.batch]) {
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      k_mean_lowp[pb.out + d] = from_float<T>(0.f);
-      v_mean_lowp[pb.out + d] = from_float<T>(0.f);
+      o.k_lowp[pb.out + d] = from_float<lowp_t<T>>(0.f);
+      o.v_lowp[pb.out + d] = from_float<lowp_t<T>>(0.f);
+      if constexpr (is_fp8_v<T>) o.k_kernel[pb.out + d] = o.v_kernel[pb.out + d] = to_kernel_mean(0.f, 0.f);
     }
     return false;
   }
@@ -77,18 +92,22 @@ __device__ __forceinline__ bool kv_offsets(const KVArgs& kv, const PoolBlock& pb
   return true;
 }
 
-// Dimension d of the block's means from the key sums: the index's float32 and low-precision rows, and the cache
-// row when the block is complete.
+// Dimension d of the block's means from the key sums (FP8: of the raw values, scaled by the descales kd, vd here): the
+// index's float32 and low-precision rows, and the cache row when the block is complete.
 template <typename T>
 __device__ __forceinline__ void store_means(const PoolBlock& pb, const MeanCacheArgs& cache, int head_dim, int d,
-                                            float ksum, float vsum, float* k_mean, float* v_mean, T* k_mean_lowp,
-                                            T* v_mean_lowp) {
+                                            float ksum, float vsum, float kd, float vd, const PoolOut<T>& o) {
   const float inv = 1.f / float(pb.hi - pb.lo);
-  const float km = ksum * inv, vm = vsum * inv;
-  k_mean[pb.out + d] = km;
-  v_mean[pb.out + d] = vm;
-  k_mean_lowp[pb.out + d] = from_float<T>(km);
-  v_mean_lowp[pb.out + d] = from_float<T>(vm);
+  float km = ksum * inv, vm = vsum * inv;
+  if constexpr (is_fp8_v<T>) km *= kd, vm *= vd;
+  o.k_mean[pb.out + d] = km;
+  o.v_mean[pb.out + d] = vm;
+  o.k_lowp[pb.out + d] = from_float<lowp_t<T>>(km);
+  o.v_lowp[pb.out + d] = from_float<lowp_t<T>>(vm);
+  if constexpr (is_fp8_v<T>) {
+    o.k_kernel[pb.out + d] = to_kernel_mean(km, kd);
+    o.v_kernel[pb.out + d] = to_kernel_mean(vm, vd);
+  }
   if (pb.act == PoolAction::kPoolStore) {
     cache.k[pb.cache_row * head_dim + d] = km;
     cache.v[pb.cache_row * head_dim + d] = vm;
@@ -98,12 +117,12 @@ __device__ __forceinline__ void store_means(const PoolBlock& pb, const MeanCache
 // One CTA per (pooled block, KV head); thread d sums dimension d over the block's keys.
 template <typename T>
 __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int block_size, int num_kv_heads,
-                            int head_dim, const int32_t* cu_blocks, float* k_mean, float* v_mean, T* k_mean_lowp,
-                            T* v_mean_lowp) {
+                            int head_dim, const int32_t* cu_blocks, PoolOut<T> o) {
   PoolBlock pb;
-  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
-    return;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, head_dim, cu_blocks, o, pb)) return;
   const int kvh = blockIdx.y;
+  float kd = 1.f, vd = 1.f;
+  if constexpr (is_fp8_v<T>) kd = kv.k_descale.at(pb.b, kvh), vd = kv.v_descale.at(pb.b, kvh);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float ks = 0.f, vs = 0.f;
     for (int64_t j = pb.lo; j < pb.hi; ++j) {
@@ -112,11 +131,12 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
       ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
       vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
     }
-    store_means(pb, cache, head_dim, d, ks, vs, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
+    store_means(pb, cache, head_dim, d, ks, vs, kd, vd, o);
   }
 }
 
-// The same pooling with 16-byte loads (K/V rows 16-byte aligned): thread (v, g) of 128 sums dims [8v, 8v + 8) over
+// The same pooling with 16-byte loads (K/V rows 16-byte aligned; 8-byte loads of 8 e4m3 values for FP8, so the
+// thread layout is the same): thread (v, g) of 128 sums dims [8v, 8v + 8) over
 // the keys j = g, g + G, ... of the block (G = 128 / (D / 8) key groups), so each thread has 2 * block/G independent
 // 16-byte loads in flight instead of 2 * block dependent 2-byte ones; the G partial sums meet in shared memory.
 // Measured need: chunked prefill re-pools the whole cache every step (4.3 GB for 8 x 128K at Hkv 8), where the
@@ -127,13 +147,12 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
 template <typename T, int D>
 __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache,
                                                           int block_size, int num_kv_heads, const int32_t* cu_blocks,
-                                                          float* k_mean, float* v_mean, T* k_mean_lowp,
-                                                          T* v_mean_lowp) {
+                                                          PoolOut<T> o) {
   constexpr int kVec = D / 8, kGroups = 128 / kVec;
+  using Load = std::conditional_t<sizeof(T) == 1, uint2, uint4>;  // 8 elements
   __shared__ float part[2][kGroups][D];
   PoolBlock pb;
-  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, k_mean_lowp, v_mean_lowp, pb))
-    return;
+  if (!pool_block(seq, kv, cache, block_size, num_kv_heads, D, cu_blocks, o, pb)) return;
   const int kvh = blockIdx.y;
   const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;
   float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -141,8 +160,8 @@ __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv
   for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
     int64_t ko, vo;
     if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
-    const uint4 kr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.k) + ko + v * 8));
-    const uint4 vr = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(kv.v) + vo + v * 8));
+    const Load kr = __ldg(reinterpret_cast<const Load*>(static_cast<const T*>(kv.k) + ko + v * 8));
+    const Load vr = __ldg(reinterpret_cast<const Load*>(static_cast<const T*>(kv.v) + vo + v * 8));
     const T* ke = reinterpret_cast<const T*>(&kr);
     const T* ve = reinterpret_cast<const T*>(&vr);
 #pragma unroll
@@ -157,6 +176,8 @@ __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv
     part[1][grp][v * 8 + e] = vs[e];
   }
   __syncthreads();
+  float kd = 1.f, vd = 1.f;
+  if constexpr (is_fp8_v<T>) kd = kv.k_descale.at(pb.b, kvh), vd = kv.v_descale.at(pb.b, kvh);
   for (int d = threadIdx.x; d < D; d += 128) {
     float kt = 0.f, vt = 0.f;
 #pragma unroll
@@ -164,7 +185,7 @@ __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv
       kt += part[0][g2][d];
       vt += part[1][g2][d];
     }
-    store_means(pb, cache, D, d, kt, vt, k_mean, v_mean, k_mean_lowp, v_mean_lowp);
+    store_means(pb, cache, D, d, kt, vt, kd, vd, o);
   }
 }
 
@@ -175,16 +196,23 @@ void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, 
                     const DeviceIndex& d) {
   if (pool_rows <= 0) return;
   const dim3 grid{unsigned(pool_rows), unsigned(num_kv_heads)};
+  auto out = [&](auto tag) {
+    using T = decltype(tag);
+    return PoolOut<T>{d.k_mean, d.v_mean, static_cast<lowp_t<T>*>(d.k_mean_lowp),
+                      static_cast<lowp_t<T>*>(d.v_mean_lowp), static_cast<T*>(d.k_mean_kernel),
+                      static_cast<T*>(d.v_mean_kernel)};
+  };
   if (vec16) {
     auto launch = [&](auto tag, auto dim) {
       using T = decltype(tag);
-      pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(
-          seq, kv, cache, block_size, num_kv_heads, d.cu_blocks, d.k_mean, d.v_mean,
-          static_cast<T*>(d.k_mean_lowp), static_cast<T*>(d.v_mean_lowp));
+      pool_vec_kernel<T, decltype(dim)::value><<<grid, 128, 0, stream>>>(seq, kv, cache, block_size, num_kv_heads,
+                                                                         d.cu_blocks, out(tag));
     };
     using D64 = std::integral_constant<int, 64>;
     using D128 = std::integral_constant<int, 128>;
-    if (dtype == DType::kBFloat16) {
+    if (dtype == DType::kFloat8E4M3) {
+      launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
+    } else if (dtype == DType::kBFloat16) {
       head_dim == 128 ? launch(__nv_bfloat16{}, D128{}) : launch(__nv_bfloat16{}, D64{});
     } else {
       head_dim == 128 ? launch(__half{}, D128{}) : launch(__half{}, D64{});
@@ -196,10 +224,10 @@ void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, 
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     pool_kernel<T><<<grid, threads, 0, stream>>>(seq, kv, cache, block_size, num_kv_heads, head_dim, d.cu_blocks,
-                                                 d.k_mean, d.v_mean, static_cast<T*>(d.k_mean_lowp),
-                                                 static_cast<T*>(d.v_mean_lowp));
+                                                 out(tag));
   };
-  if (dtype == DType::kBFloat16) launch(__nv_bfloat16{});
+  if (dtype == DType::kFloat8E4M3) launch(__nv_fp8_e4m3{});
+  else if (dtype == DType::kBFloat16) launch(__nv_bfloat16{});
   else launch(__half{});
   check_cuda(cudaGetLastError(), "pool_kernel launch");
 }

@@ -19,7 +19,9 @@ namespace {
 // per block, 4 keys per lane at block 128, the batch's rows against each key), kept in shared memory; then
 // m_r = max_J w_rJ and J is set when w_rJ >= m_r + ln(alpha) for some row. Bits: probe_bits[seg * words + J / 32].
 // Correctness first: every probe row reads all its visible keys (the tensor-core version, K shared by 8 tiles:
-// docs/next_sparse_kernel.md). NaN: no bit (the scorer's NaN rule keeps the tile whole).
+// docs/next_sparse_kernel.md). NaN: no bit (the scorer's NaN rule keeps the tile whole). FP8: the raw e4m3 values
+// are read and the tile's descales folded into the q rows' factor (q_descale * k_descale * scale: one (sequence, KV
+// head) per CTA), which is the dot product of the dequantised values up to float rounding.
 constexpr int kProbeThreads = 256, kProbeBatch = 16;
 
 template <typename T, int D>
@@ -54,9 +56,10 @@ __global__ void __launch_bounds__(kProbeThreads) probe_kernel(SeqArgs seq, QArgs
     n_probe = n;
   }
   __syncthreads();
-  const float scale = sel.scale_log2 / float(kLog2e);  // softmax_scale
+  float scale = sel.scale_log2 / float(kLog2e);  // softmax_scale
   const float log_alpha = sel.alpha > 0.f ? logf(sel.alpha) : -INFINITY;
   const int kv_mem = kvh / subgroups;
+  if constexpr (is_fp8_v<T>) scale *= qa.descale.at(b, kv_mem) * kv.k_descale.at(b, kv_mem);
   const T* kbase = static_cast<const T*>(kv.k);
   for (int b0 = 0; b0 < n_probe; b0 += kProbeBatch) {
     const int nr = min(kProbeBatch, n_probe - b0);
@@ -170,7 +173,9 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;
   const bool bf16 = dtype == DType::kBFloat16;
-  if (head_dim == 128) {
+  if (dtype == DType::kFloat8E4M3) {
+    launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
+  } else if (head_dim == 128) {
     bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
   } else {
     bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});

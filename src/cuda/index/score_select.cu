@@ -1,6 +1,7 @@
 // Index stage, step 3: score and select. One CTA per (tile, virtual KV head) scores the tile's packed Q rows against
 // the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kThreshold; per-row max:
-// kRowMax, and the pooled-means half of kProbeRowMax), compacting the kept ids into the tile's CSR slice.
+// kRowMax, and the pooled-means half of kProbeRowMax), compacting the kept ids into the tile's CSR slice. FP8 inputs
+// are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared memory.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -25,7 +26,8 @@ constexpr int kScoreWarps = kScoreThreads / 32;
 // KiB per CTA, so 2 CTAs (16 warps) share an SM and one CTA's exp2 epilogue runs under the other's wgmma.
 template <typename T, int D>
 struct ScoreConfig {
-  using Element = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
+  // the operands' type: fp16 for fp16 inputs, bf16 for bf16 and FP8 (lowp_t) inputs
+  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
   static constexpr int kN = kScoreChunk;
   using TileShape = cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>;
   using TiledMma = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileShape>(),
@@ -78,6 +80,52 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return r;
 }
 
+// FP8 Q into the scorer's bf16 tile: cp.async cannot convert, so each thread loads 16 e4m3 values of a packed row
+// (one 16-byte ld.global when qa.vec16, else byte loads), all its loads first so they are in flight together, then
+// dequantises them (x * descale in float32, the CPU reference's rounding) and rounds to bf16 into the two 16-byte
+// chunks of the swizzled tile they land in. Rows past the tile's end are zero (as the 16-bit path's zero-fill).
+template <int D, class TensorQ>
+__device__ __forceinline__ void gather_q_fp8(const QArgs& qa, TensorQ& sQ, int64_t q_start, int64_t t, int64_t rows,
+                                             int group_size, int kvh, float descale) {
+  constexpr int kPerRow = D / 16, kLoads = kTileRows * kPerRow / kScoreThreads;
+  static_assert(kTileRows * kPerRow % kScoreThreads == 0, "whole loads per thread");
+  uint4 raw[kLoads];
+  CUTE_UNROLL
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kScoreThreads, r = i / kPerRow, col = (i % kPerRow) * 16;
+    const int pr = int(t) * kTileRows + r;  // packed row within the sequence (Lq * g < 2^31)
+    raw[l] = make_uint4(0u, 0u, 0u, 0u);
+    if (r >= rows) continue;
+    const uint8_t* src = static_cast<const uint8_t*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
+                         (kvh * group_size + pr % group_size) * qa.stride_head + col;
+    if (qa.vec16) {
+      raw[l] = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+      for (int e = 0; e < 16; ++e) w[e / 4] |= uint32_t(__ldg(src + e)) << (8 * (e % 4));
+      raw[l] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  CUTE_UNROLL
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kScoreThreads, r = i / kPerRow, col = (i % kPerRow) * 16;
+    const uint32_t in[4] = {raw[l].x, raw[l].y, raw[l].z, raw[l].w};
+    uint32_t out[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};  // rows past the tile: zeros whatever the descale (inf, NaN)
+    if (r < rows) {
+      CUTE_UNROLL
+      for (int p = 0; p < 8; ++p) {  // e4m3 pair p (elements 2p, 2p + 1) -> f16x2 (exact) -> f32 x descale -> bf16x2
+        const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(
+            __nv_fp8x2_storage_t((in[p / 2] >> (16 * (p % 2))) & 0xffffu), __NV_E4M3));
+        const float2 f = __half22float2(h);
+        const __nv_bfloat162 bf = __floats2bfloat162_rn(f.x * descale, f.y * descale);
+        out[p] = *reinterpret_cast<const uint32_t*>(&bf);
+      }
+    }
+    *reinterpret_cast<uint4*>(&sQ(r, col)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(&sQ(r, col + 8)) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+}
+
 // One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
 // thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
 // groups of the warp (28 shuffles) leaves each lane 4 column sums; 128 threads combine the 8 warps after the
@@ -90,7 +138,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
-    const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const T* k_mean_lowp,
+    const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const lowp_t<T>* k_mean_lowp,
     const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
     int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
   using namespace cute;
@@ -154,7 +202,12 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const bool last_tile = t >= tiles - sel.last_n;
   const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
   if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers
-  if (nchunks > 0) {
+  if constexpr (is_fp8_v<T>) {
+    if (nchunks > 0) {
+      stage_chunk(0, 0);  // chunk 0's keys in flight under the Q gather
+      gather_q_fp8<D>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh / subgroups));
+    }
+  } else if (nchunks > 0) {
     // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile with cp.async,
     // in the same group as chunk 0, so every load is in flight at once (a load-then-store loop serialised 32 global
     // round trips per thread: ~2x slower index stage). 16-byte copies when q allows them, else 4-byte ones
@@ -409,10 +462,10 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   auto kernel = score_select_kernel<T, D, kRowMax>;
   (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
-                                                    d.cu_tiles,
-                                                    d.cu_blocks, d.cu_capacity, static_cast<const T*>(d.k_mean_lowp),
-                                                    d.probe_bits, d.probe_words, d.segment_start, d.segment_end,
-                                                    d.block_ids, d.counters);
+                                                    d.cu_tiles, d.cu_blocks, d.cu_capacity,
+                                                    static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
+                                                    d.probe_words, d.segment_start, d.segment_end, d.block_ids,
+                                                    d.counters);
 }
 
 }  // namespace
@@ -447,7 +500,9 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
   };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;
-  if (p.head_dim == 128) {
+  if (p.dtype == DType::kFloat8E4M3) {
+    launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
+  } else if (p.head_dim == 128) {
     bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
   } else {
     bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
