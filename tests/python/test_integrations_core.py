@@ -186,7 +186,7 @@ def test_dispatch_fp8_sparse_on_the_cpu_equals_the_library_call():
 
 
 def test_dispatch_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
-    """The CUDA decision replayed on the CPU (core._on_cuda): no block-sparse FP8 kernel -> dense FP8 attention."""
+    """The CUDA decision replayed on the CPU (core._on_cuda): FP8 prefill -> dense FP8 attention."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128)

@@ -481,7 +481,7 @@ def test_fp8_scales_are_read_per_layer():
 
 
 def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch, poisoned_outputs):
-    """CUDA has no block-sparse FP8 kernel: dense FP8 attention (head dim 128, pages of 64), announced once."""
+    """On CUDA the adapters run FP8 extends dense: dense FP8 attention (head dim 128, pages of 64), announced once."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
     with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):

@@ -497,8 +497,9 @@ def test_fp8_cache_sparse_selection(kv_cache_dtype, seed):
 
 
 def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
-    """CUDA has no block-sparse FP8 kernel: the documented fallback is dense FP8 attention (the library's DenseFp8Fwd
-    for head dim 128, pages of 64), announced once. Replayed on the CPU with the dispatch's CUDA decisions."""
+    """On CUDA the adapters run FP8 prefill dense: the documented fallback is dense FP8 attention (the library's
+    DenseFp8Fwd for head dim 128, pages of 64), announced once. Replayed on the CPU with the dispatch's CUDA
+    decisions."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
     with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):

@@ -257,7 +257,7 @@ def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Opti
     return None
 
 
-FP8_DENSE_REASON = "FP8 inputs (CUDA has no block-sparse FP8 kernel: dense FP8 attention)"
+FP8_DENSE_REASON = "FP8 inputs (the adapters run FP8 prefill on CUDA as dense FP8 attention)"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -275,10 +275,10 @@ class VarlenDispatch:
     FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
     passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through
     one bfloat16 temporary copied into it). On the CPU the sparse path runs as above (the library computes sparse FP8
-    exactly); on CUDA, which has no block-sparse FP8 kernel, every FP8 call runs dense FP8 attention (reason
-    FP8_DENSE_REASON, one RuntimeWarning per process): the documented fallback (docs/integrations.md, "FP8 KV
-    caches"). FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the dispatch:
-    the adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
+    exactly); on CUDA every FP8 call runs dense FP8 attention (the block-sparse FP8 kernel is not switched on here
+    yet; reason FP8_DENSE_REASON, one RuntimeWarning per process): the documented fallback (docs/integrations.md,
+    "FP8 KV caches"). FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the
+    dispatch: the adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
 
     Workspaces: one `attention_workspace_bytes(D)` buffer per device, and one sparse buffer per device sized by
     `sparse_prefill_workspace_bytes` (computed from shapes once per distinct shape and cached: the layers of one
@@ -395,9 +395,10 @@ class VarlenDispatch:
             out = torch.empty(out.shape, dtype=torch.bfloat16, device=out.device)
         if reason is not None:
             if reason == FP8_DENSE_REASON:
-                warn_once("fp8-dense", "sparse_prefill: FP8 KV cache (kv_cache_dtype fp8_e4m3): the CUDA build has no "
-                          "block-sparse FP8 kernel, so prefill runs dense FP8 attention (head dim 128, pages of a "
-                          "multiple of 64); run with kv_cache_dtype auto for sparse prefill (docs/integrations.md)")
+                warn_once("fp8-dense", "sparse_prefill: FP8 KV cache (kv_cache_dtype fp8_e4m3): the adapters do not "
+                          "use the block-sparse FP8 kernel yet, so prefill runs dense FP8 attention (head dim 128, "
+                          "pages of a multiple of 64); run with kv_cache_dtype auto for sparse prefill "
+                          "(docs/integrations.md)")
             self.last_path = "dense"
             self.calls["dense"] += 1
             sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,
