@@ -286,7 +286,8 @@ PYEOF
           --out "$OUT/accuracy_retrieval_h200.json" > "$OUT/retrieval_eval.log" 2>&1
         r=$?; (( r == 0 )) || rc=$r
         left=$(( 530 - SECONDS ))
-        extra="${SP_RETRIEVAL_EXTRA-sp:alpha=0.01,sp:alpha=0.03;head_subgroups=4,rowmax_a03,fpv2}"
+        # the first run (accuracy/NOTES.md): pruning starts at alpha >= 0.5; the density target sits near 0.7-0.8
+        extra="${SP_RETRIEVAL_EXTRA-sp:alpha=0.7,sp:alpha=0.8,sp:alpha=0.7;head_subgroups=4,sp:alpha=0.8;head_subgroups=4}"
         if [[ -n "$extra" && $left -gt 20 ]]; then
           timeout "$left" "$PY" bench/accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
             --lengths "${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}" --configs "$extra" --n-seq 16 \
