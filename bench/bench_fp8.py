@@ -7,10 +7,11 @@ Rows alternate bf16 / fp8 over ROUNDS rounds (median of the round medians), so d
 Sparse rows (--sparse-lengths, kind "sparse"): the topic workload (docs/workload.md) in bf16 and quantised per KV head,
 the default selection; block-sparse attention over one index (built by build_index on the bf16 arrays, with and
 without the correction; with --fp8-index also on the FP8 arrays) for bf16 and FP8 (reuse_index=True), the one-call
-sparse_prefill totals where the FP8 index stage exists, and each output's error against our dense bf16 output.
+sparse_prefill totals (--fp8-index), and each output's error against our dense bf16 output (--structured: also on
+the structured workload, the issue's accuracy target).
 Targets (issue 17): fp8 >= 1.35x bf16 at 16K-128K; sparse FP8 (correction on) >= 1.25x bf16 sparse at 128K.
 Usage: python3 bench/bench_fp8.py --out bench/results/fp8_h200.json [--lengths 16384,32768] [--paged 128]
-       [--sparse-lengths 32768,131072] [--fp8-index]"""
+       [--sparse-lengths 32768,131072] [--fp8-index] [--structured]"""
 import argparse
 import os
 
@@ -45,6 +46,8 @@ def main(argv=None):
     ap.add_argument("--sparse-lengths", default="", help="block-sparse rows on the topic workload at these lengths")
     ap.add_argument("--fp8-index", action="store_true",
                     help="also build the index on the FP8 arrays (the CUDA index stage)")
+    ap.add_argument("--structured", action="store_true",
+                    help="sparse rows: also the errors on the structured workload (needs --fp8-index)")
     args = ap.parse_args(argv)
     sp = require_cuda()
     dev, hq, hkv, d = "cuda", HQ, HKV, D
@@ -133,14 +136,14 @@ def main(argv=None):
         del q, k, v, q8, k8, v8, out_bf, out_8, qt, kt, vt
         torch.cuda.empty_cache()
     for L in ints(args.sparse_lengths):
-        rows.append(sparse_row(sp, L, hkv, ws, args.fp8_index))
+        rows.append(sparse_row(sp, L, hkv, ws, args.fp8_index, args.structured))
         emit(rows[-1])
         write_results(args.out, rows, **meta)
         torch.cuda.empty_cache()
     write_results(args.out, rows, **meta)
 
 
-def sparse_row(sp, L, hkv, ws, fp8_index):
+def sparse_row(sp, L, hkv, ws, fp8_index, structured):
     """One "sparse" row: bf16 and FP8 block-sparse attention on the topic workload at length L (see the docstring)."""
     q, k, v = topic(L)
     cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
@@ -175,7 +178,24 @@ def sparse_row(sp, L, hkv, ws, fp8_index):
         row["fp8_total_ms"] = time_ms(lambda: sp.sparse_prefill(q8, k8, v8, cu, cu, L, L, out=out, **SEL, **fp8))
         row["fp8_rel_err_vs_dense_bf16"] = rel_err(out, dense)
         row["fp8_over_bf16_sparse_speedup"] = row["bf16_total_ms"] / row["fp8_total_ms"]
+        if structured:
+            row.update(structured_errors(sp, L, hkv))
     return row
+
+
+def structured_errors(sp, L, hkv):
+    """The issue's accuracy target: on the structured workload (RoPE content, sinks, recall, needles; seed 1), the
+    sparse FP8 output's error against our dense bf16 output next to the sparse bf16 output's (default selection)."""
+    q, k, v = (torch.from_numpy(x).cuda().to(torch.bfloat16)
+               for x in sp.workload.structured(L, num_q_heads=HQ, num_kv_heads=hkv, head_dim=D, seed=1))
+    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    dense = sp.attention(q, k, v, cu, cu, L, L)
+    bf = sp.sparse_prefill(q, k, v, cu, cu, L, L, **SEL)
+    (q8, qd), (k8, kd), (v8, vd) = sp.quantize_fp8(q, num_kv_heads=hkv), sp.quantize_fp8(k), sp.quantize_fp8(v)
+    f8 = sp.sparse_prefill(q8, k8, v8, cu, cu, L, L, q_descale=qd, k_descale=kd, v_descale=vd, **SEL)
+    e_bf, e_8 = rel_err(bf, dense), rel_err(f8, dense)
+    return dict(structured_bf16_rel_err_vs_dense_bf16=e_bf, structured_fp8_rel_err_vs_dense_bf16=e_8,
+                structured_fp8_over_bf16_error=e_8 / e_bf if e_bf > 0 else None)
 
 
 if __name__ == "__main__":

@@ -392,11 +392,12 @@ def test_fp8_cuda_within_twice_the_naive_fp8_error(rng, lens, causal):
 
 
 @cuda_only
-def test_fp8_cuda_needles_at_32k_within_the_bf16_band():
-    # The structured workload (RoPE content, sinks, recall, retrieval needles), 32K causal: FP8 (per-head quantised)
-    # must recover the needles' values (cosine of the needle queries' outputs with the needle value) about as well
-    # as bf16. This is the long-context case that collapses without the two-level P V accumulation.
-    L, hq, hkv, d = 32768, 8, 2, 128
+@pytest.mark.parametrize("L", [32768, 131072])
+def test_fp8_cuda_needles_within_the_bf16_band(L):
+    # The structured workload (RoPE content, sinks, recall, retrieval needles), 32K and 128K causal: FP8 (per-head
+    # quantised) must recover the needles' values (cosine of the needle queries' outputs with the needle value) about
+    # as well as bf16. This is the long-context case that collapses without the two-level P V accumulation.
+    hq, hkv, d = 8, 2, 128
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=3, needles=6)
     q, k, v = (torch.from_numpy(x).cuda() for x in sp.workload.structured(L, **kw))
     needles = sp.workload.needle_positions(L, **kw)
