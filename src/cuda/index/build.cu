@@ -16,16 +16,6 @@ namespace sparse_prefill::cuda {
 
 using namespace index_stage;
 
-namespace {
-// An FP8 descale [B, Hkv] as the kernels read it (absent: null = 1; a size-1 axis broadcasts whatever its stride).
-void set_descale(const std::optional<TensorView>& t, DescaleArg& d) {
-  if (!t) return;
-  d.ptr = t->ptr<const float>();
-  d.stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
-  d.stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
-}
-}  // namespace
-
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes, const MeanCache* mean_cache) {
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
@@ -76,8 +66,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
     kv.num_pages = p.num_pages;
   }
   kv.err = device_error_word();
-  set_descale(in.k_descale, kv.k_descale);
-  set_descale(in.v_descale, kv.v_descale);
+  kv.k_descale = descale_arg(in.k_descale);
+  kv.v_descale = descale_arg(in.v_descale);
   MeanCacheArgs cache;
   if (mean_cache != nullptr) {
     cache.k = mean_cache->k_mean.ptr<float>();
@@ -98,7 +88,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % per16 == 0 &&
                        in.q.stride[1] % per16 == 0;
   QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
-  set_descale(in.q_descale, qa.descale);
+  qa.descale = descale_arg(in.q_descale);
   const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                        params.final_chunk ? params.last_n : 0,
                        float(p.softmax_scale * kLog2e)};

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "core/geometry.h"
@@ -63,6 +64,15 @@ struct DescaleArg {
   int64_t stride[2] = {0, 0};
   __device__ float at(int b, int h) const { return ptr == nullptr ? 1.f : __ldg(ptr + b * stride[0] + h * stride[1]); }
 };
+// A caller's descale as the kernels read it (absent: null = 1; a size-1 axis broadcasts whatever its stride).
+inline DescaleArg descale_arg(const std::optional<TensorView>& t) {
+  DescaleArg d;
+  if (!t) return d;
+  d.ptr = t->ptr<const float>();
+  d.stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
+  d.stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
+  return d;
+}
 
 struct KVArgs {
   const void* k;

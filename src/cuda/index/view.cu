@@ -10,6 +10,7 @@ namespace sparse_prefill::cuda {
 namespace {
 
 using index_stage::DescaleArg;
+using index_stage::descale_arg;
 using index_stage::SeqArgs;
 using index_stage::from_float;
 using index_stage::is_fp8_v;
@@ -61,13 +62,6 @@ __global__ void prepare_view_kernel(SeqArgs seq, SeqLimits limits, int batch, in
   }
 }
 
-void set_descale(const std::optional<TensorView>& t, DescaleArg& d) {
-  if (!t) return;
-  d.ptr = t->ptr<const float>();
-  d.stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
-  d.stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
-}
-
 }  // namespace
 
 void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
@@ -89,8 +83,8 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
   }
   m.cu_blocks = view.cu_blocks.ptr<const int32_t>();
   m.cu_blocks_stride = view.cu_blocks.stride[0];
-  set_descale(in.k_descale, m.k_descale);
-  set_descale(in.v_descale, m.v_descale);
+  m.k_descale = descale_arg(in.k_descale);
+  m.v_descale = descale_arg(in.v_descale);
   auto launch = [&](auto tag) {
     using T = decltype(tag);
     prepare_view_kernel<T><<<grid, 256, 0, stream>>>(index_stage::seq_args(in, p), seq_limits(in, p), p.batch,
