@@ -10,12 +10,18 @@ head geometry, head dim, page size, mask, and then either leaves it valid or app
     monotone, not starting at 0, not ending at the rows; lengths above max_seqlen_q / max_seqlen_k; seqused_k
     negative or beyond the pages of its block_table row; block_table ids outside the cache; index segments outside
     the block id array; listed block ids outside the sequence.
-FP8 (about 30 % of the dense cases, needs torch): float8_e4m3fn q, k, v with random [B, Hkv] descales; mutations
-  of the descales' shape and dtype (host) and a negative descale (a device value on CUDA: NaN rows and
-  sp.check_errors() naming it; checked mode checks a host copy before the launch).
+FP8 (about 30 % of the cases of every kind, needs torch; helpers in fuzz_fp8.py): float8_e4m3fn q, k, v with random
+  [B, Hkv] descales (the index kind builds its index with them too); paged caches are uint8 bit patterns viewed as
+  float8, random bytes (NaN codes included) past seqused_k; mutations of the descales' shape and dtype and mixed
+  FP8 / bf16 operands (host) and a negative descale (a device value on CUDA: NaN rows and sp.check_errors() naming
+  it; checked mode checks a host copy before the launch). Valid FP8 results: dense, or alpha 0, against the exact
+  math on the dequantised values; the CPU's block-sparse FP8 results (and index) equal the float32 call on the
+  dequantised arrays (the reference dequantises on load); a CUDA FP8 index-kind result over the same host index as
+  the CPU reference (correction means rounded to e4m3 as the kernel does), its index against the CPU one up to ties.
 Array layouts (any case, valid or not): contiguous, or q (and k, v when contiguous KV) as strided views — rows and
-heads padded by 8 elements (16 bytes: valid on every backend), heads interleaved (head stride 2·D: valid), or rows
-padded by 4 elements (valid on the CPU; CUDA needs 16-byte strides and raises NotImplementedError naming the array);
+heads padded by 16 bytes (8 elements, FP8 16: valid on every backend), heads interleaved (head stride 2·D: valid),
+or rows padded by 8 bytes (4 elements, FP8 8: valid on the CPU; CUDA needs 16-byte strides and raises
+NotImplementedError naming the array);
 the host mutation last_stride gives q a last-dimension stride of 2 (an error naming q everywhere).
 Checks: every invalid call raises on the CPU with the argument's name; on CUDA a host-detectable one raises the
 same way, and a device value is reported by sp.check_errors() (default mode: the call itself returns, writes
@@ -25,6 +31,7 @@ sp_naive; CUDA: the CPU backend on the same bf16 inputs). The whole run is seede
 (--fuzz-cases per device, --fuzz-time seconds); --fuzz-report writes the summary (scripts/gpu.sh fuzz).
 """
 
+import sys
 import time
 
 import numpy as np
@@ -32,6 +39,8 @@ import pytest
 
 import sp_naive
 import sparse_prefill as sp
+import fuzz_fp8
+from fuzz_fp8 import DESCALES, VALID_DESCALES, F8, cuda_bound, dequantised, e4m3_codes, fp8_round, lse_bound
 from fuzz_summary import SUMMARY
 
 try:
@@ -39,19 +48,21 @@ try:
 except ImportError:  # the CPU cases need numpy only
     torch = None
 
+FUZZ = sys.modules[__name__]  # this module's call / prepare_index / to_device, for fuzz_fp8's checks
 HAVE_CUDA = bool(sp.with_cuda) and torch is not None and torch.cuda.is_available()
 KINDS = ("dense", "paged", "sparse", "chunked", "index")
+SPARSE_KINDS = ("sparse", "chunked", "index")
 PAD = 3          # canary rows around `out`
 CANARY = 7.0
 
 HOST_MUTATIONS = ("head_dim", "heads", "cu_len", "cu_dtype", "out_shape", "max_neg", "window_bad", "scale_bad",
                   "v_dtype", "alpha_bad", "block_size_bad", "workspace_small", "scale_mismatch", "mean_cache_block",
-                  "last_stride", "descale_shape", "descale_dtype")
+                  "last_stride", "descale_shape", "descale_dtype", "qkv_mixed")
 LAYOUTS = ("contiguous", "padded", "heads_strided", "padded4")
 DEVICE_MUTATIONS = ("cu_q_over", "cu_q_nonmono", "cu_q_start", "cu_q_under", "max_q_small", "cu_k_over",
                     "cu_k_nonmono", "cu_k_start", "cu_k_under", "max_k_small", "used_over", "used_neg", "bt_bad",
                     "seg_bad", "id_bad", "descale_neg")
-FP8_MUTATIONS = ("descale_shape", "descale_dtype", "descale_neg")  # only for FP8 cases
+FP8_MUTATIONS = ("descale_shape", "descale_dtype", "descale_neg", "qkv_mixed")  # only for FP8 cases
 
 
 def pytest_generate_tests(metafunc):
@@ -77,13 +88,14 @@ class Case:
         self.device = device
         cuda = device == "cuda"
         self.kind = str(rng.choice(KINDS))
-        sparse_kind = self.kind in ("sparse", "chunked", "index")
+        sparse_kind = self.kind in SPARSE_KINDS
         self.B = int(rng.integers(1, 4))
         self.hq, self.hkv = [(2, 1), (4, 2), (8, 2), (4, 4), (8, 1)][int(rng.integers(5))]
         self.D = 128 if (cuda and sparse_kind) else int(rng.choice([64, 128]))
-        # FP8 (float8_e4m3fn q, k, v with [B, Hkv] descales) on the dense kinds: CUDA runs head dim 128 and pages of
-        # a multiple of 64, the rest raises NotImplementedError (counted as unsupported); the CPU computes all.
-        self.fp8 = torch is not None and self.kind in ("dense", "paged") and rng.random() < 0.3
+        # FP8 (float8_e4m3fn q, k, v with [B, Hkv] descales), any kind: CUDA runs head dim 128 and pages of a
+        # multiple of 64 (the sparse kinds draw only those there), the rest raises NotImplementedError (counted as
+        # unsupported); the CPU computes all.
+        self.fp8 = torch is not None and rng.random() < 0.3
         top = 600 if cuda else 160
         B = self.B
         if self.kind == "chunked":
@@ -129,6 +141,8 @@ class Case:
         if self.layout == "padded4" and (self.mutation is not None or self.kind == "index"):
             self.layout = "padded"
         self.mrng = np.random.default_rng(self.seed + 1)
+        # qkv_mixed: the operand turned bfloat16 (q: k then mismatches q's dtype, the error names k)
+        self.mixed = str(self.mrng.choice(["q", "k", "v"])) if self.mutation == "qkv_mixed" else None
         if self.mutation == "bt_bad":
             self.window = (-1, -1)  # every page of the diagonal block is loaded by every path
 
@@ -226,8 +240,9 @@ def build_arrays(c):
         perm = rng.permutation(num_pages)
         kc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)  # garbage past seqused_k
         vc = (rng.standard_normal((num_pages, ps, hkv, D)) * 50).astype(np.float32)
-        if c.fp8:
-            kc, vc = fp8_round(kc), fp8_round(vc)
+        if c.fp8:  # a uint8 cache of e4m3 codes (viewed as float8); garbage: any byte, NaN codes too (never read)
+            kc, vc = (rng.integers(0, 256, kc.shape, dtype=np.uint8) for _ in range(2))
+            k, v = e4m3_codes(k), e4m3_codes(v)
         bt = np.full((c.B, max(pages) + 1), -1, np.int32)
         nxt = 0
         for b in range(c.B):
@@ -242,26 +257,9 @@ def build_arrays(c):
         a.update(k=kc, v=vc, cu_seqlens_k=None, block_table=bt, seqused_k=c.k_lens.astype(np.int32))
     if c.fp8:
         for n in DESCALES:
-            a[n] = rng.uniform(0.05, 0.5, (c.B, hkv)).astype(np.float32)
+            a[n] = a[VALID_DESCALES[n]] = rng.uniform(0.05, 0.5, (c.B, hkv)).astype(np.float32)
     mutate(c, a)
     return a
-
-
-DESCALES = ("q_descale", "k_descale", "v_descale")
-
-
-def fp8_round(x):
-    """float32 values rounded to float8_e4m3fn (torch's cast) and back."""
-    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.float8_e4m3fn).float().numpy()
-
-
-def dequantised(c, a, name, rows, heads_per_column):
-    """a[name] (q, or contiguous k / v) times its descale per (sequence, head), float64."""
-    x = a[name].astype(np.float64)
-    d = a[{"q": "q_descale", "k_contig": "k_descale", "v_contig": "v_descale"}[name]].astype(np.float64)
-    seq = np.repeat(np.arange(c.B), rows)
-    cols = np.arange(x.shape[1]) // heads_per_column
-    return x * d[seq][:, cols, None]
 
 
 def mutate(c, a):
@@ -357,8 +355,10 @@ def to_device(a, c):
     for n, x in a.items():
         if isinstance(x, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(x))
-            if n in DESCALES:
+            if n in DESCALES or n in VALID_DESCALES.values():
                 pass
+            elif c.fp8 and n in ("k", "v") and x.dtype == np.uint8:  # a paged cache of e4m3 bit patterns
+                t = t.view(F8)
             elif c.fp8 and n in ("q", "k", "v", "k_contig", "v_contig") and x.dtype == np.float32:
                 t = t.to(torch.float8_e4m3fn)
             elif x.dtype == np.float32 and n not in ("cu_seqlens_q",):
@@ -376,8 +376,8 @@ def strided_view(t, layout):
         shape, view = (rows, 2 * heads, D), (slice(None), slice(0, None, 2), slice(None))
     elif layout == "last_stride":
         shape, view = (rows, heads, 2 * D), (slice(None), slice(None), slice(0, None, 2))
-    else:  # padded (8 elements: 16-byte strides) or padded4 (8-byte strides)
-        pad = 8 if layout == "padded" else 4
+    else:  # padded (16-byte strides) or padded4 (8-byte strides): 8 or 4 elements, 16 or 8 for 1-byte FP8
+        pad = (8 if layout == "padded" else 4) * (2 if not isinstance(t, np.ndarray) and t.dtype == F8 else 1)
         shape, view = (rows, heads, D + pad), (slice(None), slice(None), slice(0, D))
     if isinstance(t, np.ndarray):
         buf = np.full(shape, np.nan, t.dtype)
@@ -424,8 +424,10 @@ def canaries_intact(buf, c):
     return bool((buf[:PAD] == CANARY).all().item() and (buf[-PAD:] == CANARY).all().item())
 
 
-def call(c, x, out, options=None, index_state=None):
+def call(c, x, out, options=None, index_state=None, reuse_index=False):
     """Runs the case's entry point; returns (out, lse)."""
+    if c.mutation == "qkv_mixed":
+        x = dict(x, **{c.mixed: x[c.mixed].to(torch.bfloat16)})
     kv = dict(block_table=x["block_table"], seqused_k=x["seqused_k"])
     scale = -1.0 if c.mutation == "scale_bad" else None
     alpha = 1.5 if c.mutation == "alpha_bad" else c.alpha
@@ -459,16 +461,21 @@ def call(c, x, out, options=None, index_state=None):
     if c.mutation == "scale_mismatch":
         common["softmax_scale"] = 0.05
     return sp.sparse_attention(x["q"], x["k"], x["v"], index, x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
-                               **common)
+                               reuse_index=reuse_index, **common)
 
 
-def prepare_index(c, a, x):
+def prepare_index(c, a, x, index_state):
     """A host index of the case's (valid) arrays, built on the case's device and copied to the host, with the index
-    mutation applied to its arrays."""
+    mutation applied to its arrays. FP8: built with the valid descales (the mutated ones go to sparse_attention);
+    on CUDA a second host copy of a valid one is kept for the checks (index_state["device_built"])."""
     kv = dict(block_table=x["block_table"], seqused_k=x["seqused_k"])
+    if c.fp8:
+        kv.update({n: x[VALID_DESCALES[n]] for n in DESCALES})
     index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"],
                            a["max_seqlen_k"], alpha=c.alpha, correction=c.correction, **kv)
     if index.on_device:
+        if c.fp8 and c.mutation is None:
+            index_state["device_built"] = index.to_host()
         index = index.to_host()
     h = index.host
     if c.mutation == "seg_bad":
@@ -531,6 +538,11 @@ def test_fuzz(case_id, request):
     record("cases")
     if c.fp8:
         record("fp8_cases")
+        fp8 = SUMMARY.setdefault("fp8_kinds", {})
+        fp8[c.kind] = fp8.get(c.kind, 0) + 1
+        if c.mutation is None:
+            fp8 = SUMMARY.setdefault("fp8_valid_kinds", {})
+            fp8[c.kind] = fp8.get(c.kind, 0) + 1
     SUMMARY["kinds"][c.kind] = SUMMARY["kinds"].get(c.kind, 0) + 1
     SUMMARY["mutations"][str(c.mutation)] = SUMMARY["mutations"].get(str(c.mutation), 0) + 1
     SUMMARY["layouts"][c.layout] = SUMMARY["layouts"].get(c.layout, 0) + 1
@@ -547,7 +559,7 @@ def run_case(c):
     x = relayout(to_device(a, c), c)
     index_state = {}
     if c.kind == "index":
-        index_state["index"] = prepare_index(c, a, x)
+        index_state["index"] = prepare_index(c, a, x, index_state)
     if c.device == "cuda" and c.use_workspace and c.kind in ("sparse", "chunked"):
         try:  # the size function of the call's own shapes (computed from shapes only: device values never read)
             index_state["ws_bytes"] = sp.sparse_prefill_workspace_bytes(
@@ -562,6 +574,8 @@ def run_case(c):
 
 
 def expected(c):
+    if c.mutation == "qkv_mixed":
+        return "v" if c.mixed == "v" else "k"
     if c.mutation == "cu_len":
         return expected_cu_len_argument(c)
     return expected_argument(c.mutation)
@@ -579,28 +593,43 @@ def run_cpu(c, a, x, index_state):
     record("valid")
     got, lse = call(c, x, out, index_state=index_state)
     assert canaries_intact(buf, c), c
-    check_valid_result(c, a, got, lse)
+    check_valid_result(c, a, got, lse, index_state)
 
 
-def check_valid_result(c, a, got, lse):
+def check_valid_result(c, a, got, lse, index_state):
     got, lse = to_np(got), to_np(lse)
-    if c.kind in ("sparse", "chunked", "index") and c.alpha > 0:
+    if c.fp8 and c.kind in SPARSE_KINDS and c.device == "cpu":
+        fuzz_fp8.check_cpu_twin(c, a, got, lse, index_state, FUZZ)  # any alpha; alpha 0 also the exact math below
+    elif c.fp8 and c.kind == "index" and c.alpha > 0:
+        return fuzz_fp8.check_cuda_index(c, a, got, lse, index_state, FUZZ)
+    if c.kind in SPARSE_KINDS and c.alpha > 0:
         assert np.isfinite(got).all(), c  # selections of CPU and CUDA may differ near the threshold
         return
     ref, ref_lse = reference(c, a)
     tol, ltol = (1e-4, 1e-4) if c.device == "cpu" else (3e-2, 3e-3)
     if c.fp8:  # bfloat16 output; CUDA also rounds P to e4m3 (2^-4 relative per weight, test_fp8.py's bound)
-        big = float(np.abs(ref).max(initial=0.0))
         vmax = float(np.abs(dequantised(c, a, "v_contig", c.k_lens, 1)).max(initial=0.0))
-        tol = 2 ** -8 * big + 1e-3 if c.device == "cpu" else 2 ** -4 * vmax + 2 ** -8 * big + 1e-3
-        ltol = 1e-3 if c.device == "cpu" else 3e-2
+        tol = 2 ** -8 * float(np.abs(ref).max(initial=0.0)) + 1e-3 if c.device == "cpu" else cuda_bound(ref, vmax)
+        ltol = 1e-3 if c.device == "cpu" else lse_bound(ref_lse)
+    assert_matches(c, got, lse, ref, ref_lse, tol, ltol)
+
+
+def assert_matches(c, got, lse, ref, ref_lse, tol, ltol):
+    """|got - ref| <= tol and |lse - ref_lse| <= ltol (scalars or arrays of ref's shapes), the same -inf rows."""
     assert got.shape == ref.shape, c
-    err = np.abs(got - ref).max(initial=0.0)
-    assert err <= tol, (err, c)
+    excess = np.abs(got - ref) - tol
+    assert not (excess > 0).any() and not np.isnan(excess).any(), (float(np.nanmax(excess, initial=0.0)), c)
     fin = np.isfinite(ref_lse)
     assert np.array_equal(fin, np.isfinite(lse)), c
+    ltol = np.broadcast_to(ltol, ref_lse.shape)
     if fin.any():
-        assert np.abs(lse[fin] - ref_lse[fin]).max() <= ltol, c
+        assert (np.abs(lse[fin] - ref_lse[fin]) <= ltol[fin]).all(), (np.abs(lse[fin] - ref_lse[fin]).max(), c)
+
+
+def cuda_fp8_unbuilt(c):
+    """An FP8 case the CUDA FP8 kernels are not built for (head dim != 128, pages of other than a multiple of 64
+    rows); the generator draws none in the sparse kinds (head dim 128, pages of 64 / 128 there)."""
+    return c.fp8 and (c.D != 128 or (c.paged and c.page_size % 64 != 0))
 
 
 def run_cuda(c, a, x, index_state):
@@ -643,20 +672,21 @@ def run_cuda(c, a, x, index_state):
     if c.layout == "padded4":  # 8-byte strides: TMA and the 16-byte stores need 16-byte strides
         # An FP8 case the FP8 kernel is not built for (head dim != 128, pages of other than a multiple of 64 rows) is
         # refused first for that (H200 at 64a9743: 4 of 3600 cases)
-        fp8_unbuilt = c.fp8 and (c.D != 128 or (c.paged and c.page_size % 64 != 0))
-        unsupported = r"\bq\b|CUDA FP8 attention" if fp8_unbuilt else r"\bq\b"
+        unsupported = r"\bq\b|CUDA FP8 attention" if cuda_fp8_unbuilt(c) else r"\bq\b"
         with pytest.raises(NotImplementedError, match=unsupported):
             call(c, x, out, index_state=index_state)
         record("unsupported")
         return
     try:
         got, lse = call(c, x, out, index_state=index_state)
-    except NotImplementedError:
+    except NotImplementedError as e:
+        # FP8 where the FP8 kernels are built (16-byte strides here) is never refused: not counted as unsupported
+        assert not c.fp8 or cuda_fp8_unbuilt(c), (str(e), c)
         record("unsupported")
         return
     torch.cuda.synchronize()
     sp.check_errors()  # a valid call is never flagged
     assert canaries_intact(buf, c), c
-    check_valid_result(c, a, got, lse)
+    check_valid_result(c, a, got, lse, index_state)
     if hash((c.seed, 1)) % 4 == 0:  # checked mode accepts valid calls
         call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
