@@ -41,9 +41,9 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
     correction for the dropped, fully visible blocks when index.correction is set.
 
-    The KV arguments (the FP8 descales and qkv_dtype included) are those of attention(). `index` must come from build_index() or union_index() on these very
-    arrays (its binding is checked: a different mask, scale, shape, length bound or array raises an error naming the
-    argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
+    The KV arguments (the FP8 descales and qkv_dtype included) are those of attention(). `index` must come from
+    build_index() or union_index() on these very arrays (its binding is checked: a different mask, scale, shape,
+    length bound or array raises an error naming the argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
     A device index is read in place; a host index with CUDA arrays is copied to the device once (cached) and
     prepared in `workspace` (sparse_attention_workspace_bytes(...)) or a stream-ordered temporary.
     Returns out, or (out, lse) when return_lse is True.

@@ -304,13 +304,13 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   const Scratch ws(in, outs.workspace, view_layout(in, index, p, nullptr).bytes,
                    "sparse_attention_workspace_bytes(...)");
   const ViewLayout l = view_layout(in, index, p, ws.ptr);
-  prepare_index_view(in, p, index, l.cu_tiles, l.k_mean, l.v_mean);
   SparseFwdArgs s;
   s.segment_start = int_ptr(index.segment_start, "index.segment_start");
   s.segment_end = int_ptr(index.segment_end, "index.segment_end");
   s.block_ids = int_ptr(index.block_ids, "index.block_ids");
   s.cu_tiles = l.cu_tiles;
-  s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");
+  s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");  // contiguous: prepare_index_view reads it too
+  prepare_index_view(in, p, index, l.cu_tiles, l.k_mean, l.v_mean);
   if (index.segment_start.shape[0] > INT32_MAX || index.block_ids.shape[0] > INT32_MAX)
     throw NotImplementedError("CUDA sparse attention: more than 2^31 - 1 segments or block ids");
   s.num_segments = int(std::min(index.segment_start.shape[0], index.segment_end.shape[0]));

@@ -38,15 +38,20 @@ def make_varlen(rng, q_lens, k_lens, hq=4, hkv=2, d=64, dtype=np.float32):
     return q, k, v, cu_q, cu_k
 
 
-def to_paged(rng, k, v, cu_k, page_size, extra_pages=3):
-    """A paged copy of contiguous k, v: shuffled pages, spare pages of garbage, padded block_table."""
+def to_paged(rng, k, v, cu_k, page_size, extra_pages=3, fill=None):
+    """A paged copy of contiguous k, v: shuffled pages, spare pages of garbage (random * 100, or `fill`, e.g. an FP8
+    NaN code for uint8 bit arrays), padded block_table."""
     lens = np.diff(cu_k)
     pages_per_seq = [(int(n) + page_size - 1) // page_size for n in lens]
     num_pages = sum(pages_per_seq) + extra_pages
     perm = rng.permutation(num_pages)
     hkv, d = k.shape[1:]
-    k_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(k.dtype) * 100
-    v_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(v.dtype) * 100
+    if fill is None:
+        k_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(k.dtype) * 100
+        v_cache = rng.standard_normal((num_pages, page_size, hkv, d)).astype(v.dtype) * 100
+    else:
+        k_cache = np.full((num_pages, page_size, hkv, d), fill, k.dtype)
+        v_cache = np.full((num_pages, page_size, hkv, d), fill, v.dtype)
     max_pages = max(pages_per_seq) + 1
     block_table = np.full((len(lens), max_pages), -1, np.int32)  # unused slots hold garbage ids
     nxt = 0

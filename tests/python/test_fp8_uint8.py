@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
 from sparse_prefill.fp8 import _e4m3_bits  # noqa: E402
+from conftest import to_paged  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 E4M3 = "float8_e4m3fn"
@@ -52,23 +53,7 @@ def _problem(rng, q_lens, k_lens, hq=6, hkv=3, d=64):
 def _paged(rng, k, v, cu_k, page_size):
     """A paged copy of contiguous bit arrays: shuffled pages, spare pages of NaN codes (read, they would NaN the
     output), a block_table padded with -1."""
-    lens = np.diff(cu_k)
-    per_seq = [(int(n) + page_size - 1) // page_size for n in lens]
-    num_pages = sum(per_seq) + 2
-    perm = rng.permutation(num_pages)
-    caches = [np.full((num_pages, page_size) + k.shape[1:], 0x7F, np.uint8) for _ in range(2)]
-    bt = np.full((len(lens), max(per_seq) + 1), -1, np.int32)
-    nxt = 0
-    for b, n in enumerate(lens):
-        for p in range(per_seq[b]):
-            page = perm[nxt]
-            nxt += 1
-            bt[b, p] = page
-            lo = cu_k[b] + p * page_size
-            hi = min(lo + page_size, cu_k[b + 1])
-            caches[0][page, :hi - lo] = k[lo:hi]
-            caches[1][page, :hi - lo] = v[lo:hi]
-    return caches[0], caches[1], bt, lens.astype(np.int32)
+    return to_paged(rng, k, v, cu_k, page_size, extra_pages=2, fill=0x7F)
 
 
 def _both(fn, *args, **kw):

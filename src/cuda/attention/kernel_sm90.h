@@ -114,7 +114,8 @@ struct FwdKernel {
 
   // The V transpose warps (KvTmaTransposeV): the tiles of the producer loop, each V step of each tile. They read the
   // tiles as the consumers do (a persistent scheduler's mailbox counts their arrivals too).
-  __device__ __forceinline__ static void transposer(const Params& params, SharedStorage& storage, Pipeline& pipeline_v) {
+  __device__ __forceinline__ static void transposer(const Params& params, SharedStorage& storage,
+                                                    Pipeline& pipeline_v) {
     PipelineState st;  // read state of the V pipeline (like a consumer's)
     typename Scheduler::template Consumer<SharedStorage> sched{storage};
     for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);

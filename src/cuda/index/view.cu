@@ -13,6 +13,7 @@ using index_stage::DescaleArg;
 using index_stage::descale_arg;
 using index_stage::SeqArgs;
 using index_stage::from_float;
+using index_stage::find_sequence;
 using index_stage::is_fp8_v;
 using index_stage::to_kernel_mean;
 
@@ -22,8 +23,7 @@ struct ViewMeans {
   const float* v;
   int64_t k_rs, k_hs, v_rs, v_hs;
   int64_t rows;
-  const int32_t* cu_blocks;  // FP8 only: row r belongs to the sequence b with cu_blocks[b] <= r
-  int64_t cu_blocks_stride;
+  const int32_t* cu_blocks;  // FP8 only (contiguous, checked by the caller): row r is sequence find_sequence(r)'s
   DescaleArg k_descale, v_descale;
 };
 
@@ -46,15 +46,10 @@ __global__ void prepare_view_kernel(SeqArgs seq, SeqLimits limits, int batch, in
     const int64_t d = i % head_dim, h = (i / head_dim) % num_kv_heads, r = i / (int64_t(head_dim) * num_kv_heads);
     const float km = m.k[r * m.k_rs + h * m.k_hs + d], vm = m.v[r * m.v_rs + h * m.v_hs + d];
     if constexpr (is_fp8_v<T>) {
-      // the row's sequence: a binary search over cu_blocks (bad values give some b in [0, batch): never out of
-      // bounds; the sparse kernel reports them)
-      int lo = 0, hi = batch - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (m.cu_blocks[mid * m.cu_blocks_stride] <= r) lo = mid; else hi = mid - 1;
-      }
-      k_out[i] = to_kernel_mean(km, m.k_descale.at(lo, int(h)));
-      v_out[i] = to_kernel_mean(vm, m.v_descale.at(lo, int(h)));
+      // bad cu_blocks values give some b in [0, batch): never out of bounds; the sparse kernel reports them
+      const int b = find_sequence(m.cu_blocks, batch, r);
+      k_out[i] = to_kernel_mean(km, m.k_descale.at(b, int(h)));
+      v_out[i] = to_kernel_mean(vm, m.v_descale.at(b, int(h)));
     } else {
       k_out[i] = from_float<T>(km);
       v_out[i] = from_float<T>(vm);
@@ -82,7 +77,6 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
     m.v_rs = view.v_mean.stride[0], m.v_hs = view.v_mean.stride[1] * S;
   }
   m.cu_blocks = view.cu_blocks.ptr<const int32_t>();
-  m.cu_blocks_stride = view.cu_blocks.stride[0];
   m.k_descale = descale_arg(in.k_descale);
   m.v_descale = descale_arg(in.v_descale);
   auto launch = [&](auto tag) {
