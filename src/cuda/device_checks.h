@@ -126,18 +126,26 @@ SP_HOST_DEVICE SeqSpan clip_bad_span(SeqSpan s, int total_q) {
   return s;
 }
 
+// segment_start of a device index's segment that did not fit its block-id budget (SelectionParams::max_kept_blocks):
+// the segment lists every block its tile sees (the full list, taken from the geometry), and its segment_end holds
+// that count for the host copy. Only the index stage writes it (SparseFwdArgs::overflow_marks); in a caller's view it
+// is a bad segment like any other negative start.
+constexpr int32_t kOverflowStart = -1;
+
 // 0, or kErrSegment / kErrCuBlocks, for segment `seg` of a valid sequence b with k_len keys. The segment is read only
-// when it lies inside the segment arrays, and its range [lo, lo + n) must lie inside the block ids; with cu_blocks
-// (correction on), the sequence's pooled rows must be its ceil(k_len / block_size) blocks, inside the mean rows.
-// The attention kernel (tile_work) and the split plan (tile_steps) both decide from it.
+// when it lies inside the segment arrays, and its range [lo, lo + n) must lie inside the block ids; with
+// overflow_marks, lo = kOverflowStart is a full list (n = 0 here: the caller counts it from the geometry). With
+// cu_blocks (correction on), the sequence's pooled rows must be its ceil(k_len / block_size) blocks, inside the mean
+// rows. The attention kernel (tile_work) and the split plan (tile_steps) both decide from it.
 SP_HOST_DEVICE int sparse_index_violation(const int32_t* seg_start, const int32_t* seg_end, int seg, int num_segments,
-                                          int num_ids, const int32_t* cu_blocks, int b, int k_len, int block_size,
-                                          int mean_rows, int& lo, int& n) {
+                                          int num_ids, bool overflow_marks, const int32_t* cu_blocks, int b,
+                                          int k_len, int block_size, int mean_rows, int& lo, int& n) {
   if (seg < 0 || seg >= num_segments) return kErrSegment;
   lo = seg_start[seg];
   const int hi = seg_end[seg];
-  if (lo < 0 || hi < lo || hi > num_ids) return kErrSegment;
-  n = hi - lo;
+  const bool full = overflow_marks && lo == kOverflowStart;
+  if (!full && (lo < 0 || hi < lo || hi > num_ids)) return kErrSegment;
+  n = full ? 0 : hi - lo;
   if (cu_blocks != nullptr) {
     const int c0 = cu_blocks[b], c1 = cu_blocks[b + 1];
     if (c0 < 0 || c1 - c0 != (k_len + block_size - 1) / block_size || c1 > mean_rows) return kErrCuBlocks;

@@ -90,6 +90,8 @@ struct SparseFwdArgs {
   // arrays; each tile visits every key block its last row sees (SparseBlockIterator::full_list_blocks), causal or
   // not (FwdArgs::causal), no correction, block_size 128.
   bool full_list = false;
+  // A device index (sparse_args_of): a segment whose start is kOverflowStart runs its full list (device_checks.h).
+  bool overflow_marks = false;
   // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
   SparseLaunchWorkspace launch;
 };

@@ -52,6 +52,7 @@ struct PlanArgs {
   const int32_t* seg_end;
   int block_size, correction, num_coord_tiles, num_sms;
   int full_list, causal;  // SparseFwdArgs::full_list: dense PackGQA tiles, no index arrays
+  int overflow_marks;     // SparseFwdArgs::overflow_marks
   // Device-side checks (device_checks.h), as the kernel's tile_work makes them: a bad tile has no planned step.
   SeqLimits limits;
   int num_segments, num_block_ids, mean_rows;
@@ -77,9 +78,12 @@ __device__ int tile_steps(const PlanArgs& a, int t) {
   if (c.tile >= tiles) return 0;
   const int seg = a.order.num_kv_heads * tile_base + c.kv_head * tiles + c.tile;
   int lo = 0, n_listed = 0;
-  if (sparse_index_violation(a.seg_start, a.seg_end, seg, a.num_segments, a.num_block_ids, a.cu_blocks, c.batch,
-                             s.k_len, a.block_size, a.mean_rows, lo, n_listed))
+  if (sparse_index_violation(a.seg_start, a.seg_end, seg, a.num_segments, a.num_block_ids, a.overflow_marks != 0,
+                             a.cu_blocks, c.batch, s.k_len, a.block_size, a.mean_rows, lo, n_listed))
     return 0;
+  if (lo == kOverflowStart) {  // the full list, as the kernel's tile lookup counts it
+    n_listed = It::full_list_blocks(c.tile * kRows, a.order.group_size, s.q_len, s.k_len, true, a.block_size);
+  }
   return SparseBlockIterator<kStepKeys>::planned_steps(n_listed, c.tile * kRows / a.order.group_size, s.q_len, s.k_len,
                                                        a.block_size, a.correction != 0);
 }
@@ -304,6 +308,7 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.block_size = s.block_size;
   p.correction = sparse_correction_on(s) ? 1 : 0;
   p.full_list = s.full_list ? 1 : 0;
+  p.overflow_marks = s.overflow_marks ? 1 : 0;
   p.causal = a.causal ? 1 : 0;
   p.limits = a.limits;
   p.num_segments = s.num_segments;

@@ -190,15 +190,17 @@ struct SparseBlockIterator {
     return first_hi >= k_len - 1 ? nb : (first_hi + 1) / block_size;
   }
 
-  // Dense attention over PackGQA tiles (the "full list": SparseFwdArgs::full_list): the blocks a tile visits are
-  // 0 .. n - 1, every key block the tile's last row sees (causal: up to position + k_len - q_len; otherwise the
-  // whole sequence). The kernel's tile lookup and the split-KV plan both take n from here, with no index arrays.
-  SP_HOST_DEVICE static int full_list_blocks(int row0, int group_size, int q_len, int k_len, bool causal) {
+  // Dense attention over PackGQA tiles (the "full list": SparseFwdArgs::full_list, and an overflowed segment of a
+  // device index, kOverflowStart): the blocks of `block` keys a tile visits are 0 .. n - 1, every block the tile's
+  // last row sees (causal: up to position + k_len - q_len; otherwise the whole sequence). The kernel's tile lookup
+  // and the split-KV plan both take n from here, with no index arrays.
+  SP_HOST_DEVICE static int full_list_blocks(int row0, int group_size, int q_len, int k_len, bool causal,
+                                             int block = kBlockN) {
     const int rows = q_len * group_size - row0;
     if (rows <= 0 || k_len <= 0) return 0;
     const int last_pos = (row0 + sp_min(rows, kTileRows) - 1) / group_size;
     const int hi = causal ? sp_min(k_len - 1, last_pos + k_len - q_len) : k_len - 1;
-    return hi < 0 ? 0 : hi / kBlockN + 1;
+    return hi < 0 ? 0 : hi / block + 1;
   }
   SP_HOST_DEVICE static int packed_tiles(int q_len, int group_size) {
     return int(geometry::num_tiles(q_len, group_size));
@@ -225,7 +227,8 @@ struct SparseBlockIterator {
     it.k_len = k_len;
     it.diag = k_len - q_len;
     it.n_prunable = prunable_blocks(p_first, q_len, k_len, block_size);
-    if (!correction || it.n_prunable == 0) return it;
+    // The full list (ids == nullptr) holds every prunable block: nothing to correct.
+    if (!correction || it.n_prunable == 0 || ids == nullptr) return it;
     it.n_chunks = (it.n_prunable + kBlockN - 1) / kBlockN;
     const int low = sp_min(it.n_chunks, 64);
     it.todo_low = low == 64 ? ~uint64_t(0) : ((uint64_t(1) << low) - 1);

@@ -94,6 +94,7 @@ struct CsrBlocks {
     const int32_t* cu_blocks;  // [B+1] pooled blocks per sequence, prefix-summed
     int num_segments, num_block_ids;  // extents the kernel never reads beyond (device_checks.h)
     int block_size;
+    int overflow_marks;  // SparseFwdArgs::overflow_marks
     // Dense attention through the sparse kernel (SparseFwdArgs::full_list): every tile visits the full list of the
     // blocks it sees (SparseBlockIterator::full_list_blocks), causal when window_right == 0, non-causal when < 0.
     int full_list;
@@ -108,6 +109,7 @@ struct CsrBlocks {
     p.num_segments = s->num_segments;
     p.num_block_ids = s->num_block_ids;
     p.block_size = s->block_size;
+    p.overflow_marks = s->overflow_marks ? 1 : 0;
     p.full_list = s->full_list ? 1 : 0;
     return p;
   }
@@ -162,8 +164,12 @@ struct CsrBlocks {
         n_listed = Iterator::full_list_blocks(w.row0, pr.group_size, w.seq.q_len, w.seq.k_len, pr.window_right >= 0);
       } else {
         w.bad = sparse_index_violation(ix.seg_start, ix.seg_end, pr.num_kv_heads * tile_base + c.kv_head * tiles +
-                                       c.tile, ix.num_segments, ix.num_block_ids, nullptr, c.batch, w.seq.k_len,
-                                       ix.block_size, Fusion::mean_rows(p.fusion), lo, n_listed);
+                                       c.tile, ix.num_segments, ix.num_block_ids, ix.overflow_marks != 0, nullptr,
+                                       c.batch, w.seq.k_len, ix.block_size, Fusion::mean_rows(p.fusion), lo,
+                                       n_listed);
+        if (!w.bad && lo == kOverflowStart) {  // an overflowed segment (the index is causal)
+          n_listed = Iterator::full_list_blocks(w.row0, pr.group_size, w.seq.q_len, w.seq.k_len, true, ix.block_size);
+        }
       }
     }
     if (w.bad) {
@@ -180,8 +186,8 @@ struct CsrBlocks {
       w.valid = false;  // a split tile: its parts are units [0, n_split_units)
       return w;
     }
-    w.iter = Iterator::make(full ? nullptr : ix.block_ids + lo, n_listed, p_first, w.seq.q_len, w.seq.k_len,
-                            ix.block_size, corr);
+    w.iter = Iterator::make(full || lo == kOverflowStart ? nullptr : ix.block_ids + lo, n_listed, p_first,
+                            w.seq.q_len, w.seq.k_len, ix.block_size, corr);
     if (full && pr.window_right < 0) w.iter.make_non_causal();
     Scheduler::apply_split(u, w.iter);
     return w;
