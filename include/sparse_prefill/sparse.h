@@ -61,6 +61,13 @@ struct SelectionParams {
   // head are split into head_subgroups groups of g / head_subgroups heads, each selected (and, with union_lists,
   // unioned) on its own. Must divide g. The index is then over Hkv * head_subgroups virtual KV heads (BlockIndex).
   int head_subgroups = 1;
+  // CUDA device index: its budget of block-id slots (int32 each, in the workspace; docs/semantics.md "Device
+  // index"). -1: the causal bound, what any selection can keep (each segment at most the blocks its tile's last row
+  // sees). A smaller budget in [0, 2^31 - 1] makes the workspace follow the kept blocks instead: segments take
+  // their ids from it in the order they finish; a segment that no longer fits runs its full list (every block its
+  // tile sees: exact, at dense cost for that tile) and is counted (IndexStats::overflow_segments). In union mode
+  // the per-tile lists and the unions share the budget. Not used by the CPU reference.
+  int64_t max_kept_blocks = -1;
 };
 
 // What an index was built for: the problem (mask, scale, head geometry, lengths' bounds, dtype, device), the
@@ -110,6 +117,7 @@ struct BlockIndex {
   std::vector<float> k_mean, v_mean;
   int64_t kept_blocks = 0;     // sum over segments of listed blocks visible to the segment's tile
   int64_t visible_blocks = 0;  // sum over segments of blocks visible to the segment's tile
+  int64_t overflow_segments = 0;  // copies of a device index: segments past its budget, listed in full (0 otherwise)
   double density() const { return visible_blocks ? double(kept_blocks) / double(visible_blocks) : 1.0; }
 };
 
@@ -162,6 +170,12 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
                       bool reuse_index = false);
 // kept and visible block counts (density = kept / visible); synchronises `stream`.
 std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream);
+// The counts above and the segments that overflowed the block-id budget (SelectionParams::max_kept_blocks: they run
+// their full list; kept counts their full lists); synchronises `stream`.
+struct IndexStats {
+  int64_t kept_blocks = 0, visible_blocks = 0, overflow_segments = 0;
+};
+IndexStats index_stats(const DeviceBlockIndex& index, void* stream);
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 
 // build_index + sparse_attention in one call. On CUDA the index lives in outs.workspace

@@ -226,11 +226,16 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
 }
 
 std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {
+  const IndexStats s = index_stats(index, stream);
+  return {s.kept_blocks, s.visible_blocks};
+}
+
+IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
-  return cuda::index_counts(index, stream);
+  return cuda::index_stats(index, stream);
 #else
   (void)index, (void)stream;
-  not_on_cuda("index_counts");
+  not_on_cuda("index_stats");
 #endif
 }
 

@@ -64,6 +64,10 @@ void check_selection_params(const SelectionParams& params) {
   if (params.head_subgroups < 1) {
     throw ArgumentError("head_subgroups", "must be >= 1, got " + std::to_string(params.head_subgroups));
   }
+  if (params.max_kept_blocks < -1 || params.max_kept_blocks > INT32_MAX) {  // int32 ids and segment offsets
+    throw ArgumentError("max_kept_blocks", "must be -1 (the causal bound) or a budget in [0, 2^31 - 1], got " +
+                                               std::to_string(params.max_kept_blocks));
+  }
 }
 
 void check_head_subgroups(int subgroups, int group_size, const char* name) {

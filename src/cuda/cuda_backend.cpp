@@ -213,6 +213,7 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.block_size = index.block_size;
   s.correction = index.correction;
   s.head_subgroups = index.head_subgroups;
+  s.overflow_marks = true;
   return s;
 }
 
@@ -371,7 +372,7 @@ TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t
   return h;
 }
 
-std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {
+IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
   return download_counts(carve_index(index.binding, index.params, index.workspace.data), stream);
 }
 

@@ -53,7 +53,7 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 // The device index in a caller workspace (validated here: size, alignment), and its host views.
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                  const TensorView& workspace, const MeanCache* cache);
-std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream);
+IndexStats index_stats(const DeviceBlockIndex& index, void* stream);
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 
 // The device error word (device_checks.h, device_errors.cu): synchronises `stream`, reads the first violation since

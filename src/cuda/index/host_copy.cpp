@@ -1,5 +1,5 @@
 // The index on the host: download_index / download_counts (a device index copied back, compacted into the CSR the
-// CPU reference returns) and build_index_to_host (the allocating convenience path behind sparse_prefill::build_index).
+// CPU reference returns, overflowed segments expanded to their full lists) and build_index_to_host (the allocating convenience path behind sparse_prefill::build_index).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,8 +23,7 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   };
   const int batch = b.batch, D = b.head_dim, hkv = b.num_kv_heads;
   std::vector<int32_t> cu_tiles(batch + 1);
-  std::vector<int64_t> cu_capacity(batch + 1);
-  unsigned long long counters[2] = {0, 0};
+  unsigned long long counters[kNumCounters] = {};
   BlockIndex idx;
   const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, params.head_subgroups);
   idx.binding = b;
@@ -36,24 +35,31 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   idx.correction = params.correction;
   idx.cu_blocks.resize(batch + 1);
   download(d.cu_tiles, cu_tiles.size() * 4, cu_tiles.data());
-  download(d.cu_capacity, cu_capacity.size() * 8, cu_capacity.data());
   download(d.cu_blocks, idx.cu_blocks.size() * 4, idx.cu_blocks.data());
   download(d.counters, sizeof(counters), counters);
   const size_t segments = size_t(cu_tiles[batch]) * heads.kv;
-  std::vector<int32_t> start(segments), end(segments), ids(static_cast<size_t>(cu_capacity[batch]));
+  // The slots taken: the cursor, less what the segments that found no room asked for.
+  std::vector<int32_t> start(segments), end(segments),
+      ids(size_t(std::min<unsigned long long>(counters[kCursor], (unsigned long long)d.capacity)));
   download(d.segment_start, segments * 4, start.data());
   download(d.segment_end, segments * 4, end.data());
   download(d.block_ids, ids.size() * 4, ids.data());
   idx.segment_start.resize(segments);
   idx.segment_end.resize(segments);
-  for (size_t s = 0; s < segments; ++s) {  // compact the in-place slices into one dense CSR
-    if (s > 0 && start[s] == start[s - 1] && end[s] == end[s - 1]) {  // a shared (union) list stays shared
+  for (size_t s = 0; s < segments; ++s) {  // the segments' lists, in segment order, into one dense CSR
+    const bool full = start[s] == kOverflowStart;
+    if (!full && s > 0 && start[s] == start[s - 1] && end[s] == end[s - 1]) {  // a shared (union) list stays shared
       idx.segment_start[s] = idx.segment_start[s - 1];
       idx.segment_end[s] = idx.segment_end[s - 1];
       continue;
     }
     idx.segment_start[s] = int32_t(idx.block_ids.size());
-    idx.block_ids.insert(idx.block_ids.end(), ids.begin() + start[s], ids.begin() + end[s]);
+    if (full) {  // overflowed: blocks 0 .. end - 1, what the sparse kernel runs
+      ++idx.overflow_segments;
+      for (int32_t J = 0; J < end[s]; ++J) idx.block_ids.push_back(J);
+    } else {
+      idx.block_ids.insert(idx.block_ids.end(), ids.begin() + start[s], ids.begin() + end[s]);
+    }
     idx.segment_end[s] = int32_t(idx.block_ids.size());
   }
   const size_t pooled = size_t(idx.cu_blocks[batch]) * hkv * D;
@@ -75,18 +81,18 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
         std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
       }
   }
-  idx.kept_blocks = int64_t(counters[0]);
-  idx.visible_blocks = int64_t(counters[1]);
+  idx.kept_blocks = int64_t(counters[kKept]);
+  idx.visible_blocks = int64_t(counters[kVisible]);
   return idx;
 }
 
-std::pair<int64_t, int64_t> download_counts(const DeviceIndex& d, void* stream) {
-  unsigned long long counters[2] = {0, 0};
+IndexStats download_counts(const DeviceIndex& d, void* stream) {
+  unsigned long long counters[kNumCounters] = {};
   check_cuda(cudaMemcpyAsync(counters, d.counters, sizeof(counters), cudaMemcpyDeviceToHost,
                              static_cast<cudaStream_t>(stream)),
              "cudaMemcpyAsync(index counts)");
   check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "index counts");
-  return {int64_t(counters[0]), int64_t(counters[1])};
+  return {int64_t(counters[kKept]), int64_t(counters[kVisible]), int64_t(counters[kOverflow])};
 }
 
 BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {

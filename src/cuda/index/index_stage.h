@@ -6,11 +6,14 @@
 //             step, Q and two stages of pooled keys in swizzled shared memory), running chunk maxima and block
 //             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold (or the per-row rule,
 //             SelectionRule::kRowMax: a second pass over the chunks), sink / window / last_n
-//             / diagonal rules, and in-CTA compaction of the kept ids into the CSR.
-// The CSR is laid out "in place": segment s owns a fixed slice of `block_ids` of capacity nb_b (the number of blocks
-// of its sequence) and segment_start/end delimit its kept ids inside that slice, so no global compaction pass and no
-// host read-back of sizes is needed. All buffers are carved from one caller-provided workspace, reusable across
-// calls and layers (index_workspace_bytes gives its size from host-known bounds).
+//             / diagonal rules, and the kept ids bump-allocated into the CSR.
+// The CSR is bump-allocated: each CTA counts its segment's kept blocks, takes that many slots of `block_ids` with one
+// atomicAdd on a global cursor and writes its ids there (ascending), so block_ids holds what is kept, in the order
+// the CTAs finish, within a budget of `capacity` slots (SelectionParams::max_kept_blocks; default the causal bound).
+// A segment that does not fit is marked overflowed (kOverflowStart): the sparse kernel runs its full list and the host
+// copy expands it. No global compaction pass and no host read-back of sizes is needed. All buffers are carved from
+// one caller-provided workspace, reusable across calls and layers (index_workspace_bytes gives its size from
+// host-known bounds).
 // Files, by role (src/cuda/index/): build.cu (build_index: checks, then the launches in order), plan.cu, pool.cu and
 // mean_cache.cu (step 2), score_select.cu and probe.cu (step 3), union.cu (union mode), view.cu (a caller's index
 // view), layout.{h,cpp} (bounds and workspace carving), host_copy.cpp (download to the host); device_args.cuh holds
@@ -27,6 +30,11 @@
 
 namespace sparse_prefill::cuda {
 
+// counters[]: kept blocks (overflowed segments count their full lists), visible blocks (density = kept / visible),
+// union mode's per-tile kept count before the union, overflowed segments, and the block_ids bump cursor (slots
+// taken, possibly past capacity: the segments that found no room).
+enum IndexCounter { kKept = 0, kVisible = 1, kUnionPerTile = 2, kOverflow = 3, kCursor = 4, kNumCounters = 5 };
+
 // Device pointers into the workspace; sizes are upper bounds known on the host.
 struct DeviceIndex {
   int block_size = 128;
@@ -34,14 +42,13 @@ struct DeviceIndex {
   int head_subgroups = 1;        // S: tiles and segments over Hkv * S virtual KV heads; pooled means per KV head
   int64_t max_segments = 0;      // >= Hkv * S * sum_b T_b
   int64_t max_blocks = 0;        // >= sum_b nb_b (pooled rows)
-  int64_t capacity = 0;          // block_ids slots
+  int64_t capacity = 0;          // block_ids slots (< 2^31: int32 offsets)
   size_t workspace_bytes = 0;    // of the whole layout (index_workspace_bytes)
   int32_t* segment_start = nullptr;  // [max_segments]; entries beyond the real count are unused
   int32_t* segment_end = nullptr;
-  int32_t* block_ids = nullptr;      // [capacity]
+  int32_t* block_ids = nullptr;      // [capacity], bump-allocated (counters[kCursor])
   int32_t* cu_blocks = nullptr;      // [B+1]
   int32_t* cu_tiles = nullptr;       // [B+1] tiles per sequence, prefix-summed (segment_offset(b) = Hkv * cu_tiles[b])
-  int64_t* cu_capacity = nullptr;    // [B+1] block_ids slots per sequence, prefix-summed
   float* k_mean = nullptr;           // [max_blocks, Hkv, D]
   float* v_mean = nullptr;
   // Low-precision copies, [max_blocks, Hkv, D] contiguous, rows past the real blocks zero. lowp: the scorer's B
@@ -54,8 +61,7 @@ struct DeviceIndex {
   void* v_mean_kernel = nullptr;
   uint32_t* probe_bits = nullptr;   // SelectionRule::kProbeRowMax: [max_segments, probe_words] blocks the probe
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
-  unsigned long long* counters = nullptr;  // [3]: kept blocks, visible blocks (density = kept / visible), and in
-                                           // union mode the per-tile kept count before the union
+  unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
   // (SparseLaunchWorkspace, fwd_args.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so
   // launches that share it must be ordered on one stream.
@@ -90,7 +96,7 @@ DeviceIndex carve_index(const IndexBinding& binding, const SelectionParams& para
 // Synchronises `stream`, then copies the index to the host, compacted (what the CPU reference returns).
 BlockIndex download_index(const DeviceIndex& d, const IndexBinding& binding, const SelectionParams& params,
                           void* stream);
-// Synchronises `stream`; (kept, visible) block counts.
-std::pair<int64_t, int64_t> download_counts(const DeviceIndex& d, void* stream);
+// Synchronises `stream`; kept, visible blocks and overflowed segments.
+IndexStats download_counts(const DeviceIndex& d, void* stream);
 
 }  // namespace sparse_prefill::cuda

@@ -10,6 +10,29 @@
 namespace sparse_prefill::cuda {
 namespace index_stage {
 
+int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int group_size, int block_size,
+                        int kv_heads) {
+  // Tile j places before the last of its sequence (j >= 1) ends at least 128 (j - 1) packed rows before the
+  // sequence's last row, so its last row lies d_j >= floor(128 (j - 1) / g) positions before the last query and sees
+  // at most V(j) = ceil((max_seqlen_k - d_j) / B) blocks (V(0) = nb_max). V falls with j, so over at most max_tiles
+  // tiles in `batch` sequences the sum of V is largest for equal sequences: P(q) or P(q + 1) tiles each, P the
+  // prefix sums of V.
+  if (batch <= 0 || max_tiles <= 0) return 0;
+  const int64_t q = max_tiles / batch, r = max_tiles % batch;
+  int64_t p_q = 0, p_q1 = 0;
+  for (int64_t j = 0; j <= q; ++j) {
+    const int64_t d = j == 0 ? 0 : kTileRows * (j - 1) / group_size;
+    const int64_t v = d >= max_seqlen_k ? 0 : (max_seqlen_k - d + block_size - 1) / block_size;
+    if (v == 0) {  // and every later tile: P stops growing
+      p_q1 = p_q;
+      break;
+    }
+    p_q1 = p_q + v;
+    if (j < q) p_q = p_q1;
+  }
+  return kv_heads * ((batch - r) * p_q + r * p_q1);
+}
+
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
   const int block_size = params.block_size;
@@ -19,7 +42,15 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   bd.max_blocks = int64_t(b.batch) * bd.nb_max;
   if (!b.paged) bd.max_blocks = std::min(bd.max_blocks, b.total_k / block_size + b.batch);
   bd.max_segments = int64_t(h.kv) * bd.max_tiles;
-  bd.capacity = bd.max_segments * bd.nb_max;
+  // Per-tile lists within the causal bound; union mode adds one list of at most nb_b ids per (sequence, head).
+  const int64_t causal = causal_capacity(bd.max_tiles, b.batch, b.max_seqlen_k, h.group, block_size, h.kv) +
+                         (params.union_lists ? int64_t(h.kv) * bd.max_blocks : 0);
+  if (params.max_kept_blocks < 0 && causal > INT32_MAX) {
+    throw ArgumentError("max_kept_blocks", "the default budget, the causal bound of these shapes, is " +
+                                               std::to_string(causal) + " block ids, past the int32 offsets of "
+                                               "the index: pass a budget below 2^31");
+  }
+  bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
   bd.probe_words = params.rule == SelectionRule::kProbeRowMax ? (bd.nb_max + 31) / 32 : 0;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
@@ -36,7 +67,6 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   d.block_ids = reinterpret_cast<int32_t*>(take(bd.capacity * 4));
   d.cu_blocks = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
   d.cu_tiles = reinterpret_cast<int32_t*>(take((b.batch + 1) * 4));
-  d.cu_capacity = reinterpret_cast<int64_t*>(take((b.batch + 1) * 8));
   d.k_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.v_mean = reinterpret_cast<float*>(take(pooled * 4));
   d.k_mean_lowp = take(pooled * 2);
@@ -48,7 +78,7 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
     d.k_mean_kernel = d.k_mean_lowp;
     d.v_mean_kernel = d.v_mean_lowp;
   }
-  d.counters = reinterpret_cast<unsigned long long*>(take(32));
+  d.counters = reinterpret_cast<unsigned long long*>(take(kNumCounters * 8));
   if (bd.probe_words) {
     d.probe_bits = reinterpret_cast<uint32_t*>(take(size_t(bd.max_segments * bd.probe_words) * 4));
     d.probe_words = bd.probe_words;

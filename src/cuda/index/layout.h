@@ -31,6 +31,12 @@ inline VirtualHeads virtual_heads(const Problem& p, int head_subgroups) {
   return virtual_heads(p.num_kv_heads, p.group_size, head_subgroups);
 }
 
+// Block-id slots any selection can fill (the default budget): the sum over segments of the blocks their tiles' last
+// rows see, bounded from the shapes alone (max_tiles tiles of group_size rows per position over `batch` sequences of
+// at most max_seqlen_k keys), times the virtual KV heads.
+int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int group_size, int block_size,
+                        int kv_heads);
+
 // Workspace bounds from the shapes the index is bound to (no device reads): the layout of a device index is a
 // function of its binding and parameters alone, so sparse_attention and to_host re-carve the same pointers.
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params);

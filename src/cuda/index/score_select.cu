@@ -1,6 +1,6 @@
 // Index stage, step 3: score and select. One CTA per (tile, virtual KV head) scores the tile's packed Q rows against
 // the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kThreshold; per-row max:
-// kRowMax, and the pooled-means half of kProbeRowMax), compacting the kept ids into the tile's CSR slice. FP8 inputs
+// kRowMax, and the pooled-means half of kProbeRowMax), bump-allocating the kept ids into the CSR. FP8 inputs
 // are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared memory.
 #include <cmath>
 #include <string>
@@ -47,11 +47,15 @@ struct ScoreConfig {
     float red[kScoreWarps];
     int warp_count[kScoreWarps];
     int nan_flag;  // a NaN score in the tile: keep every visible block
+    int64_t base;  // the segment's first block_ids slot (kOverflowStart: no room)
   };
-  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], then chunk_max[nb_max / kN + 1].
+  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], chunk_max[nb_max / kN + 1] and the keep bits
+  // (one word per 32 blocks: the count pass's ballots, read by the write pass).
   static size_t smem_bytes(int64_t nb_max) {
-    return sizeof(Smem) + (size_t((nb_max + 3) & ~int64_t(3)) + size_t(nb_max / kN + 1)) * sizeof(float);
+    return sizeof(Smem) + (size_t((nb_max + 3) & ~int64_t(3)) + size_t(nb_max / kN + 1)) * sizeof(float) +
+           size_t(keep_words(nb_max)) * sizeof(uint32_t);
   }
+  static int64_t keep_words(int64_t nb_max) { return (nb_max + kScoreThreads - 1) / kScoreThreads * kScoreWarps; }
 };
 
 // One step of the column butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32 apart for
@@ -138,9 +142,9 @@ __device__ __forceinline__ void gather_q_fp8(const QArgs& qa, TensorQ& sQ, int64
 template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
-    const int32_t* cu_tiles, const int32_t* cu_blocks, const int64_t* cu_capacity, const lowp_t<T>* k_mean_lowp,
+    const int32_t* cu_tiles, const int32_t* cu_blocks, const lowp_t<T>* k_mean_lowp,
     const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
-    int32_t* segment_end, int32_t* block_ids, unsigned long long* counters) {
+    int32_t* segment_end, int32_t* block_ids, int64_t capacity, unsigned long long* counters) {
   using namespace cute;
   using Cfg = ScoreConfig<T, D>;
   using Element = typename Cfg::Element;
@@ -159,10 +163,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
   const int64_t hi_first = min(k_len - 1, first_pos + off), hi_last = min(k_len - 1, last_pos + off);
   const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
-  const int64_t base = cu_capacity[b] + (kvh * tiles + t) * nb;
   const int B = sel.block_size;
   const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
   float* chunk_max = energy + ((nb + 3) & ~int64_t(3));
+  uint32_t* keep_bits = reinterpret_cast<uint32_t*>(chunk_max + nb / kN + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
@@ -409,7 +413,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
   const bool has_band = sel.window > 0 && diag_last >= 0;
   const bool tile_nan = sm.nan_flag != 0;  // written before the loop's last barrier (and the one after it)
-  int64_t kept = 0;
+  // Count pass: the keep decisions in rounds of 256 blocks, each warp's ballot stored as the word of its 32 blocks.
+  int kept = 0;  // lane 0: this warp's kept blocks
   for (int64_t round = 0; round < nvis; round += kScoreThreads) {
     const int64_t J = round + threadIdx.x;
     bool keep = false;
@@ -421,20 +426,43 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
              (probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u));
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-    __syncthreads();
-    if (lane == 0) sm.warp_count[warp] = __popc(ballot);
-    __syncthreads();
-    int64_t offset = kept;
-    for (int w = 0; w < warp; ++w) offset += sm.warp_count[w];
-    offset += __popc(ballot & ((1u << lane) - 1u));
-    if (keep) block_ids[base + offset] = int32_t(J);
-    for (int w = 0; w < kWarps; ++w) kept += sm.warp_count[w];
+    if (lane == 0) {
+      keep_bits[round / 32 + warp] = ballot;
+      kept += __popc(ballot);
+    }
   }
+  if (lane == 0) sm.warp_count[warp] = kept;
+  __syncthreads();
+  // One slot range per segment from the global cursor (64-bit: it never wraps, whatever the budget); a segment
+  // that does not fit is marked, and runs its full list.
   if (threadIdx.x == 0) {
-    segment_start[seg] = int32_t(base);
-    segment_end[seg] = int32_t(base + kept);
-    atomicAdd(&counters[0], (unsigned long long)kept);
-    atomicAdd(&counters[1], (unsigned long long)nvis);
+    int total = 0;
+    for (int w = 0; w < kWarps; ++w) total += sm.warp_count[w];
+    const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
+    const bool fits = at + total <= (unsigned long long)capacity;
+    sm.base = fits ? int64_t(at) : kOverflowStart;
+    segment_start[seg] = fits ? int32_t(at) : kOverflowStart;
+    segment_end[seg] = int32_t(fits ? at + total : nvis);
+    atomicAdd(&counters[kKept], (unsigned long long)(fits ? total : nvis));
+    atomicAdd(&counters[kVisible], (unsigned long long)nvis);
+    if (!fits) atomicAdd(&counters[kOverflow], 1ull);
+  }
+  __syncthreads();
+  const int64_t base = sm.base;
+  if (base == kOverflowStart) return;
+  // Write pass: ids ascending at base, each thread's offset from the popcounts of the words before its own.
+  const int64_t words = (nvis + 31) / 32;
+  int64_t offset = base;
+  for (int64_t w0 = 0; w0 < words; w0 += kWarps) {
+    const int64_t w = w0 + warp;
+    const uint32_t bits = w < words ? keep_bits[w] : 0u;
+    int64_t at = offset + __popc(bits & ((1u << lane) - 1u));
+    for (int p = 0; p < kWarps; ++p) {
+      const int n = w0 + p < words ? __popc(keep_bits[w0 + p]) : 0;
+      if (p < warp) at += n;
+      offset += n;
+    }
+    if ((bits >> lane) & 1u) block_ids[at] = int32_t(w * 32 + lane);
   }
 }
 
@@ -462,10 +490,10 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
   auto kernel = score_select_kernel<T, D, kRowMax>;
   (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
-                                                    d.cu_tiles, d.cu_blocks, d.cu_capacity,
+                                                    d.cu_tiles, d.cu_blocks,
                                                     static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
                                                     d.probe_words, d.segment_start, d.segment_end, d.block_ids,
-                                                    d.counters);
+                                                    d.capacity, d.counters);
 }
 
 }  // namespace

@@ -10,30 +10,42 @@ namespace sparse_prefill::cuda::index_stage {
 namespace {
 
 // Union mode: one CTA per (sequence, KV head). The lists of the sequence's tiles are OR-ed into a shared-memory
-// bitmap of its nb blocks, compacted (ascending) into the slice of tile 0 (only this CTA reads those slices), and
-// every tile's segment is pointed at it. counters[0] (kept) is recounted as the union blocks each tile can see;
-// counters[2] keeps the per-tile count for the report.
+// bitmap of its nb blocks (an overflowed tile's list is its full one), compacted (ascending) into slots taken from the
+// block_ids cursor, and every tile's segment is pointed at it; with no room left, every tile of the (sequence, head)
+// is marked overflowed instead (its full list). counters[kKept] is recounted as the union blocks each tile can see,
+// counters[kOverflow] as the marked tiles; counters[kUnionPerTile] keeps the per-tile count for the report.
 constexpr int kUnionThreads = 256;
 __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int group_size, int block_size,
                                                               int num_kv_heads, const int32_t* cu_tiles,
-                                                              const int32_t* cu_blocks, const int64_t* cu_capacity,
-                                                              int32_t* segment_start, int32_t* segment_end,
-                                                              int32_t* block_ids, unsigned long long* counters) {
+                                                              const int32_t* cu_blocks, int32_t* segment_start,
+                                                              int32_t* segment_end, int32_t* block_ids,
+                                                              int64_t capacity, unsigned long long* counters) {
   extern __shared__ uint32_t bits[];  // [words] bitmap, then [words + 1] exclusive prefix counts
   __shared__ int scan[kUnionThreads];
+  __shared__ int64_t base;  // the union's first slot (kOverflowStart: no room)
   const int b = blockIdx.x, kvh = blockIdx.y;  // the grid is exactly batch x virtual KV heads (launch_union)
   const int tiles = cu_tiles[b + 1] - cu_tiles[b];
   const int nb = cu_blocks[b + 1] - cu_blocks[b];
   const int words = (nb + 31) / 32;
   uint32_t* prefix = bits + words;
   const int64_t seg0 = int64_t(num_kv_heads) * cu_tiles[b] + int64_t(kvh) * tiles;
-  const int64_t base0 = cu_capacity[b] + int64_t(kvh) * tiles * nb;  // slice of tile 0
   for (int w = threadIdx.x; w < words; w += kUnionThreads) bits[w] = 0;
   __syncthreads();
-  unsigned long long per_tile = 0;
+  unsigned long long per_tile = 0, over_before = 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = warp; t < tiles; t += kUnionThreads / 32) {
     const int lo = segment_start[seg0 + t], hi = segment_end[seg0 + t];
+    if (lo == kOverflowStart) {  // blocks 0 .. hi - 1
+      const int n = min(hi, nb);
+      if (lane == 0) {
+        per_tile += (unsigned long long)hi;
+        ++over_before;
+      }
+      for (int w = lane; w < (n + 31) / 32; w += 32) {
+        atomicOr(&bits[w], n - w * 32 >= 32 ? ~0u : (1u << (n - w * 32)) - 1u);
+      }
+      continue;
+    }
     if (lane == 0) per_tile += (unsigned long long)(hi - lo);
     for (int k = lo + lane; k < hi; k += 32) {
       const int J = block_ids[k];
@@ -56,38 +68,47 @@ __global__ void __launch_bounds__(kUnionThreads) union_kernel(SeqArgs seq, int g
   }
   int offset = scan[threadIdx.x] - mine;
   const int total = scan[kUnionThreads - 1];
+  if (threadIdx.x == 0) {
+    const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
+    base = at + total <= (unsigned long long)capacity ? int64_t(at) : kOverflowStart;
+  }
+  __syncthreads();
+  const bool fits = base != kOverflowStart;
   for (int w = w0; w < w1; ++w) {
     prefix[w] = uint32_t(offset);
     uint32_t m = bits[w];
-    while (m) {
+    while (fits && m) {
       const int j = __ffs(m) - 1;
       m &= m - 1;
-      block_ids[base0 + offset++] = w * 32 + j;
+      block_ids[base + offset++] = w * 32 + j;
     }
   }
   if (threadIdx.x == 0) prefix[words] = uint32_t(total);
   __syncthreads();
-  // Point every tile at the union and count the union blocks each tile sees (causal: blocks 0 .. hi(last row)/B).
+  // Point every tile at the union (or mark it) and count the blocks each tile lists and sees (causal: blocks
+  // 0 .. hi(last row)/B).
   const int64_t q_len = seq.q_len(b), k_len = seq.k_len(b), off = k_len - q_len;
   unsigned long long kept = 0;
   for (int t = threadIdx.x; t < tiles; t += kUnionThreads) {
-    segment_start[seg0 + t] = int32_t(base0);
-    segment_end[seg0 + t] = int32_t(base0 + total);
     const int64_t rows = min(int64_t(kTileRows), q_len * group_size - int64_t(t) * kTileRows);
     const int64_t last_pos = (int64_t(t) * kTileRows + rows - 1) / group_size;
     const int64_t hi = min(k_len - 1, last_pos + off);
     const int nvis = hi >= 0 ? int(min(int64_t(nb), hi / block_size + 1)) : 0;
+    segment_start[seg0 + t] = fits ? int32_t(base) : kOverflowStart;
+    segment_end[seg0 + t] = fits ? int32_t(base + total) : nvis;
     const int w = nvis / 32, r = nvis % 32;
-    kept += prefix[w] + (r ? __popc(bits[w] & ((1u << r) - 1u)) : 0u);
+    kept += fits ? prefix[w] + (r ? __popc(bits[w] & ((1u << r) - 1u)) : 0u) : (unsigned long long)nvis;
   }
   for (int o = 16; o > 0; o /= 2) {
     kept += __shfl_xor_sync(0xffffffffu, kept, o);
     per_tile += __shfl_xor_sync(0xffffffffu, per_tile, o);
+    over_before += __shfl_xor_sync(0xffffffffu, over_before, o);
   }
   if (lane == 0) {
-    // kept replaces the per-tile count added by the score kernel (unsigned arithmetic wraps correctly).
-    atomicAdd(&counters[0], kept - per_tile);
-    atomicAdd(&counters[2], per_tile);
+    // kept and the overflow count replace the score kernel's (unsigned arithmetic wraps correctly).
+    atomicAdd(&counters[kKept], kept - per_tile);
+    atomicAdd(&counters[kUnionPerTile], per_tile);
+    atomicAdd(&counters[kOverflow], (fits || warp != 0 ? 0ull : (unsigned long long)tiles) - over_before);
   }
 }
 
@@ -104,8 +125,8 @@ void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& h
                               std::to_string((limit / 4 - 1) / 2 * 32) + " blocks");
   }
   union_kernel<<<dim3(unsigned(batch), unsigned(heads.kv)), kUnionThreads, dyn, stream>>>(
-      seq, heads.group, block_size, heads.kv, d.cu_tiles, d.cu_blocks, d.cu_capacity, d.segment_start,
-      d.segment_end, d.block_ids, d.counters);
+      seq, heads.group, block_size, heads.kv, d.cu_tiles, d.cu_blocks, d.segment_start, d.segment_end, d.block_ids,
+      d.capacity, d.counters);
   check_cuda(cudaGetLastError(), "union_kernel launch");
 }
 
