@@ -48,6 +48,10 @@ class Index:
     Attributes:
         density: kept_blocks / visible_blocks (1.0 when nothing is visible); reading them on a device index
         synchronises its stream once.
+        overflow_segments: segments of a device index that did not fit its block-id budget (build_index's
+        max_kept_blocks) and run their full list, every block their tile sees (exact, at dense cost for those
+        tiles; kept_blocks counts those full lists). Its to_host() copy lists them in full and keeps the count; 0
+        for an index built on the CPU.
         block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union'),
         on_device, binding.
         Host indexes also: segment_start, segment_end: [S] int32; block_ids: [N] int32; cu_blocks: [B+1] int32
@@ -63,7 +67,7 @@ class Index:
         self._init_common(d["binding"], lib, cu_seqlens_q, mode, int(d["block_size"]), bool(d["correction"]),
                           int(d["head_subgroups"]))
         self.on_device = False
-        self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]))
+        self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]), int(d["overflow_segments"]))
         self.host = {name: d[name] for name in self._ARRAYS}
         self._cache = {}
         for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
@@ -123,8 +127,12 @@ class Index:
         return self._read_counts()[1]
 
     @property
+    def overflow_segments(self) -> int:
+        return self._read_counts()[2]
+
+    @property
     def density(self) -> float:
-        kept, visible = self._read_counts()
+        kept, visible, _ = self._read_counts()
         return kept / visible if visible else 1.0
 
     @property
@@ -206,14 +214,25 @@ def _as_rule(value: Any) -> int:
     return _RULES[value]
 
 
+def _as_max_kept_blocks(value: Any) -> int:
+    """None -> -1 (the causal bound, SelectionParams::max_kept_blocks); else a budget in [0, 2^31 - 1]."""
+    if value is None:
+        return -1
+    n = _as_int("max_kept_blocks", value)
+    if not 0 <= n <= 2**31 - 1:
+        raise ValueError(f"max_kept_blocks: must be None (the causal bound) or a budget in [0, 2^31 - 1] block ids "
+                         f"(int32 offsets), got {n}")
+    return n
+
+
 def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=1, rule=_D["rule"]) -> tuple:
+                    head_subgroups=1, rule=_D["rule"], max_kept_blocks=None) -> tuple:
     """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
     the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
             _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
             _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
-            _as_rule(rule))
+            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
@@ -222,7 +241,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None) -> Index:
+                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
+                max_kept_blocks: Optional[int] = None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -266,6 +286,14 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     nothing and can be captured in a CUDA graph; the index lives there until the buffer is reused) or else in a
     workspace array allocated in q's library. mean_cache (paged KV): as for chunked_prefill().
 
+    max_kept_blocks (CUDA; None or an int in [0, 2^31 - 1]): the device index's budget of block ids, 4 bytes each in
+    the workspace. None: the causal bound, room for any selection (each segment at most the blocks its tile's last
+    row sees; 67 MB at 128K with Hq 32, Hkv 8, 4.3 GB at 1M). A budget makes the workspace follow the kept blocks
+    (e.g. a few times the density you run at times the causal bound): segments take their ids in the order their
+    CTAs finish, and one that no longer fits runs its full list (every block its tile sees: the output stays exact,
+    that tile runs at dense cost), counted by index.overflow_segments. In union mode the per-tile lists and the
+    unions share the budget. Ignored by the CPU reference (validated all the same).
+
     Returns:
         Index (see its docstring); `index.density` is kept / visible blocks.
     """
@@ -273,7 +301,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule)
+                          rule, max_kept_blocks)
     mode = "union" if sel[7] else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
@@ -295,13 +323,14 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
                           head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
-    0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out."""
+    0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out
+    (max_kept_blocks does: pass the build's own)."""
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
     sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
                           selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
                           selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
-                          head_subgroups, selection.get("rule", _D["rule"]))
+                          head_subgroups, selection.get("rule", _D["rule"]), selection.get("max_kept_blocks"))
     return int(_C.index_workspace_bytes(inputs, sel))
 
 

@@ -220,7 +220,8 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     lse = _lse_for(q, return_lse)
     if rule not in (0, 1, 2):
         raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max') or 2 ('probe_row_max'), got {rule}")
-    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule)
+    # max_kept_blocks -1: the operators size the device index for the causal bound (no budget in their schemas)
+    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,

@@ -124,13 +124,17 @@ void bind_sparse(nb::module_& m) {
         },
         nb::arg("inputs"), nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("reuse_index"));
-  m.def("device_index_counts",
+  m.def("device_index_counts",  // (kept, visible, overflow_segments)
         [](nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding, uintptr_t stream) {
           Held held;
           const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
                                            selection_params(selection), binding};
-          nb::gil_scoped_release release;
-          return sp::index_counts(index, reinterpret_cast<void*>(stream));
+          sp::IndexStats s;
+          {
+            nb::gil_scoped_release release;
+            s = sp::index_stats(index, reinterpret_cast<void*>(stream));
+          }
+          return nb::make_tuple(s.kept_blocks, s.visible_blocks, s.overflow_segments);
         },
         nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("stream"));
   m.def("device_index_to_host",

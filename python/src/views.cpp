@@ -192,7 +192,7 @@ sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held) {
 }
 
 sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 10) throw nb::value_error("internal: the selection tuple must have 10 entries");
+  if (nb::len(t) != 11) throw nb::value_error("internal: the selection tuple must have 11 entries");
   sp::SelectionParams p;
   p.alpha = nb::cast<float>(t[0]);
   p.block_size = nb::cast<int>(t[1]);
@@ -204,6 +204,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
   p.union_lists = nb::cast<bool>(t[7]);
   p.head_subgroups = nb::cast<int>(t[8]);
   p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
+  p.max_kept_blocks = nb::cast<int64_t>(t[10]);
   return p;
 }
 
@@ -219,6 +220,7 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   d["head_dim"] = idx.head_dim;
   d["kept_blocks"] = idx.kept_blocks;
   d["visible_blocks"] = idx.visible_blocks;
+  d["overflow_segments"] = idx.overflow_segments;
   const size_t S = idx.segment_start.size(), E = idx.segment_end.size(), N = idx.block_ids.size(), C = idx.cu_blocks.size();
   const size_t total_blocks = C ? size_t(idx.cu_blocks.back()) : 0;
   const size_t hkv = size_t(idx.num_kv_heads);
