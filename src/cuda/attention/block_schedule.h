@@ -227,8 +227,9 @@ struct SparseBlockIterator {
     it.k_len = k_len;
     it.diag = k_len - q_len;
     it.n_prunable = prunable_blocks(p_first, q_len, k_len, block_size);
-    // The full list (ids == nullptr) holds every prunable block: nothing to correct.
-    if (!correction || it.n_prunable == 0 || ids == nullptr) return it;
+    // A full list (ids == nullptr: blocks 0 .. n_listed - 1) that reaches every prunable block leaves nothing to
+    // correct (an overflowed segment, whose list is every block its tile sees).
+    if (!correction || it.n_prunable == 0 || (ids == nullptr && it.n_listed >= it.n_prunable)) return it;
     it.n_chunks = (it.n_prunable + kBlockN - 1) / kBlockN;
     const int low = sp_min(it.n_chunks, 64);
     it.todo_low = low == 64 ? ~uint64_t(0) : ((uint64_t(1) << low) - 1);
@@ -239,7 +240,7 @@ struct SparseBlockIterator {
         it.todo_low &= ~(uint64_t(1) << cur);
     };
     for (int k = 0; k < it.n_listed; ++k) {
-      const int J = load_id(ids + k);
+      const int J = ids != nullptr ? load_id(ids + k) : k;
       if (J < 0) continue;
       if (J >= it.n_prunable) break;
       const int c = J / kBlockN;
