@@ -272,6 +272,43 @@ long check_dense(long& checked_out) {
   return failures;
 }
 
+// An overflowed segment of a device index (kOverflowStart: the full list, ids == nullptr) runs the same real steps
+// as the explicit list 0 .. n - 1 of every block its tile sees, in block_size units, and no correction step (every
+// prunable block is listed); planned_steps stays an upper bound of its steps.
+long check_overflowed_segment(long& checked) {
+  constexpr int N = 128;
+  using It = SparseBlockIterator<N>;
+  long failures = 0;
+  const std::vector<int> lens = {1, 127, 129, 300, 1763, 4100, 20000};
+  for (int lq : lens)
+    for (int lk : lens)
+      for (int bs : {128, 256})
+        for (int g : {1, 4, 8})
+          for (bool corr : {true, false})
+            for (int t = 0; t < It::packed_tiles(lq, g); t += std::max(1, It::packed_tiles(lq, g) / 9)) {
+              const int row0 = t * It::kTileRows, p_first = row0 / g;
+              const int p_last = (std::min(row0 + It::kTileRows, lq * g) - 1) / g;
+              const int n = It::full_list_blocks(row0, g, lq, lk, true, bs);
+              const int hi = std::min(lk - 1, p_last + lk - lq);  // the last key the tile sees
+              const int expect_n = hi < 0 ? 0 : hi / bs + 1;
+              std::vector<int> ids(n);
+              for (int J = 0; J < n; ++J) ids[J] = J;
+              const It full = It::make(nullptr, n, p_first, lq, lk, bs, corr);
+              const It listed = It::make(ids.data(), n, p_first, lq, lk, bs, corr);
+              bool ok = n == expect_n && full.n_real == listed.n_real && full.total() == full.n_real &&
+                        listed.total() == listed.n_real &&
+                        It::planned_steps(n, p_first, lq, lk, bs, corr) >= full.total();
+              for (int i = 0; ok && i < full.n_real; ++i) {
+                ok = full.block(i) == listed.block(i) && full.needs_mask(i) == listed.needs_mask(i);
+              }
+              ++checked;
+              if (!ok && failures++ < 10)
+                std::printf("FAIL overflowed segment lq=%d lk=%d bs=%d g=%d corr=%d t=%d n=%d expect %d\n", lq, lk, bs,
+                            g, int(corr), t, n, expect_n);
+            }
+  return failures;
+}
+
 }  // namespace
 
 // Host-side exhaustive check of the CUDA kernel's block iterators (the seam between producer and consumers) and of
@@ -291,6 +328,12 @@ TEST(BlockIterator, SparseListAndCorrectionSteps) {
 TEST(BlockIterator, FullListOfPackGqaTiles) {
   long checked = 0;
   EXPECT_EQ(check_full_list(checked), 0);
+  EXPECT_GT(checked, 0);
+}
+
+TEST(BlockIterator, OverflowedSegmentRunsTheFullList) {
+  long checked = 0;
+  EXPECT_EQ(check_overflowed_segment(checked), 0);
   EXPECT_GT(checked, 0);
 }
 

@@ -425,6 +425,18 @@ TEST_F(Errors, SelectionParams) {
   p = SelectionParams{};
   p.last_n = -1;
   EXPECT_ARG_ERROR(build_index(C->in, p), "last_n");
+  // The device index's budget: -1 (the causal bound) or [0, 2^31 - 1] int32 slots, checked on every backend.
+  for (int64_t budget : {int64_t(-2), int64_t(INT32_MAX) + 1, int64_t(1) << 40}) {
+    p = SelectionParams{};
+    p.max_kept_blocks = budget;
+    EXPECT_ARG_ERROR(build_index(C->in, p), "max_kept_blocks") << " max_kept_blocks " << budget;
+    EXPECT_ARG_ERROR(index_workspace_bytes(C->in, p), "max_kept_blocks") << " max_kept_blocks " << budget;
+  }
+  for (int64_t budget : {int64_t(-1), int64_t(0), int64_t(INT32_MAX)}) {  // the CPU reference takes no budget
+    p = SelectionParams{};
+    p.max_kept_blocks = budget;
+    EXPECT_NO_THROW(build_index(C->in, p)) << " max_kept_blocks " << budget;
+  }
 }
 TEST_F(Errors, BuildIndexValidatesInputs) {
   AttentionInputs in = P->in;
