@@ -16,9 +16,16 @@ Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal bloc
   attn_ms against density * dense_ms; mask "query_block" draws per (KV head, 128 query positions) as a 128x128 block
   mask does, mask "tile" independently per 32-position PackGQA tile (no reuse of K/V between tiles: DRAM-bound at
   high density). These run a host index (made from the random CSR) with a caller workspace.
+Long rows (--long-lengths, e.g. 1048576; issue 16): one prompt past what the repeated-timing rows afford, through
+  sp.sparse_prefill with a caller workspace whose device index has a block-id budget (--max-kept-blocks), timed with
+  --long-repeats calls after one warm-up: sparse_prefill_ms, index_ms (sp.build_index alone), density,
+  overflow_segments (segments past the budget, run dense), index_bytes (sparse_prefill_workspace_bytes with the
+  budget) and index_bytes_causal_bound (without one), dense_ms (our dense kernel, one call without warm-up: the
+  reference where cuDNN cannot run), speedup_vs_dense and topic_rel_err_vs_dense. No peers, sweep or accuracy.
 --quick: lengths 8K, 32K, 128K; peers and accuracy on; no FlexAttention (torch.compile), no sweep.
 Writes bench/results/sparse_h200.json (keys of the design brief) and, with matplotlib, bench/results/sparse_h200.png.
-Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy] [--quick]"""
+Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy] [--quick]
+       [--long-lengths 1048576 [--max-kept-blocks N] [--long-repeats 2]]"""
 import argparse
 import os
 
@@ -89,7 +96,7 @@ def index_from_csr(sp, base, segment_start, segment_end, block_ids, kept, visibl
     h = host.host
     d = dict(binding=host.binding, block_size=host.block_size, group_size=host.group_size,
              num_kv_heads=host.num_kv_heads, head_subgroups=host.head_subgroups, correction=False,
-             head_dim=host.head_dim, kept_blocks=int(kept), visible_blocks=int(visible),
+             head_dim=host.head_dim, kept_blocks=int(kept), visible_blocks=int(visible), overflow_segments=0,
              segment_start=np.ascontiguousarray(segment_start, np.int32),
              segment_end=np.ascontiguousarray(segment_end, np.int32),
              block_ids=np.ascontiguousarray(block_ids, np.int32), cu_blocks=h["cu_blocks"], k_mean=h["k_mean"],
@@ -124,6 +131,49 @@ def random_index(sp, base, L, density, g, seed=0, dev="cuda", per_query_block=Fa
     idx = index_from_csr(sp, base, (ends - counts).cpu().numpy(), ends.cpu().numpy(),
                          torch.nonzero(m)[:, 1].to(torch.int32).cpu().numpy(), kept, vis)
     return idx, kept / vis
+
+
+def time_few_ms(fn, repeats, warmup=True):
+    """Median of `repeats` timed calls (CUDA events, synchronised), after one untimed call when warmup: for calls of
+    seconds, where time_ms's probe and minimum of 3 calls would not fit the device's time limit."""
+    if warmup:
+        fn()
+        torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def long_row(sp, L, budget, repeats, dev="cuda"):
+    """One long prompt (topic workload) through sp.sparse_prefill with a budgeted device index (see the module
+    docstring, "Long rows")."""
+    q, k, v = topic(L)
+    cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    sel = dict(SEL, max_kept_blocks=budget)
+    row = dict(L=L, long=True, max_kept_blocks=budget)
+    row["index_bytes"] = sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L, **sel)
+    row["index_bytes_causal_bound"] = sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L, **SEL)
+    ws = workspace(row["index_bytes"], dev)
+    idx = sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **sel)
+    row["density"], row["overflow_segments"] = idx.density, idx.overflow_segments
+    row["index_ms"] = time_few_ms(lambda: sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **sel), repeats)
+    row["sparse_prefill_ms"] = time_few_ms(lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, **sel, out=out,
+                                                                     workspace=ws), repeats)
+    sparse = out.clone()
+    wsd = attention_workspace(D)
+    row["dense_ms"] = time_few_ms(lambda: sp.attention(q, k, v, cu, cu, L, L, out=out, workspace=wsd), 1,
+                                  warmup=False)
+    row["speedup_vs_dense"] = row["dense_ms"] / row["sparse_prefill_ms"]
+    row["topic_rel_err_vs_dense"] = rel_err(sparse, out)
+    row["cudnn_ms"] = None  # not run at this length: our dense kernel is the reference
+    return row
 
 
 def accuracy(sp, L, dev="cuda"):
@@ -178,8 +228,12 @@ def parse_args(argv=None):
     ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"), choices=["tile_energy", "row_max", "probe_row_max"],
                     help="selection rule (docs/semantics.md); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
+    ap.add_argument("--long-lengths", default="", help="long rows (e.g. 1048576), see above")
+    ap.add_argument("--max-kept-blocks", type=int, default=1 << 26,
+                    help="block-id budget of the long rows' device index (default 2^26: 256 MiB of ids)")
+    ap.add_argument("--long-repeats", type=int, default=2, help="timed calls per long-row measurement")
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
-    ints(args.lengths), ints(args.sweep_lengths), floats(args.densities)  # fail on bad lists before the GPU work
+    ints(args.lengths), ints(args.sweep_lengths), floats(args.densities), ints(args.long_lengths)  # fail early
     return args
 
 
@@ -269,6 +323,12 @@ def main(argv=None):
                 row.update(accuracy(sp, L))
             except Exception as e:  # noqa: BLE001
                 row["rel_err"], row["rel_err_no_correction"], row["accuracy_error"] = None, None, repr(e)[:300]
+        emit(row)
+        rows.append(row)
+        write_results(args.out, rows, **meta)
+        torch.cuda.empty_cache()
+    for L in ints(args.long_lengths):
+        row = long_row(sp, L, args.max_kept_blocks, args.long_repeats)
         emit(row)
         rows.append(row)
         write_results(args.out, rows, **meta)
