@@ -1,5 +1,6 @@
 // The index on the host: download_index / download_counts (a device index copied back, compacted into the CSR the
-// CPU reference returns, overflowed segments expanded to their full lists) and build_index_to_host (the allocating convenience path behind sparse_prefill::build_index).
+// CPU reference returns, overflowed segments expanded to their full lists) and build_index_to_host (the allocating
+// convenience path behind sparse_prefill::build_index).
 #include <cuda_runtime.h>
 
 #include <algorithm>
