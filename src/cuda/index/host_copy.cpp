@@ -39,7 +39,7 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   download(d.cu_blocks, idx.cu_blocks.size() * 4, idx.cu_blocks.data());
   download(d.counters, sizeof(counters), counters);
   const size_t segments = size_t(cu_tiles[batch]) * heads.kv;
-  // The slots taken: the cursor, less what the segments that found no room asked for.
+  // Every slot handed out lies below the cursor and the capacity (a request that found no room passed the latter).
   std::vector<int32_t> start(segments), end(segments),
       ids(size_t(std::min<unsigned long long>(counters[kCursor], (unsigned long long)d.capacity)));
   download(d.segment_start, segments * 4, start.data());
