@@ -18,5 +18,6 @@ def density_summary(densities):
                   for lo, hi in zip(DENSITY_BINS, DENSITY_BINS[1:])]
         out[kind] = {"cases": len(d), "min": d[0], "median": d[len(d) // 2], "max": d[-1],
                      "below_0.6": sum(1 for x in d if x < 0.6),
-                     "histogram": {f"{lo:.1f}-{hi:.1f}": n for lo, hi, n in zip(DENSITY_BINS, DENSITY_BINS[1:], counts)}}
+                     "histogram": {f"{lo:.1f}-{hi:.1f}": n
+                                   for lo, hi, n in zip(DENSITY_BINS, DENSITY_BINS[1:], counts)}}
     return out

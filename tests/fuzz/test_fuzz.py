@@ -838,3 +838,29 @@ def run_cuda(c, a, x, index_state):
     check_valid_result(c, a, got, lse, index_state)
     if hash((c.seed, 1)) % 4 == 0:  # checked mode accepts valid calls
         call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
+
+
+@pytest.mark.parametrize("rule", ["row_max", "tile_energy", "probe_row_max"])
+def test_selection_oracle_can_fail(rule):
+    """The oracle of check_sparse rejects another alpha's selection (a block dropped, or one kept, outside the tie
+    band), and its block-sparse reference tells the index's result from the dense one."""
+    rng = np.random.default_rng(7)
+    lens = np.array([700, 333])
+    q, k, v = fuzz_select.selective_qkv(rng, lens, lens, 4, 2, 64, 64)
+    cu = cu_of(lens)
+    sel = dict(block_size=64, sink=0, window=0, last_n=0, head_subgroups=2, rule=rule, correction=True)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    band = lambda alpha: fuzz_select.select_bands(  # noqa: E731
+        q64, k64, lens, lens, 4, 2, dict(sel, alpha=alpha, union=False, final_chunk=True), lambda s: 1e-4)
+    index = sp.build_index(q, k, v, cu, cu, 700, 700, alpha=0.3, **sel)
+    assert index.density < 0.8
+    assert fuzz_select.check_index(index, band(0.3), rule) == 0
+    dense = sp.build_index(q, k, v, cu, cu, 700, 700, alpha=0.0, **sel)
+    with pytest.raises(AssertionError, match="must"):  # alpha 0.05 keeps blocks that this index dropped
+        fuzz_select.check_index(index, band(0.05), rule)
+    with pytest.raises(AssertionError, match="may"):  # alpha 0 keeps blocks that alpha 0.3 drops
+        fuzz_select.check_index(dense, band(0.3), rule)
+    got, lse = sp.sparse_attention(q, k, v, index, cu, cu, 700, 700, return_lse=True)
+    ref, ref_lse = fuzz_select.sparse_reference(q64, k64, v64, lens, lens, 4, 2, index, True)
+    assert np.abs(got - ref).max() < 1e-4 and np.abs(lse - ref_lse).max() < 1e-4
+    assert np.abs(got - fuzz_select.sparse_reference(q64, k64, v64, lens, lens, 4, 2, dense, True)[0]).max() > 1e-2
