@@ -16,19 +16,35 @@ FP8 (about 30 % of the cases of every kind, needs torch; helpers in fuzz_fp8.py)
   FP8 / bf16 operands (host) and a negative descale (a device value on CUDA: NaN rows and sp.check_errors() naming
   it; checked mode checks a host copy before the launch). Valid FP8 results: dense, or alpha 0, against the exact
   math on the dequantised values; the CPU's block-sparse FP8 results (and index) equal the float32 call on the
-  dequantised arrays (the reference dequantises on load); a CUDA FP8 index-kind result over the same host index as
-  the CPU reference (correction means rounded to e4m3 as the kernel does), its index against the CPU one up to ties.
+  dequantised arrays (the reference dequantises on load), and their index passes the selection check below; a
+  CUDA block-sparse FP8 result (any kind) against the CPU backend over the device's index (correction means rounded
+  to e4m3 as the kernel does), that index against the contract's selection on the dequantised values.
 Array layouts (any case, valid or not): contiguous, or q (and k, v when contiguous KV) as strided views — rows and
 heads padded by 16 bytes (8 elements, FP8 16: valid on every backend), heads interleaved (head stride 2·D: valid),
 or rows padded by 8 bytes (4 elements, FP8 8: valid on the CPU; CUDA needs 16-byte strides and raises
 NotImplementedError naming the array);
 the host mutation last_stride gives q a last-dimension stride of 2 (an error naming q everywhere).
+Selective cases (about half of the sparse / chunked / index cases, valid or not; fuzz_select.py): Gaussian q, k keep
+every block at alpha > 0, so these draw keys with a few high-energy blocks per query span, lengths of several blocks
+(CPU: block size 64, head dim 64, up to 896 keys; CUDA: block 128, up to 1536), alpha 0.05-0.6, every rule
+(row_max, tile_energy, probe_row_max), sink / window / last_n of 0 or small, head sub-groups, union mode (15 %),
+with the kinds' odd lengths, varlen, GQA, paged caches, mean caches and FP8.
 Checks: every invalid call raises on the CPU with the argument's name; on CUDA a host-detectable one raises the
 same way, and a device value is reported by sp.check_errors() (default mode: the call itself returns, writes
 nothing outside `out`, and the report names the argument) and raises before the launch in checked mode
-(LaunchOptions(checked=True)); no valid call is rejected; valid results match the reference (CPU: the numpy
-sp_naive; CUDA: the CPU backend on the same bf16 inputs). The whole run is seeded (--fuzz-seed) and bounded
-(--fuzz-cases per device, --fuzz-time seconds); --fuzz-report writes the summary (scripts/gpu.sh fuzz).
+(LaunchOptions(checked=True)); no valid call is rejected; valid results match the reference: dense and alpha 0
+against the exact math (CPU: the numpy sp_naive; CUDA: the CPU backend on the same bf16 inputs); block-sparse at
+alpha > 0 (check_sparse): the index the call ran over (the index kind's own; else build_index with the call's
+arguments on its device, deterministic) against fuzz_select's float64 selection of the contract, every block
+outside a tie band in the log domain decided as the contract decides (CPU: 1e-4; CUDA: twice the bf16 scorer's
+rounding bound, FP8 twice that), its pooled means to 1e-5, then the result against attention over that very index
+(CPU: fuzz_select's float64 block-sparse reference; CUDA: the CPU backend over the device's index, the
+correction's means rounded as the kernel's). A CUDA chunk with a mean cache runs over a cache that a whole-prompt
+build_index step filled first (the contract: every step of the prompt passes the same cache). The report holds
+the density of every valid sparse-kind case per kind (min, median, max, how many below 0.6, a histogram) and, for
+the selective ones, their rules, sub-groups, union / correction / mean-cache counts and near-threshold flips.
+The whole run is seeded (--fuzz-seed) and bounded (--fuzz-cases per device, --fuzz-time seconds); --fuzz-report
+writes the summary (scripts/gpu.sh fuzz).
 """
 
 import copy
