@@ -147,8 +147,8 @@ row = {"device": dev.stdout.strip() or "unknown", "commit": os.environ.get("SP_C
        "pytest_memcheck_rc": r_mem, "pytest_racecheck_rc": r_race,
        "summary": {k: rep.get(k) for k in ("valid", "invalid_host", "invalid_device", "flagged_by_check_errors",
                                            "raised_in_checked_mode", "unsupported", "failures", "skipped_for_time",
-                                           "kinds", "mutations", "layouts", "density", "selection", "seconds",
-                                           "seed")},
+                                           "kinds", "mutations", "layouts", "density", "density_selective", "selection",
+                                           "seconds", "seed")},
        "failed_cases": rep.get("failed_cases", [])[:20]}
 json.dump(row, open(os.path.join(out, "fuzz_h200.json"), "w"), indent=1)
 print(json.dumps({k: row[k] for k in ("cases", "crashes", "memcheck_errors", "racecheck_hazards")}))

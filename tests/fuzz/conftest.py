@@ -52,5 +52,6 @@ def pytest_sessionfinish(session, exitstatus):
         SUMMARY["seconds"] = round(time.time() - session.config._fuzz_start, 1)
         SUMMARY["exitstatus"] = int(exitstatus)
         SUMMARY["density"] = density_summary(SUMMARY.pop("densities", {}))
+        SUMMARY["density_selective"] = density_summary(SUMMARY.pop("densities_selective", {}))
         with open(path, "w") as f:
             json.dump(SUMMARY, f, indent=1, sort_keys=True)

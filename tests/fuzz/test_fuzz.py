@@ -767,6 +767,7 @@ def record_selection(c, density, flips):
     SUMMARY.setdefault("densities", {}).setdefault(c.kind, []).append(round(float(density), 4))
     if not c.selective:
         return
+    SUMMARY.setdefault("densities_selective", {}).setdefault(c.kind, []).append(round(float(density), 4))
     s = SUMMARY.setdefault("selection", {"cases": 0, "flips": 0, "union": 0, "correction": 0, "mean_cache": 0,
                                          "rules": {}, "head_subgroups": {}})
     s["cases"] += 1
