@@ -208,7 +208,8 @@ def test_dispatch_fp8_on_cuda_runs_sparse_and_dense_where_16_bits_do(monkeypatch
     # window, pages of 32 (the kernels load pages of a multiple of 64 by TMA), block_size 64, dense_layers
     qb, kb = q8.to(torch.bfloat16), k8.to(torch.bfloat16)
     cases = [(VarlenDispatch(SparsePrefillConfig.load(environ={}, block_size=128)), k8, 301, 333, {},
-              "max_seqlen_k 333 < min_sparse_kv_len 8192"), (disp, k8, 301, 333, dict(window=(63, 0)), "sliding window"),
+              "max_seqlen_k 333 < min_sparse_kv_len 8192"),
+             (disp, k8, 301, 333, dict(window=(63, 0)), "sliding window"),
              (disp, k8[:320].reshape(10, 32, 2, 128), 301, 333, dict(paged=True), "page size 32"),
              (VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
                                                       block_size=64)), k8, 301, 333, {}, "block_size 64"),
