@@ -38,7 +38,7 @@
 #             8K/16K/32K: sdpa dense, the library's dense and default selection, then SP_RETRIEVAL_EXTRA (library /
 #             emulator configurations, while time is left) -> OUT/accuracy_retrieval_h200.json (~7-8 min)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
-#             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests (~1 min)
+#             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests and their CUDA replays (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
 #             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
