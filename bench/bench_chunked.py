@@ -66,20 +66,23 @@ class Cache:
         self.block_table = perm.view(batch, pages).to(torch.int32).contiguous()
         del ks, vs
 
-    def mean_cache(self, upto):
+    def mean_cache(self, upto, k=None, v=None):
         """A pooled-means cache (sp.mean_cache) holding the complete blocks of positions [0, upto) of every prompt,
         as the steps of the earlier chunks leave it (filled here with torch: float32 means, the documented slot of
-        each block: the page holding its last key)."""
+        each block: the page holding its last key). k, v: the values to pool, laid out as self.k / self.v (default
+        those; an FP8 cache passes its dequantised values: its slots hold real-unit means)."""
         import sparse_prefill as sp
+        k = self.k if k is None else k
+        v = self.v if v is None else v
         bs = SEL["block_size"]
-        km, vm = sp.mean_cache(self.k, bs)
+        km, vm = sp.mean_cache(k, bs)
         nb = upto // bs
         if nb == 0:
             return km, vm
         for b in range(self.batch):
             pages = self.block_table[b, :nb * bs // PAGE].long()
-            kb = self.k[pages].float().reshape(nb, bs, HKV, D).mean(1)
-            vb = self.v[pages].float().reshape(nb, bs, HKV, D).mean(1)
+            kb = k[pages].float().reshape(nb, bs, HKV, D).mean(1)
+            vb = v[pages].float().reshape(nb, bs, HKV, D).mean(1)
             last = torch.arange(nb, device=self.k.device) * bs + bs - 1          # each block's last key
             page = self.block_table[b, last // PAGE].long()
             slot = page * (PAGE // bs) + (last % PAGE) // bs if PAGE >= bs else page

@@ -8,19 +8,62 @@ Sparse rows (--sparse-lengths, kind "sparse"): the topic workload (docs/workload
 the default selection; block-sparse attention over one index (built by build_index on the bf16 arrays, with and
 without the correction; with --fp8-index also on the FP8 arrays) for bf16 and FP8 (reuse_index=True), the one-call
 sparse_prefill totals (--fp8-index), and each output's error against our dense bf16 output (--structured: also on
-the structured workload, the issue's accuracy target).
+the structured workload, the issue's accuracy target, with the dense FP8 output's error against dense bf16, the
+quantisation floor, and the sparse FP8 output's against dense FP8, the selection error under FP8).
+Chunked rows (--chunked, kind "chunked"): per (chunk, batch) of --chunked-steps, the last chunk positions of an
+L-token topic prompt as one sp.chunked_prefill step over bench_chunked's paged cache (page 64, shuffled pages, the
+pooled-means cache as the earlier steps leave it, caller workspace), as the last chunk and mid-prompt; bf16 cache vs
+the same cache in e4m3 (per KV head, q per step), descales passed; the dense paged step (sp.attention) in both; each
+output's error against the dense bf16 step. A configuration the library refuses is recorded ("fp8": "unsupported:
+...") and the row goes on without it.
 Targets (issue 17): fp8 >= 1.35x bf16 at 16K-128K; sparse FP8 (correction on) >= 1.25x bf16 sparse at 128K.
 Usage: python3 bench/bench_fp8.py --out bench/results/fp8_h200.json [--lengths 16384,32768] [--paged 128]
-       [--sparse-lengths 32768,131072] [--fp8-index] [--structured]"""
+       [--sparse-lengths 32768,131072] [--fp8-index] [--structured] [--chunked 131072 [--chunked-steps 1024x1]]
+       (--lengths '' skips the dense rows, e.g. to run the chunked rows alone)"""
 import argparse
 import os
 
 import torch
 
 from _common import (D, HKV, HQ, SEL, attention_workspace, emit, index_workspace, ints, median, rel_err, require_cuda,
-                     sdpa_layout, time_ms, time_sdpa_peers, topic, write_results)
+                     sdpa_layout, time_graph_ms, time_ms, time_sdpa_peers, topic, workspace, write_results)
+from bench_chunked import PAGE, Cache
 
 ROUNDS = 3
+CHUNKED_STEPS = "1024x1,1024x8,8192x1"  # (chunk x batch) at 128K, issue 17's list
+# What a refused configuration raises: NotImplementedError (unsupported head dim, page size, ...), TypeError /
+# ValueError naming an argument (e.g. an FP8 operand where the path takes 16-bit ones).
+REFUSALS = (NotImplementedError, TypeError, ValueError)
+
+
+def dequantize(x8, descale):
+    """float32 values of sp.quantize_fp8's x8 [..., H, D] with its descale [B, Hkv] (the same row for every sequence;
+    a group of query heads shares its KV head's scale)."""
+    s = descale[0].float()
+    return x8.float() * s.repeat_interleave(x8.shape[-2] // s.shape[0])[:, None]
+
+
+def supported(row, key, make):
+    """fn = make(), called once, or None when the library refuses it (REFUSALS), recorded as row[key] =
+    'unsupported: ...' so that the run goes on without it."""
+    try:
+        fn = make()
+        fn()
+    except REFUSALS as e:
+        row[key] = f"unsupported: {type(e).__name__}: {e}"
+        return None
+    return fn
+
+
+def chunked_steps(s):
+    """'1024x1,8192x1' -> [(1024, 1), (8192, 1)]."""
+    steps = []
+    for part in (p.strip() for p in s.split(",") if p.strip()):
+        c, sep, b = part.partition("x")
+        if not sep or not c.isdigit() or not b.isdigit() or int(c) < 1 or int(b) < 1:
+            raise ValueError(f"--chunked-steps: expected CHUNKxBATCH items like 1024x8, got {part!r}")
+        steps.append((int(c), int(b)))
+    return steps
 
 
 def reference(qt, kt, vt, chunk=4096):
@@ -48,7 +91,23 @@ def main(argv=None):
                     help="also build the index on the FP8 arrays (the CUDA index stage)")
     ap.add_argument("--structured", action="store_true",
                     help="sparse rows: also the errors on the structured workload (needs --fp8-index)")
+    ap.add_argument("--chunked", default="", help="chunked rows at these prompt lengths (e.g. 131072)")
+    ap.add_argument("--chunked-steps", default=CHUNKED_STEPS, help="CHUNKxBATCH steps of the chunked rows")
     args = ap.parse_args(argv)
+    if args.structured and not args.fp8_index:
+        ap.error("--structured needs --fp8-index (its FP8 sparse output is sparse_prefill's, with the FP8 index)")
+    try:
+        steps = chunked_steps(args.chunked_steps)
+        try:
+            chunked = ints(args.chunked)
+        except ValueError:
+            raise ValueError(f"--chunked: expected lengths like 131072,65536, got {args.chunked!r}") from None
+        for L in chunked:
+            if L % PAGE or L % SEL["block_size"] or any(c > L for c, _ in steps):
+                raise ValueError(f"--chunked: {L} must be a multiple of the page ({PAGE}) and block "
+                                 f"({SEL['block_size']}) and hold every chunk of --chunked-steps")
+    except ValueError as e:
+        ap.error(str(e))
     sp = require_cuda()
     dev, hq, hkv, d = "cuda", HQ, HKV, D
     g = hq // hkv
@@ -109,8 +168,7 @@ def main(argv=None):
         # Accuracy at every length: against our bf16 kernel on the dequantised values (its own error, ~2e-3 rel L2
         # against float32, is an order below FP8's); this is the column the two-level accumulation A/B reads.
         fp8()
-        deq = [x.float() * s.view(1, hkv, 1).repeat_interleave(x.shape[1] // hkv, 1)
-               for x, s in ((q8, qd), (k8, kd), (v8, vd))]
+        deq = [dequantize(x, s) for x, s in ((q8, qd), (k8, kd), (v8, vd))]
         ref_deq = sp.attention(*(x.to(torch.bfloat16) for x in deq), cu, cu, L, L, causal=True)
         row["fp8_rel_l2_vs_bf16_kernel_dequantised"] = rel_err(out_8, ref_deq)
         row["fp8_max_abs_vs_bf16_kernel_dequantised"] = (out_8.float() - ref_deq.float()).abs().max().item()
@@ -139,6 +197,12 @@ def main(argv=None):
         rows.append(sparse_row(sp, L, hkv, ws, args.fp8_index, args.structured))
         emit(rows[-1])
         write_results(args.out, rows, **meta)
+        torch.cuda.empty_cache()
+    for L in chunked:
+        for row in chunked_rows(sp, L, steps):
+            emit(row)
+            rows.append(row)
+            write_results(args.out, rows, **meta)
         torch.cuda.empty_cache()
     write_results(args.out, rows, **meta)
 
@@ -183,19 +247,122 @@ def sparse_row(sp, L, hkv, ws, fp8_index, structured):
     return row
 
 
-def structured_errors(sp, L, hkv):
+def structured_errors(sp, L, hkv, dev="cuda"):
     """The issue's accuracy target: on the structured workload (RoPE content, sinks, recall, needles; seed 1), the
-    sparse FP8 output's error against our dense bf16 output next to the sparse bf16 output's (default selection)."""
-    q, k, v = (torch.from_numpy(x).cuda().to(torch.bfloat16)
+    sparse FP8 output's error against our dense bf16 output next to the sparse bf16 output's (default selection).
+    Split of the FP8 error: dense FP8 on the same e4m3 q, k, v against dense bf16 (the quantisation floor, which no
+    selection can go below), and of that the part of the inputs' rounding alone (our bf16 kernel on the dequantised
+    values: no P in e4m3); per-tensor scales instead of per-KV-head ones (quantize_fp8's other choice); the sparse
+    FP8 output against dense FP8 (the selection's error under FP8, to set beside sparse bf16 against dense bf16)."""
+    q, k, v = (torch.from_numpy(x).to(dev).to(torch.bfloat16)
                for x in sp.workload.structured(L, num_q_heads=HQ, num_kv_heads=hkv, head_dim=D, seed=1))
-    cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
     dense = sp.attention(q, k, v, cu, cu, L, L)
     bf = sp.sparse_prefill(q, k, v, cu, cu, L, L, **SEL)
     (q8, qd), (k8, kd), (v8, vd) = sp.quantize_fp8(q, num_kv_heads=hkv), sp.quantize_fp8(k), sp.quantize_fp8(v)
-    f8 = sp.sparse_prefill(q8, k8, v8, cu, cu, L, L, q_descale=qd, k_descale=kd, v_descale=vd, **SEL)
-    e_bf, e_8 = rel_err(bf, dense), rel_err(f8, dense)
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    f8 = sp.sparse_prefill(q8, k8, v8, cu, cu, L, L, **fp8, **SEL)
+    d8 = sp.attention(q8, k8, v8, cu, cu, L, L, **fp8)
+    deq = sp.attention(*(dequantize(x, s_).to(torch.bfloat16) for x, s_ in ((q8, qd), (k8, kd), (v8, vd))),
+                       cu, cu, L, L)
+    (q8t, qdt), (k8t, kdt), (v8t, vdt) = (sp.quantize_fp8(x, num_kv_heads=hkv, per_head=False) for x in (q, k, v))
+    d8t = sp.attention(q8t, k8t, v8t, cu, cu, L, L, q_descale=qdt, k_descale=kdt, v_descale=vdt)
+    e_bf, e_8, e_sel8 = rel_err(bf, dense), rel_err(f8, dense), rel_err(f8, d8)
     return dict(structured_bf16_rel_err_vs_dense_bf16=e_bf, structured_fp8_rel_err_vs_dense_bf16=e_8,
-                structured_fp8_over_bf16_error=e_8 / e_bf if e_bf > 0 else None)
+                structured_fp8_over_bf16_error=e_8 / e_bf if e_bf > 0 else None,
+                structured_fp8_dense_rel_err_vs_dense_bf16=rel_err(d8, dense),
+                structured_dequantised_bf16_dense_rel_err_vs_dense_bf16=rel_err(deq, dense),
+                structured_fp8_dense_rel_err_vs_dequantised_bf16_dense=rel_err(d8, deq),
+                structured_fp8_dense_per_tensor_rel_err_vs_dense_bf16=rel_err(d8t, dense),
+                structured_fp8_rel_err_vs_dense_fp8=e_sel8,
+                structured_fp8_over_bf16_selection_error=e_sel8 / e_bf if e_bf > 0 else None)
+
+
+def chunked_rows(sp, L, steps, dev="cuda"):
+    """The "chunked" rows at prompt length L (see the docstring), one per (chunk, batch) of `steps` and position
+    (last chunk, mid-prompt); a generator, so that the caller writes the results after every row. One cache per
+    batch size (bench_chunked.Cache: `batch` topic prompts), quantised once per KV head as an FP8 engine cache is."""
+    for batch in sorted({b for _, b in steps}):
+        cache = Cache(L, batch, dev=dev, make=lambda n, seed: topic(n, seed=seed, dev=dev))
+        (k8, kd), (v8, vd) = sp.quantize_fp8(cache.k, batch=batch), sp.quantize_fp8(cache.v, batch=batch)
+        for C in [c for c, b in steps if b == batch]:
+            means = cache.mean_cache(L - C)
+            means8 = cache.mean_cache(L - C, k=dequantize(k8, kd), v=dequantize(v8, vd))  # real-unit means
+            for final in (True, False):
+                yield chunked_row(sp, cache, (k8, kd, v8, vd), C, final, means, means8)
+            del means, means8
+        del cache, k8, v8
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def chunked_row(sp, cache, kv8, C, final, means, means8):
+    """One step: the last C positions of the cache's prompts as sp.chunked_prefill (bf16, FP8) and sp.attention
+    (dense paged step, bf16, FP8), alternating over ROUNDS rounds (medians); CUDA-graph times of the two sparse
+    steps (host launch gaps left out, as bench_chunked's tile_step_graph_ms); densities; errors."""
+    k8, kd, v8, vd = kv8
+    L, batch, dev = cache.L, cache.batch, cache.k.device
+    q, cu_q, used, C, Lk = cache.step(L - C, L)
+    q8, qd = sp.quantize_fp8(q, batch=batch, num_kv_heads=HKV)  # an engine quantises each step's q
+    fp8 = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    bt = cache.block_table
+    paged = dict(block_table=bt, seqused_k=used)
+    row = dict(kind="chunked", L=L, chunk=C, batch=batch, final_chunk=final,
+               mode="last chunk" if final else "mid-prompt", page_size=PAGE, selection=dict(SEL))
+    wsd = attention_workspace(D, dev)
+    out = {name: torch.empty_like(q) for name in ("bf16", "fp8", "bf16_dense", "fp8_dense")}
+
+    def step(name, qq, kc, vc, m, **d):
+        ws = workspace(sp.chunked_prefill_workspace_bytes(qq, kc, vc, cu_q, bt, used, C, Lk, final_chunk=final,
+                                                          **SEL), dev)
+        return lambda: sp.chunked_prefill(qq, kc, vc, cu_q, bt, used, C, Lk, final_chunk=final, mean_cache=m,
+                                          out=out[name], workspace=ws, **SEL, **d)
+
+    def dense(name, qq, kc, vc, **d):
+        return lambda: sp.attention(qq, kc, vc, cu_q, None, C, Lk, out=out[name], workspace=wsd, **paged, **d)
+
+    fns = dict(bf16=step("bf16", q, cache.k, cache.v, means), bf16_dense=dense("bf16_dense", q, cache.k, cache.v))
+    row["bf16_dense_path"] = sp.attention_path(q, cache.k, cache.v, cu_q, None, C, Lk, **paged)
+    for name, make in (("fp8", lambda: step("fp8", q8, k8, v8, means8, **fp8)),  # its workspace size may refuse
+                       ("fp8_dense", lambda: dense("fp8_dense", q8, k8, v8, **fp8))):
+        fn = supported(row, name, make)
+        if fn is not None:
+            fns[name] = fn
+    if "fp8_dense" in fns:
+        row["fp8_dense_path"] = sp.attention_path(q8, k8, v8, cu_q, None, C, Lk, **paged)
+    times = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            times[name].append(time_ms(fn, total_ms_budget=600))
+    for name, ts in times.items():
+        row[f"{name}_ms"], row[f"{name}_rounds"] = median(ts), ts
+    for name in ("bf16", "fp8"):
+        if name in fns:
+            row[f"{name}_graph_ms"] = time_graph_ms(fns[name])
+            if f"{name}_dense" in fns:  # the sparse step's speedup over the dense step of its dtype
+                row[f"{name}_dense_over_step"] = row[f"{name}_dense_ms"] / row[f"{name}_ms"]
+    for a in ("", "_dense", "_graph"):
+        if row.get(f"fp8{a}_ms") and row.get(f"bf16{a}_ms"):
+            row[f"fp8_over_bf16{a}_speedup"] = row[f"bf16{a}_ms"] / row[f"fp8{a}_ms"]
+    # Densities re-pool the whole cache (no mean cache: the CPU reference takes none; the same selection up to
+    # float32 rounding of the means, bench_chunked's *_density_cached)
+    sel = dict(SEL, final_chunk=final)
+    row["bf16_density"] = sp.build_index(q, cache.k, cache.v, cu_q, None, C, Lk, **paged, **sel).density
+    if "fp8" in fns:
+        row["fp8_density"] = sp.build_index(q8, k8, v8, cu_q, None, C, Lk, **paged, **sel, **fp8).density
+    for fn in fns.values():  # the outputs of one call each (graph replays wrote the same)
+        fn()
+    ref = out["bf16_dense"]
+    for name in ("bf16", "fp8", "fp8_dense"):
+        if name in fns:
+            row[f"{name}_rel_err_vs_dense_bf16"] = rel_err(out[name], ref)
+            row[f"{name}_nan"] = bool(torch.isnan(out[name]).any())
+    if "fp8" in fns and "fp8_dense" in fns:
+        row["fp8_rel_err_vs_dense_fp8"] = rel_err(out["fp8"], out["fp8_dense"])  # the selection error under FP8
+    if "fp8" in fns:
+        e_bf = row["bf16_rel_err_vs_dense_bf16"]
+        row["fp8_over_bf16_error"] = row["fp8_rel_err_vs_dense_bf16"] / e_bf if e_bf > 0 else None
+    return row
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 #   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, for at most
 #             $SP_FUZZ_TIME s, default 320; valid and invalid calls, bad device values included) under compute-sanitizer
 #             memcheck, then racecheck on the kernel matrix, the FP8 kernel and the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
+#             and in its summary the density each valid block-sparse case ran at, per kind (min / median / max,
+#             below_0.6, a histogram: about half the sparse cases draw selective data), and the selective cases'
+#             rules, sub-groups, union / correction / mean-cache counts and near-threshold flips (tests/fuzz/README.md)
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
 #             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
 #             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes)
@@ -35,7 +38,7 @@
 #             8K/16K/32K: sdpa dense, the library's dense and default selection, then SP_RETRIEVAL_EXTRA (library /
 #             emulator configurations, while time is left) -> OUT/accuracy_retrieval_h200.json (~7-8 min)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
-#             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests (~1 min)
+#             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests and their CUDA replays (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
 #             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
@@ -144,7 +147,8 @@ row = {"device": dev.stdout.strip() or "unknown", "commit": os.environ.get("SP_C
        "pytest_memcheck_rc": r_mem, "pytest_racecheck_rc": r_race,
        "summary": {k: rep.get(k) for k in ("valid", "invalid_host", "invalid_device", "flagged_by_check_errors",
                                            "raised_in_checked_mode", "unsupported", "failures", "skipped_for_time",
-                                           "kinds", "mutations", "layouts", "seconds", "seed")},
+                                           "kinds", "mutations", "layouts", "density", "density_selective", "selection",
+                                           "seconds", "seed")},
        "failed_cases": rep.get("failed_cases", [])[:20]}
 json.dump(row, open(os.path.join(out, "fuzz_h200.json"), "w"), indent=1)
 print(json.dumps({k: row[k] for k in ("cases", "crashes", "memcheck_errors", "racecheck_hazards")}))

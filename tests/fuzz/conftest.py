@@ -22,7 +22,7 @@ elif _PKG not in sys.path:
 if _TESTS not in sys.path:
     sys.path.append(_TESTS)  # sp_naive (the numpy reference)
 
-from fuzz_summary import SUMMARY  # noqa: E402  (shared with test_fuzz.py)
+from fuzz_summary import SUMMARY, density_summary  # noqa: E402  (shared with test_fuzz.py)
 
 
 def pytest_addoption(parser):
@@ -51,5 +51,7 @@ def pytest_sessionfinish(session, exitstatus):
         SUMMARY["seed"] = session.config.getoption("--fuzz-seed")
         SUMMARY["seconds"] = round(time.time() - session.config._fuzz_start, 1)
         SUMMARY["exitstatus"] = int(exitstatus)
+        SUMMARY["density"] = density_summary(SUMMARY.pop("densities", {}))
+        SUMMARY["density_selective"] = density_summary(SUMMARY.pop("densities_selective", {}))
         with open(path, "w") as f:
             json.dump(SUMMARY, f, indent=1, sort_keys=True)

@@ -16,21 +16,38 @@ FP8 (about 30 % of the cases of every kind, needs torch; helpers in fuzz_fp8.py)
   FP8 / bf16 operands (host) and a negative descale (a device value on CUDA: NaN rows and sp.check_errors() naming
   it; checked mode checks a host copy before the launch). Valid FP8 results: dense, or alpha 0, against the exact
   math on the dequantised values; the CPU's block-sparse FP8 results (and index) equal the float32 call on the
-  dequantised arrays (the reference dequantises on load); a CUDA FP8 index-kind result over the same host index as
-  the CPU reference (correction means rounded to e4m3 as the kernel does), its index against the CPU one up to ties.
+  dequantised arrays (the reference dequantises on load), and their index passes the selection check below; a
+  CUDA block-sparse FP8 result (any kind) against the CPU backend over the device's index (correction means rounded
+  to e4m3 as the kernel does), that index against the contract's selection on the dequantised values.
 Array layouts (any case, valid or not): contiguous, or q (and k, v when contiguous KV) as strided views — rows and
 heads padded by 16 bytes (8 elements, FP8 16: valid on every backend), heads interleaved (head stride 2·D: valid),
 or rows padded by 8 bytes (4 elements, FP8 8: valid on the CPU; CUDA needs 16-byte strides and raises
 NotImplementedError naming the array);
 the host mutation last_stride gives q a last-dimension stride of 2 (an error naming q everywhere).
+Selective cases (about half of the sparse / chunked / index cases, valid or not; fuzz_select.py): Gaussian q, k keep
+every block at alpha > 0, so these draw keys with a few high-energy blocks per query span, lengths of several blocks
+(CPU: block size 64, head dim 64, up to 896 keys; CUDA: block 128, up to 1536), alpha 0.05-0.6, every rule
+(row_max, tile_energy, probe_row_max), sink / window / last_n of 0 or small, head sub-groups, union mode (15 %),
+with the kinds' odd lengths, varlen, GQA, paged caches, mean caches and FP8.
 Checks: every invalid call raises on the CPU with the argument's name; on CUDA a host-detectable one raises the
 same way, and a device value is reported by sp.check_errors() (default mode: the call itself returns, writes
 nothing outside `out`, and the report names the argument) and raises before the launch in checked mode
-(LaunchOptions(checked=True)); no valid call is rejected; valid results match the reference (CPU: the numpy
-sp_naive; CUDA: the CPU backend on the same bf16 inputs). The whole run is seeded (--fuzz-seed) and bounded
-(--fuzz-cases per device, --fuzz-time seconds); --fuzz-report writes the summary (scripts/gpu.sh fuzz).
+(LaunchOptions(checked=True)); no valid call is rejected; valid results match the reference: dense and alpha 0
+against the exact math (CPU: the numpy sp_naive; CUDA: the CPU backend on the same bf16 inputs); block-sparse at
+alpha > 0 (check_sparse): the index the call ran over (the index kind's own; else build_index with the call's
+arguments on its device, deterministic) against fuzz_select's float64 selection of the contract, every block
+outside a tie band in the log domain decided as the contract decides (CPU: 1e-4; CUDA: twice the bf16 scorer's
+rounding bound, FP8 twice that), its pooled means to 1e-5, then the result against attention over that very index
+(CPU: fuzz_select's float64 block-sparse reference; CUDA: the CPU backend over the device's index, the
+correction's means rounded as the kernel's). A CUDA chunk with a mean cache runs over a cache that a whole-prompt
+build_index step filled first (the contract: every step of the prompt passes the same cache). The report holds
+the density of every valid sparse-kind case per kind (min, median, max, how many below 0.6, a histogram) and, for
+the selective ones, their rules, sub-groups, union / correction / mean-cache counts and near-threshold flips.
+The whole run is seeded (--fuzz-seed) and bounded (--fuzz-cases per device, --fuzz-time seconds); --fuzz-report
+writes the summary (scripts/gpu.sh fuzz).
 """
 
+import copy
 import sys
 import time
 
@@ -40,6 +57,7 @@ import pytest
 import sp_naive
 import sparse_prefill as sp
 import fuzz_fp8
+import fuzz_select
 from fuzz_fp8 import DESCALES, VALID_DESCALES, F8, cuda_bound, dequantised, e4m3_codes, fp8_round, lse_bound
 from fuzz_summary import SUMMARY
 
@@ -96,13 +114,20 @@ class Case:
         # multiple of 64 (the sparse kinds draw only those there), the rest raises NotImplementedError (counted as
         # unsupported); the CPU computes all.
         self.fp8 = torch is not None and rng.random() < 0.3
-        top = 600 if cuda else 160
+        # Selective cases (about half of the sparse kinds): keys with a few high-energy blocks per query span
+        # (fuzz_select.selective_qkv), lengths of several blocks, the selection's other knobs drawn (the defaults'
+        # sink 256, window 512 and last_n 2 keep every block of the short sequences here).
+        self.selective = sparse_kind and rng.random() < 0.5
+        self.block_size = 64 if self.selective and not cuda else 128  # CUDA: multiples of 128 only
+        if self.selective and not cuda:  # long enough for the prefill triangle to have prunable blocks, yet cheap
+            self.B, self.D = min(self.B, 2), 64
+        top = (1536 if cuda else 896) if self.selective else (600 if cuda else 160)
         B = self.B
         if self.kind == "chunked":
             q = rng.integers(1, 140, B)
             k = q + 8 + rng.integers(0, 2 * top, B)  # room: a mutated chunk stays within its cache
         elif sparse_kind:
-            k = rng.integers(1, top, B)
+            k = rng.integers(top // 3 if self.selective else 1, top, B)
             q = k.copy() if rng.random() < 0.6 else np.minimum(k, rng.integers(1, top, B))
         else:
             q = rng.integers(0, top, B)
@@ -119,6 +144,15 @@ class Case:
             self.window = (int(rng.integers(0, 200)), int(rng.integers(-1, 50)) if not self.causal else -1)
         self.alpha = float(rng.choice([0.0, 0.1])) if sparse_kind else 0.0
         self.correction = bool(rng.random() < 0.7)
+        self.sel = dict(sp.SELECTION_DEFAULTS, alpha=self.alpha, block_size=self.block_size, correction=self.correction)
+        if self.selective:
+            g = self.hq // self.hkv
+            self.alpha = float(rng.choice([0.05, 0.1, 0.3, 0.6]))
+            self.sel.update(alpha=self.alpha, rule=str(rng.choice(["row_max", "tile_energy", "probe_row_max"])),
+                            sink=int(rng.choice([0, 0, 64])), window=int(rng.choice([0, 0, 0, 64, 200])),
+                            last_n=int(rng.choice([0, 0, 0, 1])),
+                            head_subgroups=int(rng.choice([s for s in (1, 2, 4, 8) if g % s == 0])))
+        self.union = self.selective and rng.random() < 0.15
         self.final_chunk = bool(rng.random() < 0.5) if self.kind == "chunked" else True
         self.use_mean_cache = self.kind == "chunked" and rng.random() < 0.5
         self.use_workspace = cuda and rng.random() < 0.4
@@ -196,7 +230,9 @@ class Case:
     def __repr__(self):
         return (f"Case({self.device} {self.kind} B={self.B} hq={self.hq} hkv={self.hkv} D={self.D} q={list(self.q_lens)} "
                 f"k={list(self.k_lens)} paged={self.paged} page={self.page_size} causal={self.causal} "
-                f"window={self.window} alpha={self.alpha} layout={self.layout} fp8={self.fp8} mutation={self.mutation})")
+                f"window={self.window} alpha={self.alpha} layout={self.layout} fp8={self.fp8} mutation={self.mutation} "
+                f"selective={self.selective} sel={self.sel} union={self.union} final_chunk={self.final_chunk} "
+                f"mean_cache={self.use_mean_cache} seed={self.seed})")
 
 
 def expected_argument(m):
@@ -225,9 +261,12 @@ def build_arrays(c):
     rng = np.random.default_rng(c.seed)
     hq, hkv, D = c.hq, c.hkv, c.D
     cu_q, cu_k = cu_of(c.q_lens), cu_of(c.k_lens)
-    q = rng.standard_normal((int(cu_q[-1]), hq, D)).astype(np.float32)
-    k = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
-    v = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
+    if c.selective:
+        q, k, v = fuzz_select.selective_qkv(rng, c.q_lens, c.k_lens, hq, hkv, D, c.block_size)
+    else:
+        q = rng.standard_normal((int(cu_q[-1]), hq, D)).astype(np.float32)
+        k = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
+        v = rng.standard_normal((int(cu_k[-1]), hkv, D)).astype(np.float32)
     if c.fp8:  # values that float8_e4m3fn holds exactly (to_device casts them without rounding)
         q, k, v = (fp8_round(x) for x in (q, k, v))
     a = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "block_table": None, "seqused_k": None,
@@ -430,8 +469,11 @@ def call(c, x, out, options=None, index_state=None, reuse_index=False):
         x = dict(x, **{c.mixed: x[c.mixed].to(torch.bfloat16)})
     kv = dict(block_table=x["block_table"], seqused_k=x["seqused_k"])
     scale = -1.0 if c.mutation == "scale_bad" else None
-    alpha = 1.5 if c.mutation == "alpha_bad" else c.alpha
-    block_size = 96 if c.mutation == "block_size_bad" else 128
+    sel = dict(selection(c), union=c.union)
+    if c.mutation == "alpha_bad":
+        sel["alpha"] = 1.5
+    if c.mutation == "block_size_bad":
+        sel["block_size"] = 96
     ws = None
     if c.device == "cuda" and (c.use_workspace or c.mutation == "workspace_small"):
         ws = torch.empty(256 if c.mutation == "workspace_small" else index_state.get("ws_bytes", 1 << 20), dtype=torch.uint8,
@@ -444,24 +486,45 @@ def call(c, x, out, options=None, index_state=None, reuse_index=False):
         return sp.attention(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
                             window=(-2, 0) if c.mutation == "window_bad" else c.window, **common)
     if c.kind == "sparse":
-        return sp.sparse_prefill(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk, alpha=alpha,
-                                 block_size=block_size, correction=c.correction, workspace=ws, **common)
+        return sp.sparse_prefill(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk, workspace=ws,
+                                 **sel, **common)
     if c.kind == "chunked":
-        mc = None
-        if c.use_mean_cache:
-            mc = sp.mean_cache(x["k"], block_size=64 if c.mutation == "mean_cache_block" else 128)
+        mc = index_state.get("mean_cache") if index_state else None
+        if c.use_mean_cache and mc is None:
+            mc = make_mean_cache(c, x)
         del common["causal"]
         for n in ("block_table", "seqused_k"):
             del common[n]
         return sp.chunked_prefill(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["block_table"], x["seqused_k"], mq,
-                                  mk, final_chunk=c.final_chunk, alpha=alpha, block_size=block_size,
-                                  correction=c.correction, mean_cache=mc, workspace=ws, **common)
+                                  mk, final_chunk=c.final_chunk, mean_cache=mc, workspace=ws, **sel, **common)
     # index: the index of the valid problem (built beforehand), possibly corrupted, over this call's arrays
     index = index_state["index"]
     if c.mutation == "scale_mismatch":
         common["softmax_scale"] = 0.05
     return sp.sparse_attention(x["q"], x["k"], x["v"], index, x["cu_seqlens_q"], x["cu_seqlens_k"], mq, mk,
                                reuse_index=reuse_index, **common)
+
+
+def selection(c):
+    """The selection keywords of the case's calls (build_index, sparse_prefill, chunked_prefill)."""
+    return dict(c.sel)
+
+
+def make_mean_cache(c, x):
+    """A zeroed pooled-means cache of the case's paged K (mutation mean_cache_block: of another block size)."""
+    bs = c.block_size if c.mutation != "mean_cache_block" else (64 if c.block_size == 128 else 128)
+    return sp.mean_cache(x["k"], block_size=bs)
+
+
+def prime_mean_cache(c, a, x, mc):
+    """Writes every complete block's means into the CUDA cache `mc` (a step over the whole of each cache: the
+    contract's earlier steps), so that a chunk reading the blocks before it selects as a re-pooling step does."""
+    kw = {n: x[VALID_DESCALES[n]] for n in DESCALES} if c.fp8 else {}
+    rows = int(c.k_lens.sum())
+    q0 = torch.zeros((rows, c.hq, c.D), dtype=torch.float32, device="cuda").to(x["k"].dtype)
+    cu = torch.from_numpy(cu_of(c.k_lens)).cuda()
+    sp.build_index(q0, x["k"], x["v"], cu, None, int(c.k_lens.max()), a["max_seqlen_k"], alpha=0.0,
+                   block_size=c.block_size, block_table=x["block_table"], seqused_k=x["seqused_k"], mean_cache=mc, **kw)
 
 
 def prepare_index(c, a, x, index_state):
@@ -472,9 +535,9 @@ def prepare_index(c, a, x, index_state):
     if c.fp8:
         kv.update({n: x[VALID_DESCALES[n]] for n in DESCALES})
     index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"],
-                           a["max_seqlen_k"], alpha=c.alpha, correction=c.correction, **kv)
+                           a["max_seqlen_k"], union=c.union, **selection(c), **kv)
     if index.on_device:
-        if c.fp8 and c.mutation is None:
+        if c.mutation is None:  # the oracle's own host copy (it rounds the means in place)
             index_state["device_built"] = index.to_host()
         index = index.to_host()
     h = index.host
@@ -485,8 +548,9 @@ def prepare_index(c, a, x, index_state):
         nonempty = np.nonzero(h["segment_end"] > h["segment_start"])[0]
         s = int(nonempty[int(c.mrng.integers(len(nonempty)))])
         cu_blocks = h["cu_blocks"]  # the sequence of segment s: its block count bounds the ids
-        tiles = [-(-int(n) * (c.hq // c.hkv) // 128) for n in c.q_lens]
-        off = np.cumsum([0] + [c.hkv * t for t in tiles])
+        S = c.sel["head_subgroups"]  # segments are over Hkv * S virtual heads of g / S query heads
+        tiles = [-(-int(n) * (c.hq // c.hkv // S) // 128) for n in c.q_lens]
+        off = np.cumsum([0] + [c.hkv * S * t for t in tiles])
         b = int(np.searchsorted(off, s, side="right") - 1)
         nb = int(cu_blocks[b + 1] - cu_blocks[b])
         h["block_ids"][int(h["segment_end"][s]) - 1] = nb + int(c.mrng.integers(0, 5))
@@ -557,14 +621,18 @@ def test_fuzz(case_id, request):
 def run_case(c):
     a = build_arrays(c)  # the index kind mutates only its index (prepare_index), never the arrays
     x = relayout(to_device(a, c), c)
-    index_state = {}
+    index_state = {"x": x}
     if c.kind == "index":
         index_state["index"] = prepare_index(c, a, x, index_state)
+    if c.use_mean_cache:
+        index_state["mean_cache"] = mc = make_mean_cache(c, x)
+        if c.device == "cuda" and c.mutation is None:  # the CPU pools every block itself
+            prime_mean_cache(c, a, x, mc)
     if c.device == "cuda" and c.use_workspace and c.kind in ("sparse", "chunked"):
         try:  # the size function of the call's own shapes (computed from shapes only: device values never read)
             index_state["ws_bytes"] = sp.sparse_prefill_workspace_bytes(
                 x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"],
-                block_table=x["block_table"], seqused_k=x["seqused_k"])
+                block_table=x["block_table"], seqused_k=x["seqused_k"], union=c.union, **selection(c))
         except (ValueError, TypeError):
             index_state["ws_bytes"] = 1 << 20  # a host-detectable mutation: the call raises before using it
     record(f"{c.device}_calls")
@@ -600,11 +668,10 @@ def check_valid_result(c, a, got, lse, index_state):
     got, lse = to_np(got), to_np(lse)
     if c.fp8 and c.kind in SPARSE_KINDS and c.device == "cpu":
         fuzz_fp8.check_cpu_twin(c, a, got, lse, index_state, FUZZ)  # any alpha; alpha 0 also the exact math below
-    elif c.fp8 and c.kind == "index" and c.alpha > 0:
-        return fuzz_fp8.check_cuda_index(c, a, got, lse, index_state, FUZZ)
     if c.kind in SPARSE_KINDS and c.alpha > 0:
-        assert np.isfinite(got).all(), c  # selections of CPU and CUDA may differ near the threshold
-        return
+        return check_sparse(c, a, got, lse, index_state)
+    if c.kind in SPARSE_KINDS:
+        record_selection(c, 1.0, 0)  # alpha 0 keeps every visible block
     ref, ref_lse = reference(c, a)
     tol, ltol = (1e-4, 1e-4) if c.device == "cpu" else (3e-2, 3e-3)
     if c.fp8:  # bfloat16 output; CUDA also rounds P to e4m3 (2^-4 relative per weight, test_fp8.py's bound)
@@ -612,6 +679,104 @@ def check_valid_result(c, a, got, lse, index_state):
         tol = 2 ** -8 * float(np.abs(ref).max(initial=0.0)) + 1e-3 if c.device == "cpu" else cuda_bound(ref, vmax)
         ltol = 1e-3 if c.device == "cpu" else lse_bound(ref_lse)
     assert_matches(c, got, lse, ref, ref_lse, tol, ltol)
+
+
+def oracle_values(c, a):
+    """float64 q and contiguous k, v as the case's backend reads them: the float32 values on the CPU, rounded to
+    bfloat16 on CUDA, dequantised for FP8."""
+    if c.fp8:
+        g = c.hq // c.hkv
+        return (dequantised(c, a, "q", c.q_lens, g), dequantised(c, a, "k_contig", c.k_lens, 1),
+                dequantised(c, a, "v_contig", c.k_lens, 1))
+    vals = [np.ascontiguousarray(a[n]) for n in ("q", "k_contig", "v_contig")]
+    if c.device == "cuda":
+        vals = [torch.from_numpy(x).to(torch.bfloat16).double().numpy() for x in vals]
+    return [x.astype(np.float64) for x in vals]
+
+
+def case_index(c, a, index_state):
+    """A host copy of the index the case's call ran over: the index kind's own; for sparse_prefill and
+    chunked_prefill, build_index with the same arguments on the same device (the index stage is deterministic: its
+    only atomics are integer counters), the mean cache included."""
+    if c.kind == "index":
+        built = index_state.get("device_built")
+        return built if built is not None else index_state["index"]
+    x = index_state["x"]
+    kw = dict(block_table=x["block_table"], seqused_k=x["seqused_k"], union=c.union, **selection(c))
+    if c.fp8:
+        kw.update({n: x[n] for n in DESCALES})
+    if c.kind == "chunked":
+        kw["final_chunk"] = c.final_chunk
+        if c.device == "cuda":
+            kw["mean_cache"] = index_state.get("mean_cache")
+    index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], a["max_seqlen_q"],
+                           a["max_seqlen_k"], **kw)
+    return index.to_host() if index.on_device else index
+
+
+def check_sparse(c, a, got, lse, index_state):
+    """A block-sparse result at alpha > 0. The selection: the index against the contract's (fuzz_select, float64)
+    with a tie band in the log domain: 1e-4 on the CPU (float32 means), on CUDA the bound of the bf16 scorer
+    (pooled keys rounded to bf16: |ds| <= 2^-9 |s|max for a score, a criterion takes two; FP8 also rounds q to bf16),
+    doubled. The attention over that very index: on the CPU the float64 block-sparse reference; on CUDA the CPU
+    backend over the device's index on the same inputs (the correction's means rounded as the kernel's)."""
+    index = case_index(c, a, index_state)
+    q, k, v = oracle_values(c, a)
+    if c.device == "cpu":
+        delta = lambda s: 1e-4 + 1e-6 * s  # noqa: E731
+    else:
+        delta = lambda s: (2 ** -5 if c.fp8 else 2 ** -6) * s + 1e-3  # noqa: E731
+    sel = dict(selection(c), union=c.union, final_chunk=c.final_chunk)
+    bands = fuzz_select.select_bands(q, k, c.q_lens, c.k_lens, c.hq, c.hkv, sel, delta)
+    flips = fuzz_select.check_index(index, bands, c)
+    fuzz_select.check_means(index, k, v, c.k_lens, 1e-5)
+    record_selection(c, index.density, flips)
+    if c.device == "cpu":
+        if c.fp8:  # check_cpu_twin compared it with the float32 call on the dequantised arrays
+            return
+        ref, ref_lse = fuzz_select.sparse_reference(q, k, v, c.q_lens, c.k_lens, c.hq, c.hkv, index, c.correction)
+        return assert_matches(c, got, lse, ref, ref_lse, 1e-4, 1e-4)
+    cc = copy.copy(c)
+    cc.device, cc.use_workspace = "cpu", False
+    if c.fp8:
+        xc = to_device(a, cc)  # torch CPU tensors: FP8 q / k / v and the descales
+        kw = {n: xc[n] for n in DESCALES}
+        if c.correction:
+            fuzz_fp8.e4m3_means(index, a["k_descale"], a["v_descale"])
+    else:
+        xc = {n: torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for n, t in a.items()}
+        for n in ("q", "k", "v"):
+            xc[n] = xc[n].to(torch.bfloat16)
+        kw = {}
+        if c.correction:  # the kernel's correction keys and values are the means rounded to bf16
+            for n in ("k_mean", "v_mean"):
+                m = index.host[n]
+                m[...] = torch.from_numpy(m).to(torch.bfloat16).float().numpy()
+    want, want_lse = sp.sparse_attention(xc["q"], xc["k"], xc["v"], index, xc["cu_seqlens_q"], xc["cu_seqlens_k"],
+                                         a["max_seqlen_q"], a["max_seqlen_k"], block_table=xc["block_table"],
+                                         seqused_k=xc["seqused_k"], return_lse=True, reuse_index=True, **kw)
+    want, want_lse = to_np(want), to_np(want_lse)
+    if c.fp8:
+        vmax = float(np.abs(v).max(initial=0.0))
+        return assert_matches(c, got, lse, want, want_lse, cuda_bound(want, vmax), lse_bound(want_lse))
+    assert_matches(c, got, lse, want, want_lse, 3e-2, 3e-3)
+
+
+def record_selection(c, density, flips):
+    """The density each valid sparse-kind case ran at (conftest summarises it per kind) and what it selected with."""
+    SUMMARY.setdefault("densities", {}).setdefault(c.kind, []).append(round(float(density), 4))
+    if not c.selective:
+        return
+    SUMMARY.setdefault("densities_selective", {}).setdefault(c.kind, []).append(round(float(density), 4))
+    s = SUMMARY.setdefault("selection", {"cases": 0, "flips": 0, "union": 0, "correction": 0, "mean_cache": 0,
+                                         "rules": {}, "head_subgroups": {}})
+    s["cases"] += 1
+    s["flips"] += int(flips)
+    s["union"] += int(c.union)
+    s["correction"] += int(c.correction)
+    s["mean_cache"] += int(c.use_mean_cache)
+    for key, val in (("rules", c.sel["rule"]), ("head_subgroups", str(c.sel["head_subgroups"]))):
+        s[key][val] = s[key].get(val, 0) + 1
 
 
 def assert_matches(c, got, lse, ref, ref_lse, tol, ltol):
@@ -690,3 +855,29 @@ def run_cuda(c, a, x, index_state):
     check_valid_result(c, a, got, lse, index_state)
     if hash((c.seed, 1)) % 4 == 0:  # checked mode accepts valid calls
         call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
+
+
+@pytest.mark.parametrize("rule", ["row_max", "tile_energy", "probe_row_max"])
+def test_selection_oracle_can_fail(rule):
+    """The oracle of check_sparse rejects another alpha's selection (a block dropped, or one kept, outside the tie
+    band), and its block-sparse reference tells the index's result from the dense one."""
+    rng = np.random.default_rng(7)
+    lens = np.array([700, 333])
+    q, k, v = fuzz_select.selective_qkv(rng, lens, lens, 4, 2, 64, 64)
+    cu = cu_of(lens)
+    sel = dict(block_size=64, sink=0, window=0, last_n=0, head_subgroups=2, rule=rule, correction=True)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    band = lambda alpha: fuzz_select.select_bands(  # noqa: E731
+        q64, k64, lens, lens, 4, 2, dict(sel, alpha=alpha, union=False, final_chunk=True), lambda s: 1e-4)
+    index = sp.build_index(q, k, v, cu, cu, 700, 700, alpha=0.3, **sel)
+    assert index.density < 0.8
+    assert fuzz_select.check_index(index, band(0.3), rule) == 0
+    dense = sp.build_index(q, k, v, cu, cu, 700, 700, alpha=0.0, **sel)
+    with pytest.raises(AssertionError, match="must"):  # alpha 0.05 keeps blocks that this index dropped
+        fuzz_select.check_index(index, band(0.05), rule)
+    with pytest.raises(AssertionError, match="may"):  # alpha 0 keeps blocks that alpha 0.3 drops
+        fuzz_select.check_index(dense, band(0.3), rule)
+    got, lse = sp.sparse_attention(q, k, v, index, cu, cu, 700, 700, return_lse=True)
+    ref, ref_lse = fuzz_select.sparse_reference(q64, k64, v64, lens, lens, 4, 2, index, True)
+    assert np.abs(got - ref).max() < 1e-4 and np.abs(lse - ref_lse).max() < 1e-4
+    assert np.abs(got - fuzz_select.sparse_reference(q64, k64, v64, lens, lens, 4, 2, dense, True)[0]).max() > 1e-2

@@ -12,29 +12,103 @@ checkpoint's per-layer k_scale / v_scale / q_scale hold), `fp8_quant` is the tes
 quantisation (x / scale, saturated to +-448, cast to e4m3, as vLLM's QuantFP8 does),
 `cache_rows` reads a request's rows back from a paged cache and `reference_attention` computes the expected output
 of any rows (dense, or the library's selection) on the CPU reference.
+
+Devices: `Geometry` is what a replay runs with on a device. The tables, caches, metadata and outputs live on the
+replay's device; the references always run on the CPU (the library's exact reference) from `.cpu()` copies, and
+`tolerance` says how far a device's output may be from them.
 """
 
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
+
+import sparse_prefill as sp
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A replay's device and shapes. CUDA: the sparse and FP8 kernels take head dim 128, block_size % 128 == 0 and
+    pages of a multiple of 64 (the mean-cache tracker needs pages of whole blocks: 128), and 16-bit models are
+    bfloat16 (no float32 kernels); the CPU replays keep the float32 model, head dim 64 and pages of 64."""
+    device: str
+    page: int
+    d: int
+    dtype: torch.dtype
+
+
+GEOMETRY = {"cpu": Geometry("cpu", 64, 64, torch.float32), "cuda": Geometry("cuda", 128, 128, torch.bfloat16)}
+
+# the device parameter of the replays that also run on a GPU: the CUDA one needs a CUDA build and a GPU
+CUDA_MARKS = [pytest.mark.cuda, pytest.mark.skipif(not (sp.with_cuda and torch.cuda.is_available()),
+                                                   reason="needs the CUDA backend and a GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_MARKS)]
+
+
+def on_cuda(*values):
+    """A parameter set of a replay on the GPU (skipped where there is none)."""
+    return pytest.param(*values, marks=CUDA_MARKS)
+
+
+BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
+
+
+def tolerance(device, ref, v_max, fp8):
+    """How far an output may be from the CPU reference `ref` computed on the very values the kernel read (the cache's
+    contents, dequantised for FP8). CPU: float32 accumulation noise (a float32 model) or the bfloat16 output rounding
+    (FP8, relative). CUDA: as the kernels' own GPU tests (test_cuda.py, test_fp8_sparse.py): P rounded to the PV
+    matmul's operand type (bf16 2^-8, e4m3 2^-4, relative per weight: times max|v|), plus bf16's rounding of the
+    output, plus accumulation order."""
+    if torch.device(device).type == "cpu":
+        return BF16_ROUNDING * ref.abs().clamp_min(1e-3) if fp8 else torch.full_like(ref, 2e-4)
+    p_rounding = 2 ** -4 if fp8 else 2 ** -8
+    return torch.full_like(ref, p_rounding * v_max + 2 ** -8 * ref.abs().max().item() + 1e-3)
+
+
+def compare_rows(checks, got, ref, v_max, fp8):
+    """One (request, chunk) entry of a layer: got (any device) against the CPU reference; records the worst
+    error / tolerance ratio and counts the entries beyond their tolerance (checks['over_tol'])."""
+    got = got.float().cpu()
+    assert torch.isfinite(got).all()
+    ratio = ((got - ref.float()).abs() / tolerance(checks["device"], ref.float(), v_max, fp8)).max().item()
+    checks["worst_ratio"] = max(checks.get("worst_ratio", 0.0), ratio)
+    checks["over_tol"] = checks.get("over_tol", 0) + (ratio > 1)
+    checks["rows"] += 1
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+def flips_allowed(rows):
+    """Entries a CUDA sparse replay may have beyond tolerance: bf16 scoring on the GPU against double on the CPU
+    flips near-threshold blocks (test_cuda.py allows max(2, kept // 200) blocks, test_fp8_sparse.py max(4, kept //
+    50)); a flipped block changes the rows of one 128-query tile, one entry. A wrong table, length or mean breaks
+    most entries."""
+    return max(3, rows // 50)
 
 
 class Tables:
-    def __init__(self, layers=2, hq=4, hkv=2, d=64, vocab=61, max_pos=4096, seed=0):
+    def __init__(self, layers=2, hq=4, hkv=2, d=64, vocab=61, max_pos=4096, seed=0, device="cpu"):
         g = np.random.default_rng(seed)
         self.layers, self.hq, self.hkv, self.d = layers, hq, hkv, d
+        self.device = torch.device(device)
         # a few "topics" so that selection has something to select
-        self.k = torch.from_numpy(g.standard_normal((layers, vocab, hkv, d)).astype(np.float32))
-        self.v = torch.from_numpy(g.standard_normal((layers, vocab, hkv, d)).astype(np.float32))
-        self.q = torch.from_numpy(g.standard_normal((layers, vocab, hq, d)).astype(np.float32))
-        self.pos = torch.from_numpy(0.3 * g.standard_normal((max_pos, 1, d)).astype(np.float32))
+        f = lambda x: torch.from_numpy(x.astype(np.float32)).to(self.device)  # noqa: E731
+        self.k = f(g.standard_normal((layers, vocab, hkv, d)))
+        self.v = f(g.standard_normal((layers, vocab, hkv, d)))
+        self.q = f(g.standard_normal((layers, vocab, hq, d)))
+        self.pos = f(0.3 * g.standard_normal((max_pos, 1, d)))
 
     def kv(self, layer, tokens, start=0):
-        t = torch.as_tensor(tokens, dtype=torch.long)
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         p = self.pos[start:start + len(t)]
         return self.k[layer, t] + p, self.v[layer, t] - p
 
     def qs(self, layer, tokens, start=0):
-        t = torch.as_tensor(tokens, dtype=torch.long)
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         return self.q[layer, t] + self.pos[start:start + len(t)]
 
     def fp8_scales(self, layer):
@@ -42,7 +116,8 @@ class Tables:
         (|k| / k_scale and |v| / v_scale stay within e4m3's +-448, below ~380: SGLang's pool casts without saturating,
         and torch 2.11 turns |x| >= 464 into NaN where 2.15 saturates; q's largest values saturate in fp8_quant)."""
         base = 1.0 + 0.37 * layer
-        return (torch.tensor(0.0107 * base), torch.tensor(0.0181 / base), torch.tensor(0.0137 * (1.0 + 0.61 * layer)))
+        return tuple(torch.tensor(x, device=self.device)
+                     for x in (0.0107 * base, 0.0181 / base, 0.0137 * (1.0 + 0.61 * layer)))
 
 
 F8 = torch.float8_e4m3fn
@@ -56,15 +131,18 @@ def fp8_quant(x, scale):
 
 
 def cache_rows(cache, pages, n, page_size):
-    """Rows [0, n) of a request whose pages are `pages`, read from a paged cache [num_pages, page_size, Hkv, D]."""
+    """Rows [0, n) of a request whose pages are `pages`, read from a paged cache [num_pages, page_size, Hkv, D] on
+    any device: a CPU copy."""
     idx = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)], dtype=torch.long)
-    return cache.reshape(-1, *cache.shape[2:])[idx]
+    return cache.reshape(-1, *cache.shape[2:])[idx.to(cache.device)].cpu()
 
 
 def reference_attention(q, k, v, config=None):
-    """Causal (bottom-right) attention of q [n, Hq, D] over k, v [m, Hkv, D] (one sequence) on the CPU reference:
-    dense when config is None or alpha 0, else the library's selection with config's parameters."""
+    """Causal (bottom-right) attention of q [n, Hq, D] over k, v [m, Hkv, D] (one sequence) on the CPU reference
+    (CPU copies of inputs on any device): dense when config is None or alpha 0, else the library's selection with
+    config's parameters."""
     import sparse_prefill as sp
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     n, m = q.shape[0], k.shape[0]
     cu_q = torch.tensor([0, n], dtype=torch.int32)
     cu_k = torch.tensor([0, m], dtype=torch.int32)

@@ -731,6 +731,38 @@ def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
                 assert set(mean.segment(b, h, t)) <= set(got.segment(b, h, t))
 
 
+@pytest.mark.parametrize("head_dim,dtype,padded", [
+    (64, torch.bfloat16, False), (64, torch.float16, True), (128, torch.float16, False), (128, torch.bfloat16, True),
+])
+def test_probe_index_on_gpu_head_dims_dtypes_and_layouts(head_dim, dtype, padded):
+    """The tensor-core probe kernel per instantiation: bf16 / fp16, head dim 64 / 128, and K rows whose stride is not
+    a multiple of 16 bytes (padded: k and v are views of [L, Hkv, D + 1] arrays, so the element-copy path runs)
+    against the CPU reference on the same rounded inputs."""
+    rng = np.random.default_rng()
+    q_lens, k_lens, hq, hkv = [700, 1500], [900, 1500], 8, 2
+    qs, ks, vs = [], [], []
+    for lq, lk in zip(q_lens, k_lens):
+        q, k, v = sp.workload.structured(lk, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                                         seed=int(rng.integers(1 << 30)))
+        qs.append(q[lk - lq:])
+        ks.append(k)
+        vs.append(v)
+    q, k, v = (torch.from_numpy(np.concatenate(a)).to(dtype) for a in (qs, ks, vs))
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(k_lens)]), dtype=torch.int32)
+    cpu = (q, k, v, cu_q, cu_k)
+    gpu = [a.cuda() for a in cpu]
+    if padded:  # views made on the device (a copy to the device would make them contiguous)
+        gpu[1:3] = (torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)[..., :head_dim] for x in gpu[1:3])
+        assert gpu[1].stride(1) * gpu[1].element_size() % 16 and torch.equal(gpu[1].cpu(), k)
+    for alpha in (0.1, 0.3):
+        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule="probe_row_max")
+        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule="probe_row_max").to_host()
+        assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1
+        assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
+        assert abs(got.density - ref.density) <= 0.01
+
+
 def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)

@@ -185,8 +185,9 @@ def test_dispatch_fp8_sparse_on_the_cpu_equals_the_library_call():
     assert torch.equal(out32, ref.float())
 
 
-def test_dispatch_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
-    """The CUDA decision replayed on the CPU (core._on_cuda): FP8 prefill -> dense FP8 attention."""
+def test_dispatch_fp8_on_cuda_runs_sparse_and_dense_where_16_bits_do(monkeypatch):
+    """The CUDA decision replayed on the CPU (core._on_cuda): FP8 prefill runs block-sparse, without a warning, and
+    runs dense exactly where a bf16 call of the same shape does (the CUDA sparse kernels' constraints)."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128)
@@ -194,18 +195,32 @@ def test_dispatch_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
     cu_q = torch.tensor([0, 301], dtype=torch.int32)
     cu_k = torch.tensor([0, 333], dtype=torch.int32)
     disp = VarlenDispatch(cfg)
-    assert disp.sparse_reason(q8, k8, 301, 333) == core.FP8_DENSE_REASON
     out = torch.full((301, 4, 128), float("nan"), dtype=torch.bfloat16)
-    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
-        disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out, **ds)
-    assert (disp.last_path, disp.last_reason, disp.calls) == ("dense", core.FP8_DENSE_REASON,
-                                                              {"sparse": 0, "dense": 1})
-    full = {n: torch.full((1, 2), float(x[0, 0])) for n, x in ds.items()}
-    assert torch.equal(_bits(out), _bits(sp.attention(q8, k8, v8, cu_q, cu_k, 301, 333, **full)))
     import warnings
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                     # once per process
+        warnings.simplefilter("error")
         disp(q8, k8, v8, cu_q, cu_k, 301, 333, out=out, **ds)
+    assert (disp.last_path, disp.last_reason, disp.calls) == ("sparse", None, {"sparse": 1, "dense": 0})
+    full = {n: torch.full((1, 2), float(x[0, 0])) for n, x in ds.items()}
+    ref = sp.sparse_prefill(q8, k8, v8, cu_q, cu_k, 301, 333, final_chunk=True, **cfg.selection(), **full)
+    assert torch.equal(_bits(out), _bits(ref))
+    # what still runs dense, FP8 or not, with the same reason as a bf16 call of that shape: short keys, a sliding
+    # window, pages of 32 (the kernels load pages of a multiple of 64 by TMA), block_size 64, dense_layers
+    qb, kb = q8.to(torch.bfloat16), k8.to(torch.bfloat16)
+    cases = [(VarlenDispatch(SparsePrefillConfig.load(environ={}, block_size=128)), k8, 301, 333, {},
+              "max_seqlen_k 333 < min_sparse_kv_len 8192"),
+             (disp, k8, 301, 333, dict(window=(63, 0)), "sliding window"),
+             (disp, k8[:320].reshape(10, 32, 2, 128), 301, 333, dict(paged=True), "page size 32"),
+             (VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
+                                                      block_size=64)), k8, 301, 333, {}, "block_size 64"),
+             (VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
+                                                      block_size=128, dense_layers=1)), k8, 301, 333,
+              dict(layer_idx=0), "layer 0 < dense_layers 1")]
+    for d, k, mq, mk, kw, want in cases:
+        why = d.sparse_reason(q8, k, mq, mk, **kw)
+        assert why is not None and want in why and why == d.sparse_reason(qb, k.to(torch.bfloat16), mq, mk, **kw)
+    assert disp.sparse_reason(q8, k8[:320].reshape(5, 64, 2, 128), 301, 333, paged=True) is None
+    assert "head dim 64" in disp.sparse_reason(*_fp8_case(d=64)[:2], 301, 333)
 
 
 def test_fp8_kernel_reason(monkeypatch):

@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
-from engine_sim import (F8, Engine, Request, Tables, cache_rows, next_token, reference_attention,  # noqa: E402
-                        reference_rows)
+from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
+                        flips_allowed, next_token, on_cuda, reference_attention, reference_rows, same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import sglang as sps
@@ -51,21 +51,20 @@ class ForwardBatch:
 
 
 class ReqToTokenPool:
-    def __init__(self, size, max_context_len):
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32)
+    def __init__(self, size, max_context_len, device="cpu"):
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=device)
 
 
 class MHATokenToKVPool:
     """SGLang's pool: per layer [size + page_size, Hkv, D]; an FP8 pool (dtype float8_e4m3fn) stores uint8 and hands
     out float8 views; its write divides the caller's k/v in place by k_scale/v_scale (when given), then casts."""
 
-    def __init__(self, size, page_size, head_num, head_dim, layer_num, dtype=torch.float32):
+    def __init__(self, size, page_size, head_num, head_dim, layer_num, dtype=torch.float32, device="cpu"):
         self.size, self.page_size, self.dtype = size, page_size, dtype
         self.store_dtype = torch.uint8 if dtype == F8 else dtype
-        self.k_buffer = [torch.zeros(size + page_size, head_num, head_dim, dtype=self.store_dtype)
-                         for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(size + page_size, head_num, head_dim, dtype=self.store_dtype)
-                         for _ in range(layer_num)]
+        z = dict(dtype=self.store_dtype, device=device)
+        self.k_buffer = [torch.zeros(size + page_size, head_num, head_dim, **z) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(size + page_size, head_num, head_dim, **z) for _ in range(layer_num)]
 
     def get_kv_buffer(self, layer_id):
         k, v = self.k_buffer[layer_id], self.v_buffer[layer_id]
@@ -122,16 +121,18 @@ class FakeFA3Backend:
     def _attend(self, q, layer, fb, cu_q, max_q):
         pool = self.runner.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        B = fb.batch_size
+        B, ps = fb.batch_size, self.runner.page_size
         max_k = int(fb.seq_lens_cpu.max())
-        table = self.runner.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_k]   # token slots, page 1
+        # FA3's page table for page_size > 1: every page_size-th token slot // page_size (the CUDA kernels read
+        # pages of a multiple of 64, FP8 ones no other)
+        table = self.runner.req_to_token_pool.req_to_token[fb.req_pool_indices, : -(-max_k // ps) * ps][:, ::ps] // ps
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         descales = {}
         if self.kv_cache_dtype_str != "auto":
             if layer.k_scale is not None:
                 descales = dict(k_descale=layer.k_scale.expand(B, hkv), v_descale=layer.v_scale.expand(B, hkv))
             q = q.to(F8)
-        out = sp.attention(q.reshape(-1, hq, d), k_buf.view(-1, 1, hkv, d), v_buf.view(-1, 1, hkv, d), cu_q, None,
+        out = sp.attention(q.reshape(-1, hq, d), k_buf.view(-1, ps, hkv, d), v_buf.view(-1, ps, hkv, d), cu_q, None,
                            max_q, max_k, softmax_scale=layer.scaling, block_table=table.contiguous(),
                            seqused_k=fb.seq_lens.to(torch.int32), **descales)
         return out.reshape(-1, hq * d)
@@ -140,13 +141,14 @@ class FakeFA3Backend:
         FakeFA3Backend.calls.append(("decode", q.shape[0]))
         if save_kv_cache:
             self.runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
-        return self._attend(q, layer, fb, torch.arange(fb.batch_size + 1, dtype=torch.int32), 1)
+        cu_q = torch.arange(fb.batch_size + 1, dtype=torch.int32, device=q.device)
+        return self._attend(q, layer, fb, cu_q, 1)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
         FakeFA3Backend.calls.append(("extend", q.shape[0]))
         if save_kv_cache:
             self.runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
-        cu_q = torch.zeros(fb.batch_size + 1, dtype=torch.int32)
+        cu_q = torch.zeros(fb.batch_size + 1, dtype=torch.int32, device=q.device)
         cu_q[1:] = torch.cumsum(fb.extend_seq_lens, 0)
         return self._attend(q, layer, fb, cu_q, max(fb.extend_seq_lens_cpu))
 
@@ -164,20 +166,20 @@ class FakeBase:
 
 
 class Runner:
-    def __init__(self, num_pages, tables, dtype="auto"):
-        self.page_size = PAGE
+    def __init__(self, num_pages, tables, dtype="auto", geom=GEOMETRY["cpu"]):
+        self.page_size = page = geom.page
         self.kv_cache_dtype_str = dtype
-        self.kv_cache_dtype = {"fp8_e4m3": F8, "fp8_e5m2": torch.float8_e5m2}.get(dtype, torch.float32)
-        self.req_to_token_pool = ReqToTokenPool(16, 2048)
-        self.token_to_kv_pool = MHATokenToKVPool(num_pages * PAGE, PAGE, tables.hkv, tables.d, tables.layers,
-                                                 dtype=self.kv_cache_dtype)
+        self.kv_cache_dtype = {"fp8_e4m3": F8, "fp8_e5m2": torch.float8_e5m2}.get(dtype, geom.dtype)
+        self.req_to_token_pool = ReqToTokenPool(16, 2048, geom.device)
+        self.token_to_kv_pool = MHATokenToKVPool(num_pages * page, page, tables.hkv, tables.d, tables.layers,
+                                                 dtype=self.kv_cache_dtype, device=geom.device)
 
 
 Backend = sps.make_backend_class(FakeBase, FakeFA3Backend)
 
 
-def _config(**kw):
-    base = dict(block_size=PAGE, min_sparse_q_len=1, min_sparse_kv_len=0, sink=64, window=64)
+def _config(geom=GEOMETRY["cpu"], **kw):
+    base = dict(block_size=geom.page, min_sparse_q_len=1, min_sparse_kv_len=0, sink=64, window=64)
     base.update(kw)
     return SparsePrefillConfig.load(environ={}, **base)
 
@@ -186,7 +188,7 @@ def _config(**kw):
 class Fp8Run:
     """An FP8 (--kv-cache-dtype fp8_e4m3) replay and what it checks."""
     scales: bool = True        # the checkpoint has k/v scales (layer.k_scale / v_scale); else None (scale 1)
-    path: str = "sparse"       # what serves extend batches: 'sparse' / 'dense' (the dispatch) or 'fa3'
+    path: str = "sparse"       # what serves extend batches: 'sparse' / 'dense' / 'by_length' (the dispatch) or 'fa3'
     bf16_reference: bool = False
 
 
@@ -206,20 +208,23 @@ class DispatchRecorder:
         return getattr(self.inner, name)
 
 
-def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=64):
-    """fp8 (an Fp8Run): the pool is an FP8 pool (uint8 storage, float8 views), the model dtype bfloat16, each layer
+def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=None, geom=GEOMETRY["cpu"], exact=False):
+    """Replays on geom.device; returns (worst error / tolerance, engine, backend, checks). Every row is compared with
+    attention on what the kernels read (the pool's contents; FP8: dequantised) on the CPU reference, within
+    `engine_sim.tolerance` of the device (checks['worst_ratio'], checks['over_tol']), and with the original values
+    (checks['worst_orig']); exact (always with fp8): every extend call must equal the library's direct call bit for
+    bit. fp8 (an Fp8Run): the pool is an FP8 pool (uint8 storage, float8 views), the model dtype bfloat16, each layer
     has its own k/v scales (loaded into the layers after the backend was built, as SGLang's
-    process_weights_after_loading copies them in place) or none; every extend call must equal the library's direct
-    FP8 call bit for bit, and every row attention on the pool's dequantised contents (checks['worst_deq'], relative)
-    and on the original values (checks['worst_orig'])."""
-    tables = Tables(seed=seed, d=d)
+    process_weights_after_loading copies them in place) or none."""
+    dev, page = geom.device, geom.page
+    tables = Tables(seed=seed, d=d or geom.d, device=dev)
     num_pages = 40
-    runner = Runner(num_pages, tables, dtype="fp8_e4m3" if fp8 else "auto")
+    runner = Runner(num_pages, tables, dtype="fp8_e4m3" if fp8 else "auto", geom=geom)
     hq, hkv, d, L = tables.hq, tables.hkv, tables.d, tables.layers
     layers = [RadixAttention(i, hq, hkv, d, d ** -0.5) for i in range(L)]
     if fp8 and fp8.scales:
         for lay in layers:            # SGLang's BaseKVCacheMethod: -1.0 until the checkpoint's are loaded
-            lay.k_scale, lay.v_scale = torch.tensor(-1.0), torch.tensor(-1.0)
+            lay.k_scale, lay.v_scale = torch.tensor(-1.0, device=dev), torch.tensor(-1.0, device=dev)
     backend = Backend(runner, config=config)
     backend.dispatch = recorder = DispatchRecorder(backend.dispatch)
     if fp8 and fp8.scales:
@@ -228,18 +233,22 @@ def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=64):
             lay.k_scale.copy_(ks)
             lay.v_scale.copy_(vs)
     decode_backend = FakeFA3Backend(runner)          # HybridAttnBackend: decode goes to FA3, not to us
-    eng = Engine(num_pages, PAGE, full_hit="sglang", chunk=100)
+    eng = Engine(num_pages, page, full_hit="sglang", chunk=100)
     slot_of_req = {}
     g = torch.Generator().manual_seed(seed + 2)
-    a = Request("A", torch.randint(0, 61, (260,), generator=g).tolist(), max_new=80)
-    worst, checks = 0.0, {"extend_steps": 0, "decode_steps": 0, "mixed_rows": 0, "mean_blocks": 0, "exact_calls": 0,
-                          "worst_deq": 0.0, "worst_orig": 0.0, "worst_orig_mean": 0.0, "worst_bf16": 0.0, "rows": 0}
+    # B's prefix ends with a page that A's decode completes (320 with pages of 64, 256 with pages of 128)
+    prompt = 260 if page == 64 else 200
+    prefix = (prompt // page + 1) * page
+    a = Request("A", torch.randint(0, 61, (prompt,), generator=g).tolist(), max_new=80)
+    checks = {"extend_steps": 0, "decode_steps": 0, "mixed_rows": 0, "mean_blocks": 0, "exact_calls": 0,
+              "worst_ratio": 0.0, "over_tol": 0, "worst_orig": 0.0, "worst_orig_mean": 0.0, "worst_bf16": 0.0,
+              "rows": 0, "device": dev, "prefix": prefix}
     sent = set()
     for step in range(steps):
         if step == 0:
             eng.add(a)
-        if "B" not in sent and a.computed >= 320:
-            eng.add(Request("B", a.tokens[:320] + torch.randint(0, 61, (130,), generator=g).tolist(), max_new=3))
+        if "B" not in sent and a.computed >= prefix:
+            eng.add(Request("B", a.tokens[:prefix] + torch.randint(0, 61, (130,), generator=g).tolist(), max_new=3))
             sent.add("B")
         if step == 4:
             eng.add(Request("D", torch.randint(0, 61, (150,), generator=g).tolist(), max_new=30))
@@ -271,7 +280,7 @@ def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=64):
                 toks = [(r, s, n) for r, s, n, _ in brows]
                 q = torch.cat([tables.qs(layer.layer_id, r.tokens[s:s + n], s) for r, s, n in toks])
                 k, v = map(torch.cat, zip(*[tables.kv(layer.layer_id, r.tokens[s:s + n], s) for r, s, n in toks]))
-                if fp8:
+                if fp8 or geom.dtype != torch.float32:
                     q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
                 if mode == "decode":
                     out = be.forward_decode(q.reshape(-1, hq * d), k, v, layer, fb)
@@ -280,87 +289,90 @@ def run(config, mixed=True, check_means=True, steps=70, fp8=None, seed=3, d=64):
                 o = out.view(-1, hq, d)
                 if check_means:
                     checks["mean_blocks"] += check_means_fn(backend, runner, tables, layer, eng, brows, fp8)
-                if fp8:
-                    _check_fp8_layer(fp8, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks)
-                    worst = checks["worst_deq"]
-                    continue
-                row = 0
-                for r, s, n in toks:
-                    ref = reference_rows(tables, layer.layer_id, r, s, n,
-                                         None if (mode == "decode" or config.alpha == 0) else config)
-                    worst = max(worst, (o[row:row + n] - ref).abs().max().item())
-                    row += n
+                _check_layer(fp8, exact, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks)
         eng.commit(rows, next_token)
-    return worst, eng, backend, checks
+    return checks["worst_ratio"], eng, backend, checks
 
 
 def _fp8_pool(runner, layer):
+    """The layer's pool as paged caches (FP8: float8 views)."""
     k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-    hkv, d = layer.tp_k_head_num, layer.head_dim
-    return k_buf.view(-1, PAGE, hkv, d), v_buf.view(-1, PAGE, hkv, d)
+    hkv, d, ps = layer.tp_k_head_num, layer.head_dim, runner.page_size
+    return k_buf.view(-1, ps, hkv, d), v_buf.view(-1, ps, hkv, d)
 
 
 def _scale(x):
-    return 1.0 if x is None else x
+    return 1.0 if x is None else x.cpu()
 
 
-def _check_fp8_layer(fp8, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks):
-    kc8, vc8 = _fp8_pool(runner, layer)
-    assert kc8.dtype == F8
+def _check_layer(fp8, exact, config, backend, recorder, runner, layer, mode, q, o, toks, tables, checks):
+    """The checks of one layer of one batch (run's docstring)."""
+    kc, vc = _fp8_pool(runner, layer)
     hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-    q8 = q.reshape(-1, hq, d).clamp(-448, 448).to(F8)          # FA3's q.to(e4m3), saturated; no q scale
-    if mode != "decode" and fp8.path != "fa3":
+    qk = q.reshape(-1, hq, d)
+    path = "sparse"
+    if fp8:
+        assert kc.dtype == F8
+        qk = qk.clamp(-448, 448).to(F8)                           # FA3's q.to(e4m3), saturated; no q scale
+        path = fp8.path
+    if mode != "decode" and path != "fa3":
         m = backend.meta
-        assert backend.dispatch.last_path == fp8.path, backend.dispatch.last_reason
+        if path == "by_length":   # the thresholds: short extends dense, the others sparse
+            path = "sparse" if m.max_seqlen_q >= config.min_sparse_q_len else "dense"
+        assert backend.dispatch.last_path == path, backend.dispatch.last_reason
+    if mode != "decode" and path != "fa3" and (fp8 or exact):
         b = m.cu_seqlens_q.shape[0] - 1
-        ds = {} if layer.k_scale is None else dict(k_descale=torch.full((b, hkv), float(layer.k_scale)),
-                                                   v_descale=torch.full((b, hkv), float(layer.v_scale)))
-        if fp8.path == "sparse":
-            direct = sp.chunked_prefill(q8, kc8, vc8, m.cu_seqlens_q, m.page_table, m.seqused_k, m.max_seqlen_q,
+        ds = {}
+        if fp8 and layer.k_scale is not None:
+            ds = {n: torch.full((b, hkv), float(x), device=kc.device)
+                  for n, x in (("k_descale", layer.k_scale), ("v_descale", layer.v_scale))}
+        if path == "sparse":
+            direct = sp.chunked_prefill(qk, kc, vc, m.cu_seqlens_q, m.page_table, m.seqused_k, m.max_seqlen_q,
                                         m.max_seqlen_k, final_chunk=config.final_chunk == "always",
                                         softmax_scale=layer.scaling, mean_cache=recorder.means, **config.selection(),
                                         **ds)
         else:
-            direct = sp.attention(q8, kc8, vc8, m.cu_seqlens_q, None, m.max_seqlen_q, m.max_seqlen_k,
+            direct = sp.attention(qk, kc, vc, m.cu_seqlens_q, None, m.max_seqlen_q, m.max_seqlen_k,
                                   softmax_scale=layer.scaling, block_table=m.page_table, seqused_k=m.seqused_k, **ds)
-        assert torch.equal(o.view(torch.int16), direct.view(torch.int16)), (layer.layer_id, mode)
+        assert same_bits(o.view(direct.shape), direct), (layer.layer_id, mode)
         checks["exact_calls"] += 1
+    ks, vs = (_scale(layer.k_scale), _scale(layer.v_scale)) if fp8 else (1.0, 1.0)
     row = 0
     for r, s, n in toks:
-        dense = mode == "decode" or config.alpha == 0 or fp8.path != "sparse"
+        dense = mode == "decode" or config.alpha == 0 or path != "sparse"
         cfg = None if dense else config
-        kd = cache_rows(kc8, r.pages, s + n, PAGE).float() * _scale(layer.k_scale)
-        vd = cache_rows(vc8, r.pages, s + n, PAGE).float() * _scale(layer.v_scale)
-        qd = q8[row:row + n].float()
-        got = o[row:row + n].float()
-        assert torch.isfinite(got).all()
-        ref = reference_attention(qd, kd, vd, cfg)
-        checks["worst_deq"] = max(checks["worst_deq"], ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item())
+        kd = cache_rows(kc, r.pages, s + n, runner.page_size).float() * ks
+        vd = cache_rows(vc, r.pages, s + n, runner.page_size).float() * vs
+        qd = qk[row:row + n].cpu().float()
+        got = o[row:row + n].float().cpu()
+        compare_rows(checks, got, reference_attention(qd, kd, vd, cfg), vd.abs().max().item(), fp8)
         orig = (got - reference_rows(tables, layer.layer_id, r, s, n, cfg)).abs()
         checks["worst_orig"] = max(checks["worst_orig"], orig.max().item())
         checks["worst_orig_mean"] = max(checks["worst_orig_mean"], orig.mean().item())
-        if fp8.bf16_reference:
+        if fp8 and fp8.bf16_reference:
             bf = reference_attention(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), None).float()
             checks["worst_bf16"] = max(checks["worst_bf16"], (got - bf).abs().max().item())
-        checks["rows"] += 1
         row += n
 
 
 def make_batch(mode, rows, eng, runner, slot_of_req):
+    """SGLang's ForwardBatch: device tensors on the pool's device, the *_cpu fields on the host."""
     r2t = runner.req_to_token_pool.req_to_token
+    dev = r2t.device
     for r, s, n, _ in rows:
         sl = eng.slots(r, 0, s + n)
-        r2t[slot_of_req[r.rid], : s + n] = torch.tensor(sl, dtype=torch.int32)
+        r2t[slot_of_req[r.rid], : s + n] = torch.tensor(sl, dtype=torch.int32, device=dev)
     seq = torch.tensor([s + n for _, s, n, _ in rows], dtype=torch.int64)
     ext = [n for _, _, n, _ in rows]
     pre = [s for _, s, _, _ in rows]
+    t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
     return ForwardBatch(forward_mode=ForwardMode(mode), batch_size=len(rows),
-                        req_pool_indices=torch.tensor([slot_of_req[r.rid] for r, *_ in rows]),
-                        seq_lens=seq, seq_lens_cpu=seq.clone(),
-                        out_cache_loc=torch.tensor(sum((eng.slots(r, s, n) for r, s, n, _ in rows), [])),
-                        extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre),
+                        req_pool_indices=t([slot_of_req[r.rid] for r, *_ in rows]),
+                        seq_lens=seq.to(dev), seq_lens_cpu=seq,
+                        out_cache_loc=t(sum((eng.slots(r, s, n) for r, s, n, _ in rows), [])),
+                        extend_seq_lens=t(ext), extend_prefix_lens=t(pre),
                         extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre,
-                        positions=torch.cat([torch.arange(s, s + n) for _, s, n, _ in rows]))
+                        positions=torch.cat([torch.arange(s, s + n) for _, s, n, _ in rows]).to(dev))
 
 
 def check_means_fn(backend, runner, tables, layer, eng, rows, fp8=None):
@@ -368,38 +380,59 @@ def check_means_fn(backend, runner, tables, layer, eng, rows, fp8=None):
     the pool's dequantised contents, stored x the layer's scale)."""
     layer_id = layer.layer_id
     k_buf, v_buf = runner.token_to_kv_pool.get_kv_buffer(layer_id)
-    means = backend.tracker.get(layer_id, k_buf.view(-1, PAGE, tables.hkv, tables.d))
+    ps = runner.page_size
+    means = backend.tracker.get(layer_id, k_buf.view(-1, ps, tables.hkv, tables.d))
     if means is None:
         return 0
     written = {r.rid: s + n for r, s, n, _ in rows}
     n = 0
+    kc, vc = _fp8_pool(runner, layer)
     for req in eng.running:
-        for i in range(written.get(req.rid, req.computed) // PAGE):
+        for i in range(written.get(req.rid, req.computed) // ps):
             if fp8:
-                kc8, vc8 = _fp8_pool(runner, layer)
-                km = kc8[req.pages[i]].float() * _scale(layer.k_scale)
-                vm = vc8[req.pages[i]].float() * _scale(layer.v_scale)
-            else:
-                km, vm = tables.kv(layer_id, req.tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)
+                km = kc[req.pages[i]].float() * _scale(layer.k_scale)
+                vm = vc[req.pages[i]].float() * _scale(layer.v_scale)
+            elif kc.dtype == torch.float32:
+                km, vm = tables.kv(layer_id, req.tokens[i * ps:(i + 1) * ps], i * ps)
+            else:                     # a bfloat16 pool holds the rounded values: their means
+                km, vm = kc[req.pages[i]].float(), vc[req.pages[i]].float()
             torch.testing.assert_close(means[0][req.pages[i]], km.mean(0), atol=2e-5, rtol=1e-5)
             torch.testing.assert_close(means[1][req.pages[i]], vm.mean(0), atol=2e-5, rtol=1e-5)
             n += 1
     return n
 
 
-def test_alpha0_equals_dense_mixed_chunks_prefix_hits():
-    worst, eng, backend, checks = run(_config(alpha=0.0))
-    assert worst < 2e-4, worst
-    assert eng.stats["prefix_hit_tokens"] >= 320
+def _check_selection_rows(checks, device, sparse):
+    """Every entry within its device's tolerance, except (CUDA, sparse selection) a few whose tile's selection
+    flipped a near-threshold block (engine_sim.flips_allowed)."""
+    if device == "cuda" and sparse:
+        assert checks["over_tol"] <= flips_allowed(checks["rows"]), checks
+        assert checks["worst_orig_mean"] < 0.05, checks
+    else:
+        assert checks["worst_ratio"] <= 1, checks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_alpha0_equals_dense_mixed_chunks_prefix_hits(device):
+    geom = GEOMETRY[device]
+    worst, eng, backend, checks = run(_config(geom, alpha=0.0), geom=geom, exact=True)
+    assert worst <= 1, checks
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6
+    assert eng.stats["prefix_hit_tokens"] >= checks["prefix"]
     assert eng.stats["decode_completed_pages"]
     assert checks["extend_steps"] > 3 and checks["mixed_rows"] > 0 and checks["mean_blocks"] > 50
     assert backend.dispatch.calls["sparse"] > 0
 
 
-def test_sparse_selection_and_separate_decode_batches():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_selection_and_separate_decode_batches(device):
+    # the library's selection with the tracked mean cache == the contiguous sparse reference (CUDA: up to
+    # near-threshold flips) and == the direct call bit for bit
     FakeFA3Backend.calls.clear()
-    worst, eng, backend, checks = run(_config(), mixed=False, check_means=True)
-    assert worst < 2e-4, worst
+    geom = GEOMETRY[device]
+    worst, eng, backend, checks = run(_config(geom), mixed=False, check_means=True, geom=geom, exact=True)
+    _check_selection_rows(checks, device, sparse=True)
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6 and checks["mean_blocks"] > 50
     assert checks["decode_steps"] > 10       # decode writes went through FA3 -> the pool -> the tracker
     assert not any(c[0] == "extend" for c in FakeFA3Backend.calls)
 
@@ -422,9 +455,6 @@ def test_page_table_from_req_to_token():
 # FP8 KV caches (--kv-cache-dtype fp8_e4m3)
 # ---------------------------------------------------------------------------------------------------------------------
 
-BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
-
-
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """The backend's output buffers (q.new_empty) start as NaN: every value must be written."""
@@ -436,26 +466,33 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
 
 
-@pytest.mark.parametrize("scales,seed", [(True, 61), (False, 62)])
-def test_fp8_pool_equals_the_library_call_and_the_dequantised_computation(poisoned_outputs, scales, seed):
+@pytest.mark.parametrize("scales,seed,device", [(True, 61, "cpu"), (False, 62, "cpu"), on_cuda(True, 67, "cuda")])
+def test_fp8_pool_equals_the_library_call_and_the_dequantised_computation(poisoned_outputs, scales, seed, device):
     """alpha 0: every extend call (mixed chunks, radix prefix hits on decode-completed pages) == the library's direct
-    FP8 call bit for bit; every row == attention on the pool's dequantised contents up to the bf16 output rounding,
-    == dense bf16 attention on bf16 dequantised values and == the original values within FP8 tolerance. Each layer's
-    own k/v scales (loaded after the backend was built), or none (SGLang without checkpoint scales: scale 1)."""
-    worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(scales=scales, bf16_reference=True), seed=seed)
+    FP8 call bit for bit; every row == attention on the pool's dequantised contents up to the bf16 output rounding
+    (CUDA: + P in e4m3), (CPU) == dense bf16 attention on bf16 dequantised values and == the original values within
+    FP8 tolerance. Each layer's own k/v scales (loaded after the backend was built), or none (SGLang without
+    checkpoint scales: scale 1)."""
+    geom = GEOMETRY[device]
+    worst, eng, backend, checks = run(_config(geom, alpha=0.0), geom=geom, seed=seed,
+                                      fp8=Fp8Run(scales=scales, bf16_reference=device == "cpu"))
     assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6
-    assert worst < BF16_ROUNDING, worst
-    assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]
+    assert worst <= 1, checks
+    if device == "cpu":
+        assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]
     assert 1e-3 < checks["worst_orig"] < 0.35 and checks["worst_orig_mean"] < 0.02, checks
-    assert eng.stats["prefix_hit_tokens"] >= 320 and eng.stats["decode_completed_pages"]
+    assert eng.stats["prefix_hit_tokens"] >= checks["prefix"] and eng.stats["decode_completed_pages"]
     assert checks["mixed_rows"] > 0 and checks["mean_blocks"] > 50
     assert backend.dispatch.calls == {"sparse": 2 * checks["extend_steps"], "dense": 0}
 
 
-def test_fp8_pool_sparse_selection_separate_decode_batches(poisoned_outputs):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_pool_sparse_selection_separate_decode_batches(poisoned_outputs, device):
     FakeFA3Backend.calls.clear()
-    worst, eng, backend, checks = run(_config(), mixed=False, fp8=Fp8Run(), seed=63)
-    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6 and worst < BF16_ROUNDING, worst
+    geom = GEOMETRY[device]
+    worst, eng, backend, checks = run(_config(geom), mixed=False, fp8=Fp8Run(), seed=63, geom=geom)
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6
+    _check_selection_rows(checks, device, sparse=True)
     assert checks["decode_steps"] > 10 and checks["mean_blocks"] > 50     # FA3's FP8 decode writes tracked too
     assert checks["worst_orig_mean"] < 0.02
     assert not any(c[0] == "extend" for c in FakeFA3Backend.calls)
@@ -480,14 +517,25 @@ def test_fp8_scales_are_read_per_layer():
     assert len(ptrs) == 4                                   # 2 layers x (k, v): each its own tensor, never a copy
 
 
-def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch, poisoned_outputs):
-    """On CUDA the adapters run FP8 extends dense: dense FP8 attention (head dim 128, pages of 64), announced once."""
+def test_fp8_on_cuda_runs_sparse_and_short_extends_dense(monkeypatch, poisoned_outputs):
+    """The dispatch's CUDA decisions replayed on the CPU: FP8 extends run block-sparse (head dim 128, block_size 128,
+    pages of 64), without a warning; what runs dense is what runs dense for a 16-bit pool (here extends whose
+    chunks are all below min_sparse_q_len=90), dense FP8 attention; every call == its direct call bit for bit."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
-        worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(path="dense"), seed=65, d=128, steps=30)
-    assert backend.dispatch.calls == {"sparse": 0, "dense": 2 * checks["extend_steps"]}
-    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 4 and worst < BF16_ROUNDING
+    seen = []
+    real = core.VarlenDispatch.sparse_reason
+    monkeypatch.setattr(core.VarlenDispatch, "sparse_reason",
+                        lambda self, q, k, mq, mk, **kw: seen.append(mq) or real(self, q, k, mq, mk, **kw))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        worst, eng, backend, checks = run(_config(block_size=128, min_sparse_q_len=90), fp8=Fp8Run(path="by_length"),
+                                          seed=65, d=128, steps=30)
+    calls = backend.dispatch.calls
+    assert calls == {"sparse": sum(m >= 90 for m in seen), "dense": sum(m < 90 for m in seen)}
+    assert calls["sparse"] > 4 and calls["dense"] > 0
+    assert checks["exact_calls"] == 2 * checks["extend_steps"] > 4 and worst <= 1, checks
 
 
 def test_fp8_head_dim_64_on_cuda_goes_to_fa3(monkeypatch):
@@ -500,7 +548,7 @@ def test_fp8_head_dim_64_on_cuda_goes_to_fa3(monkeypatch):
         worst, eng, backend, checks = run(_config(alpha=0.0), fp8=Fp8Run(path="fa3"), seed=66, steps=30)
     assert backend.dispatch.calls == {"sparse": 0, "dense": 0}
     assert any(c[0] == "extend" for c in FakeFA3Backend.calls)
-    assert worst < BF16_ROUNDING and checks["mean_blocks"] > 10
+    assert worst <= 1 and checks["mean_blocks"] > 10
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e5m2", "fp4_e2m1", "int8"])

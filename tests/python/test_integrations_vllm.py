@@ -10,8 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
-from engine_sim import (F8, Engine, Request, Tables, cache_rows, fp8_quant, next_token,  # noqa: E402
-                        reference_attention, reference_rows)
+from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
+                        flips_allowed, fp8_quant, next_token, on_cuda, reference_attention, reference_rows,
+                        same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import vllm as spv
@@ -130,9 +131,9 @@ class Layer:
     """vLLM's Attention layer as the impl sees it: the name and the FP8 scales (0-d float32 tensors, 1.0 until the
     checkpoint's are loaded in place, as process_weights_after_loading does)."""
 
-    def __init__(self, i):
+    def __init__(self, i, device="cpu"):
         self.layer_name = f"model.layers.{i}.self_attn.attn"
-        self._q_scale, self._k_scale, self._v_scale = (torch.tensor(1.0) for _ in range(3))
+        self._q_scale, self._k_scale, self._v_scale = (torch.tensor(1.0, device=device) for _ in range(3))
 
     def load_scales(self, q_scale, k_scale, v_scale):
         for mine, x in ((self._q_scale, q_scale), (self._k_scale, k_scale), (self._v_scale, v_scale)):
@@ -162,31 +163,38 @@ class Fp8Run:
     other_layer_differs: bool = False  # the direct call with another layer's scales must differ (scales matter)
 
 
-def run_engine(config, scenario, tables, num_pages=48, check_means=True, fp8=None):
-    """Runs the scenario through the backend; returns (max error vs reference, engine, state, checks).
+def run_engine(config, scenario, tables, num_pages=48, check_means=True, fp8=None, geom=GEOMETRY["cpu"],
+               exact=False):
+    """Runs the scenario through the backend on geom.device; returns (worst error / tolerance, engine, state,
+    checks).
+
+    Every row is compared with attention on what the kernels read (the cache's contents: float32 or bfloat16 for a
+    16-bit model, dequantised for FP8) on the CPU reference, within `engine_sim.tolerance` of the device
+    (checks['worst_ratio'] <= 1, checks['over_tol'] entries beyond it). exact (always with fp8): at every step and
+    layer the prefill rows must equal, bit for bit, the library's direct call on the same cache (FP8: with descales
+    built here) and the mean cache as it was before the call.
 
     fp8 (an Fp8Run): the caches are uint8 FP8 caches written by FA's write with each layer's own k/v scales (loaded
-    into the layers after the impls were built), the model dtype is bfloat16 and outputs start as NaN. At every step
-    and layer the prefill rows must equal, bit for bit, the library's direct FP8 call on the same cache with
-    descales built here (and the mean cache as it was before the call); every row is compared with attention on the
-    cache's dequantised values (checks['worst_deq']), with the original values (checks['worst_orig']) and, with
-    bf16_reference, with dense attention on bf16 dequantised values (checks['worst_bf16']); the error returned is the
-    dequantised one."""
+    into the layers after the impls were built), the model dtype is bfloat16 and outputs start as NaN; every row is
+    also compared with the original values (checks['worst_orig']) and, with bf16_reference, with dense attention on
+    bf16 dequantised values (checks['worst_bf16'])."""
     state = spv.engine_state(reset=True, config=config)
     L, hq, hkv, d = tables.layers, tables.hq, tables.hkv, tables.d
+    dev, page = geom.device, geom.page
     kv_dtype = fp8.kv_cache_dtype if fp8 else "auto"
     impls = [Impl(hq, d, d ** -0.5, hkv, kv_cache_dtype=kv_dtype) for _ in range(L)]
-    layers = [Layer(i) for i in range(L)]
+    layers = [Layer(i, dev) for i in range(L)]
     if fp8:
         for i, lay in enumerate(layers):        # after the impls exist: the scales are read at call time
             lay.load_scales(*tables.fp8_scales(i))
     builder = Builder()
-    cache_dtype = torch.uint8 if fp8 else torch.float32
-    kv = [torch.zeros(Backend.get_kv_cache_shape(num_pages, PAGE, hkv, d), dtype=cache_dtype) for _ in range(L)]
-    eng = Engine(num_pages, PAGE, full_hit="vllm", chunk=96)
-    worst, checks = 0.0, {"rows": 0, "decode_rows": 0, "prefill_rows": 0, "mixed_steps": 0, "mean_blocks": 0,
-              "prefill_steps": 0, "exact_calls": 0, "worst_deq": 0.0, "worst_orig": 0.0, "worst_bf16": 0.0,
-              "other_layer_differs": 0}
+    cache_dtype = torch.uint8 if fp8 else geom.dtype
+    kv = [torch.zeros(Backend.get_kv_cache_shape(num_pages, page, hkv, d), dtype=cache_dtype, device=dev)
+          for _ in range(L)]
+    eng = Engine(num_pages, page, full_hit="vllm", chunk=96)
+    checks = {"rows": 0, "decode_rows": 0, "prefill_rows": 0, "mixed_steps": 0, "mean_blocks": 0,
+              "prefill_steps": 0, "exact_calls": 0, "worst_ratio": 0.0, "over_tol": 0, "worst_orig": 0.0,
+              "worst_orig_mean": 0.0, "worst_bf16": 0.0, "other_layer_differs": 0, "device": dev}
     for step, arrivals in scenario:
         for req in arrivals:
             eng.add(req)
@@ -201,9 +209,10 @@ def run_engine(config, scenario, tables, num_pages=48, check_means=True, fp8=Non
         for i, (r, *_rest) in enumerate(rows):
             bt[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
         slots = torch.tensor(sum((eng.slots(r, s, n) for r, s, n, _ in rows), []), dtype=torch.int64)
-        cm = CommonAttentionMetadata(query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq_lens,
+        cm = CommonAttentionMetadata(query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(dev),
                                      num_reqs=len(rows), num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens),
-                                     max_seq_len=int(seq_lens.max()), block_table_tensor=bt, slot_mapping=slots)
+                                     max_seq_len=int(seq_lens.max()), block_table_tensor=bt.to(dev),
+                                     slot_mapping=slots.to(dev))
         md = builder.build(7, cm)                     # once per step (a common prefix is offered: no cascade)
         assert builder.builds[-1] == 0
         nd = md.sparse_plan.num_decodes
@@ -215,31 +224,21 @@ def run_engine(config, scenario, tables, num_pages=48, check_means=True, fp8=Non
             toks = [(r, s, n) for r, s, n, _ in rows]
             q = torch.cat([tables.qs(layer, r.tokens[s:s + n], s) for r, s, n in toks])
             k, v = map(torch.cat, zip(*[tables.kv(layer, r.tokens[s:s + n], s) for r, s, n in toks]))
-            if fp8:
+            if fp8 or geom.dtype != torch.float32:
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-            out = torch.full((q.shape[0], hq * d), float("nan"), dtype=q.dtype)
-            impls[layer].do_kv_cache_update(layers[layer], k, v, kv[layer], slots)
-            if check_means:   # before forward: on the CPU the library rewrites the means of the blocks it pools
+            out = torch.full((q.shape[0], hq * d), float("nan"), dtype=q.dtype, device=dev)
+            impls[layer].do_kv_cache_update(layers[layer], k, v, kv[layer], slots.to(dev))
+            if check_means:   # before forward: the library rewrites the means of the blocks it pools
                 written = {r.rid: s + n for r, s, n, _ in rows}
                 checks["mean_blocks"] += check_mean_cache(state, kv[layer], tables, layer, eng, written,
                                                           layers[layer] if fp8 else None)
-            snap = _means_snapshot(state, kv[layer]) if fp8 else None
+            snap = _means_snapshot(state, kv[layer]) if fp8 or exact else None
             q_in = layers[layer].query_quant(q) if fp8 and fp8.layer_quantises_q else q
             impls[layer].forward(layers[layer], q_in, k, v, kv[layer], md, out)
-            o = out.view(-1, hq, d)
-            if fp8:
-                _check_fp8_layer(fp8, config, state, md.sparse_plan, layers, layer, q, kv[layer], snap, o, toks,
-                                 tables, checks)
-                worst = checks["worst_deq"]
-                continue
-            for i, (r, s, n) in enumerate(toks):
-                is_dec = i < nd
-                ref = reference_rows(tables, layer, r, s, n, None if (is_dec or config.alpha == 0) else config)
-                err = (o[qsl[i]:qsl[i + 1]] - ref).abs().max().item()
-                worst = max(worst, err)
-                checks["rows"] += 1
+            _check_layer(fp8, exact, config, state, md.sparse_plan, layers, layer, q, kv[layer], snap,
+                         out.view(-1, hq, d), toks, tables, checks, page)
         eng.commit(rows, next_token)
-    return worst, eng, state, checks
+    return checks["worst_ratio"], eng, state, checks
 
 
 def _means_snapshot(state, kv_layer):
@@ -247,65 +246,74 @@ def _means_snapshot(state, kv_layer):
     return None if means is None else (means[0].clone(), means[1].clone())
 
 
-def direct_fp8_call(path, config, q8, kc8, vc8, plan, lay, mean_cache, d, scales=None):
-    """The library's FP8 call for the prefill rows, built from scratch: contiguous [B, Hkv] descales holding the
-    layer's scales (or `scales`)."""
-    b, hkv = plan.num_prefills, kc8.shape[2]
-    qs, ks, vs = scales if scales is not None else (lay._q_scale, lay._k_scale, lay._v_scale)
-    ds = dict(q_descale=torch.full((b, hkv), float(qs)), k_descale=torch.full((b, hkv), float(ks)),
-              v_descale=torch.full((b, hkv), float(vs)))
+def expected_path(config, plan, layer, path="sparse"):
+    """What the dispatch must run for a step's prefill rows of `layer` (the thresholds these tests vary)."""
+    if path != "sparse" or layer < config.dense_layers or plan.max_seqlen_q < config.min_sparse_q_len:
+        return "dense" if path == "sparse" else path
+    return path
+
+
+def direct_call(path, config, q, kc, vc, plan, lay, mean_cache, d, scales=None):
+    """The library's call for the prefill rows, built from scratch; FP8 (lay given): contiguous [B, Hkv] descales
+    holding the layer's scales (or `scales`)."""
+    b, hkv = plan.num_prefills, kc.shape[2]
+    ds = {}
+    if lay is not None:
+        qs, ks, vs = scales if scales is not None else (lay._q_scale, lay._k_scale, lay._v_scale)
+        ds = {n: torch.full((b, hkv), float(x), device=kc.device)
+              for n, x in (("q_descale", qs), ("k_descale", ks), ("v_descale", vs))}
     if path == "sparse":
-        return sp.chunked_prefill(q8, kc8, vc8, plan.cu_seqlens_q, plan.block_table, plan.seqused_k,
+        return sp.chunked_prefill(q, kc, vc, plan.cu_seqlens_q, plan.block_table, plan.seqused_k,
                                   plan.max_seqlen_q, plan.max_seqlen_k, final_chunk=config.final_chunk == "always",
                                   softmax_scale=d ** -0.5, mean_cache=mean_cache, **config.selection(), **ds)
-    return sp.attention(q8, kc8, vc8, plan.cu_seqlens_q, None, plan.max_seqlen_q, plan.max_seqlen_k,
+    return sp.attention(q, kc, vc, plan.cu_seqlens_q, None, plan.max_seqlen_q, plan.max_seqlen_k,
                         softmax_scale=d ** -0.5, block_table=plan.block_table, seqused_k=plan.seqused_k, **ds)
 
 
-def _rel_err(got, ref):
-    """max |got - ref| / max(|ref|, 1e-3): the bfloat16 output rounding alone is < 2^-8 (8 bits of precision)."""
-    return ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
-
-
-def _check_fp8_layer(fp8, config, state, plan, layers, layer, q, kv_layer, snap, o, toks, tables, checks):
-    lay = layers[layer]
+def _check_layer(fp8, exact, config, state, plan, layers, layer, q, kv_layer, snap, o, toks, tables, checks, page):
+    """The checks of one layer of one step (run_engine's docstring)."""
     d = tables.d
-    kc8, vc8 = kv_layer[0].view(F8), kv_layer[1].view(F8)
-    q8 = fp8_quant(q, lay._q_scale)
+    lay = layers[layer] if fp8 else None
+    kc, vc = kv_layer[0], kv_layer[1]
+    qk = q                                    # what the library gets: q, or q quantised with the layer's q scale
+    if fp8:
+        kc, vc = kc.view(F8), vc.view(F8)
+        qk = fp8_quant(q, lay._q_scale)
+    path = expected_path(config, plan, layer, fp8.path if fp8 else "sparse")
     if plan.num_prefills:
         nt, na = plan.num_decode_tokens, plan.num_actual_tokens
-        if fp8.path != "fa":
-            assert state.dispatch.last_path == fp8.path, state.dispatch.last_reason
-            direct = direct_fp8_call(fp8.path, config, q8[nt:na], kc8, vc8, plan, lay, snap, d)
-            assert torch.equal(o[nt:na].view(torch.int16), direct.view(torch.int16)), (layer, plan)
+        if path != "fa":
+            assert state.dispatch.last_path == path, state.dispatch.last_reason
+        if path != "fa" and (fp8 or exact):
+            direct = direct_call(path, config, qk[nt:na], kc, vc, plan, lay, snap, d)
+            assert same_bits(o[nt:na], direct), (layer, plan)
             checks["exact_calls"] += 1
-            if fp8.other_layer_differs:
+            if fp8 and fp8.other_layer_differs:
                 other = layers[(layer + 1) % len(layers)]
-                wrong = direct_fp8_call(fp8.path, config, q8[nt:na], kc8, vc8, plan, lay, snap, d,
-                                        scales=(lay._q_scale, other._k_scale, lay._v_scale))
+                wrong = direct_call(path, config, qk[nt:na], kc, vc, plan, lay, snap, d,
+                                    scales=(lay._q_scale, other._k_scale, lay._v_scale))
                 checks["other_layer_differs"] += not torch.equal(wrong, direct)
+    scales = [1.0] * 3 if lay is None else [x.cpu() for x in (lay._q_scale, lay._k_scale, lay._v_scale)]
     row = 0
     for i, (r, s, n) in enumerate(toks):
-        dense = i < plan.num_decodes or config.alpha == 0 or fp8.path != "sparse"
+        dense = i < plan.num_decodes or config.alpha == 0 or path != "sparse"
         cfg = None if dense else config
-        kd = cache_rows(kc8, r.pages, s + n, PAGE).float() * lay._k_scale
-        vd = cache_rows(vc8, r.pages, s + n, PAGE).float() * lay._v_scale
-        qd = q8[row:row + n].float() * lay._q_scale
-        got = o[row:row + n].float()
-        assert torch.isfinite(got).all()
-        checks["worst_deq"] = max(checks["worst_deq"], _rel_err(got, reference_attention(qd, kd, vd, cfg)))
+        kd = cache_rows(kc, r.pages, s + n, page).float() * scales[1]
+        vd = cache_rows(vc, r.pages, s + n, page).float() * scales[2]
+        qd = qk[row:row + n].cpu().float() * scales[0]
+        got = o[row:row + n].float().cpu()
+        compare_rows(checks, got, reference_attention(qd, kd, vd, cfg), vd.abs().max().item(), fp8)
         orig = (got - reference_rows(tables, layer, r, s, n, cfg)).abs()
         checks["worst_orig"] = max(checks["worst_orig"], orig.max().item())
-        checks["worst_orig_mean"] = max(checks.get("worst_orig_mean", 0.0), orig.mean().item())
-        if fp8.bf16_reference:
+        checks["worst_orig_mean"] = max(checks["worst_orig_mean"], orig.mean().item())
+        if fp8 and fp8.bf16_reference:
             bf = reference_attention(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), None).float()
             checks["worst_bf16"] = max(checks["worst_bf16"], (got - bf).abs().max().item())
-        checks["rows"] += 1
         row += n
 
 
-def true_block_means(tables, layer, req, page_idx):
-    k, v = tables.kv(layer, req.tokens[page_idx * PAGE:(page_idx + 1) * PAGE], page_idx * PAGE)
+def true_block_means(tables, layer, req, page_idx, page=PAGE):
+    k, v = tables.kv(layer, req.tokens[page_idx * page:(page_idx + 1) * page], page_idx * page)
     return k.mean(0), v.mean(0)
 
 
@@ -317,10 +325,12 @@ def check_mean_cache(state, kv_layer, tables, layer, eng, written, fp8_layer=Non
         return 0
     n = 0
     for req in eng.running:
-        for i in range(written.get(req.rid, req.computed) // PAGE):
+        for i in range(written.get(req.rid, req.computed) // eng.page_size):
             page = req.pages[i]
-            if fp8_layer is None:
-                km, vm = true_block_means(tables, layer, req, i)
+            if fp8_layer is None:    # a bfloat16 cache holds the rounded values: their means
+                km, vm = (x.float().mean(0) for x in (kv_layer[0][page], kv_layer[1][page]))
+                if kv_layer.dtype == torch.float32:
+                    km, vm = true_block_means(tables, layer, req, i, eng.page_size)
             else:
                 km = (kv_layer[0][page].view(F8).float() * fp8_layer._k_scale).mean(0)
                 vm = (kv_layer[1][page].view(F8).float() * fp8_layer._v_scale).mean(0)
@@ -330,23 +340,25 @@ def check_mean_cache(state, kv_layer, tables, layer, eng, written, fp8_layer=Non
     return n
 
 
-def scenario_basic(seed=0):
-    """A: 300-token prompt, decodes 90 tokens (completes a page by decode); B arrives with A's first 320 tokens +
-    more (prefix hit on the decode-completed page 4); C = A's first 256 tokens (full hit: vLLM recomputes token 255
-    into its shared page); D, E plain prompts that run mixed with decodes; pages get reused after A finishes."""
+def scenario_basic(seed=0, page=PAGE):
+    """A: 300-token prompt (240 with pages of 128), decodes 90 tokens (completes a page by decode); B arrives with
+    A's tokens up to the end of that page (320; 256 with pages of 128) + more (prefix hit on the decode-completed
+    page); C = A's first 256 tokens (full hit: vLLM recomputes token 255 into its shared page); D, E plain prompts
+    that run mixed with decodes; pages get reused after A finishes. Returns (A, B's prefix length)."""
     g = torch.Generator().manual_seed(seed)
-    a = Request("A", torch.randint(0, 61, (300,), generator=g).tolist(), max_new=90)
-    steps = [(0, [a])]
-    return a, steps
+    prompt = 300 if page == 64 else 240
+    a = Request("A", torch.randint(0, 61, (prompt,), generator=g).tolist(), max_new=90)
+    return a, (prompt // page + 1) * page
 
 
 class Driver:
     """Arrivals that depend on A's generated tokens (B, C copy A's sequence once it is long enough)."""
 
-    def __init__(self, a, seed=1):
+    def __init__(self, a, seed=1, prefix=320):
         self.a = a
         self.sent = set()
         self.seed = seed
+        self.prefix = prefix
 
     def __iter__(self):
         step = 0
@@ -355,8 +367,9 @@ class Driver:
             arrivals = []
             if step == 0:
                 arrivals.append(self.a)
-            if "B" not in self.sent and len(self.a.tokens) >= 330 and self.a.computed >= 320:
-                arrivals.append(Request("B", self.a.tokens[:320] + torch.randint(0, 61, (150,), generator=g).tolist(),
+            p = self.prefix
+            if "B" not in self.sent and len(self.a.tokens) >= p + 10 and self.a.computed >= p:
+                arrivals.append(Request("B", self.a.tokens[:p] + torch.randint(0, 61, (150,), generator=g).tolist(),
                                         max_new=4))
                 self.sent.add("B")
             if "C" not in self.sent and "B" in self.sent:
@@ -370,36 +383,71 @@ class Driver:
             step += 1
 
 
-def _config(**kw):
-    base = dict(block_size=PAGE, min_sparse_q_len=1, min_sparse_kv_len=0, sink=64, window=64)
+def _config(geom=GEOMETRY["cpu"], **kw):
+    base = dict(block_size=geom.page, min_sparse_q_len=1, min_sparse_kv_len=0, sink=64, window=64)
     base.update(kw)
     return SparsePrefillConfig.load(environ={}, **base)
 
 
-def _run(config, check_means=True):
-    tables = Tables()
-    a, _ = scenario_basic()
-    return run_engine(config, Driver(a), tables, check_means=check_means)
+def _run(config, check_means=True, geom=GEOMETRY["cpu"], exact=False):
+    tables = Tables(d=geom.d, device=geom.device)
+    a, prefix = scenario_basic(page=geom.page)
+    worst, eng, state, checks = run_engine(config, Driver(a, prefix=prefix), tables, check_means=check_means,
+                                           geom=geom, exact=exact)
+    checks["prefix"] = prefix
+    return worst, eng, state, checks
 
 
-def test_dense_equivalence_alpha0_with_prefix_hits_and_mixed_rows():
-    worst, eng, state, checks = _run(_config(alpha=0.0))
-    assert worst < 2e-4, worst
-    assert eng.stats["prefix_hit_tokens"] >= 320 + 255
+def _check_selection_rows(checks, device, sparse):
+    """Every entry within its device's tolerance, except (CUDA, sparse selection) a few whose tile's selection
+    flipped a near-threshold block (engine_sim.flips_allowed)."""
+    if device == "cuda" and sparse:
+        assert checks["over_tol"] <= flips_allowed(checks["rows"]), checks
+        assert checks["worst_orig_mean"] < 0.05, checks
+    else:
+        assert checks["worst_ratio"] <= 1, checks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_equivalence_alpha0_with_prefix_hits_and_mixed_rows(device):
+    # alpha 0 keeps every block: the sparse path (through the mean cache) == dense attention on the cache, and == the
+    # library's direct call bit for bit
+    geom = GEOMETRY[device]
+    worst, eng, state, checks = _run(_config(geom, alpha=0.0), geom=geom, exact=True)
+    assert worst <= 1, checks
+    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10
+    assert eng.stats["prefix_hit_tokens"] >= checks["prefix"] + 255
     assert eng.stats["decode_completed_pages"], "the scenario must complete pages by decode"
     assert eng.stats["reused_pages"] > 0, "the scenario must reuse freed pages"
     assert checks["mixed_steps"] > 0 and checks["decode_rows"] > 0 and checks["prefill_rows"] > 0
     assert checks["mean_blocks"] > 50
-    assert state.dispatch.calls["sparse"] > 0
+    assert state.dispatch.calls == {"sparse": 2 * checks["prefill_steps"], "dense": 0}
 
 
-def test_sparse_selection_matches_contiguous_reference():
-    # the library's selection (alpha default) through the engine's pages == sp.sparse_prefill on contiguous K/V
-    worst, eng, state, checks = _run(_config(), check_means=False)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_selection_matches_contiguous_reference(device):
+    # the library's selection (alpha default) through the engine's pages and the tracked mean cache ==
+    # sp.sparse_prefill on contiguous K/V (CUDA: up to near-threshold flips), and == the direct call bit for bit
+    geom = GEOMETRY[device]
+    worst, eng, state, checks = _run(_config(geom), geom=geom, exact=True)
     import inspect
     assert state.config.alpha == inspect.signature(sp.sparse_prefill).parameters["alpha"].default
-    assert worst < 2e-4, worst
-    assert state.dispatch.calls["sparse"] > 0
+    _check_selection_rows(checks, device, sparse=True)
+    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10 and checks["mean_blocks"] > 50
+    assert state.dispatch.calls == {"sparse": 2 * checks["prefill_steps"], "dense": 0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_layers_and_short_chunks_run_dense_attention(device):
+    """dense_layers=1 and min_sparse_q_len=90: layer 0 and the steps whose chunks are all short (< 90 queries) run
+    dense sp.attention over the pages, the others sparse; each call == its direct library call bit for bit."""
+    geom = GEOMETRY[device]
+    worst, eng, state, checks = _run(_config(geom, dense_layers=1, min_sparse_q_len=90), geom=geom, exact=True,
+                                     check_means=False)
+    _check_selection_rows(checks, device, sparse=True)
+    calls = state.dispatch.calls
+    assert checks["exact_calls"] == calls["sparse"] + calls["dense"] == 2 * checks["prefill_steps"]
+    assert checks["prefill_steps"] < calls["dense"] < 2 * checks["prefill_steps"] and calls["sparse"] > 3
 
 
 def test_decode_rows_go_to_flash_attention_prefill_rows_to_sparse_prefill():
@@ -450,63 +498,71 @@ def test_untracked_mean_cache_would_be_stale():
 # FP8 KV caches (--kv-cache-dtype fp8 / fp8_e4m3)
 # ---------------------------------------------------------------------------------------------------------------------
 
-BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
-
-
-def _run_fp8(fp8, config, seed, d=64, check_means=True):
+def _run_fp8(fp8, config, seed, d=None, check_means=True, geom=GEOMETRY["cpu"]):
     """Fresh inputs per seed (tables, prompts); odd lengths: prompts of 300/470/256/200/230 tokens in 96-token
-    chunks, decode rows of 1."""
-    tables = Tables(seed=seed, d=d)
-    a, _ = scenario_basic(seed=seed)
-    return run_engine(config, Driver(a, seed=seed + 1), tables, check_means=check_means, fp8=fp8)
+    chunks (240/406/... with pages of 128), decode rows of 1."""
+    tables = Tables(seed=seed, d=d or geom.d, device=geom.device)
+    a, prefix = scenario_basic(seed=seed, page=geom.page)
+    worst, eng, state, checks = run_engine(config, Driver(a, seed=seed + 1, prefix=prefix), tables,
+                                           check_means=check_means, fp8=fp8, geom=geom)
+    checks["prefix"] = prefix
+    return worst, eng, state, checks
 
 
-@pytest.mark.parametrize("layer_quantises_q,seed", [(True, 11), (False, 12)])
-def test_fp8_cache_equals_the_library_call_and_the_dequantised_computation(monkeypatch, layer_quantises_q, seed):
+@pytest.mark.parametrize("layer_quantises_q,seed,device", [(True, 11, "cpu"), (False, 12, "cpu"),
+                                                            on_cuda(True, 13, "cuda")])
+def test_fp8_cache_equals_the_library_call_and_the_dequantised_computation(monkeypatch, layer_quantises_q, seed,
+                                                                           device):
     """alpha 0 (every block kept): the adapter's FP8 prefill == the library's direct FP8 call bit for bit at every
-    step and layer; == attention on the dequantised cache up to the bf16 output rounding; == dense bf16 attention
-    on bf16 dequantised values, and == the original (unquantised) values, within FP8 tolerance; the k/v scales
-    are each layer's own (another layer's give other bits); q arrives quantised by the layer or is quantised by the
-    adapter with layer._q_scale, to the same bits."""
+    step and layer; == attention on the dequantised cache up to the bf16 output rounding (CUDA: + P in e4m3);
+    (CPU) == dense bf16 attention on bf16 dequantised values; == the original (unquantised) values within FP8
+    tolerance; the k/v scales are each layer's own (another layer's give other bits); q arrives quantised by the
+    layer or is quantised by the adapter with layer._q_scale, to the same bits."""
     monkeypatch.setattr(FakeFlashAttentionImpl, "quant_query_input", layer_quantises_q)
-    fp8 = Fp8Run(layer_quantises_q=layer_quantises_q, bf16_reference=True, other_layer_differs=True)
-    worst, eng, state, checks = _run_fp8(fp8, _config(alpha=0.0), seed)
+    geom = GEOMETRY[device]
+    fp8 = Fp8Run(layer_quantises_q=layer_quantises_q, bf16_reference=device == "cpu", other_layer_differs=True)
+    worst, eng, state, checks = _run_fp8(fp8, _config(geom, alpha=0.0), seed, geom=geom)
     assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10
     assert checks["other_layer_differs"] == checks["exact_calls"]
-    assert worst < BF16_ROUNDING, worst                   # the bfloat16 output rounding, nothing more
-    assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]          # + bf16 rounding of the dequantised inputs
+    assert worst <= 1, checks                  # the bfloat16 output rounding (CUDA: and P in e4m3), nothing more
+    if device == "cpu":
+        assert checks["worst_bf16"] < 3e-2, checks["worst_bf16"]      # + bf16 rounding of the dequantised inputs
     # e4m3 rounds each of q, k, v by up to 2^-4 relative: against the unquantised values the output is close, not
     # exact (max over ~3000 rows x 256 values; the mean error per row stays near 1 %)
     assert 1e-3 < checks["worst_orig"] < 0.35 and checks["worst_orig_mean"] < 0.02, checks
-    assert eng.stats["prefix_hit_tokens"] >= 320 + 255 and eng.stats["decode_completed_pages"]
+    assert eng.stats["prefix_hit_tokens"] >= checks["prefix"] + 255 and eng.stats["decode_completed_pages"]
     assert checks["mixed_steps"] > 0 and checks["mean_blocks"] > 50
     assert state.dispatch.calls == {"sparse": 2 * checks["prefill_steps"], "dense": 0}
 
 
-@pytest.mark.parametrize("kv_cache_dtype,seed", [("fp8_e4m3", 21), ("fp8", 22)])
-def test_fp8_cache_sparse_selection(kv_cache_dtype, seed):
+@pytest.mark.parametrize("kv_cache_dtype,seed,device", [("fp8_e4m3", 21, "cpu"), ("fp8", 22, "cpu"),
+                                                         on_cuda("fp8_e4m3", 23, "cuda")])
+def test_fp8_cache_sparse_selection(kv_cache_dtype, seed, device):
     """The library's selection (default alpha) over an FP8 cache with the tracked mean cache (valid through decode
     writes and rewrites: its means are those of the dequantised cache): bit for bit the direct chunked_prefill, and
-    the contiguous sparse reference on the dequantised values up to the output rounding. vLLM's 'fp8' is e4m3."""
-    fp8 = Fp8Run(kv_cache_dtype=kv_cache_dtype)
-    worst, eng, state, checks = _run_fp8(fp8, _config(), seed)
+    the contiguous sparse reference on the dequantised values up to the output rounding (CUDA: + P in e4m3, and a
+    few near-threshold flips). vLLM's 'fp8' is e4m3."""
+    geom = GEOMETRY[device]
+    worst, eng, state, checks = _run_fp8(Fp8Run(kv_cache_dtype=kv_cache_dtype), _config(geom), seed, geom=geom)
     assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10
-    assert worst < BF16_ROUNDING, worst
+    _check_selection_rows(checks, device, sparse=True)
     assert checks["worst_orig_mean"] < 0.02, checks
-    assert checks["mean_blocks"] > 50 and state.dispatch.calls["dense"] == 0
+    assert checks["mean_blocks"] > 50 and state.dispatch.calls == {"sparse": 2 * checks["prefill_steps"], "dense": 0}
 
 
-def test_fp8_on_cuda_runs_dense_fp8_with_a_warning(monkeypatch):
-    """On CUDA the adapters run FP8 prefill dense: the documented fallback is dense FP8 attention (the library's
-    DenseFp8Fwd for head dim 128, pages of 64), announced once. Replayed on the CPU with the dispatch's CUDA
-    decisions."""
+def test_fp8_on_cuda_runs_sparse_and_dense_layers_dense(monkeypatch):
+    """The dispatch's CUDA decisions replayed on the CPU: FP8 prefill runs block-sparse (head dim 128, block_size 128,
+    pages of 64), without a warning; what runs dense is what runs dense for a 16-bit cache (here dense_layers=1:
+    layer 0), dense FP8 attention; every call == its direct library call bit for bit."""
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(core, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="kv_cache_dtype fp8_e4m3.*dense FP8"):
-        worst, eng, state, checks = _run_fp8(Fp8Run(path="dense"), _config(alpha=0.0), 31, d=128)
-    assert state.dispatch.calls == {"sparse": 0, "dense": 2 * checks["prefill_steps"]}
-    assert state.dispatch.last_reason == core.FP8_DENSE_REASON
-    assert checks["exact_calls"] == 2 * checks["prefill_steps"] > 10 and worst < BF16_ROUNDING
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        worst, eng, state, checks = _run_fp8(Fp8Run(), _config(block_size=128, dense_layers=1), 31, d=128)
+    n = checks["prefill_steps"]
+    assert state.dispatch.calls == {"sparse": n, "dense": n} and state.dispatch.last_reason is None
+    assert checks["exact_calls"] == 2 * n > 10 and worst <= 1, checks
 
 
 def test_fp8_head_dim_64_on_cuda_goes_to_flash_attention(monkeypatch):
@@ -519,7 +575,7 @@ def test_fp8_head_dim_64_on_cuda_goes_to_flash_attention(monkeypatch):
         worst, eng, state, checks = _run_fp8(Fp8Run(path="fa"), _config(alpha=0.0), 41)
     assert state.dispatch.calls == {"sparse": 0, "dense": 0}
     assert max(n for _, n in FakeFlashAttentionImpl.calls) > 90        # FA got the prefill chunks too
-    assert worst < BF16_ROUNDING and checks["rows"] > 100
+    assert worst <= 1 and checks["rows"] > 100
 
 
 def test_fp8_descales_are_views_of_the_layer_scales(monkeypatch):

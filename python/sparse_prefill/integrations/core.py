@@ -246,7 +246,8 @@ def quantize_query(q, q_scale=None):
 
 def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Optional[str]:
     """None when the library has an FP8 attention kernel for a call on q's device (the CPU backend computes every
-    configuration; CUDA builds dense FP8 for head dim 128, contiguous KV or pages of a multiple of 64 tokens), else
+    configuration; CUDA builds dense and block-sparse FP8 for head dim 128, contiguous KV or pages of a multiple of
+    64 tokens), else
     why not. The adapters hand such calls to the engine's own FlashAttention, which serves every FP8 configuration."""
     if not _on_cuda(q):
         return None
@@ -255,9 +256,6 @@ def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Opti
     if page_size is not None and page_size % 64:
         return f"FP8 with page size {page_size} (CUDA FP8 attention needs pages of a multiple of 64 tokens)"
     return None
-
-
-FP8_DENSE_REASON = "FP8 inputs (the adapters run FP8 prefill on CUDA as dense FP8 attention)"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -269,16 +267,15 @@ class VarlenDispatch:
     never synchronises the host (the lengths it needs come as host ints: max_seqlen_q / max_seqlen_k).
 
     Sparse runs when: layer_idx >= dense_layers, max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len,
-    causal, no sliding window and no softcap, and (CUDA) head dim 128, bf16/fp16, block_size % 128 == 0, pages of a
-    multiple of 64 tokens. Everything else runs dense `sp.attention` (any page size, windows, decode rows).
+    causal, no sliding window and no softcap, and (CUDA) head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0,
+    pages of a multiple of 64 tokens. Everything else runs dense `sp.attention` (any page size, windows, decode rows).
 
     FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
     passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through
-    one bfloat16 temporary copied into it). On the CPU the sparse path runs as above (the library computes sparse FP8
-    exactly); on CUDA every FP8 call runs dense FP8 attention (the block-sparse FP8 kernel is not switched on here
-    yet; reason FP8_DENSE_REASON, one RuntimeWarning per process): the documented fallback (docs/integrations.md,
-    "FP8 KV caches"). FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the
-    dispatch: the adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
+    one bfloat16 temporary copied into it). FP8 makes the same sparse / dense choice as a 16-bit cache, on the CPU
+    and on CUDA (the block-sparse FP8 kernels: head dim 128, pages of a multiple of 64, as for 16 bits).
+    FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the dispatch: the
+    adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
 
     Workspaces: one `attention_workspace_bytes(D)` buffer per device, and one sparse buffer per device sized by
     `sparse_prefill_workspace_bytes` (computed from shapes once per distinct shape and cached: the layers of one
@@ -316,11 +313,11 @@ class VarlenDispatch:
             return "softcap"
         if _on_cuda(q):
             import torch
-            if q.dtype == torch.float8_e4m3fn:
-                return FP8_DENSE_REASON
+            # the CUDA backend's check_sparse_supported (and, for FP8, check_fp8_supported: the same head dim and
+            # page constraints), so that a call the dispatch sends to sparse never raises there
             if q.shape[-1] != 128:
                 return f"head dim {q.shape[-1]} (the sparse CUDA kernels take 128)"
-            if q.dtype not in (torch.bfloat16, torch.float16):
+            if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
                 return f"dtype {q.dtype}"
             if c.block_size % 128:
                 return f"block_size {c.block_size} (CUDA sparse needs a multiple of 128)"
@@ -394,11 +391,6 @@ class VarlenDispatch:
         if fp8 and out.dtype != torch.bfloat16:      # FP8 attention writes bfloat16 (an fp16/fp32 model's buffer)
             out = torch.empty(out.shape, dtype=torch.bfloat16, device=out.device)
         if reason is not None:
-            if reason == FP8_DENSE_REASON:
-                warn_once("fp8-dense", "sparse_prefill: FP8 KV cache (kv_cache_dtype fp8_e4m3): the adapters do not "
-                          "use the block-sparse FP8 kernel yet, so prefill runs dense FP8 attention (head dim 128, "
-                          "pages of a multiple of 64); run with kv_cache_dtype auto for sparse prefill "
-                          "(docs/integrations.md)")
             self.last_path = "dense"
             self.calls["dense"] += 1
             sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,

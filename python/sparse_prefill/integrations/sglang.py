@@ -17,10 +17,10 @@ in an extend batch) are short varlen rows.
 
 FP8 KV caches (`--kv-cache-dtype fp8_e4m3`), as SGLang's FA3 backend hands them over: the pool's float8 views, q cast
 to e4m3 with no q scale (FA3 passes no q_descale; saturated at +-448 here), `layer.k_scale / v_scale` expanded to
-`[B, Hkv]` as the descales (stride-0 views, read per call; None without checkpoint scales = 1). On CUDA FP8 extends
-run dense FP8 attention (one warning; the block-sparse FP8 kernel is not used here yet), and FP8 layers with no CUDA
-FP8 kernel at all (head dim 64, pages not a multiple of 64) go to the FA3 delegate. fp8_e5m2, fp4_e2m1 and e4m3fnuz
-pools raise NotImplementedError naming kv_cache_dtype. docs/integrations.md, "FP8 KV caches".
+`[B, Hkv]` as the descales (stride-0 views, read per call; None without checkpoint scales = 1). FP8 extends make the
+16-bit pool's sparse / dense choice (on CUDA the block-sparse FP8 kernels: head dim 128, pages of a multiple of 64),
+and FP8 layers with no CUDA FP8 kernel at all (head dim 64, pages not a multiple of 64) go to the FA3 delegate.
+fp8_e5m2, fp4_e2m1 and e4m3fnuz pools raise NotImplementedError naming kv_cache_dtype. docs/integrations.md, "FP8 KV caches".
 
 The mean cache: the backend wraps the pool's `set_kv_buffer` so that every write, including the decode backend's
 (HybridAttnBackend routes decode to FA3, which writes through the same pool), updates the running means

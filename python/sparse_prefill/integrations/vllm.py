@@ -23,8 +23,9 @@ FP8 KV caches (`--kv-cache-dtype fp8` / `fp8_e4m3`), as FA hands them to flash_a
 viewed as float8_e4m3fn, q e4m3 with `layer._q_scale` (quantised by vLLM's Attention layer when the impl
 supports_quant_query_input(), else here: clamp(q / _q_scale, +-448), cast), and `layer._q_scale / _k_scale /
 _v_scale` expanded to `[num_prefills, Hkv]` as the descales (stride-0 views: no copy, no host sync, read per call).
-On CUDA FP8 prefill runs dense FP8 attention (one warning; the block-sparse FP8 kernel is not used here yet), and FP8
-layers with no CUDA FP8 kernel at all (head dim 64) go to FlashAttention: docs/integrations.md, "FP8 KV caches".
+FP8 prefill makes the 16-bit cache's sparse / dense choice (on CUDA the block-sparse FP8 kernels: head dim 128, pages
+of a multiple of 64), and FP8 layers with no CUDA FP8 kernel at all (head dim 64) go to FlashAttention:
+docs/integrations.md, "FP8 KV caches".
 
 The engine-facing logic is in `plan_step` and the mixins, which `make_classes()` combines with any base classes that
 have FlashAttention's interface: the contract tests combine them with faithful fakes (not run inside a vLLM server).
