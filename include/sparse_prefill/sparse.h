@@ -25,8 +25,8 @@ enum class SelectionRule : int {
   // Per row: m_r = max_J s_rJ over the blocks row r sees; keep J iff max_r (s_rJ - m_r) >= ln(alpha) over the
   // tile's rows that see J, i.e. J is within a factor alpha of the top block of at least one row.
   kRowMax = 1,
-  // Exact scores on probe rows (CUDA: probe_kernel in src/cuda/index/probe.cu, float on CUDA cores, correctness
-  // first): the probe rows are the
+  // Exact scores on probe rows (CUDA: probe_kernel in src/cuda/index/probe.cu, tensor cores with fp32 accumulation):
+  // the probe rows are the
   // packed rows of every kProbeStride-th query of the sequence (queries kProbeStride - 1, 2 kProbeStride - 1, ...)
   // and of its last query, all their heads. Each probe row r scores block J by its true softmax log-mass
   // w_rJ = log sum_{j in J} exp(scale q_r . k_j) over the keys it sees; keep J iff some probe row of the tile has

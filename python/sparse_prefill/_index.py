@@ -253,7 +253,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
           tile's maximum score. It loses 47 points of copy top-1 at 8K on a real LM (SmolLM2-135M), row_max 2
           (bench/accuracy/NOTES.md): a block that only a few rows need, with low scores of their own, drowns in the
           tile-wide sum.
-      'probe_row_max' (CUDA: a correctness-first kernel, ~1/8 of dense attention's QK^T on CUDA cores): the
+      'probe_row_max' (CUDA: ~1/8 of dense attention's QK^T, twice, on tensor cores; slower than dense at 8K): the
           row_max test on the exact
           softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
           heads), plus the pooled-means row_max test at 0.5 for the other rows (SelectionRule::kProbeRowMax,

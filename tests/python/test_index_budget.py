@@ -213,7 +213,7 @@ def test_budget_sizes_the_workspace():
     ws = torch.empty(small, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="^workspace: needs at least"):
         sp.build_index(*gpu, mq, mk, workspace=ws)
-    idx = sp.build_index(*gpu, mq, mk, workspace=ws, max_kept_blocks=1000)
+    idx = sp.build_index(*gpu, mq, mk, workspace=ws, max_kept_blocks=50)
     assert idx.kept_blocks == idx.to_host().kept_blocks
 
 
