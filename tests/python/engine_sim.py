@@ -90,6 +90,16 @@ def flips_allowed(rows):
     return max(3, rows // 50)
 
 
+def check_selection_rows(checks, device, sparse):
+    """Every entry within its device's tolerance, except (CUDA, sparse selection) a few whose tile's selection
+    flipped a near-threshold block (flips_allowed)."""
+    if device == "cuda" and sparse:
+        assert checks["over_tol"] <= flips_allowed(checks["rows"]), checks
+        assert checks["worst_orig_mean"] < 0.05, checks
+    else:
+        assert checks["worst_ratio"] <= 1, checks
+
+
 class Tables:
     def __init__(self, layers=2, hq=4, hkv=2, d=64, vocab=61, max_pos=4096, seed=0, device="cpu"):
         g = np.random.default_rng(seed)
