@@ -125,27 +125,36 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
+def event_times_ms(fn, n):
+    """Times of n calls (ms), each between CUDA events and synchronised."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return times
+
+
 def time_ms(fn, total_ms_budget=1500.0, max_iters=50):
     """Median per-call time (ms) between CUDA events, one synchronised call at a time: one warm-up call, one probe
     call to size the run, then max(3, min(max_iters, budget / probe)) timed calls. Counts the host's launch gaps
     when a call's GPU work is shorter than its Python + launch overhead (see time_graph_ms)."""
     fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    torch.cuda.synchronize()
-    one = s.elapsed_time(e)
-    iters = max(3, min(max_iters, int(total_ms_budget / max(one, 1e-3))))
-    times = []
-    for _ in range(iters):
-        s.record()
+    one = event_times_ms(fn, 1)[0]
+    return median(event_times_ms(fn, max(3, min(max_iters, int(total_ms_budget / max(one, 1e-3))))))
+
+
+def time_few_ms(fn, repeats, warmup=True):
+    """Median of `repeats` timed calls after one untimed call when warmup: for calls of seconds, where time_ms's
+    probe and minimum of 3 calls would not fit the device's time limit."""
+    if warmup:
         fn()
-        e.record()
         torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return median(times)
+    return median(event_times_ms(fn, repeats))
 
 
 def time_graph_ms(fn, reps=None, rounds=7):

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from _common import (BLOCK, D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace,
-                     ints, floats, rel_err, require_cuda, sdpa_layout, time_ms, time_sdpa_peers, try_plot, workspace,
-                     write_results)
+                     ints, floats, rel_err, require_cuda, sdpa_layout, time_few_ms, time_ms, time_sdpa_peers, try_plot,
+                     workspace, write_results)
 from _common import commit, topic  # noqa: F401  (re-exported: other scripts import them from here)
 
 FULL = dict(lengths="4096,8192,16384,32768,65536,131072", sweep_lengths="65536,131072", flex=True, sweep=True)
@@ -131,23 +131,6 @@ def random_index(sp, base, L, density, g, seed=0, dev="cuda", per_query_block=Fa
     idx = index_from_csr(sp, base, (ends - counts).cpu().numpy(), ends.cpu().numpy(),
                          torch.nonzero(m)[:, 1].to(torch.int32).cpu().numpy(), kept, vis)
     return idx, kept / vis
-
-
-def time_few_ms(fn, repeats, warmup=True):
-    """Median of `repeats` timed calls (CUDA events, synchronised), after one untimed call when warmup: for calls of
-    seconds, where time_ms's probe and minimum of 3 calls would not fit the device's time limit."""
-    if warmup:
-        fn()
-        torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def long_row(sp, L, budget, repeats, dev="cuda"):

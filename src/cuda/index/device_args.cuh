@@ -185,8 +185,7 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
                    const SelectArgs& sel, const DeviceIndex& d);
 // probe.cu: SelectionRule::kProbeRowMax, the probe rows' bits (d.probe_bits), on the scorer's grid.
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, int64_t nb_max,
-                  const DeviceIndex& d);
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, const DeviceIndex& d);
 // union.cu: union mode, one list per (sequence, virtual KV head).
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);

@@ -6,7 +6,6 @@
 
 #include "cuda/common/check.h"
 #include "cuda/common/device_info.h"
-#include "cuda/common/math.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -267,9 +266,7 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
 }  // namespace
 
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, int64_t nb_max,
-                  const DeviceIndex& d) {
-  (void)nb_max;  // no per-block array: any number of blocks fits
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, const DeviceIndex& d) {
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;

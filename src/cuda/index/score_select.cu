@@ -516,7 +516,7 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
     }
     if (params.rule == SelectionRule::kProbeRowMax) {
       // the probe rows' bits at alpha, then the pooled-means row max at kProbeMeanAlpha ORs them in
-      launch_probe(stream, p.dtype, kD, grid, seq, qa, kv, sel, heads, bd.nb_max, d);
+      launch_probe(stream, p.dtype, kD, grid, seq, qa, kv, sel, heads, d);
       SelectArgs mean_sel = sel;
       mean_sel.alpha = kProbeMeanAlpha;
       launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, mean_sel, heads, p.num_kv_heads, d);
