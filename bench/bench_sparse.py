@@ -211,6 +211,8 @@ def parse_args(argv=None):
     ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"), choices=["tile_energy", "row_max", "probe_row_max"],
                     help="selection rule (docs/semantics.md); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
+    ap.add_argument("--mean-alpha", type=float, default=None, help="probe_row_max's pooled-means term (library default)")
+    ap.add_argument("--head-subgroups", type=int, default=1, help="selections per GQA group (1: PackGQA, 4: per head)")
     ap.add_argument("--long-lengths", default="", help="long rows (e.g. 1048576), see above")
     ap.add_argument("--max-kept-blocks", type=int, default=1 << 26,
                     help="block-id budget of the long rows' device index (default 2^26: 256 MiB of ids)")
@@ -222,7 +224,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    SEL.update(rule=args.rule, alpha=args.alpha)   # every build below uses it
+    SEL.update(rule=args.rule, alpha=args.alpha, head_subgroups=args.head_subgroups)   # every build below uses it
+    if args.mean_alpha is not None:
+        SEL.update(mean_alpha=args.mean_alpha)
     sp = require_cuda()
     dev, g = "cuda", HQ // HKV
     flex = None

@@ -260,14 +260,19 @@ PYEOF
       [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
       # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates; kv
       # over 4 prompts per length (run.py --kv-prompts: 240 scored digits instead of 60)
+      # SP_ACCURACY_CONFIGS / _CHUNKED_CONFIGS / _CHUNKS: the library rows (run.py names or 'sp:k=v;...');
+      # SP_ACCURACY_EMULATED: the emulator's rows ('' skips the emulator); SP_ACCURACY_TIME: the library run's limit
       lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
+      emu="${SP_ACCURACY_EMULATED-default,probe8,probe4_a02,probe8_um05,score=exact;agg=rowcum;gamma=0.5;subgroups=3}"
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
-       timeout 360 "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv --lengths "$lens" \
-         --configs default,probe,probe_a02,fpv2,rowmax_a03 --chunked 512,1024 \
-         --chunked-configs default,probe,fpv2 --out "$OUT/accuracy_h200.json" &&
-       timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
-         --configs "default,probe8,probe4_a02,probe8_um05,score=exact;agg=rowcum;gamma=0.5;subgroups=3" \
-         --out "$OUT/accuracy_emulated_h200.json") > "$OUT/accuracy.log" 2>&1
+       timeout "${SP_ACCURACY_TIME:-360}" "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv \
+         --lengths "$lens" --configs "${SP_ACCURACY_CONFIGS:-default,probe,probe_a02,fpv2,rowmax_a03}" \
+         --chunked "${SP_ACCURACY_CHUNKS:-512,1024}" \
+         --chunked-configs "${SP_ACCURACY_CHUNKED_CONFIGS:-default,probe,fpv2}" --out "$OUT/accuracy_h200.json" &&
+       if [[ -n "$emu" ]]; then
+         timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
+           --configs "$emu" --out "$OUT/accuracy_emulated_h200.json"
+       fi) > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -30 "$OUT/accuracy.log"
       ;;

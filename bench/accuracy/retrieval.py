@@ -184,23 +184,7 @@ class Backend:
 
 def parse_config(name):
     """-> (label, Backend)."""
-    def kv_args(s):
-        out = {}
-        for item in s.split(";"):
-            if not item:
-                continue
-            key, val = item.split("=")
-            if val in ("True", "False"):
-                val = val == "True"
-            else:
-                for cast in (int, float):
-                    try:
-                        val = cast(val)
-                        break
-                    except ValueError:
-                        pass
-            out[key] = val
-        return out
+    from accuracy.run import parse_kv as kv_args
 
     if name == "dense":
         return name, Backend("dense")

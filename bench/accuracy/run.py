@@ -49,25 +49,34 @@ CONFIGS = {
 SP_ALL = ["dense_sp", "default", "fpv2", "fpv2_nocorr", "s3_a001", "rowmax_a03"]
 
 
-def parse_config(name):
-    """A registered name, or 'k=v;k=v' emulation params (e.g. 'agg=rowmax;alpha=0.05;subgroups=3')."""
-    if name in CONFIGS:
-        return CONFIGS[name]
-    rule = {}
-    for kv in name.split(";"):
-        key, val = kv.split("=")
+def parse_kv(s):
+    """'k=v;k=v' -> dict, values as bool, int, float or str."""
+    out = {}
+    for item in s.split(";"):
+        if not item:
+            continue
+        key, val = item.split("=")
         if val in ("True", "False"):
             val = val == "True"
         else:
-            try:
-                val = int(val)
-            except ValueError:
+            for cast in (int, float):
                 try:
-                    val = float(val)
+                    val = cast(val)
+                    break
                 except ValueError:
                     pass
-        rule[key] = val
-    return rule, None
+        out[key] = val
+    return out
+
+
+def parse_config(name):
+    """A registered name, 'sp:k=v;k=v' library keyword arguments (e.g. 'sp:rule=probe_row_max;mean_alpha=0.8'), or
+    'k=v;k=v' emulation params (e.g. 'agg=rowmax;alpha=0.05;subgroups=3') -> (emulator rule, library kwargs)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if name.startswith("sp:"):
+        return None, parse_kv(name[3:])
+    return parse_kv(name), None
 
 
 def main():
@@ -134,6 +143,9 @@ def main():
                 rule, sp_args = parse_config(c)
                 if args.backend == "sp" and sp_args is None:
                     print(f"  {c}: not in the library, skipped", flush=True)
+                    continue
+                if args.backend == "emulate" and rule is None:
+                    print(f"  {c}: library arguments only, skipped by the emulator", flush=True)
                     continue
                 try:
                     mv, dens, dt = forward(parts, args.backend, rule=rule, sp_args=sp_args)

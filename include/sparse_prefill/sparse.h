@@ -30,16 +30,18 @@ enum class SelectionRule : int {
   // packed rows of every kProbeStride-th query of the sequence (queries kProbeStride - 1, 2 kProbeStride - 1, ...)
   // and of its last query, all their heads. Each probe row r scores block J by its true softmax log-mass
   // w_rJ = log sum_{j in J} exp(scale q_r . k_j) over the keys it sees; keep J iff some probe row of the tile has
-  // w_rJ - max_J' w_rJ' >= ln(alpha), or J passes the kRowMax test at kProbeMeanAlpha (the pooled means cover the
-  // rows between probes). On SmolLM2-135M (torch emulation, bench/accuracy/NOTES.md) this meets copy/kv/NLL at 8K
+  // w_rJ - max_J' w_rJ' >= ln(alpha), or J passes the kRowMax test at SelectionParams::mean_alpha (the pooled means
+  // cover the rows between probes). On SmolLM2-135M (torch emulation, bench/accuracy/NOTES.md) this meets copy/kv/NLL at 8K
   // at density 0.47-0.53, where pooled means alone need 0.60 and lose 2 points.
   kProbeRowMax = 2,
 };
 constexpr int kProbeStride = 8;          // 1/8 of the rows' Q K^T: ~1/16 of dense attention (stride 16 lost kv)
-constexpr float kProbeMeanAlpha = 0.5f;  // the pooled-means union term (4K NLL +0.97 % without it, +0.23 % with)
 
 struct SelectionParams {
   float alpha = 0.1f;     // the threshold of `rule`; alpha = 0 keeps every visible block (dense)
+  // kProbeRowMax only: the threshold of its pooled-means row-max term, which covers the rows between probes (in
+  // [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 % with it.
+  float mean_alpha = 0.5f;
   // How a tile's scores are thresholded (SelectionRule above). The per-row rule is the default: on a real pretrained
   // LM (SmolLM2-135M, bench/accuracy/NOTES.md) tile energy loses 47 points of copy top-1 at 8K, row max 2.
   SelectionRule rule = SelectionRule::kRowMax;

@@ -16,9 +16,10 @@ from ._call import (LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int3
 _RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2}
 _C_DEFAULTS = dict(_C.selection_defaults())
 SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
+                          mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
                           rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
-"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, rule,
-block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
+"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
+rule, block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
 _D = SELECTION_DEFAULTS
 
 
@@ -226,13 +227,13 @@ def _as_max_kept_blocks(value: Any) -> int:
 
 
 def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=1, rule=_D["rule"], max_kept_blocks=None) -> tuple:
+                    head_subgroups=1, rule=_D["rule"], max_kept_blocks=None, mean_alpha=_D["mean_alpha"]) -> tuple:
     """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
     the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
             _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
             _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
-            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks))
+            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks), _as_float("mean_alpha", mean_alpha))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
@@ -242,7 +243,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
                 rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                max_kept_blocks: Optional[int] = None) -> Index:
+                max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"]) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -256,8 +257,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
       'probe_row_max' (CUDA: ~1/8 of dense attention's QK^T, twice, on tensor cores; slower than dense at 8K): the
           row_max test on the exact
           softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
-          heads), plus the pooled-means row_max test at 0.5 for the other rows (SelectionRule::kProbeRowMax,
-          docs/semantics.md). Sees the one strong key of a block that pooled means dilute 128x.
+          heads), plus the pooled-means row_max test at `mean_alpha` (default 0.5) for the other rows
+          (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one strong key of a block that pooled means dilute 128x.
     Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
     before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
     visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
@@ -301,7 +302,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule, max_kept_blocks)
+                          rule, max_kept_blocks, mean_alpha)
     mode = "union" if sel[7] else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
@@ -330,7 +331,8 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
                           selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
                           selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
-                          head_subgroups, selection.get("rule", _D["rule"]), selection.get("max_kept_blocks"))
+                          head_subgroups, selection.get("rule", _D["rule"]), selection.get("max_kept_blocks"),
+                          selection.get("mean_alpha", _D["mean_alpha"]))
     return int(_C.index_workspace_bytes(inputs, sel))
 
 

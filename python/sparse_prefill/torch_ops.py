@@ -208,7 +208,7 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
-                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale) -> torch.Tensor:
+                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha) -> torch.Tensor:
     if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
             _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
             1 <= head_subgroups <= _INT32_MAX):
@@ -221,7 +221,8 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if rule not in (0, 1, 2):
         raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max') or 2 ('probe_row_max'), got {rule}")
     # max_kept_blocks -1: the operators size the device index for the causal bound (no budget in their schemas)
-    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1)
+    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1,
+           mean_alpha)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
@@ -242,11 +243,12 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                    sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                   head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                   mean_alpha=_D["mean_alpha"]):
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
-                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale)
+                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha)
     return out, lse
 
 
@@ -254,11 +256,12 @@ def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                        block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
                        union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
-                       q_descale=None, k_descale=None, v_descale=None):
+                       q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"]):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale)
+                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale,
+                       mean_alpha)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -282,28 +285,30 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                     final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                     correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                    head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                    mean_alpha=_D["mean_alpha"]):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                       window, last_n, correction, True, softmax_scale,
                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale)
+                      out, q_descale, k_descale, v_descale, mean_alpha)
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                         final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                         correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                        head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                        mean_alpha=_D["mean_alpha"]):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, True, softmax_scale,
                        return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale)
+                      out, q_descale, k_descale, v_descale, mean_alpha)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,28 +336,31 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                  sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                 head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                 mean_alpha=_D["mean_alpha"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"], block_size=_D["block_size"],
                      sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                     mean_v=None, head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                     mean_alpha=_D["mean_alpha"]):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
                   union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
                   softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
-                  q_descale=None, k_descale=None, v_descale=None):
+                  q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                       final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                       correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None):
+                      head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                      mean_alpha=_D["mean_alpha"]):
     return _fake_lse(q, return_lse)
 
 
@@ -370,12 +378,12 @@ _SEL_OPTS = (f"float alpha={_D['alpha']!r}, int block_size={_D['block_size']}, i
 _SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
                 f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule={_RULE_D}, "
-                f"{_FP8_OPTS}")
+                f"{_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
                "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, "
-               f"int rule={_RULE_D}, {_FP8_OPTS}")
+               f"int rule={_RULE_D}, {_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -445,7 +453,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
                    union: bool = False, mean_cache=None, head_subgroups: int = 1,
-                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
+                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
+                   mean_alpha: float = _D["mean_alpha"]):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
     Returns out, or (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
@@ -453,12 +462,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                               window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
                               final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale)
+                              q_descale, k_descale, v_descale, mean_alpha)
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
                              sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
                              seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                             q_descale, k_descale, v_descale)
+                             q_descale, k_descale, v_descale, mean_alpha)
     return (out, lse) if return_lse else out
 
 
@@ -467,7 +476,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                     last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = 1, rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None):
+                    head_subgroups: int = 1, rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
+                    mean_alpha: float = _D["mean_alpha"]):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
     (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
@@ -475,10 +485,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
                                return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                               q_descale, k_descale, v_descale)
+                               q_descale, k_descale, v_descale, mean_alpha)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
                               softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale)
+                              q_descale, k_descale, v_descale, mean_alpha)
     return (out, lse) if return_lse else out

@@ -77,6 +77,7 @@ void bind_sparse(nb::module_& m) {
     sp::SelectionParams p;
     nb::dict d;
     d["alpha"] = p.alpha;
+    d["mean_alpha"] = p.mean_alpha;
     d["rule"] = int(p.rule);
     d["block_size"] = p.block_size;
     d["sink"] = p.sink;

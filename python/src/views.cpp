@@ -192,7 +192,7 @@ sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held) {
 }
 
 sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 11) throw nb::value_error("internal: the selection tuple must have 11 entries");
+  if (nb::len(t) != 12) throw nb::value_error("internal: the selection tuple must have 12 entries");
   sp::SelectionParams p;
   p.alpha = nb::cast<float>(t[0]);
   p.block_size = nb::cast<int>(t[1]);
@@ -205,6 +205,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
   p.head_subgroups = nb::cast<int>(t[8]);
   p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
   p.max_kept_blocks = nb::cast<int64_t>(t[10]);
+  p.mean_alpha = nb::cast<float>(t[11]);
   return p;
 }
 

@@ -59,7 +59,8 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
   return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape, owner));
 }
 
-// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups, rule), checked
+// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups, rule,
+// max_kept_blocks, mean_alpha), checked
 // by _api._selection_args (rule: the int of sp::SelectionRule, range-checked by the library's validation).
 sp::SelectionParams selection_params(nb::tuple t);
 

@@ -53,6 +53,9 @@ void check_selection_params(const SelectionParams& params) {
   if (!(params.alpha >= 0.f && params.alpha <= 1.f)) {
     throw ArgumentError("alpha", "must lie in [0, 1], got " + std::to_string(params.alpha));
   }
+  if (!(params.mean_alpha >= 0.f && params.mean_alpha <= 1.f)) {
+    throw ArgumentError("mean_alpha", "must lie in [0, 1], got " + std::to_string(params.mean_alpha));
+  }
   if (params.rule != SelectionRule::kTileEnergy && params.rule != SelectionRule::kRowMax &&
       params.rule != SelectionRule::kProbeRowMax) {
     throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1) or kProbeRowMax (2), got " +

@@ -1,7 +1,7 @@
 // FlashPrefill V2 selection, exactly: pooled block means, per-tile scores s_rJ = scale * q_r . k_mean_J over the
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
 // threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
-// kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at kProbeMeanAlpha), the
+// kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha), the
 // always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
@@ -160,7 +160,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
     } else if (params.rule == SelectionRule::kProbeRowMax) {
       // Probe rows: the exact log-mass of each block they see (double), then the row-max test at alpha; the rest
-      // of the tile's rows through the pooled means at kProbeMeanAlpha.
+      // of the tile's rows through the pooled means at params.mean_alpha.
       const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
       std::vector<double> mass(size_t(rows * nb), kNegInf), logit;
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
@@ -191,7 +191,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       std::vector<double> probe(size_t(nb), kNegInf), mean(size_t(nb), kNegInf);
       row_max_closeness(mass, probe);
       row_max_closeness(score, mean);
-      const double log_mean_alpha = std::log(double(kProbeMeanAlpha));
+      const double log_mean_alpha = params.mean_alpha > 0.f ? std::log(double(params.mean_alpha)) : kNegInf;
       for (int64_t J = 0; J < nb; ++J)
         above[J] = visible[J] && (probe[J] >= log_alpha || mean[J] >= log_mean_alpha);
     } else {

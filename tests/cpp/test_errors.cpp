@@ -417,6 +417,12 @@ TEST_F(Errors, SelectionParams) {
   p.alpha = std::numeric_limits<float>::quiet_NaN();
   EXPECT_ARG_ERROR(build_index(C->in, p), "alpha");
   p = SelectionParams{};
+  p.rule = SelectionRule::kProbeRowMax;
+  p.mean_alpha = 1.5f;
+  EXPECT_ARG_ERROR(build_index(C->in, p), "mean_alpha");
+  p.mean_alpha = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_ARG_ERROR(build_index(C->in, p), "mean_alpha");
+  p = SelectionParams{};
   p.sink = -1;
   EXPECT_ARG_ERROR(build_index(C->in, p), "sink");
   p = SelectionParams{};

@@ -18,7 +18,6 @@ import numpy as np
 TILE = 128
 SPAN = 128            # queries sharing their target blocks
 PROBE_STRIDE = 8      # kProbeStride: probe rows are queries i % 8 == 7 and the last one
-PROBE_MEAN_ALPHA = 0.5  # kProbeMeanAlpha: the pooled-means row-max term of probe_row_max
 
 
 def selective_qkv(rng, q_lens, k_lens, hq, hkv, D, block):
@@ -133,7 +132,9 @@ def _bands(seg, q_lens, k_lens, scores, qnorm, knorm, gs, S, sel, delta):
     else:
         crit = _row_closeness(s) - log_alpha
         if rule == "probe_row_max":
-            crit = np.maximum(_row_closeness(w_all[pos, jh]) - log_alpha, _row_closeness(s) - np.log(PROBE_MEAN_ALPHA))
+            mean_alpha = sel["mean_alpha"]  # the pooled-means row-max term of probe_row_max
+            log_mean_alpha = np.log(mean_alpha) if mean_alpha > 0 else -np.inf
+            crit = np.maximum(_row_closeness(w_all[pos, jh]) - log_alpha, _row_closeness(s) - log_mean_alpha)
     d = delta(qnorm[b][pos, kvh * gs * S + jh].max(initial=0.0) * knorm[b][:, kvh].max(initial=0.0) /
               np.sqrt(sel["head_dim"]))
     lo = np.arange(nb) * B

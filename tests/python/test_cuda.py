@@ -708,23 +708,23 @@ def test_row_max_chunked_paged_mean_cache_on_gpu():
         assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)
 
 
-# rule='probe_row_max': the probe kernel (exact block masses of probe rows, float on CUDA cores) OR the pooled-means
-# row max at 0.5, against the CPU reference (double) on the same bf16 inputs: blocks near a threshold may flip.
+# rule='probe_row_max': the probe kernel (exact block masses of probe rows, tensor cores) OR the pooled-means
+# row max at mean_alpha, against the CPU reference (double) on the same bf16 inputs: blocks near a threshold may flip.
 
 @pytest.mark.parametrize("q_lens,k_lens,hkv", [
     ([1, 129, 1763], [1, 129, 1763], 2),       # odd lengths, GQA 4
     ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
 ])
-@pytest.mark.parametrize("alpha", [0.1, 0.3])
-def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
+@pytest.mark.parametrize("alpha,mean_alpha", [(0.1, 0.5), (0.3, 0.5), (0.1, 0.9)])
+def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha, mean_alpha):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="probe_row_max")
-    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max").to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha)
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha).to_host()
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
     assert abs(got.density - ref.density) <= 0.01
-    mean = sp.build_index(*gpu, mq, mk, alpha=0.5, rule="row_max").to_host()  # the union term is a subset
+    mean = sp.build_index(*gpu, mq, mk, alpha=mean_alpha, rule="row_max").to_host()  # the union term is a subset
     for b in range(len(q_lens)):
         for t in range(int(ref.tiles[b])):
             for h in range(hkv):

@@ -15,7 +15,8 @@ from sparse_prefill.integrations.core import layer_index  # noqa: E402
 def test_defaults_come_from_the_library(monkeypatch):
     sig = inspect.signature(sp.sparse_prefill).parameters
     c = SparsePrefillConfig.load(environ={})
-    for name in ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups"):
+    for name in ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
+                 "mean_alpha"):
         assert getattr(c, name) == sig[name].default, name
     assert (c.rule, c.correction) == (sp.SELECTION_DEFAULTS["rule"], sp.SELECTION_DEFAULTS["correction"])
     # the library's table is the source: moving a default there moves the adapters' default

@@ -131,10 +131,9 @@ def test_probe_rule_alpha_zero_is_dense():
     np.testing.assert_allclose(out, sp.attention(q, k, v, cu_q, cu_k, 700, 700), rtol=1e-5, atol=1e-6)
 
 
-def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
-    """Blocks carry offsets along a direction w that every query shares, so the pooled means rank them sharply; block
-    5 has the lowest offset but holds one key that matches the last query (a probe row) along u: that key dominates
-    the row's softmax, yet its pooled mean dilutes it 64x. row_max drops block 5, probe_row_max keeps it."""
+def strong_key_case():
+    """Blocks of 64 keys with offsets along w (block 5 the lowest, 9 the highest) and one key of block 5 matching the
+    last query along u: (q, k, v, cu, L, nb)."""
     rng = np.random.default_rng(3)
     L, hq, hkv, D = 1024, 2, 1, 64
     u, w = np.linalg.qr(rng.standard_normal((D, 2)))[0].T.astype(np.float32)  # orthonormal directions
@@ -146,7 +145,14 @@ def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
     v = rng.standard_normal((L, hkv, D)).astype(np.float32)
     q[L - 1] += 8 * u                    # the last query: always a probe row
     k[5 * BS + 17, 0] = 12 * u           # one key of block 5, far from the last tile's window
-    cu = np.array([0, L], np.int32)
+    return q, k, v, np.array([0, L], np.int32), L, nb
+
+
+def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
+    """Blocks carry offsets along a direction w that every query shares, so the pooled means rank them sharply; block
+    5 has the lowest offset but holds one key that matches the last query (a probe row) along u: that key dominates
+    the row's softmax, yet its pooled mean dilutes it 64x. row_max drops block 5, probe_row_max keeps it."""
+    q, k, v, cu, L, nb = strong_key_case()
     sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0)
     probe = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", **sel)
     mean = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **sel)
@@ -155,3 +161,41 @@ def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
     assert 5 in kept_probe and 5 not in kept_mean, (kept_probe, kept_mean)
     union_term = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **dict(sel, alpha=0.5))
     assert set(union_term.segment(0, 0, last).tolist()) <= kept_probe and len(kept_probe) < nb  # still sparse
+
+
+def test_probe_rule_mean_alpha_is_its_pooled_means_term():
+    """mean_alpha sets the pooled-means row-max term of probe_row_max: each selection holds row_max at mean_alpha
+    (sink, window and tail included), a higher mean_alpha keeps a subset, 0 keeps every visible block, and the
+    default is 0.5. The probe rows' own blocks do not depend on it."""
+    q, k, v, cu_q, cu_k = batch([700, 130, 64], [700, 600, 64], 4, 2, seed=5)
+    sel = dict(alpha=0.2, block_size=BS, sink=64, window=64, last_n=1)
+    assert sp.SELECTION_DEFAULTS["mean_alpha"] == 0.5
+    default = lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", **sel))
+    assert default == lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=0.5,
+                                           **sel))
+    prev = None
+    for m in (0.0, 0.3, 0.5, 0.8, 0.95, 1.0):
+        got = lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=m, **sel))
+        mean = lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="row_max", **dict(sel, alpha=m)))
+        assert all(set(a) <= set(b) for a, b in zip(mean, got)), m
+        if prev is not None:
+            assert all(set(a) <= set(b) for a, b in zip(got, prev)), m   # monotone in mean_alpha
+        prev = got
+    dense = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=0.0, **sel)
+    assert dense.kept_blocks == dense.visible_blocks
+    sparse = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=0.95, **sel)
+    assert sparse.kept_blocks < sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", **sel).kept_blocks
+    # the attention follows the index it builds
+    out = sp.sparse_prefill(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=0.95, **sel)
+    want = sp.sparse_attention(q, k, v, sparse, cu_q, cu_k, 700, 700)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_probe_rule_keeps_the_strong_key_block_at_any_mean_alpha():
+    """The probe term alone finds the one strong key (test above): at mean_alpha 1 (each row's top pooled block
+    only) block 5 stays in the last tile's list."""
+    q, k, v, cu, L, _ = strong_key_case()
+    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0)
+    for m in (0.5, 1.0):
+        idx = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", mean_alpha=m, **sel)
+        assert 5 in set(idx.segment(0, 0, idx.num_segments - 1).tolist()), m

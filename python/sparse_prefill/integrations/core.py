@@ -8,8 +8,8 @@ caches, `check_kv_cache_dtype`, `fp8_descale`, `quantize_query` and `fp8_kernel_
 
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
-defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups)
-are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when its defaults
+defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups,
+mean_alpha) are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when its defaults
 change; nothing here keeps a second copy of them.
 """
 
@@ -29,7 +29,8 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
            "check_kv_cache_dtype", "fp8_descale", "quantize_query", "fp8_kernel_reason", "FP8_MAX"]
 
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
-SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups")
+SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
+                    "mean_alpha")
 
 
 def library_selection_defaults() -> dict:
@@ -79,6 +80,7 @@ class SparsePrefillConfig:
     rule: str = None
     union: bool = None
     head_subgroups: int = None
+    mean_alpha: float = None
     dense_layers: int = 0
     min_sparse_q_len: int = 128
     min_sparse_kv_len: int = 8192
@@ -142,7 +144,7 @@ class SparsePrefillConfig:
 
 
 def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
-    kind = {"alpha": float, "correction": bool, "union": bool}.get(f.name)
+    kind = {"alpha": float, "mean_alpha": float, "correction": bool, "union": bool}.get(f.name)
     if kind is None:
         kind = str if f.name in ("rule", "final_chunk", "mean_cache", "fallback") else int
     if kind is bool:
@@ -349,7 +351,8 @@ class VarlenDispatch:
             nbytes = int(sp.sparse_prefill_workspace_bytes(
                 q, k, v, cu_q, cu_k, max_q, max_k, block_size=c.block_size, block_table=block_table,
                 seqused_k=seqused_k, union=c.union, head_subgroups=c.head_subgroups, **{
-                    n: getattr(c, n) for n in ("alpha", "sink", "window", "last_n", "correction", "rule")}))
+                    n: getattr(c, n)
+                    for n in ("alpha", "sink", "window", "last_n", "correction", "rule", "mean_alpha")}))
             if len(self._ws_bytes) > 256:
                 self._ws_bytes.clear()
             self._ws_bytes[key] = nbytes

@@ -12,7 +12,7 @@ namespace sparse_prefill::cuda::index_stage {
 namespace {
 
 // SelectionRule::kProbeRowMax, the probe rows' half (the pooled-means half is the kRowMax scorer at
-// kProbeMeanAlpha, which ORs these bits in). The probe rows are the packed rows of the queries i with
+// SelectionParams::mean_alpha, which ORs these bits in). The probe rows are the packed rows of the queries i with
 // i % kProbeStride == kProbeStride - 1 or i == q_len - 1; for each, w_rJ = log sum_j exp(scale q_r . k_j) over the keys
 // of block J it sees, m_r = max_J w_rJ, and J is set for the row's tile when w_rJ >= m_r + ln(alpha).
 // Bits: probe_bits[seg * words + J / 32].

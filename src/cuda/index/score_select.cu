@@ -515,10 +515,10 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
                                 " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
     }
     if (params.rule == SelectionRule::kProbeRowMax) {
-      // the probe rows' bits at alpha, then the pooled-means row max at kProbeMeanAlpha ORs them in
+      // the probe rows' bits at alpha, then the pooled-means row max at params.mean_alpha ORs them in
       launch_probe(stream, p.dtype, kD, grid, seq, qa, kv, sel, heads, d);
       SelectArgs mean_sel = sel;
-      mean_sel.alpha = kProbeMeanAlpha;
+      mean_sel.alpha = params.mean_alpha;
       launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, mean_sel, heads, p.num_kv_heads, d);
     } else if (params.rule == SelectionRule::kRowMax) {
       launch_score<T, kD, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
