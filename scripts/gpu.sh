@@ -267,7 +267,7 @@ PYEOF
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
        timeout "${SP_ACCURACY_TIME:-360}" "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv \
          --lengths "$lens" --configs "${SP_ACCURACY_CONFIGS:-default,probe,probe_a02,fpv2,rowmax_a03}" \
-         --chunked "${SP_ACCURACY_CHUNKS:-512,1024}" \
+         --chunked "${SP_ACCURACY_CHUNKS-512,1024}" \
          --chunked-configs "${SP_ACCURACY_CHUNKED_CONFIGS:-default,probe,fpv2}" --out "$OUT/accuracy_h200.json" &&
        if [[ -n "$emu" ]]; then
          timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
