@@ -218,8 +218,9 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {head_subgroups}")
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
-    if rule not in (0, 1, 2):
-        raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max') or 2 ('probe_row_max'), got {rule}")
+    if rule not in (0, 1, 2, 3):
+        raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max') or 3 "
+                         f"('probe_row_mass'), got {rule}")
     # max_kept_blocks -1: the operators size the device index for the causal bound (no budget in their schemas)
     sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1,
            mean_alpha)

@@ -57,8 +57,9 @@ void check_selection_params(const SelectionParams& params) {
     throw ArgumentError("mean_alpha", "must lie in [0, 1], got " + std::to_string(params.mean_alpha));
   }
   if (params.rule != SelectionRule::kTileEnergy && params.rule != SelectionRule::kRowMax &&
-      params.rule != SelectionRule::kProbeRowMax) {
-    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1) or kProbeRowMax (2), got " +
+      params.rule != SelectionRule::kProbeRowMax && params.rule != SelectionRule::kProbeRowMass) {
+    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2) or "
+                                "kProbeRowMass (3), got " +
                                     std::to_string(int(params.rule)));
   }
   if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");

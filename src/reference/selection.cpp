@@ -1,7 +1,8 @@
 // FlashPrefill V2 selection, exactly: pooled block means, per-tile scores s_rJ = scale * q_r . k_mean_J over the
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
 // threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
-// kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha), the
+// kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha; kProbeRowMass,
+// the probe rows' test against each row's whole mass instead of its top block), the
 // always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
@@ -140,13 +141,20 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     // The threshold test of each visible block (SelectionParams::rule).
     std::vector<char> above(size_t(nb), 0);
     constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-    // Per row: m_r = max_J w_rJ over the blocks the row sees; C_J = max over the rows that see J of w_rJ - m_r.
-    auto row_max_closeness = [&](const std::vector<double>& w, std::vector<double>& closeness) {
+    // Per row: m_r = max_J w_rJ over the blocks the row sees (relative_to_mass: m_r = log sum_J exp(w_rJ), the
+    // row's whole mass when w are exact log-masses); C_J = max over the rows that see J of w_rJ - m_r.
+    auto row_max_closeness = [&](const std::vector<double>& w, std::vector<double>& closeness,
+                                 bool relative_to_mass = false) {
       for (int64_t r = 0; r < rows; ++r) {
         const double* wr = &w[size_t(r * nb)];
         double row_max = kNegInf;
         for (int64_t J = 0; J < nb; ++J) row_max = std::max(row_max, wr[J]);
         if (row_max == kNegInf) continue;  // the row sees no block (or is not a probe row)
+        if (relative_to_mass) {
+          double sum = 0;
+          for (int64_t J = 0; J < nb; ++J) sum += wr[J] == kNegInf ? 0.0 : std::exp(wr[J] - row_max);
+          row_max += std::log(sum);
+        }
         for (int64_t J = 0; J < nb; ++J) {
           if (wr[J] != kNegInf) closeness[J] = std::max(closeness[J], wr[J] - row_max);
         }
@@ -158,7 +166,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       std::vector<double> closeness(size_t(nb), kNegInf);
       row_max_closeness(score, closeness);
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
-    } else if (params.rule == SelectionRule::kProbeRowMax) {
+    } else if (params.rule == SelectionRule::kProbeRowMax || params.rule == SelectionRule::kProbeRowMass) {
       // Probe rows: the exact log-mass of each block they see (double), then the row-max test at alpha; the rest
       // of the tile's rows through the pooled means at params.mean_alpha.
       const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
@@ -189,7 +197,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         }
       }
       std::vector<double> probe(size_t(nb), kNegInf), mean(size_t(nb), kNegInf);
-      row_max_closeness(mass, probe);
+      row_max_closeness(mass, probe, params.rule == SelectionRule::kProbeRowMass);
       row_max_closeness(score, mean);
       const double log_mean_alpha = params.mean_alpha > 0.f ? std::log(double(params.mean_alpha)) : kNegInf;
       for (int64_t J = 0; J < nb; ++J)

@@ -32,19 +32,20 @@ def random_qkv(L, seed):
     return q, k, v
 
 
-PROBE = dict(score="probe", probe=8, union_mean=0.5)  # emulate.py's spelling of rule='probe_row_max'
+PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
+RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass"}
 
 
-def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax"):
+def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax", mean_alpha=0.5):
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
     kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
-              head_subgroups=subgroups, rule={"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max"}[agg])
+              head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha)
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
     rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg)
-    if agg == "probe":
-        rule.update(PROBE, agg="rowmax")
+    if agg in ("probe", "probe_mass"):  # the probe rows against their top block / their whole mass
+        rule.update(PROBE, union_mean=mean_alpha, agg="rowmax" if agg == "probe" else "rowmass")
     sel = emulate.select(q, k, v, rule, SCALE)
     V, T, nb = sel.keep.shape
     mismatched = 0
@@ -69,10 +70,11 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="
 @pytest.mark.parametrize("subgroups", [1, 3])
 @pytest.mark.parametrize("correction", [True, False])
 @pytest.mark.parametrize("geometry", [(256, 512), (0, 128)])
-@pytest.mark.parametrize("agg", ["rowmax", "sum", "probe"])
+@pytest.mark.parametrize("agg", ["rowmax", "sum", "probe", "probe_mass"])
 def test_random(L, subgroups, correction, geometry, agg):
     q, k, v = random_qkv(L, L + subgroups)
-    d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1], agg=agg)
+    extra = dict(alpha=0.05, mean_alpha=0.8) if agg == "probe_mass" else {}
+    d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1], agg=agg, **extra)
     if geometry[1] < 512:
         assert d < 1.0  # something was pruned
 

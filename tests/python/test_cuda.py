@@ -763,6 +763,16 @@ def test_probe_index_on_gpu_head_dims_dtypes_and_layouts(head_dim, dtype, padded
         assert abs(got.density - ref.density) <= 0.01
 
 
+def test_probe_row_mass_is_refused_on_cuda_naming_rule():
+    """rule='probe_row_mass' runs on the CPU reference only so far: CUDA inputs get NotImplementedError naming rule
+    (never a silently different selection)."""
+    cpu, gpu, mq, mk = _structured_varlen(np.random.default_rng(0), [300], [300], 4, 2)
+    for fn in (sp.build_index, sp.sparse_prefill):
+        with pytest.raises(NotImplementedError, match="rule"):
+            fn(*gpu, mq, mk, rule="probe_row_mass")
+    assert sp.build_index(*cpu, mq, mk, rule="probe_row_mass").kept_blocks > 0
+
+
 def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)

@@ -199,3 +199,38 @@ def test_probe_rule_keeps_the_strong_key_block_at_any_mean_alpha():
     for m in (0.5, 1.0):
         idx = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", mean_alpha=m, **sel)
         assert 5 in set(idx.segment(0, 0, idx.num_segments - 1).tolist()), m
+
+
+# rule='probe_row_mass': the probe rows' test against the row's whole mass (CPU reference; the emulator's
+# score='probe', agg='rowmass' keeps the same blocks: test_accuracy_emulator.py)
+
+def test_probe_row_mass_alpha_zero_is_dense_and_keeps_the_strong_key():
+    q, k, v, cu_q, cu_k = batch([700, 130], [700, 600], 4, 2)
+    out = sp.sparse_prefill(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, mean_alpha=0.0, block_size=BS,
+                            rule="probe_row_mass")
+    np.testing.assert_allclose(out, sp.attention(q, k, v, cu_q, cu_k, 700, 700), rtol=1e-5, atol=1e-6)
+    q, k, v, cu, L, nb = strong_key_case()
+    idx = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_mass", alpha=0.05, mean_alpha=1.0, block_size=BS,
+                         sink=0, window=64, last_n=0)
+    kept = set(idx.segment(0, 0, idx.num_segments - 1).tolist())
+    assert 5 in kept and len(kept) < nb, kept
+
+
+def test_probe_row_mass_drops_the_blocks_of_a_diffuse_row():
+    """Keys carry no structure and every query is the same small vector, so each row's attention is spread evenly
+    over its blocks (and the pooled-means term keeps one top block per tile, the same for all rows): probe_row_max
+    keeps every block within a factor alpha of a row's top block, i.e. nearly all, while probe_row_mass keeps a
+    block only if it holds alpha of a probe row's mass, which no block of a row seeing more than 1 / alpha does."""
+    rng = np.random.default_rng(7)
+    L, hq, hkv, D = 1024, 2, 1, 64
+    q = np.ascontiguousarray(np.broadcast_to(0.05 * rng.standard_normal((1, hq, D)), (L, hq, D)), np.float32)
+    k = (0.05 * rng.standard_normal((L, hkv, D))).astype(np.float32)
+    v = rng.standard_normal((L, hkv, D)).astype(np.float32)
+    cu = np.array([0, L], np.int32)
+    sel = dict(alpha=0.1, mean_alpha=1.0, block_size=BS, sink=0, window=64, last_n=0)
+    top = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", **sel)
+    mass = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_mass", **sel)
+    forced = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **dict(sel, alpha=1.0))  # top pooled + window
+    last = mass.num_segments - 1  # the last tile's rows see 16 blocks of ~1 / 16 of their mass each: none passes
+    assert set(mass.segment(0, 0, last).tolist()) == set(forced.segment(0, 0, last).tolist())
+    assert top.density > 0.95 and mass.density < 0.7, (top.density, mass.density)  # measured 1.0 and 0.58
