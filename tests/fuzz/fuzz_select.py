@@ -68,17 +68,21 @@ def _segments(q_lens, hkv, S, gs):
                 yield b, v, t, tiles
 
 
-def _row_closeness(w):
-    """C_J = max over rows (that see J) of w_rJ - max_J' w_rJ' (-inf where no row sees J)."""
+def _row_closeness(w, mass=False):
+    """C_J = max over rows (that see J) of w_rJ - max_J' w_rJ' (mass: - log sum_J' exp(w_rJ'), the row's whole mass;
+    -inf where no row sees J)."""
     m = w.max(1, keepdims=True)
     ok = np.isfinite(m[:, 0])
     if not ok.any():
         return np.full(w.shape[1], -np.inf)
-    return (w[ok] - m[ok]).max(0)
+    ref = m[ok]
+    if mass:
+        ref = ref + np.log(np.exp(w[ok] - ref).sum(1, keepdims=True))
+    return (w[ok] - ref).max(0)
 
 
 def _group_scores(q, k, q_lens, k_lens, means, B, hkv, probe_rule):
-    """Per (sequence, KV head): scale * q . kmean_J [Lq, g, nb] of the group's query heads and, for probe_row_max, the
+    """Per (sequence, KV head): scale * q . kmean_J [Lq, g, nb] of the group's query heads and, for the probe rules, the
     exact block log-masses [Lq, g, nb] of the probe queries (-inf elsewhere and where a query sees none of the
     block). One matrix product per (sequence, KV head): many small ones are slow."""
     hq, D = q.shape[1], q.shape[2]
@@ -131,10 +135,11 @@ def _bands(seg, q_lens, k_lens, scores, qnorm, knorm, gs, S, sel, delta):
         crit = np.log(e) - np.log(alpha * e.max()) if alpha > 0 else np.full(nb, np.inf)
     else:
         crit = _row_closeness(s) - log_alpha
-        if rule == "probe_row_max":
-            mean_alpha = sel["mean_alpha"]  # the pooled-means row-max term of probe_row_max
+        if rule in ("probe_row_max", "probe_row_mass"):
+            mean_alpha = sel.get("mean_alpha", 0.5)  # the pooled-means row-max term (library default 0.5)
             log_mean_alpha = np.log(mean_alpha) if mean_alpha > 0 else -np.inf
-            crit = np.maximum(_row_closeness(w_all[pos, jh]) - log_alpha, _row_closeness(s) - log_mean_alpha)
+            crit = np.maximum(_row_closeness(w_all[pos, jh], rule == "probe_row_mass") - log_alpha,
+                              _row_closeness(s) - log_mean_alpha)
     d = delta(qnorm[b][pos, kvh * gs * S + jh].max(initial=0.0) * knorm[b][:, kvh].max(initial=0.0) /
               np.sqrt(sel["head_dim"]))
     lo = np.arange(nb) * B
@@ -162,7 +167,7 @@ def select_bands(q, k, q_lens, k_lens, hq, hkv, sel, delta):
     sel = dict(sel, head_dim=q.shape[-1])
     out = []
     with np.errstate(divide="ignore", invalid="ignore"):  # -inf scores of blocks a row does not see
-        scores = _group_scores(q, k, q_lens, k_lens, means, B, hkv, sel["rule"] == "probe_row_max")
+        scores = _group_scores(q, k, q_lens, k_lens, means, B, hkv, sel["rule"] in ("probe_row_max", "probe_row_mass"))
         for seg in _segments(q_lens, hkv, S, gs):
             out.append(_bands(seg, q_lens, k_lens, scores, qnorm, knorm, gs, S, sel, delta))
     if sel["union"]:  # one list per (sequence, virtual head): the union of its tiles' lists

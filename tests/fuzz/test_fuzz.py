@@ -859,7 +859,7 @@ def run_cuda(c, a, x, index_state):
         call(c, x, out, options=sp.LaunchOptions(checked=True), index_state=index_state)
 
 
-@pytest.mark.parametrize("rule", ["row_max", "tile_energy", "probe_row_max"])
+@pytest.mark.parametrize("rule", ["row_max", "tile_energy", "probe_row_max", "probe_row_mass"])
 def test_selection_oracle_can_fail(rule):
     """The oracle of check_sparse rejects another alpha's selection (a block dropped, or one kept, outside the tie
     band), and its block-sparse reference tells the index's result from the dense one."""
