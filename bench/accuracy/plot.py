@@ -30,7 +30,8 @@ def delta(row):
 
 
 def topic_time_128k(rule, correction):
-    doc = load({"row_max": "sparse_rowmax_h200.json", "probe_row_max": "sparse_probe_h200.json"}.get(rule, "sparse_h200.json"))
+    doc = load({"row_max": "sparse_rowmax_h200.json", "probe_row_max": "sparse_probe_h200.json",
+                "probe_row_max_per_head": "sparse_probe_s4_h200.json"}.get(rule, "sparse_h200.json"))
     if doc is None:
         return None
     for r in doc["rows"]:
@@ -44,7 +45,9 @@ def topic_time_128k(rule, correction):
 # (issue 13 switched it to row max without correction), row max after.
 SWITCH = "6d7d020"
 SPEED_OF = {"rowmax_a01": ("row_max", False), "probe": ("probe_row_max", False), "fpv2": ("tile_energy", True), "fpv2_nocorr": ("tile_energy", False),
-            "default_nocorr": ("tile_energy", False)}
+            "default_nocorr": ("tile_energy", False),
+            # one selection per query head: SmolLM2 head_subgroups 3 = g; the topic workload's g is 4
+            "sp:rule=probe_row_max;head_subgroups=3": ("probe_row_max_per_head", False)}
 
 
 def default_at(commit):
@@ -69,7 +72,8 @@ def main():
     import matplotlib.pyplot as plt
     lib = load("accuracy_h200.json")   # the latest run; older configurations from accuracy_h200_bcd9995.json
     old = load("accuracy_h200_bcd9995.json")
-    emu = [d for d in (load("accuracy_estimators_emulated_h200.json"), load("accuracy_emulated_h200.json")) if d]
+    emu = [d for d in (load("accuracy_estimators_emulated_h200.json"), load("accuracy_emulated_h200.json"),
+                       load("accuracy_probe_mass_emulated_h200.json")) if d]
     tasks = ["copy", "kv", "ppl"]
     fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(6 * (len(tasks) + 1), 5))
     for ax, task in zip(axes, tasks):
