@@ -211,7 +211,8 @@ def parse_args(argv=None):
     ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"), choices=["tile_energy", "row_max", "probe_row_max"],
                     help="selection rule (docs/semantics.md); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
-    ap.add_argument("--mean-alpha", type=float, default=None, help="probe_row_max's pooled-means term (library default)")
+    ap.add_argument("--mean-alpha", type=float, default=None,
+                    help="the probe rules' pooled-means term (default: the library's)")
     ap.add_argument("--head-subgroups", type=int, default=1, help="selections per GQA group (1: PackGQA, 4: per head)")
     ap.add_argument("--long-lengths", default="", help="long rows (e.g. 1048576), see above")
     ap.add_argument("--max-kept-blocks", type=int, default=1 << 26,

@@ -258,7 +258,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
           row_max test on the exact
           softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
           heads), plus the pooled-means row_max test at `mean_alpha` (default 0.5) for the other rows
-          (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one strong key of a block that pooled means dilute 128x.
+          (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one strong key of a block that pooled means
+          dilute 128x.
       'probe_row_mass' (CPU reference only so far; CUDA raises NotImplementedError): 'probe_row_max' with the probe
           rows' test against the row's whole mass: J passes iff it holds at least alpha of a probe row's softmax
           probability (alpha ~0.05), so a diffuse row keeps none of its many equal blocks

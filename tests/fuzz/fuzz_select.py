@@ -136,7 +136,7 @@ def _bands(seg, q_lens, k_lens, scores, qnorm, knorm, gs, S, sel, delta):
     else:
         crit = _row_closeness(s) - log_alpha
         if rule in ("probe_row_max", "probe_row_mass"):
-            mean_alpha = sel.get("mean_alpha", 0.5)  # the pooled-means row-max term (library default 0.5)
+            mean_alpha = sel["mean_alpha"]  # the pooled-means row-max term
             log_mean_alpha = np.log(mean_alpha) if mean_alpha > 0 else -np.inf
             crit = np.maximum(_row_closeness(w_all[pos, jh], rule == "probe_row_mass") - log_alpha,
                               _row_closeness(s) - log_mean_alpha)

@@ -867,7 +867,8 @@ def test_selection_oracle_can_fail(rule):
     lens = np.array([700, 333])
     q, k, v = fuzz_select.selective_qkv(rng, lens, lens, 4, 2, 64, 64)
     cu = cu_of(lens)
-    sel = dict(block_size=64, sink=0, window=0, last_n=0, head_subgroups=2, rule=rule, correction=True)
+    sel = dict(block_size=64, sink=0, window=0, last_n=0, head_subgroups=2, rule=rule, correction=True,
+               mean_alpha=sp.SELECTION_DEFAULTS["mean_alpha"])
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     band = lambda alpha: fuzz_select.select_bands(  # noqa: E731
         q64, k64, lens, lens, 4, 2, dict(sel, alpha=alpha, union=False, final_chunk=True), lambda s: 1e-4)

@@ -9,8 +9,8 @@ caches, `check_kv_cache_dtype`, `fp8_descale`, `quantize_query` and `fp8_kernel_
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
 defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups,
-mean_alpha) are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when its defaults
-change; nothing here keeps a second copy of them.
+mean_alpha) are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when
+its defaults change; nothing here keeps a second copy of them.
 """
 
 from __future__ import annotations
