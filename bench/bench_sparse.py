@@ -208,7 +208,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
     ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2")
-    ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"), choices=["tile_energy", "row_max", "probe_row_max"],
+    ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"),
+                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass"],
                     help="selection rule (docs/semantics.md); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
     ap.add_argument("--mean-alpha", type=float, default=None,

@@ -260,7 +260,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
           heads), plus the pooled-means row_max test at `mean_alpha` (default 0.5) for the other rows
           (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one strong key of a block that pooled means
           dilute 128x.
-      'probe_row_mass' (CPU reference only so far; CUDA raises NotImplementedError): 'probe_row_max' with the probe
+      'probe_row_mass' (CUDA: the same probe pass and cost as 'probe_row_max'): 'probe_row_max' with the probe
           rows' test against the row's whole mass: J passes iff it holds at least alpha of a probe row's softmax
           probability (alpha ~0.05), so a diffuse row keeps none of its many equal blocks
           (SelectionRule::kProbeRowMass; bench/accuracy/NOTES.md: with mean_alpha 0.8 and one selection per query

@@ -119,10 +119,6 @@ Problem validate_selection(const AttentionInputs& in, const SelectionParams& par
                            const MeanCache* cache = nullptr) {
   check_selection_params(params);
   const Problem p = validate_inputs(in, outs);
-  if (p.device == Device::kCUDA && params.rule == SelectionRule::kProbeRowMass) {
-    throw NotImplementedError("rule: 'probe_row_mass' (SelectionRule::kProbeRowMass) runs on the CPU reference "
-                              "only so far; pass CPU arrays, or rule='probe_row_max' on CUDA");
-  }
   check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, p, params.block_size, *cache);
   return p;

@@ -148,11 +148,12 @@ class Case:
         if self.selective:
             g = self.hq // self.hkv
             self.alpha = float(rng.choice([0.05, 0.1, 0.3, 0.6]))
-            self.sel.update(alpha=self.alpha, rule=str(rng.choice(["row_max", "tile_energy", "probe_row_max"])),
+            self.sel.update(alpha=self.alpha, rule=str(rng.choice(["row_max", "tile_energy", "probe_row_max",
+                                                                 "probe_row_mass"])),
                             sink=int(rng.choice([0, 0, 64])), window=int(rng.choice([0, 0, 0, 64, 200])),
                             last_n=int(rng.choice([0, 0, 0, 1])),
                             head_subgroups=int(rng.choice([s for s in (1, 2, 4, 8) if g % s == 0])))
-            if self.sel["rule"] == "probe_row_max":  # its pooled-means term: the default or a sparser one
+            if self.sel["rule"].startswith("probe_"):  # their pooled-means term: the default or a sparser one
                 self.sel.update(mean_alpha=float(rng.choice([0.5, 0.8, 0.95])))
         self.union = self.selective and rng.random() < 0.15
         self.final_chunk = bool(rng.random() < 0.5) if self.kind == "chunked" else True

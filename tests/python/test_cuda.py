@@ -708,22 +708,32 @@ def test_row_max_chunked_paged_mean_cache_on_gpu():
         assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)
 
 
-# rule='probe_row_max': the probe kernel (exact block masses of probe rows, tensor cores) OR the pooled-means
-# row max at mean_alpha, against the CPU reference (double) on the same bf16 inputs: blocks near a threshold may flip.
+# rule='probe_row_max' / 'probe_row_mass': the probe kernel (exact block masses of probe rows, tensor cores) OR the
+# pooled-means row max at mean_alpha, against the CPU reference (double) on the same bf16 inputs: blocks near a
+# threshold may flip.
 
 @pytest.mark.parametrize("q_lens,k_lens,hkv", [
     ([1, 129, 1763], [1, 129, 1763], 2),       # odd lengths, GQA 4
     ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
 ])
-@pytest.mark.parametrize("alpha,mean_alpha", [(0.1, 0.5), (0.3, 0.5), (0.1, 0.9)])
-def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha, mean_alpha):
+@pytest.mark.parametrize("rule,alpha,mean_alpha", [
+    ("probe_row_max", 0.1, 0.5), ("probe_row_max", 0.3, 0.5), ("probe_row_max", 0.1, 0.9),
+    ("probe_row_mass", 0.05, 0.8), ("probe_row_mass", 0.01, 0.5),
+])
+def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha, mean_alpha):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha)
-    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha).to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha)
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha).to_host()
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
     assert abs(got.density - ref.density) <= 0.01
+    if rule == "probe_row_mass":  # the whole mass is at least the top block: never more kept than probe_row_max
+        top = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha).to_host()
+        for b in range(len(q_lens)):
+            for t in range(int(ref.tiles[b])):
+                for h in range(hkv):
+                    assert set(got.segment(b, h, t)) <= set(top.segment(b, h, t))
     mean = sp.build_index(*gpu, mq, mk, alpha=mean_alpha, rule="row_max").to_host()  # the union term is a subset
     for b in range(len(q_lens)):
         for t in range(int(ref.tiles[b])):
@@ -755,22 +765,12 @@ def test_probe_index_on_gpu_head_dims_dtypes_and_layouts(head_dim, dtype, padded
     if padded:  # views made on the device (a copy to the device would make them contiguous)
         gpu[1:3] = (torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)[..., :head_dim] for x in gpu[1:3])
         assert gpu[1].stride(1) * gpu[1].element_size() % 16 and torch.equal(gpu[1].cpu(), k)
-    for alpha in (0.1, 0.3):
-        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule="probe_row_max")
-        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule="probe_row_max").to_host()
-        assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1
+    for rule, alpha in (("probe_row_max", 0.1), ("probe_row_max", 0.3), ("probe_row_mass", 0.2)):
+        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule)
+        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule).to_host()
+        assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, rule
         assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
         assert abs(got.density - ref.density) <= 0.01
-
-
-def test_probe_row_mass_is_refused_on_cuda_naming_rule():
-    """rule='probe_row_mass' runs on the CPU reference only so far: CUDA inputs get NotImplementedError naming rule
-    (never a silently different selection)."""
-    cpu, gpu, mq, mk = _structured_varlen(np.random.default_rng(0), [300], [300], 4, 2)
-    for fn in (sp.build_index, sp.sparse_prefill):
-        with pytest.raises(NotImplementedError, match="rule"):
-            fn(*gpu, mq, mk, rule="probe_row_mass")
-    assert sp.build_index(*cpu, mq, mk, rule="probe_row_mass").kept_blocks > 0
 
 
 def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():

@@ -113,7 +113,8 @@ def _check_means(ref, got):
     ([1, 129, 1763], [1, 129, 1763], 2),       # odd lengths, GQA 4
     ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
 ])
-@pytest.mark.parametrize("rule,alpha", [("row_max", 0.1), ("tile_energy", 0.1), ("probe_row_max", 0.3)])
+@pytest.mark.parametrize("rule,alpha", [("row_max", 0.1), ("tile_energy", 0.1), ("probe_row_max", 0.3),
+                                        ("probe_row_mass", 0.05)])
 def test_fp8_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha):
     rng = np.random.default_rng(len(q_lens) * 100 + len(rule))
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, q_lens, k_lens, 8, hkv)

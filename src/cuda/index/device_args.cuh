@@ -179,13 +179,16 @@ void launch_copy_cached_means(cudaStream_t stream, DType dtype, const SeqArgs& s
 void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, int64_t pool_rows, const SeqArgs& seq,
                     const KVArgs& kv, const MeanCacheArgs& cache, int block_size, int num_kv_heads,
                     const DeviceIndex& d);
-// score_select.cu: the scorer and the keep rules for params.rule (the probe rows first for kProbeRowMax).
+// score_select.cu: the scorer and the keep rules for params.rule (the probe rows first for kProbeRowMax and
+// kProbeRowMass).
 void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
                    const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                    const SelectArgs& sel, const DeviceIndex& d);
-// probe.cu: SelectionRule::kProbeRowMax, the probe rows' bits (d.probe_bits), on the scorer's grid.
+// probe.cu: SelectionRule::kProbeRowMax / kProbeRowMass (row_mass), the probe rows' bits (d.probe_bits), on the
+// scorer's grid.
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, const DeviceIndex& d);
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, bool row_mass,
+                  const DeviceIndex& d);
 // union.cu: union mode, one list per (sequence, virtual KV head).
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);

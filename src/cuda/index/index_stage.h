@@ -59,7 +59,7 @@ struct DeviceIndex {
   void* v_mean_lowp = nullptr;
   void* k_mean_kernel = nullptr;
   void* v_mean_kernel = nullptr;
-  uint32_t* probe_bits = nullptr;   // SelectionRule::kProbeRowMax: [max_segments, probe_words] blocks the probe
+  uint32_t* probe_bits = nullptr;   // kProbeRowMax / kProbeRowMass: [max_segments, probe_words] blocks the probe
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials

@@ -51,7 +51,8 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
                                                "the index: pass a budget below 2^31");
   }
   bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
-  bd.probe_words = params.rule == SelectionRule::kProbeRowMax ? (bd.nb_max + 31) / 32 : 0;
+  const bool probe = params.rule == SelectionRule::kProbeRowMax || params.rule == SelectionRule::kProbeRowMass;
+  bd.probe_words = probe ? (bd.nb_max + 31) / 32 : 0;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }

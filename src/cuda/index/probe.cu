@@ -1,5 +1,6 @@
-// Index stage, SelectionRule::kProbeRowMax: the exact block masses of the probe rows (every kProbeStride-th query
-// of a sequence, and its last), on tensor cores; their bits are OR-ed in by the scorer (score_select.cu).
+// Index stage, SelectionRule::kProbeRowMax / kProbeRowMass: the exact block masses of the probe rows (every
+// kProbeStride-th query of a sequence, and its last), on tensor cores; their bits are OR-ed in by the scorer
+// (score_select.cu).
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -11,10 +12,11 @@
 namespace sparse_prefill::cuda::index_stage {
 namespace {
 
-// SelectionRule::kProbeRowMax, the probe rows' half (the pooled-means half is the kRowMax scorer at
+// SelectionRule::kProbeRowMax / kProbeRowMass, the probe rows' half (the pooled-means half is the kRowMax scorer at
 // SelectionParams::mean_alpha, which ORs these bits in). The probe rows are the packed rows of the queries i with
 // i % kProbeStride == kProbeStride - 1 or i == q_len - 1; for each, w_rJ = log sum_j exp(scale q_r . k_j) over the keys
-// of block J it sees, m_r = max_J w_rJ, and J is set for the row's tile when w_rJ >= m_r + ln(alpha).
+// of block J it sees, the row's reference m_r = max_J w_rJ (row_mass: m_r = log sum_J exp w_rJ, the row's whole
+// mass), and J is set for the row's tile when w_rJ >= m_r + ln(alpha).
 // Bits: probe_bits[seg * words + J / 32].
 //
 // One CTA per (8 consecutive tiles of a sequence, virtual KV head), on the scorer's grid: the CTA of tile t with
@@ -24,7 +26,8 @@ namespace {
 // Hkv 8, about 2.6 TB/s of K reads; the CUDA-core version before it 1835 ms). The dot products on tensor cores
 // (mma.sync m16n8k16 bf16 / fp16, m16n8k32 e4m3 on the raw FP8 values: the descales fold into the scale, one
 // (sequence, KV head) per CTA), fp32 accumulation; a row's block mass is a running log2-sum-exp2 over the chunks.
-// Two passes over the keys, the first for m_r and the second recomputing the same masses (same instructions, same
+// Two passes over the keys, the first for m_r (a running maximum, or with row_mass a running log2-sum-exp2 of the
+// block masses) and the second recomputing the same masses (same instructions, same
 // bits) for the test: no per-(row, block) array, so any number of blocks fits. NaN: no bit (the scorer's NaN rule
 // keeps the tile whole). A bad page id reads zeros (its tile's rows are NaN anyway, docs/engine.md).
 constexpr int kProbeWarps = 8, kProbeThreads = 32 * kProbeWarps, kProbeBatch = 16, kTilesPerCta = 8;
@@ -81,7 +84,7 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l
 template <typename T, int D, bool kVec16>
 __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
     probe_kernel(SeqArgs seq, QArgs qa, KVArgs kv, SelectArgs sel, int group_size, int num_kv_heads, int subgroups,
-                 const int32_t* cu_tiles, int64_t words, uint32_t* probe_bits) {
+                 const int32_t* cu_tiles, int64_t words, bool row_mass, uint32_t* probe_bits) {
   constexpr int kRowBytes = D * int(sizeof(T)), kStride = probe_row_bytes<T, D>(), kSteps = kRowBytes / 32;
   constexpr int kParts = kRowBytes / 16;                       // 16-byte pieces of a row
   constexpr int kCopies = kChunkKeys * kParts / kProbeThreads;  // per thread and chunk
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
       lim[h] = rr < nr ? (t0 * kTileRows + r) / group_size + off : -1;
       tile[h] = r / kTileRows;
     }
-    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_ref[2] = {-INFINITY, -INFINITY}, row_sum[2] = {1.f, 1.f};  // m_r (row_mass: with the sum of exp2)
     for (int pass = 0; pass < 2; ++pass) {
       load_chunk(0);
       load_chunk(1);
@@ -243,8 +246,12 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
             }
             const float w = nan[h] ? NAN : m[h] == -INFINITY ? -INFINITY : m[h] + log2f(l[h]);
             if (pass == 0) {
-              row_max[h] = fmaxf(row_max[h], w);
-            } else if (tq == 0 && w != -INFINITY && row_max[h] != -INFINITY && w - row_max[h] >= log2_alpha) {
+              if (!row_mass) {
+                row_ref[h] = fmaxf(row_ref[h], w);
+              } else if (w == w && w != -INFINITY) {  // a NaN block keeps its tile whole anyway (the scorer)
+                lse2_merge(row_ref[h], row_sum[h], w, 1.f);
+              }
+            } else if (tq == 0 && w != -INFINITY && row_ref[h] != -INFINITY && w - row_ref[h] >= log2_alpha) {
               atomicOr(&bits[tile[h] * words + J / 32], 1u << (J % 32));
             }
             m[h] = -INFINITY, l[h] = 0.f, nan[h] = false;
@@ -254,6 +261,10 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
       }
       asm volatile("cp.async.wait_group 0;\n" ::);
       __syncthreads();  // the stages are free for the next pass or round
+      if (pass == 0 && row_mass) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_ref[h] += log2f(row_sum[h]);  // -inf stays -inf
+      }
     }
   }
   __syncthreads();
@@ -266,7 +277,8 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
 }  // namespace
 
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
-                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, const DeviceIndex& d) {
+                  const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, bool row_mass,
+                  const DeviceIndex& d) {
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
@@ -285,11 +297,12 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
         return limit;
       }();
       if (probe_smem > probe_limit)  // 8 tiles' bits: past ~40M keys per sequence at block 128
-        throw NotImplementedError("build_index on CUDA: rule='probe_row_max' supports up to " +
+        throw NotImplementedError(std::string("build_index on CUDA: rule='") +
+                                  (row_mass ? "probe_row_mass" : "probe_row_max") + "' supports up to " +
                                   std::to_string((probe_limit - probe_smem_bytes<T, kD>(0)) / 4 / kTilesPerCta * 32) +
                                   " blocks per sequence");
       kernel<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.subgroups,
-                                                          d.cu_tiles, d.probe_words, d.probe_bits);
+                                                          d.cu_tiles, d.probe_words, row_mass, d.probe_bits);
       check_cuda(cudaGetLastError(), "probe_kernel launch");
     };
     vec16 ? run(std::true_type{}) : run(std::false_type{});
