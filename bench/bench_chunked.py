@@ -116,7 +116,7 @@ def measure_step(sp, cache, c0, c1, final, modes=("tile", "union"), means=None, 
     per_tile_density = {}  # head_subgroups -> density of the per-tile lists (no mean cache)
     for mode in modes:
         union = mode.startswith("union")
-        S = int(mode[len("union_s"):]) if mode.startswith("union_s") else 1
+        S = int(mode[len("union_s"):]) if mode.startswith("union_s") else 1 if union else SEL["head_subgroups"]
         sel = dict(SEL, correction=not union, final_chunk=final, union=union, head_subgroups=S)
         ws = index_workspace(*args, **kw, **sel)
 
@@ -183,10 +183,17 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default=None, help=f"L:chunk of the whole-prompt rows ('' to skip; default "
                                                    f"{FULL['prompt']}, --quick skips them)")
     ap.add_argument("--union-subgroups", default="", help="head_subgroups values S > 1: union rows union_s{S}_*")
-    ap.add_argument("--rule", default=SEL["rule"], choices=["tile_energy", "row_max"],
+    ap.add_argument("--rule", default=SEL["rule"],
+                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass"],
                     help="selection rule (docs/semantics.md; row_max: the library default); the rows record it")
+    ap.add_argument("--alpha", type=float, default=SEL["alpha"])
+    ap.add_argument("--mean-alpha", type=float, default=SEL.get("mean_alpha", 0.5),
+                    help="the probe rules' pooled-means term")
+    ap.add_argument("--head-subgroups", type=int, default=SEL.get("head_subgroups", 1),
+                    help="selections per GQA group of the tile rows (4: one per query head here)")
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
-    SEL.update(rule=args.rule)   # every step below uses it
+    # every step below uses them
+    SEL.update(rule=args.rule, alpha=args.alpha, mean_alpha=args.mean_alpha, head_subgroups=args.head_subgroups)
     for name in ("contexts", "chunks", "batches", "union_subgroups"):
         ints(getattr(args, name))  # fail on bad lists before the GPU work
     if args.prompt:
