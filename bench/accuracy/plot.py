@@ -31,7 +31,8 @@ def delta(row):
 
 def topic_time_128k(rule, correction):
     doc = load({"row_max": "sparse_rowmax_h200.json", "probe_row_max": "sparse_probe_h200.json",
-                "probe_row_max_per_head": "sparse_probe_s4_h200.json"}.get(rule, "sparse_h200.json"))
+                "probe_row_max_per_head": "sparse_probe_s4_h200.json",
+                "probe_row_mass_per_head": "sparse_probe_mass_s4_h200.json"}.get(rule, "sparse_h200.json"))
     if doc is None:
         return None
     for r in doc["rows"]:
@@ -47,7 +48,9 @@ SWITCH = "6d7d020"
 SPEED_OF = {"rowmax_a01": ("row_max", False), "probe": ("probe_row_max", False), "fpv2": ("tile_energy", True), "fpv2_nocorr": ("tile_energy", False),
             "default_nocorr": ("tile_energy", False),
             # one selection per query head: SmolLM2 head_subgroups 3 = g; the topic workload's g is 4
-            "sp:rule=probe_row_max;head_subgroups=3": ("probe_row_max_per_head", False)}
+            "sp:rule=probe_row_max;head_subgroups=3": ("probe_row_max_per_head", False),
+            # measured at alpha 0.05 (bench_sparse --rule probe_row_mass --alpha 0.05 --mean-alpha 0.8)
+            "sp:rule=probe_row_mass;mean_alpha=0.8;head_subgroups=3;alpha=0.05": ("probe_row_mass_per_head", False)}
 
 
 def default_at(commit):
@@ -72,12 +75,14 @@ def main():
     import matplotlib.pyplot as plt
     lib = load("accuracy_h200.json")   # the latest run; older configurations from accuracy_h200_bcd9995.json
     old = load("accuracy_h200_bcd9995.json")
+    mass = load("accuracy_probe_mass_h200.json")  # rule='probe_row_mass' on CUDA, 4K / 8K (4c14eff)
     emu = [d for d in (load("accuracy_estimators_emulated_h200.json"), load("accuracy_emulated_h200.json"),
                        load("accuracy_probe_mass_emulated_h200.json")) if d]
     tasks = ["copy", "kv", "ppl"]
     fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(6 * (len(tasks) + 1), 5))
     for ax, task in zip(axes, tasks):
-        for doc, marker, what in [(lib, "o", "library"), (old, "s", "library")] + [(d, "x", "emulated") for d in emu]:
+        for doc, marker, what in ([(lib, "o", "library"), (old, "s", "library"), (mass, "^", "library")] +
+                                  [(d, "x", "emulated") for d in emu]):
             if doc is None:
                 continue
             for r in doc["rows"]:
@@ -90,9 +95,10 @@ def main():
         ax.axvline(0.42, c="r", lw=0.5, ls="--")
         ax.set_xlabel("density (kept / visible blocks)")
         ax.set_ylabel("points vs dense" if task != "ppl" else "-% NLL vs dense")
-        ax.set_title(f"SmolLM2-135M {task} L={args.L} (o library now, s library at bcd9995, x emulated)")
+        ax.set_title(f"SmolLM2 {task} L={args.L} (o library, s @bcd9995, ^ probe_row_mass, x emulated)",
+                     fontsize=9)
     ax = axes[-1]
-    for doc in (d for d in (lib, old) if d is not None):
+    for doc in (d for d in (lib, old, mass) if d is not None):
         speed_of = dict(SPEED_OF, default=default_at(doc.get("commit", "HEAD")))
         for r in doc["rows"]:
             if r["task"] != "copy" or r["L"] != args.L or r["config"] not in speed_of or r.get("chunk"):
@@ -100,7 +106,7 @@ def main():
             t = topic_time_128k(*speed_of[r["config"]])
             if t is not None:
                 ax.scatter(t, delta(r), c="C0")
-                ax.annotate(r["config"] + ("" if doc is lib else " @bcd9995"), (t, delta(r)), fontsize=8)
+                ax.annotate(r["config"][:40] + ("" if doc is not old else " @bcd9995"), (t, delta(r)), fontsize=7)
     ax.axhline(0, c="k", lw=0.5)
     ax.set_xscale("log")   # the CUDA-core probe kernel is ~100x the others
     ax.set_xlabel("topic workload 128K: index + attention (ms, H200, log)")
