@@ -263,9 +263,9 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
       'probe_row_mass' (CUDA: the same probe pass and cost as 'probe_row_max'): 'probe_row_max' with the probe
           rows' test against the row's whole mass: J passes iff it holds at least alpha of a probe row's softmax
           probability (alpha ~0.05), so a diffuse row keeps none of its many equal blocks
-          (SelectionRule::kProbeRowMass; bench/accuracy/NOTES.md: with mean_alpha 0.8 and one selection per query
-          head it kept the retrieval model at 100 % at density 0.39 at 32K and SmolLM2 within 2 points at 0.35-0.38
-          at 8K, in the torch emulator).
+          (SelectionRule::kProbeRowMass; bench/accuracy/NOTES.md: alpha 0.05, mean_alpha 0.8 and one selection per
+          query head kept the retrieval model at 100 % at density 0.37 at 32K and SmolLM2 within 0.5 % NLL and
+          1 point at 0.35-0.38 at 8K, on CUDA; the probe pass makes it slower than dense below ~32K).
     Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
     before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
     visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
