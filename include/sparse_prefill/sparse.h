@@ -26,27 +26,31 @@ enum class SelectionRule : int {
   // tile's rows that see J, i.e. J is within a factor alpha of the top block of at least one row.
   kRowMax = 1,
   // Exact scores on probe rows (CUDA: probe_kernel in src/cuda/index/probe.cu, tensor cores with fp32 accumulation):
-  // the probe rows are the
-  // packed rows of every kProbeStride-th query of the sequence (queries kProbeStride - 1, 2 kProbeStride - 1, ...)
-  // and of its last query, all their heads. Each probe row r scores block J by its true softmax log-mass
-  // w_rJ = log sum_{j in J} exp(scale q_r . k_j) over the keys it sees; keep J iff some probe row of the tile has
-  // w_rJ - max_J' w_rJ' >= ln(alpha), or J passes the kRowMax test at SelectionParams::mean_alpha (the pooled means
-  // cover the rows between probes). On SmolLM2-135M (torch emulation, bench/accuracy/NOTES.md) this meets copy/kv/NLL at 8K
-  // at density 0.47-0.53, where pooled means alone need 0.60 and lose 2 points.
+  // the probe rows are the packed rows of every kProbeStride-th query of the sequence (queries kProbeStride - 1,
+  // 2 kProbeStride - 1, ...) and of its last query, all their heads. Each probe row r scores block J by its true
+  // softmax log-mass w_rJ = log sum_{j in J} exp(scale q_r . k_j) over the keys it sees; keep J iff some probe row of
+  // the tile has w_rJ - max_J' w_rJ' >= ln(alpha), or J passes the kRowMax test at SelectionParams::mean_alpha (the
+  // pooled means cover the rows between probes). On SmolLM2-135M (torch emulation, bench/accuracy/NOTES.md) this
+  // meets copy/kv/NLL at 8K at density 0.47-0.53, where pooled means alone need 0.60 and lose 2 points.
   kProbeRowMax = 2,
   // kProbeRowMax with the probe rows' test against the row's whole mass: J passes for probe row r iff
   // w_rJ - log sum_J' exp(w_rJ') >= ln(alpha), i.e. J holds at least alpha of the row's softmax probability. A
   // diffuse row (filler text) then keeps none of its many equal blocks, where kProbeRowMax keeps all of them
   // within a factor alpha of the top one: on the retrieval model (bench/accuracy/NOTES.md) kProbeRowMax at alpha 0.1
-  // kept 76 % of the blocks at 32K, this rule at alpha 0.05 39 %. CPU reference only so far (CUDA raises).
+  // kept 76 % of the blocks at 32K, this rule at alpha 0.05 39 %. CUDA: the same probe pass as kProbeRowMax.
   kProbeRowMass = 3,
 };
 constexpr int kProbeStride = 8;          // 1/8 of the rows' Q K^T: ~1/16 of dense attention (stride 16 lost kv)
+// The rules with probe rows (their probe pass and bitmap, and the pooled-means term at SelectionParams::mean_alpha).
+constexpr bool is_probe_rule(SelectionRule rule) {
+  return rule == SelectionRule::kProbeRowMax || rule == SelectionRule::kProbeRowMass;
+}
 
 struct SelectionParams {
   float alpha = 0.1f;     // the threshold of `rule`; alpha = 0 keeps every visible block (dense)
-  // kProbeRowMax / kProbeRowMass only: the threshold of their pooled-means row-max term, which covers the rows between probes (in
-  // [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 % with it.
+  // kProbeRowMax / kProbeRowMass only: the threshold of their pooled-means row-max term, which covers the rows
+  // between probes (in [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 %
+  // with it.
   float mean_alpha = 0.5f;
   // How a tile's scores are thresholded (SelectionRule above). The per-row rule is the default: on a real pretrained
   // LM (SmolLM2-135M, bench/accuracy/NOTES.md) tile energy loses 47 points of copy top-1 at 8K, row max 2.

@@ -78,8 +78,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                    max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"]):
-    """build_index() + sparse_attention() in one call (same arguments as the two; rule, mean_alpha and max_kept_blocks as in
-    build_index(): with a budget, pass the same max_kept_blocks to sparse_prefill_workspace_bytes()).
+    """build_index() + sparse_attention() in one call (same arguments as the two; rule, mean_alpha and max_kept_blocks
+    as in build_index(): with a budget, pass the same max_kept_blocks to sparse_prefill_workspace_bytes()).
 
     final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
     into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
@@ -188,9 +188,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
     sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
     at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). rule: as in
-    build_index() ('row_max', the default, 'tile_energy' or 'probe_row_max' with its mean_alpha). Everything else
-    is sparse_prefill()'s (max_kept_blocks:
-    the device index's budget, build_index()).
+    build_index() ('row_max', the default, 'tile_energy', or 'probe_row_max' / 'probe_row_mass' with their
+    mean_alpha). Everything else is sparse_prefill()'s (max_kept_blocks: the device index's budget, build_index()).
 
     mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
     chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk

@@ -166,7 +166,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       std::vector<double> closeness(size_t(nb), kNegInf);
       row_max_closeness(score, closeness);
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
-    } else if (params.rule == SelectionRule::kProbeRowMax || params.rule == SelectionRule::kProbeRowMass) {
+    } else if (is_probe_rule(params.rule)) {
       // Probe rows: the exact log-mass of each block they see (double), then the row-max test at alpha; the rest
       // of the tile's rows through the pooled means at params.mean_alpha.
       const SequenceKV& keys_of = kv[size_t(b) * H + kvh];

@@ -51,8 +51,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
                                                "the index: pass a budget below 2^31");
   }
   bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
-  const bool probe = params.rule == SelectionRule::kProbeRowMax || params.rule == SelectionRule::kProbeRowMass;
-  bd.probe_words = probe ? (bd.nb_max + 31) / 32 : 0;
+  bd.probe_words = is_probe_rule(params.rule) ? (bd.nb_max + 31) / 32 : 0;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }

@@ -12,7 +12,7 @@ namespace sparse_prefill::cuda::index_stage {
 
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
-  int64_t probe_words;  // SelectionRule::kProbeRowMax / kProbeRowMass: words of each segment's probe bitmap (else 0)
+  int64_t probe_words;  // is_probe_rule(params.rule): words of each segment's probe bitmap (else 0)
   bool split_kv;  // the attention launch over this index may run split-KV (split_planned): carve the split arrays
 };
 

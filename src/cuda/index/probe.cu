@@ -28,7 +28,8 @@ namespace {
 // (sequence, KV head) per CTA), fp32 accumulation; a row's block mass is a running log2-sum-exp2 over the chunks.
 // Two passes over the keys, the first for m_r (a running maximum, or with row_mass a running log2-sum-exp2 of the
 // block masses) and the second recomputing the same masses (same instructions, same bits) for the test: no
-// per-(row, block) array, so any number of blocks fits. NaN: no bit (the scorer's NaN rule keeps the tile whole). A bad page id reads zeros (its tile's rows are NaN anyway, docs/engine.md).
+// per-(row, block) array, so any number of blocks fits. NaN: no bit (the scorer's NaN rule keeps the tile whole).
+// A bad page id reads zeros (its tile's rows are NaN anyway, docs/engine.md).
 constexpr int kProbeWarps = 8, kProbeThreads = 32 * kProbeWarps, kProbeBatch = 16, kTilesPerCta = 8;
 constexpr int kChunkKeys = 64, kStages = 3, kMaxRows = kTilesPerCta * kTileRows;
 

@@ -1,7 +1,8 @@
 // Index stage, step 3: score and select. One CTA per (tile, virtual KV head) scores the tile's packed Q rows against
 // the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kThreshold; per-row max:
 // kRowMax, and the pooled-means half of kProbeRowMax / kProbeRowMass), bump-allocating the kept ids into the CSR.
-// FP8 inputs are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared memory.
+// FP8 inputs are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared
+// memory.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -508,7 +509,7 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
     const size_t dyn_smem = ScoreConfig<T, kD>::smem_bytes(bd.nb_max);
-    const bool probe = params.rule == SelectionRule::kProbeRowMax || params.rule == SelectionRule::kProbeRowMass;
+    const bool probe = is_probe_rule(params.rule);
     const bool row_max = params.rule == SelectionRule::kRowMax || probe;
     const size_t limit = row_max ? score_smem_limit<T, kD, true>() : score_smem_limit<T, kD, false>();
     if (dyn_smem > limit) {  // energies of every visible block stay in shared memory: ~3.2M keys at block 128
