@@ -8,8 +8,10 @@ imports (the installed one, this tree). Each variant runs in its own worker proc
 share a process); the workers alternate, base, ours, base, ours, ... for --rounds rounds, so clock and thermal drift
 fall on both. Every row times one call with CUDA events (median of --iters after warm-up): dense causal prefill
 (contiguous, paged with TMA pages of 64, paged with pages of 16 through the cp.async gather), the split-KV short-
-query path, sparse_prefill on the topic workload (index + sparse attention) and a chunked-prefill last chunk; the
-speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16). Issue 19's target: ours / base <= 1.01; issue 15's:
+query path, sparse_prefill on the topic workload (index + sparse attention), a chunked-prefill last chunk and the
+index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule as issue 16 states its targets,
+`index_row_max`, the library default); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
+`--kinds` keeps the rows of the named kinds (e.g. `--kinds index_tile_energy,index_row_max`). Issue 19's target: ours / base <= 1.01; issue 15's:
 within 2 %. scripts/gpu.sh abbase builds the base from .deps/base.tar and runs this.
 """
 
@@ -30,6 +32,7 @@ def rows_of(quick):
     r = [("dense", L, 0) for L in dense] + [("dense_paged64", 16384, 64), ("dense_paged16", 8192, 16),
                                             ("split_kv_decode", 65536, 64)]
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
+    r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max") for L in (32768, 131072)]
     return r
 
 
@@ -66,7 +69,10 @@ def worker(args):
         vc[perm] = v.view(pages, page, HKV, D)
         return kc, vc, perm.to(torch.int32)[None].contiguous()
 
+    kinds = set(args.kinds.split(",")) if args.kinds else None
     for kind, L, page in rows_of(args.quick):
+        if kinds is not None and kind not in kinds:
+            continue
         q, k, v = (torch.from_numpy(x).to(dev, bf) for x in sp.workload.topic(L, HQ, HKV, D, seed=0))
         cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
         if kind == "dense":
@@ -86,6 +92,11 @@ def worker(args):
             n = sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L)
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, workspace=ws)
+        elif kind.startswith("index_"):  # the index stage alone, into a caller workspace
+            sel = dict(alpha=0.1, block_size=128, sink=256, window=512, last_n=2, rule=kind[len("index_"):])
+            n = sp.index_workspace_bytes(q, k, v, cu, cu, L, L, **sel)
+            ws = torch.empty(n, dtype=torch.uint8, device=dev)
+            fn = lambda: sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **sel)
         else:  # chunked: the last 1024 queries against the whole paged cache
             kc, vc, bt = paged(k, v, page)
             used = torch.tensor([L], dtype=torch.int32, device=dev)
@@ -109,12 +120,13 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kinds", default="", help="comma-separated row kinds to run (default: every row)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--iters", str(args.iters), "--warmup",
-           str(args.warmup)] + (["--quick"] if args.quick else [])
+           str(args.warmup)] + (["--quick"] if args.quick else []) + (["--kinds", args.kinds] if args.kinds else [])
     runs = {"base": [], "ours": []}
     for r in range(args.rounds):
         for variant in ("base", "ours"):

@@ -18,7 +18,8 @@
 #             rules, sub-groups, union / correction / mean-cache counts and near-threshold flips (tests/fuzz/README.md)
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
 #             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
-#             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes)
+#             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes; SP_AB_KINDS: only
+#             these row kinds, e.g. "index_tile_energy,sparse_prefill")
 #   abflags   compile-time variants of this tree in one call: each entry of SP_AB_FLAGS (';'-separated CUDA flag sets,
 #             e.g. "-DSP_FP8_PINGPONG=0;-DSP_FP8_PINGPONG=2") built into /tmp/abflags-site-<i> (the builds run in
 #             parallel), then for 3 rounds each variant in turn runs SP_AB_CMD (default: bench/bench_fp8.py on 16K,
@@ -167,7 +168,7 @@ PYEOF
           > "$OUT/ab_base_build.log" 2>&1 || { tail -20 "$OUT/ab_base_build.log"; rc=1; continue; }
       fi
       step "A/B (${SP_AB_WHAT:-two builds}): the installed package (this tree) against $site"
-      timeout 500 "$PY" bench/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} \
+      timeout 500 "$PY" bench/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} ${SP_AB_KINDS:+--kinds "$SP_AB_KINDS"} \
         --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_h200.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -20 "$OUT/ab.log"

@@ -21,10 +21,12 @@ constexpr int kScoreChunk = 128;     // pooled blocks scored per step: S chunk i
 constexpr int kScoreThreads = 256;   // 2 warpgroups x 64 packed rows
 constexpr int kScoreWarps = kScoreThreads / 32;
 
-// The scorer's tensor-core GEMM S = Q_tile . K_mean^T: the attention kernel's S GEMM shapes (two consumer
-// warpgroups of 64 rows, SS wgmma 64 x 128 x 16 atoms, 128-byte-swizzled K-major tiles), with 128 pooled blocks per
-// step in place of 128 keys. Q (32 KiB at D = 128) and two stages of pooled keys (2 x 32 KiB) in shared memory: ~100
-// KiB per CTA, so 2 CTAs (16 warps) share an SM and one CTA's exp2 epilogue runs under the other's wgmma.
+// The scorer's tensor-core GEMM between the tile's packed Q rows and 128 pooled keys: the attention kernel's S GEMM
+// shapes (two warpgroups of 64 rows, SS wgmma 64 x 128 x 16 atoms, 128-byte-swizzled K-major tiles), with 128 pooled
+// blocks per step in place of 128 keys. The per-row rule computes S = Q K_mean^T (rows = query rows), the tile
+// energy its transpose S^T = K_mean Q^T (rows = blocks: a block's sum over the query rows stays within a quad of
+// lanes). Q (32 KiB at D = 128) and two stages of pooled keys (2 x 32 KiB) in shared memory: ~100 KiB per CTA, so 2
+// CTAs (16 warps) share an SM and one CTA's exp2 epilogue runs under the other's wgmma.
 template <typename T, int D>
 struct ScoreConfig {
   // the operands' type: fp16 for fp16 inputs, bf16 for bf16 and FP8 (lowp_t) inputs
@@ -43,17 +45,16 @@ struct ScoreConfig {
   struct Smem {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;  // double buffer: chunk c+1 loads under c
-    float partial[kScoreWarps][kN];  // each warp's column sums of a chunk, relative to its own maximum
-    float warp_max[kScoreWarps];     // log2 domain; -inf: the warp saw no visible score in the chunk
+    float partial[kScoreWarps][kN];  // per-row rule: each warp's column maxima of a chunk
     float red[kScoreWarps];
     int warp_count[kScoreWarps];
     int nan_flag;  // a NaN score in the tile: keep every visible block
     int64_t base;  // the segment's first block_ids slot (kOverflowStart: no room)
   };
-  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4], chunk_max[nb_max / kN + 1] and the keep bits
-  // (one word per 32 blocks: the count pass's ballots, read by the write pass).
+  // Dynamic shared memory: Smem, then energy[nb_max rounded up to 4] and the keep bits (one word per 32 blocks: the
+  // count pass's ballots, read by the write pass).
   static size_t smem_bytes(int64_t nb_max) {
-    return sizeof(Smem) + (size_t((nb_max + 3) & ~int64_t(3)) + size_t(nb_max / kN + 1)) * sizeof(float) +
+    return sizeof(Smem) + size_t((nb_max + 3) & ~int64_t(3)) * sizeof(float) +
            size_t(keep_words(nb_max)) * sizeof(uint32_t);
   }
   static int64_t keep_words(int64_t nb_max) { return (nb_max + kScoreThreads - 1) / kScoreThreads * kScoreWarps; }
@@ -61,7 +62,7 @@ struct ScoreConfig {
 
 // One step of the column butterfly: lanes that differ in lane bit kBit (rows 8 apart for kBit = 4 ... 32 apart for
 // 16, all with the same columns) each keep half of their kBit live values, the upper half when the bit is set, and
-// combine them with the partner's copy of that half: a sum (tile energies) or a max (the per-row rule's column maxima).
+// combine them with the partner's copy of that half (the per-row rule's column maxima).
 template <int kBit, class Combine>
 __device__ __forceinline__ void butterfly_step(float (&v)[32], int lane, Combine combine) {
   const bool upper = lane & kBit;
@@ -71,9 +72,6 @@ __device__ __forceinline__ void butterfly_step(float (&v)[32], int lane, Combine
     v[k] = combine(keep, __shfl_xor_sync(0xffffffffu, give, kBit));
   }
 }
-struct SumOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
-};
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
@@ -131,15 +129,19 @@ __device__ __forceinline__ void gather_q_fp8(const QArgs& qa, TensorQ& sQ, int64
   }
 }
 
-// One CTA per (tile, KV head), 2 warpgroups of 64 packed rows. Per chunk of 128 pooled blocks: wgmma S, then each
-// thread's 2 rows x 32 columns give masked exp2 energies relative to the warp maximum; a butterfly over the 8 row
-// groups of the warp (28 shuffles) leaves each lane 4 column sums; 128 threads combine the 8 warps after the
-// chunk's barrier. The last tiles (last_n), which keep every visible block, skip the GEMM.
-// kRowMax (SelectionRule::kRowMax): two passes over the chunks through the same double-buffered pipeline. Pass 1
-// keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2 recomputes the GEMM
-// (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over the rows that see J
-// of s_rJ - m_r (raw dot products; the scale is folded into the threshold), by a max butterfly over the warp's rows
-// and a max over the 8 warps, into energy[]; keep iff C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
+// One CTA per (tile, KV head), 2 warpgroups of 64 rows. Per chunk of 128 pooled blocks one wgmma, then:
+// Tile energy (SelectionRule::kThreshold): S^T = K_mean Q^T, each thread holding 2 blocks x 32 query rows. Per block
+// J the quad of lanes that holds its 128 rows takes m_J = max over the rows that see J of s_rJ and
+// sum_J = sum_r exp2(scale_log2 (s_rJ - m_J)), and keeps log2 E_J = scale_log2 m_J + log2 sum_J in energy[]: the
+// energies relative to any common reference, so the keep test E_J >= alpha max E is log2 E_J >= log2 max E +
+// log2 alpha, with no rescale and no cross-warp step (one barrier per chunk, for the pooled-key stages).
+// kRowMax (SelectionRule::kRowMax): S = Q K_mean^T, two passes over the chunks through the same double-buffered
+// pipeline. Pass 1 keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2
+// recomputes the GEMM (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over
+// the rows that see J of s_rJ - m_r (raw dot products; the scale is folded into the threshold), by a max butterfly
+// over the warp's 8 row groups (28 shuffles) and a max over the 8 warps, into energy[]; keep iff
+// C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
+// The last tiles (last_n), which keep every visible block, skip the GEMM.
 template <typename T, int D, bool kRowMax>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
@@ -166,8 +168,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
   const int B = sel.block_size;
   const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
-  float* chunk_max = energy + ((nb + 3) & ~int64_t(3));
-  uint32_t* keep_bits = reinterpret_cast<uint32_t*>(chunk_max + nb / kN + 1);
+  uint32_t* keep_bits = reinterpret_cast<uint32_t*>(energy + ((nb + 3) & ~int64_t(3)));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
@@ -238,17 +239,25 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   typename Cfg::TiledMma mma;
   auto wg_mma = mma.get_slice((threadIdx.x / 128) * 128);
   auto thr_mma = mma.get_slice(threadIdx.x);
-  Tensor tSrQ = wg_mma.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
-  Tensor tSrK = wg_mma.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+  // (MMA, MMA_M | MMA_N, MMA_K) descriptors; the pooled keys with their stage mode. The tile energy multiplies the
+  // other way round (rows = blocks).
+  Tensor tSrQ = [&] {
+    if constexpr (kRowMax) return wg_mma.partition_fragment_A(sQ);
+    else return wg_mma.partition_fragment_B(sQ);
+  }();
+  Tensor tSrK = [&] {
+    if constexpr (kRowMax) return wg_mma.partition_fragment_B(sK);
+    else return wg_mma.partition_fragment_A(sK);
+  }();
   Tensor tSrS = partition_fragment_C(mma, Shape<Int<kTileRows>, Int<kN>>{});
   Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (2 rows, kN / 4 columns) of this thread
   Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   constexpr int kCols = decltype(size<1>(S))::value;  // 32: column c is tile column 8 (c / 2) + 2 (lane % 4) + c % 2
-  static_assert(decltype(size<0>(S))::value == 2 && kCols == 32, "accumulator layout assumed by the butterfly");
+  static_assert(decltype(size<0>(S))::value == 2 && kCols == 32, "accumulator layout assumed by the reductions");
 
-  // The last block each of this thread's 2 rows sees (-1: none, or past the tile's rows); chunks that every row
-  // of the tile sees whole skip the mask (causal: all but the last one or two).
+  // kRowMax: the last block each of this thread's 2 query rows sees (-1: none, or past the tile's rows). Chunks that
+  // every row of the tile sees whole skip the mask (causal: all but the last one or two).
   int row_last_block[2];
   for (int i = 0; i < 2; ++i) {
     const int r = get<0>(cS_rc(i, 0));
@@ -263,22 +272,21 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   for (int step = 0; step < steps; ++step) {
     const int c = kRowMax && step >= nchunks ? step - nchunks : step;
     const int buf = step & 1;
-    if (step + 1 < steps) {
-      // its stage was last read by the previous step's wgmma, finished before its barrier
-      stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
     cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
-    __syncthreads();
-
-    wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
-    warpgroup_wait<0>();
+    __syncthreads();  // this step's keys are in; every wgmma of the previous step (on the other stage) is done
+    if (step + 1 < steps) stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
 
     if constexpr (kRowMax) {
-      const int chunk_first = c * kN;
-      const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
+      wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
+    } else {
+      wgmma_batch<false>(mma, tSrK(_, _, _, buf), tSrQ, tSrS, /*zero_init=*/true);
+    }
+    warpgroup_wait<0>();
+    const int chunk_first = c * kN;
+    const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
+
+    if constexpr (kRowMax) {
       if (!unmasked) {  // -inf where the row does not see the block (or lies past the tile)
         CUTE_UNROLL
         for (int i = 0; i < 2; ++i)
@@ -302,7 +310,6 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
             if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
           }
         }
-        __syncthreads();  // every wgmma of this step is done before the next step refills the other stage
         continue;
       }
       // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
@@ -325,62 +332,38 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
         const int J = chunk_first + threadIdx.x;
         if (J < nb32) energy[J] = cm;
       }
-      continue;
-    }
-
-    // Raw scores; -inf where the row does not see the block. Warp maximum (scale > 0 commutes with max; the scale
-    // is folded into the exp2 argument: one FFMA per element).
-    float m = -INFINITY;
-    const int chunk_first = c * kN;
-    if (chunk_first + kN - 1 <= tile_min_last_block) {
-      CUTE_UNROLL
-      for (int i = 0; i < 2; ++i)
-        CUTE_UNROLL
-        for (int k = 0; k < kCols; ++k) m = fmax_nan(m, S(i, k));
     } else {
+      // Tile energy. Row i of this thread is block J; column k is query row r. Query row r sees J iff r < rows and
+      // J B <= its position + off, i.e. (J B - off) g <= t 128 + r (the position is floor((t 128 + r) / g)).
       CUTE_UNROLL
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < 2; ++i) {
+        const int J = chunk_first + get<0>(cS_rc(i, 0));
+        if (!unmasked) {
+          const int64_t lo = (int64_t(J) * B - off) * group_size - t * kTileRows;  // first query row that sees J
+          const int r_lo = int(max(int64_t(0), min(lo, int64_t(kTileRows))));
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) {
+            const int r = get<1>(cS_rc(i, k));
+            if (r < r_lo || r >= rows) S(i, k) = -INFINITY;
+          }
+        }
+        // m_J over the quad's 128 rows (NaN-propagating: a NaN score flags the tile), four chains for the latency
+        float m4[4] = {S(i, 0), S(i, 1), S(i, 2), S(i, 3)};
         CUTE_UNROLL
-        for (int k = 0; k < kCols; ++k) {
-          const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
-          if (J > row_last_block[i]) S(i, k) = -INFINITY;
-          m = fmax_nan(m, S(i, k));
-        }
-    }
-    for (int o = 16; o > 0; o /= 2) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0 && m != m) atomicOr(&sm.nan_flag, 1);
-    const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // exp2(-inf - 0) = 0 for masked scores
-    float v[kCols];
-    CUTE_UNROLL
-    for (int k = 0; k < kCols; ++k)
-      v[k] = fast_exp2(fmaf(S(0, k), sel.scale_log2, -m_log2)) + fast_exp2(fmaf(S(1, k), sel.scale_log2, -m_log2));
-    // Butterfly over the row groups (lane bits 4, 3, 2): each step keeps half of the columns and adds the partner's
-    // half, so after 16 + 8 + 4 shuffles lane holds columns c0 .. c0+3 (c0 = 16 h4 + 8 h3 + 4 h2) summed over the
-    // warp's 16 rows.
-    butterfly_step<16>(v, lane, SumOp{});
-    butterfly_step<8>(v, lane, SumOp{});
-    butterfly_step<4>(v, lane, SumOp{});
-    {
-      const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
-      const int col = 8 * (c0 / 2) + 2 * (lane % 4);  // columns of c0, c0+1; c0+2, c0+3 are 8 further
-      *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
-      *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
-    }
-    if (lane == 0) sm.warp_max[warp] = m == -INFINITY ? -INFINITY : m_log2;
-    __syncthreads();
-    // Combine the warps: chunk maximum and energies relative to it.
-    if (threadIdx.x < kN) {
-      float cm = sm.warp_max[0];
-      for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.warp_max[w]);
-      float e = 0.f;
-      if (cm != -INFINITY) {
-        for (int w = 0; w < kWarps; ++w) {
-          if (sm.warp_max[w] != -INFINITY) e += sm.partial[w][threadIdx.x] * fast_exp2(sm.warp_max[w] - cm);
-        }
+        for (int k = 4; k < kCols; ++k) m4[k % 4] = fmax_nan(m4[k % 4], S(i, k));
+        float m = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]));
+        m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        if (m != m) atomicOr(&sm.nan_flag, 1);
+        const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // no row sees J: every term exp2(-inf) = 0
+        float e4[4] = {0.f, 0.f, 0.f, 0.f};
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) e4[k % 4] += fast_exp2(fmaf(S(i, k), sel.scale_log2, -m_log2));
+        float e = (e4[0] + e4[1]) + (e4[2] + e4[3]);
+        e += __shfl_xor_sync(0xffffffffu, e, 1);
+        e += __shfl_xor_sync(0xffffffffu, e, 2);
+        if ((lane & 3) == 0 && J < nb32) energy[J] = m_log2 + __log2f(e);  // -inf when no row sees J
       }
-      const int J = chunk_first + threadIdx.x;
-      if (J < nb32) energy[J] = e;
-      if (threadIdx.x == 0) chunk_max[c] = cm;
     }
   }
   __syncthreads();
@@ -389,23 +372,16 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   if constexpr (kRowMax) {
     threshold = log2f(sel.alpha) / sel.scale_log2;  // ln(alpha) / scale; alpha = 0: -inf, every visible block
   } else {
-    // Rescale every chunk's energies to the tile maximum M; E_max.
-    float tile_max = -INFINITY;
-    for (int c = 0; c < nchunks; ++c) tile_max = fmaxf(tile_max, chunk_max[c]);
-    float local_emax = 0.f;
-    for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads) {
-      const float cm = chunk_max[J / kN];
-      const float e = cm == -INFINITY ? 0.f : energy[J] * exp2f(cm - tile_max);
-      energy[J] = e;
-      local_emax = fmaxf(local_emax, e);
-    }
+    // log2 E_max over the visible blocks; keep iff log2 E_J >= log2 E_max + log2 alpha (alpha = 0: -inf, every block)
+    float local_emax = -INFINITY;
+    for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads)
+      local_emax = fmaxf(local_emax, energy[J]);
     for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
-    __syncthreads();
     if (lane == 0) sm.red[warp] = local_emax;
     __syncthreads();
     float emax = sm.red[0];
     for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
-    threshold = sel.alpha * emax;
+    threshold = emax + log2f(sel.alpha);
   }
 
   // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
