@@ -184,23 +184,23 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
   // addresses are fixed per stage, and the passes of the swizzled tile lie a fixed byte distance apart (whole 8-row
   // swizzle atoms), so a chunk costs kPasses copies and adds (index math per copy was ~1/3 of the loop's issue
-  // slots).
+  // slots). Rows past the sequence's blocks copy its last block's mean (32-bit offsets, no zero-fill select: 117 ->
+  // ~50 instructions per chunk): every chunk that holds them is masked, and both rules set their scores to -inf.
   constexpr int kVec = D / 8, kRowsPerPass = kScoreThreads / kVec, kPasses = kN / kRowsPerPass;
   const int v = threadIdx.x % kVec, n0 = threadIdx.x / kVec;
   const auto smem_addr = [](const Element& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
   const uint32_t dst0 = smem_addr(sK(n0, v * 8, 0));
   const uint32_t pass_bytes = smem_addr(sK(n0 + kRowsPerPass, v * 8, 0)) - dst0;
   const uint32_t stage_bytes = smem_addr(sK(n0, v * 8, 1)) - dst0;
-  const Element* src0 = pooled + int64_t(n0) * pooled_row_stride + v * 8;
-  const int64_t pass_stride = int64_t(kRowsPerPass) * pooled_row_stride;
+  const char* src0 = reinterpret_cast<const char*>(pooled + v * 8);
+  const uint32_t row_bytes = uint32_t(pooled_row_stride) * uint32_t(sizeof(Element));
   auto stage_chunk = [&](int c, int buf) {
-    const Element* src = src0 + int64_t(c) * kN * pooled_row_stride;
     const uint32_t dst = dst0 + uint32_t(buf) * stage_bytes;
     CUTE_UNROLL
     for (int p = 0; p < kPasses; ++p) {
-      const bool ok = c * kN + n0 + p * kRowsPerPass < nb32;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + p * pass_bytes),
-                   "l"(ok ? src + p * pass_stride : pooled), "r"(ok ? 16 : 0));
+      const int row = min(c * kN + n0 + p * kRowsPerPass, nb32 - 1);  // < 2^32 bytes from `pooled`
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + p * pass_bytes),
+                   "l"(src0 + uint32_t(row) * row_bytes));
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -217,21 +217,39 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     // PackGQA gather of Q (packed row r: position r / g, head kvh * g + r % g) into the swizzled tile with cp.async,
     // in the same group as chunk 0, so every load is in flight at once (a load-then-store loop serialised 32 global
     // round trips per thread: ~2x slower index stage). 16-byte copies when q allows them, else 4-byte ones
-    // (build_index needs only even q strides); zero-fill past the tile's rows.
+    // (build_index needs only even q strides); zero-fill past the tile's rows. A thread's rows lie kRowStep apart,
+    // so its source address is stepped, not recomputed per copy (runtime divisions and 64-bit products: ~100
+    // instructions per copy before, ~15 now).
     const int64_t q_start = seq.q_start(b);
-    const int elems = qa.vec16 ? 8 : 2;
-    const int per_row = D / elems;
-    for (int i = threadIdx.x; i < kTileRows * per_row; i += kScoreThreads) {
-      const int r = i / per_row, col = (i % per_row) * elems;
-      const int pr = int(t) * kTileRows + min(r, int(rows) - 1);  // packed row within the sequence (Lq * g < 2^31)
-      const T* src = static_cast<const T*>(qa.q) + (q_start + pr / group_size) * qa.stride_row +
-                     (kvh * group_size + pr % group_size) * qa.stride_head + col;
-      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sQ(r, col)));
-      if (qa.vec16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 16 : 0));
-      } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 4 : 0));
+    const T* q = static_cast<const T*>(qa.q);
+    auto gather_q = [&](auto elems) {
+      constexpr int kElems = decltype(elems)::value, kPerRow = D / kElems, kBytes = kElems * int(sizeof(T));
+      constexpr int kRowStep = kScoreThreads / kPerRow;
+      static_assert(kScoreThreads % kPerRow == 0, "a thread's copies share their column");
+      const int r0 = threadIdx.x / kPerRow, col = (threadIdx.x % kPerRow) * kElems;
+      const int pr0 = int(t) * kTileRows + r0;  // packed row within the sequence (Lq * g < 2^31)
+      int head = pr0 % group_size;
+      const T* at = q + (q_start + pr0 / group_size) * qa.stride_row + (kvh * group_size + head) * qa.stride_head + col;
+      const int dhead = kRowStep % group_size;  // kRowStep rows on: dpos positions and dhead heads further
+      const int64_t step = (kRowStep / group_size) * qa.stride_row + dhead * qa.stride_head;
+      const int64_t wrap = qa.stride_row - group_size * qa.stride_head;  // head g -> head 0 of the next position
+      for (int r = r0; r < kTileRows; r += kRowStep) {
+        const T* src = r < rows ? at : q;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sQ(r, col)));
+        if constexpr (kBytes == 16) {
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 16 : 0));
+        } else {
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(r < rows ? 4 : 0));
+        }
+        at += step;
+        head += dhead;
+        if (head >= group_size) head -= group_size, at += wrap;
       }
+    };
+    if (qa.vec16) {
+      gather_q(Int<8>{});
+    } else {
+      gather_q(Int<2>{});
     }
     stage_chunk(0, 0);  // commits Q and chunk 0 as one group
   }
@@ -340,11 +358,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
         const int J = chunk_first + get<0>(cS_rc(i, 0));
         if (!unmasked) {
           const int64_t lo = (int64_t(J) * B - off) * group_size - t * kTileRows;  // first query row that sees J
-          const int r_lo = int(max(int64_t(0), min(lo, int64_t(kTileRows))));
+          // rows [r_lo, rows) see J; relative to this thread's first column (column offsets are compile-time)
+          const int r_base = get<1>(cS_rc(i, 0));
+          const int lo_k = int(max(int64_t(0), min(lo, int64_t(kTileRows)))) - r_base, hi_k = int(rows) - r_base;
           CUTE_UNROLL
           for (int k = 0; k < kCols; ++k) {
-            const int r = get<1>(cS_rc(i, k));
-            if (r < r_lo || r >= rows) S(i, k) = -INFINITY;
+            const int dk = get<1>(cS_rc(i, k)) - r_base;
+            if (dk < lo_k || dk >= hi_k) S(i, k) = -INFINITY;
           }
         }
         // m_J over the quad's 128 rows (NaN-propagating: a NaN score flags the tile), four chains for the latency
