@@ -47,7 +47,6 @@ struct ScoreConfig {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;  // double buffer: chunk c+1 loads under c
     float partial[kScoreWarps][kN];  // per-row rule: each warp's column maxima of a chunk
     float red[kScoreWarps];
-    int warp_count[kScoreWarps];
     int nan_flag;  // a NaN score in the tile: keep every visible block
     int64_t base;  // the segment's first block_ids slot (kOverflowStart: no room)
   };
@@ -405,61 +404,64 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
 
   // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
-  // energies were never computed: `last_tile ||` comes first).
+  // energies were never computed: the force term). 32-bit and branch-free: key positions < 2^31 (int32 cu_seqlens);
+  // the 64-bit short-circuit form was ~100 instructions per round of 256 blocks.
+  const int kl = int(k_len), hf = int(max(hi_first, int64_t(-1)));  // hf -1: no block is prunable
   const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
-  const int64_t band_lo = max(int64_t(0), diag_first - sel.window + 1), band_hi = min(k_len - 1, diag_last);
+  const int band_lo = int(max(int64_t(0), diag_first - sel.window + 1)), band_hi = int(min(k_len - 1, diag_last));
   const bool has_band = sel.window > 0 && diag_last >= 0;
-  const bool tile_nan = sm.nan_flag != 0;  // written before the loop's last barrier (and the one after it)
+  const bool force = sm.nan_flag != 0 || last_tile;  // nan_flag: written before the loop's last barrier
+  const int nvis32 = int(nvis);
   // Count pass: the keep decisions in rounds of 256 blocks, each warp's ballot stored as the word of its 32 blocks.
-  int kept = 0;  // lane 0: this warp's kept blocks
-  for (int64_t round = 0; round < nvis; round += kScoreThreads) {
-    const int64_t J = round + threadIdx.x;
+  for (int round = 0; round < nvis32; round += kScoreThreads) {
+    const int J = round + threadIdx.x;
     bool keep = false;
-    if (J < nvis) {
-      const int64_t last_key = min((J + 1) * B, k_len) - 1;
-      const bool prunable = hi_first >= 0 && last_key <= hi_first;
-      keep = tile_nan || last_tile || !prunable || energy[J] >= threshold || J * B < sel.sink ||
-             (has_band && J * B <= band_hi && last_key >= band_lo) ||
-             (probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u));
+    if (J < nvis32) {
+      const int first_key = J * B, last_key = first_key + min(B - 1, kl - 1 - first_key);
+      const bool probe = probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u);
+      keep = force | (last_key > hf) | (energy[J] >= threshold) | (first_key < sel.sink) |
+             (has_band & (first_key <= band_hi) & (last_key >= band_lo)) | probe;
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-    if (lane == 0) {
-      keep_bits[round / 32 + warp] = ballot;
-      kept += __popc(ballot);
-    }
+    if (lane == 0) keep_bits[round / 32 + warp] = ballot;
   }
-  if (lane == 0) sm.warp_count[warp] = kept;
   __syncthreads();
-  // One slot range per segment from the global cursor (64-bit: it never wraps, whatever the budget); a segment
-  // that does not fit is marked, and runs its full list.
-  if (threadIdx.x == 0) {
+  // Warp 0: exclusive prefix of the words' popcounts into word_prefix (energy[]'s room, no longer read), the
+  // segment's total, and one slot range per segment from the global cursor (64-bit: it never wraps, whatever the
+  // budget); a segment that does not fit is marked, and runs its full list.
+  int* word_prefix = reinterpret_cast<int*>(energy);
+  const int words = (nvis32 + 31) / 32;
+  if (warp == 0) {
     int total = 0;
-    for (int w = 0; w < kWarps; ++w) total += sm.warp_count[w];
-    const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
-    const bool fits = at + total <= (unsigned long long)capacity;
-    sm.base = fits ? int64_t(at) : kOverflowStart;
-    segment_start[seg] = fits ? int32_t(at) : kOverflowStart;
-    segment_end[seg] = int32_t(fits ? at + total : nvis);
-    atomicAdd(&counters[kKept], (unsigned long long)(fits ? total : nvis));
-    atomicAdd(&counters[kVisible], (unsigned long long)nvis);
-    if (!fits) atomicAdd(&counters[kOverflow], 1ull);
+    for (int w0 = 0; w0 < words; w0 += 32) {
+      const int w = w0 + lane;
+      const int n = w < words ? __popc(keep_bits[w]) : 0;
+      int incl = n;
+      for (int o = 1; o < 32; o *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (w < words) word_prefix[w] = total + incl - n;
+      total += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
+      const bool fits = at + total <= (unsigned long long)capacity;
+      sm.base = fits ? int64_t(at) : kOverflowStart;
+      segment_start[seg] = fits ? int32_t(at) : kOverflowStart;
+      segment_end[seg] = int32_t(fits ? at + total : nvis);
+      atomicAdd(&counters[kKept], (unsigned long long)(fits ? total : nvis));
+      atomicAdd(&counters[kVisible], (unsigned long long)nvis);
+      if (!fits) atomicAdd(&counters[kOverflow], 1ull);
+    }
   }
   __syncthreads();
   const int64_t base = sm.base;
   if (base == kOverflowStart) return;
-  // Write pass: ids ascending at base, each thread's offset from the popcounts of the words before its own.
-  const int64_t words = (nvis + 31) / 32;
-  int64_t offset = base;
-  for (int64_t w0 = 0; w0 < words; w0 += kWarps) {
-    const int64_t w = w0 + warp;
-    const uint32_t bits = w < words ? keep_bits[w] : 0u;
-    int64_t at = offset + __popc(bits & ((1u << lane) - 1u));
-    for (int p = 0; p < kWarps; ++p) {
-      const int n = w0 + p < words ? __popc(keep_bits[w0 + p]) : 0;
-      if (p < warp) at += n;
-      offset += n;
-    }
-    if ((bits >> lane) & 1u) block_ids[at] = int32_t(w * 32 + lane);
+  // Write pass: ids ascending at base, lane l of word w at its word's prefix plus the kept bits below l.
+  for (int w = warp; w < words; w += kWarps) {
+    const uint32_t bits = keep_bits[w];
+    if ((bits >> lane) & 1u) block_ids[base + word_prefix[w] + __popc(bits & ((1u << lane) - 1u))] = w * 32 + lane;
   }
 }
 
