@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     const uint32_t dst = dst0 + uint32_t(buf) * stage_bytes;
     CUTE_UNROLL
     for (int p = 0; p < kPasses; ++p) {
-      const int row = min(c * kN + n0 + p * kRowsPerPass, nb32 - 1);  // < 2^32 bytes from `pooled`
+      const int row = min(c * kN + n0 + p * kRowsPerPass, nb32 - 1);  // nb_max x row_bytes < 2^32 (smem limit)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + p * pass_bytes),
                    "l"(src0 + uint32_t(row) * row_bytes));
     }
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     // round trips per thread: ~2x slower index stage). 16-byte copies when q allows them, else 4-byte ones
     // (build_index needs only even q strides); zero-fill past the tile's rows. A thread's rows lie kRowStep apart,
     // so its source address is stepped, not recomputed per copy (runtime divisions and 64-bit products: ~100
-    // instructions per copy before, ~15 now).
+    // instructions per copy before, ~25 now).
     const int64_t q_start = seq.q_start(b);
     const T* q = static_cast<const T*>(qa.q);
     auto gather_q = [&](auto elems) {
