@@ -46,6 +46,32 @@ SP_HOST_DEVICE int64_t row_head(int64_t row, int64_t group_size, int64_t kv_head
 SP_HOST_DEVICE int64_t packed_row(int64_t position, int64_t head_in_group, int64_t group_size) {
   return position * group_size + head_in_group;
 }
+// Packed row -> (position, head in group) for the kernels, whose rows are < 2^31: the division by g as a multiply
+// and a shift (the round-up method: m = ceil(2^(31 + l) / g) with l = ceil(log2 g), so x m / 2^(31 + l) exceeds x / g
+// by less than 1 / g and its floor is x / g for every x in [0, 2^31)). A runtime int division is ~17 instructions on
+// the GPU (MUFU.RCP and corrections); the sparse kernel's consumers did ~38 per tile (Q gather, mask, epilogue).
+struct RowDivider {
+  int32_t g = 1;
+  uint32_t m = 0;      // unused for g == 1
+  uint32_t shift = 0;  // l - 1, applied to the high 32 bits of x m
+  RowDivider() = default;
+  explicit RowDivider(int32_t group_size) : g(group_size) {
+    int l = 0;
+    while ((int64_t(1) << l) < group_size) ++l;
+    if (group_size > 1) {
+      m = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(group_size) - 1) / uint64_t(group_size));
+      shift = uint32_t(l - 1);
+    }
+  }
+  SP_HOST_DEVICE int32_t position(int32_t row) const {  // row / g, row in [0, 2^31)
+#if defined(__CUDA_ARCH__)
+    return g == 1 ? row : int32_t(__umulhi(uint32_t(row), m) >> shift);
+#else
+    return g == 1 ? row : int32_t((uint64_t(uint32_t(row)) * m) >> (32 + shift));
+#endif
+  }
+  SP_HOST_DEVICE int32_t head(int32_t row) const { return row - position(row) * g; }  // row % g
+};
 
 // --- virtual heads (head sub-groups) ------------------------------------------------------------------------------
 SP_HOST_DEVICE int virtual_kv_heads(int num_kv_heads, int subgroups) { return num_kv_heads * subgroups; }

@@ -278,13 +278,14 @@ struct SparseBlockIterator {
   SP_HOST_DEVICE int block(int i) const {
     const int J = listed_id(i);
     if (unsigned(J) >= unsigned(k_len)) return -1;
-    const int n = J * ratio + (ratio - 1 - (i + i_begin) % ratio);
+    const int n = ratio == 1 ? J : J * ratio + (ratio - 1 - (i + i_begin) % ratio);
     return n * kBlockN >= k_len ? -1 : n;
   }
   // The listed id of real step i.
   SP_HOST_DEVICE int listed_id(int i) const {
     i += i_begin;
-    return ids != nullptr ? load_id(ids + (n_listed - 1 - i / ratio)) : n_listed - 1 - i / ratio;
+    const int k = ratio == 1 ? i : i / ratio;  // block 128, the default: no integer division (~17 instructions)
+    return ids != nullptr ? load_id(ids + (n_listed - 1 - k)) : n_listed - 1 - k;
   }
   // Whether real step i lists an id outside [0, nb) (the producer reports it, device_checks.h).
   SP_HOST_DEVICE bool bad_id(int i) const {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/geometry.h"
 #include "cuda/device_checks.h"
 #include "cuda/fwd_args.h"
 
@@ -21,6 +22,7 @@ struct FwdProblem {
   // are virtual heads of group_size query heads each, and K/V (and the pooled means) are read from head
   // kv_head / head_subgroups of the num_kv_heads_mem heads in memory.
   int num_kv_heads, group_size, num_kv_heads_mem, head_subgroups;
+  geometry::RowDivider group_div;  // group_size: PackGQA row -> (position, head) without an integer division
   int num_m_blocks;  // m-blocks (PackGQA: packed tiles) of the longest sequence
   int batch;
   float softmax_scale, scale_log2;
@@ -41,6 +43,7 @@ struct FwdProblem {
     p.head_subgroups = pack_gqa ? head_subgroups : 1;
     p.num_kv_heads = geometry::virtual_kv_heads(a.num_kv_heads, p.head_subgroups);
     p.group_size = geometry::virtual_group_size(a.num_q_heads / a.num_kv_heads, p.head_subgroups);
+    p.group_div = geometry::RowDivider(p.group_size);
     const int64_t rows = pack_gqa ? int64_t(a.max_seqlen_q) * p.group_size : int64_t(a.max_seqlen_q);
     p.num_m_blocks = int((rows + block_m - 1) / block_m);
     p.softmax_scale = a.softmax_scale;

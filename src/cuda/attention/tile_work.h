@@ -129,9 +129,11 @@ struct CsrBlocks {
     }
     // Packed row row0 + row = position * g + head % g. Rows past the sequence are computed but never stored.
     __device__ __forceinline__ int tile_rows(const FwdProblem& pr) const { return seq.q_len * pr.group_size - row0; }
-    __device__ __forceinline__ int row_pos(const FwdProblem& pr, int row) const { return (row0 + row) / pr.group_size; }
+    __device__ __forceinline__ int row_pos(const FwdProblem& pr, int row) const {
+      return pr.group_div.position(row0 + row);
+    }
     __device__ __forceinline__ int row_head(const FwdProblem& pr, int row) const {
-      return q_head + (row0 + row) % pr.group_size;
+      return q_head + pr.group_div.head(row0 + row);
     }
   };
 
@@ -179,7 +181,7 @@ struct CsrBlocks {
       w.iter = Iterator::make(nullptr, 0, 0, w.seq.q_len, 0, ix.block_size, false);
       return w;
     }
-    const int p_first = w.row0 / pr.group_size;
+    const int p_first = pr.group_div.position(w.row0);
     if (Scheduler::split_elsewhere(sp, u, [&] {
           return Iterator::planned_steps(n_listed, p_first, w.seq.q_len, w.seq.k_len, ix.block_size, corr);
         })) {
