@@ -88,7 +88,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // J the quad of lanes that holds its 128 rows takes m_J = max over the rows that see J of s_rJ and
 // sum_J = sum_r exp2(scale_log2 (s_rJ - m_J)), and keeps log2 E_J = scale_log2 m_J + log2 sum_J in energy[]: the
 // energies relative to any common reference, so the keep test E_J >= alpha max E is log2 E_J >= log2 max E +
-// log2 alpha, with no rescale and no cross-warp step (one barrier per chunk, for the pooled-key stages).
+// log2 alpha, with no rescale and no cross-warp step (each warpgroup stages its own 64 pooled rows and syncs alone).
 // kRowMax (SelectionRule::kRowMax): S = Q K_mean^T, two passes over the chunks through the same double-buffered
 // pipeline. Pass 1 keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2
 // recomputes the GEMM (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over
@@ -128,8 +128,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename Cfg::SmemLayoutK{});
 
-  // stage_chunk(c, buf): the 128 pooled keys of chunk c into stage `buf` with cp.async (16 B each; zero-fill past
-  // the last block).
+  // stage_chunk(c, buf): the pooled keys of chunk c into stage `buf` with cp.async (16 B each).
   // (num_kv_heads, group_size: virtual KV heads with head sub-groups; the pooled means are per KV head in memory.)
   const Element* pooled =
       reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / subgroups) * D;
@@ -140,8 +139,16 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   // swizzle atoms), so a chunk costs kPasses copies and adds (index math per copy was ~1/3 of the loop's issue
   // slots). Rows past the sequence's blocks copy its last block's mean (32-bit offsets, no zero-fill select: 117 ->
   // ~50 instructions per chunk): every chunk that holds them is masked, and both rules set their scores to -inf.
-  constexpr int kVec = D / 8, kRowsPerPass = kScoreThreads / kVec, kPasses = kN / kRowsPerPass;
-  const int v = threadIdx.x % kVec, n0 = threadIdx.x / kVec;
+  // Who copies what: the per-row rule's S = Q K_mean^T needs all 128 rows of a chunk in each warpgroup (its B
+  // operand), so the 256 threads copy them and the CTA syncs (sync_stage). The tile energy's S^T = K_mean Q^T reads
+  // in each warpgroup only its own 64 rows (its A operand): each warpgroup copies its half and syncs alone on a
+  // 128-thread named barrier, so the two drift apart instead of meeting every chunk (the CTA barrier was 1.26 of
+  // 7.4 stall cycles per issued instruction at 128K, bench/NOTES_index.md v6).
+  constexpr int kCopyThreads = kRowMax ? kScoreThreads : 128, kCopyRows = kRowMax ? kN : kN / 2;
+  constexpr int kVec = D / 8, kRowsPerPass = kCopyThreads / kVec, kPasses = kCopyRows / kRowsPerPass;
+  const int wg = threadIdx.x / 128;
+  const int copier = kRowMax ? int(threadIdx.x) : int(threadIdx.x) % 128;  // this thread among its copiers
+  const int v = copier % kVec, n0 = (kRowMax ? 0 : wg * kCopyRows) + copier / kVec;
   const auto smem_addr = [](const Element& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
   const uint32_t dst0 = smem_addr(sK(n0, v * 8, 0));
   const uint32_t pass_bytes = smem_addr(sK(n0 + kRowsPerPass, v * 8, 0)) - dst0;
@@ -157,6 +164,17 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
                    "l"(src0 + uint32_t(row) * row_bytes));
     }
     asm volatile("cp.async.commit_group;\n" ::);
+  };
+  // Step `step`'s keys (and, at step 0, Q) visible to the wgmma of every thread that reads them, and the other
+  // stage's last reader done, before it is refilled.
+  auto sync_stage = [&](int step) {
+    if (kRowMax || step == 0) {
+      __syncthreads();  // step 0: Q, copied by all 256 threads
+    } else if (wg == 0) {  // barriers 1 and 2 as immediates (a register id makes ptxas reserve all 16)
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    } else {
+      asm volatile("bar.sync 2, 128;\n" ::: "memory");
+    }
   };
 
   const bool last_tile = t >= tiles - sel.last_n;
@@ -215,7 +233,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     const int buf = step & 1;
     asm volatile("cp.async.wait_group 0;\n" ::);
     cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
-    __syncthreads();  // this step's keys are in; every wgmma of the previous step (on the other stage) is done
+    sync_stage(step);
     if (step + 1 < steps) stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
 
     if constexpr (kRowMax) {
