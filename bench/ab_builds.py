@@ -93,7 +93,8 @@ def worker(args):
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, workspace=ws)
         elif kind.startswith("index_"):  # the index stage alone, into a caller workspace
-            sel = dict(alpha=0.1, block_size=128, sink=256, window=512, last_n=2, rule=kind[len("index_"):])
+            from _common import SEL  # the benchmarks' selection (FlashPrefill V2's parameters), this row's rule
+            sel = dict(SEL, rule=kind[len("index_"):], correction=False)
             n = sp.index_workspace_bytes(q, k, v, cu, cu, L, L, **sel)
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **sel)

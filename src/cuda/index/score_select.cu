@@ -217,11 +217,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 
   // kRowMax: the last block each of this thread's 2 query rows sees (-1: none, or past the tile's rows). Chunks that
   // every row of the tile sees whole skip the mask (causal: all but the last one or two).
-  int row_last_block[2];
-  for (int i = 0; i < 2; ++i) {
-    const int r = get<0>(cS_rc(i, 0));
-    const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
-    row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
+  int row_last_block[2] = {-1, -1};
+  if constexpr (kRowMax) {
+    for (int i = 0; i < 2; ++i) {
+      const int r = get<0>(cS_rc(i, 0));
+      const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+      row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
+    }
   }
   const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
