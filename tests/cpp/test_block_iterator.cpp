@@ -76,7 +76,7 @@ long check_sparse(long& checked) {
                 if (!it.is_corr(i)) {
                   const int n = it.block(i);
                   if (n >= 0) keys_real.insert(n);
-                  if (n >= 0 && !it.needs_mask(i)) {  // every row sees every key of the step
+                  if (n >= 0 && !it.needs_mask(i, n)) {  // every row sees every key of the step
                     const int c1 = n * N + N - 1;
                     if (c1 >= lk || c1 > p_first + diag) {
                       if (failures < 5) std::printf("FAIL mask\n");
@@ -153,7 +153,7 @@ long check_full_list(long& checked) {
                 if (failures++ < 10) std::printf("FAIL full list order lq=%d lk=%d g=%d t=%d\n", lq, lk, g, t);
                 continue;
               }
-              seen[b] = it.needs_mask(i) ? 2 : 1;
+              seen[b] = it.needs_mask(i, b) ? 2 : 1;
             }
             for (int r = 0; r < rows; ++r) {
               const int pos = (row0 + r) / g;
@@ -256,7 +256,7 @@ long check_dense(long& checked_out) {
               const int i = visited[c / N];
               bool ok = it.visible(r, c) == ref && ((lo <= c && c <= hi) == ref);
               if (ref && i < 0) ok = false;                         // visible key in a block that is not visited
-              if (i >= 0 && !it.needs_mask(i) && !ref) ok = false;  // unmasked block with an invisible key
+              if (i >= 0 && !it.needs_mask(i, it.block(i)) && !ref) ok = false;  // unmasked, an invisible key
               ++checked;
               if (!ok && failures++ < 10)
                 std::printf("FAIL lq=%d lk=%d left=%d right=%d m_block=%d row=%d col=%d ref=%d visited=%d\n", lq, lk,
@@ -299,7 +299,8 @@ long check_overflowed_segment(long& checked) {
                         listed.total() == listed.n_real &&
                         It::planned_steps(n, p_first, lq, lk, bs, corr) >= full.total();
               for (int i = 0; ok && i < full.n_real; ++i) {
-                ok = full.block(i) == listed.block(i) && full.needs_mask(i) == listed.needs_mask(i);
+                ok = full.block(i) == listed.block(i) &&
+                     full.needs_mask(i, full.block(i)) == listed.needs_mask(i, listed.block(i));
               }
               ++checked;
               if (!ok && failures++ < 10)

@@ -120,8 +120,8 @@ struct DenseBlockIterator {
   // True when some element of block(i) may be invisible to some row of the tile: the tile-uniform branch that
   // replaces FA3's separate masked / unmasked trip counts (only the diagonal blocks, the sequence tail and the
   // window edge pay for the element-wise mask).
-  SP_HOST_DEVICE bool needs_mask(int i) const {
-    const int c0 = block(i) * kBlockN, c1 = c0 + kBlockN - 1;
+  SP_HOST_DEVICE bool needs_mask(int i, int n) const {
+    const int c0 = n * kBlockN, c1 = c0 + kBlockN - 1;
     if (c1 >= k_len) return true;
     if (right >= 0 && c1 > m0 + diag + right) return true;
     if (left >= 0 && c0 < m0 + kBlockM - 1 + diag - left) return true;
@@ -315,10 +315,9 @@ struct SparseBlockIterator {
   }
 
   // The diagonal block, the sequence tail and out-of-range ids need the element-wise mask; correction steps always
-  // do (blocks to correct vs the rest of the chunk).
-  SP_HOST_DEVICE bool needs_mask(int i) const {
+  // do (blocks to correct vs the rest of the chunk). n: block(i) for a real step (the consumers read it once).
+  SP_HOST_DEVICE bool needs_mask(int i, int n) const {
     if (is_corr(i)) return true;
-    const int n = block(i);
     if (n < 0) return true;
     const int c1 = n * kBlockN + kBlockN - 1;
     return c1 >= k_len || c1 > p_first + diag;

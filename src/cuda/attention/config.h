@@ -111,6 +111,7 @@ struct FwdConfig {
     // scheduler's two slots (producer -> consumers).
     uint32_t listed_bits[kMaxCorrChunks * kBlockN / 32];
     int tile_ids[2];
+    alignas(16) unsigned char tile_work[2][192];  // ... and the Work of each (scheduler.h)
     int poisoned[4];  // device-side checks: tile publication number + 1 of a tile that met a bad page / block id
     int4 poison_info[4];  // ... and what it met (code, index, value): the consumers report it (kernel_sm90.h)
     cutlass::arch::ClusterBarrier tile_full[2];

@@ -138,6 +138,7 @@ struct FwdConfigFp8 {
     cutlass::arch::ClusterBarrier vt_full[kStages];
     uint32_t listed_bits[kMaxCorrChunks * kBlockN / 32];
     int tile_ids[2];
+    alignas(16) unsigned char tile_work[2][192];
     int poisoned[4];
     int4 poison_info[4];
     cutlass::arch::ClusterBarrier tile_full[2];

@@ -11,6 +11,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory.h>
 #include <cutlass/numeric_conversion.h>
 
 #include "cuda/attention/problem.h"
@@ -90,16 +91,25 @@ struct DirectStore {
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
     {
-      constexpr int kChunks = kHeadDim / 8;
+      constexpr int kChunks = kHeadDim / 8, kLoads = 64 * kChunks / 128;
       const int t = mma_tidx % 128;
+      // All the loads, then all the stores, through 32-bit shared addresses: written as one loop, ptxas issued a
+      // generic 64-bit load then its global store one pair at a time (ncu at 128K: 5 % of the sparse kernel's warp
+      // samples on that line, waiting on each load).
+      uint4 vals[kLoads];
       CUTE_UNROLL
-      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+      for (int k = 0; k < kLoads; ++k) {
         const int idx = t + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
         // Address through the tensor: the swizzle of a GMMA smem layout acts on byte addresses of the smem pointer,
         // so SmemLayoutQ{}(row, col) alone is not the element offset.
-        const uint4 val = *reinterpret_cast<const uint4*>(&sO(row, ch * 8));
-        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(p, pr, w, row) + ch * 8) = val;
+        cutlass::arch::shared_load<16>(&vals[k], cast_smem_ptr_to_uint(&sO(row, ch * 8)));
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < kLoads; ++k) {
+        const int idx = t + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        if (row < tile_rows) *reinterpret_cast<uint4*>(out_ptr(p, pr, w, row) + ch * 8) = vals[k];
       }
     }
   }

@@ -96,16 +96,18 @@ struct FwdKernel {
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState st_v = cutlass::make_producer_start_state<Pipeline>();
     typename QLoad::Producer q;
-    using Loop = typename Scheduler::template Producer<SharedStorage>;
+    using Loop = typename Scheduler::template Producer<SharedStorage, Work>;
     Loop sched{storage};
     // A bad value met while loading a tile (poison_tile, mainloop_sm90.h).
     auto poison = [&](int code, int index, int value) {
       poison_tile<KvSource::kGenericProxy>(storage, sched.publication(), code, index, value);
     };
-    for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);
-         t = sched.next(params.scheduler, t), ++n) {
-      // Tile metadata: evaluated identically by every role.
-      const Work work = work_of(params, Scheduler::unit(params.scheduler, t));
+    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
+         t = sched.next(params.scheduler, t, make), ++n) {
+      // Tile metadata: made by the producer and published with the tile (persistent schedulers), or made by every
+      // role alike (one tile per CTA).
+      const Work& work = sched.work();
       if (!work.valid) continue;            // beyond this sequence
       if (work.iter.count() == 0) continue;  // consumers write zeros without smem
       Mainloop::load_tile(params.mainloop, storage, work, pipeline_k, pipeline_v, st_k, st_v, q, issuer, poison);
@@ -117,10 +119,11 @@ struct FwdKernel {
   __device__ __forceinline__ static void transposer(const Params& params, SharedStorage& storage,
                                                     Pipeline& pipeline_v) {
     PipelineState st;  // read state of the V pipeline (like a consumer's)
-    typename Scheduler::template Consumer<SharedStorage> sched{storage};
-    for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);
-         t = sched.next(params.scheduler, t), ++n) {
-      const Work work = work_of(params, Scheduler::unit(params.scheduler, t));
+    typename Scheduler::template Consumer<SharedStorage, Work> sched{storage};
+    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
+         t = sched.next(params.scheduler, t, make), ++n) {
+      const Work& work = sched.work();
       if (!work.valid || work.iter.count() == 0) continue;
       KvSource::transpose_tile(params.mainloop.kv, storage, work, pipeline_v, st, int(threadIdx.x) - 32);
     }
@@ -136,10 +139,11 @@ struct FwdKernel {
     const int cwg = wg_idx - 1;  // consumer warpgroup: query rows [64*cwg, 64*cwg + 64) of the tile
     PipelineState st;            // consumer read state (same sequence for K and V), carried across tiles
     typename QLoad::template Consumer<Scheduler::kPersistent> q;
-    typename Scheduler::template Consumer<SharedStorage> sched{storage};
-    for (int t = sched.first(params.scheduler), n = 0; sched.more(params.scheduler, t, n);
-         t = sched.next(params.scheduler, t), ++n) {
-      const Work work = work_of(params, Scheduler::unit(params.scheduler, t));
+    typename Scheduler::template Consumer<SharedStorage, Work> sched{storage};
+    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
+         t = sched.next(params.scheduler, t, make), ++n) {
+      const Work& work = sched.work();
       if (!work.valid) continue;
       if (work.iter.count() == 0) {  // no step: zeros, or NaN for a bad tile (Work::bad), reported here
         if (Epilogue::store_empty(params.epilogue, pr, work, mma_tidx) && work.bad && mma_tidx == 0)

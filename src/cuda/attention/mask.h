@@ -1,7 +1,7 @@
 // The element-wise mask of one key block: each row keeps the columns of its visible range [lo, hi] (the block
 // iterator's col_range: causal bottom-right, window, sequence tail) and sets the others to -inf. Two integer compares
-// and a select per element, no branches; called only for the steps whose needs_mask(i) is true (the diagonal blocks,
-// the sequence tail and the window edge).
+// and a select per element, no branches; called only for the steps whose needs_mask(i, n) is true (the diagonal
+// blocks, the sequence tail and the window edge).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -6,6 +6,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory.h>
 
 #include "cuda/attention/problem.h"
 #include "cuda/fwd_args.h"
@@ -108,7 +109,7 @@ struct QPackGqaGather {
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
         const int idx = tq + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-        *reinterpret_cast<uint4*>(&sQw(row, ch * kPerChunk)) = vals[k];
+        cutlass::arch::shared_store<16>(cast_smem_ptr_to_uint(&sQw(row, ch * kPerChunk)), &vals[k]);
       }
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
