@@ -221,7 +221,8 @@ struct Mainloop {
     // Key block of step i (-1 for fusion steps, which hold pooled means, and past the last step). The consumers read
     // it once per step, one step ahead, and hand it to the mask and the V-tail check: a listed block's id is a global
     // load, and reading it again at each use put its latency before the PV issue and before the softmax of every
-    // step (ncu at 128K: 12.6 % of the sparse kernel's warp samples on those two lines).
+    // step (ncu at 128K: 12.6 % of the sparse kernel's warp samples on those two lines; mostly hidden under the S
+    // GEMM in flight: with the epilogue's and the Work's changes of 275ed6f, 0-2.4 % faster, bench/NOTES_sparse.md).
     auto step_block = [&](int i) -> int {
       if (i >= n_count) return -1;
       if constexpr (Fusion::kSteps) {
