@@ -14,6 +14,7 @@
 #include <cutlass/arch/memory.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "cuda/attention/ablation.h"
 #include "cuda/attention/problem.h"
 #include "cuda/fwd_args.h"
 #include "cuda/softmax.h"
@@ -68,6 +69,7 @@ struct DirectStore {
                                                const ThrMma& thr_pv, TensorO& tOrO, const float (&lse)[kRows],
                                                int mma_tidx, int cwg) {
     using namespace cute;
+    if constexpr (ablate::kStoreO) return;  // measurement only (ablation.h)
     const int tile_rows = w.tile_rows(pr);
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));

@@ -21,6 +21,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "cuda/attention/ablation.h"
 #include "cuda/attention/config.h"
 #include "cuda/attention/fusion.h"
 #include "cuda/attention/kv_source.h"
@@ -236,7 +237,7 @@ struct Mainloop {
         if (iter.is_corr(i))
           return fusion.apply(p.fusion, pr, S_rc, cS_rc, iter, p.schedule.block_size, seq.k_len, corr_bias_scale);
       }
-      apply_mask<kBlockN>(S_rc, cS_rc, iter, row_pos, n);
+      if constexpr (!ablate::kMask) apply_mask<kBlockN>(S_rc, cS_rc, iter, row_pos, n);  // (ablation.h)
     };
     auto convert_p = [&]() {
       constexpr int N = decltype(size(tSrS))::value;

@@ -8,6 +8,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/memory.h>
 
+#include "cuda/attention/ablation.h"
 #include "cuda/attention/problem.h"
 #include "cuda/fwd_args.h"
 
@@ -95,6 +96,7 @@ struct QPackGqaGather {
       const int tq = mma_tidx % 128;
       const int tile_rows = work.tile_rows(pr);  // rows past the sequence are zeros
       if constexpr (kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // previous epilogue read these rows
+      if constexpr (ablate::kQGather) return;  // measurement only (ablation.h)
       uint4 vals[64 * kChunks / 128];
       CUTE_UNROLL
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
