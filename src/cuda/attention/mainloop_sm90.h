@@ -169,11 +169,13 @@ struct Mainloop {
   }
 
   // Every step of one tile: O (unnormalised) and the softmax state of this thread's rows.
-  template <class QConsumer, class TiledMmaPV, class TensorO, class Softmax>
+  // after_last_s(): called once per tile when this warpgroup's last S GEMM is complete (the Q buffer is no longer
+  // read; the overlapped schedule only).
+  template <class QConsumer, class TiledMmaPV, class TensorO, class Softmax, class AfterLastS>
   __device__ __forceinline__ static void mma(const Params& p, SharedStorage& storage, const Work& work,
                                              Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& st,
                                              QConsumer& q, TiledMmaPV& mma_pv, TensorO& tOrO, Softmax& softmax,
-                                             int mma_tidx, int cwg) {
+                                             int mma_tidx, int cwg, AfterLastS&& after_last_s) {
     using namespace cute;
     const FwdProblem& pr = p.problem;
     const Iterator& iter = work.iter;
@@ -375,6 +377,7 @@ struct Mainloop {
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(st);
+    if (n_count == 1) after_last_s();
     if (iter.needs_mask(0, n_cur)) mask_step(0, n_cur);
     softmax.template step<true>(S_rc, o_scale);
     convert_p();
@@ -396,6 +399,7 @@ struct Mainloop {
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(st);
+      if (i == n_count - 1) after_last_s();
       if (iter.needs_mask(i, n_cur)) mask_step(i, n_cur);
       softmax.template step<false>(S_rc, o_scale);
       warpgroup_wait<0>();

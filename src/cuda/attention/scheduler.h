@@ -182,10 +182,13 @@ struct PersistentScheduler {
       return *reinterpret_cast<const Work*>(storage.tile_work[(published - 1) & 1]);
     }
   };
+  // take_ahead(): the next tile taken while the current one still runs (its slot stays held until next()), for the
+  // sparse kernel's Q prefetch (kernel_sm90.h); work() and publication() keep naming the current tile.
   template <class Storage, class Work>
   struct Consumer {
     Storage& storage;
     int taken = 0;
+    int ahead = -1;  // the tile taken ahead, or -1
     __device__ __forceinline__ int take() {
       const int s = taken & 1;
       storage.tile_full[s].wait((taken >> 1) & 1);
@@ -197,12 +200,22 @@ struct PersistentScheduler {
     __device__ __forceinline__ bool more(const Params& p, int t, int) const { return t < p.num_tiles; }
     template <class Make>
     __device__ __forceinline__ int next(const Params&, int, Make&&) {
-      storage.tile_empty[(taken - 1) & 1].arrive();  // done with the previous tile's slot (its Work)
-      return take();
+      storage.tile_empty[(taken - 1 - (ahead >= 0)) & 1].arrive();  // done with the current tile's slot (its Work)
+      if (ahead < 0) return take();
+      const int t = ahead;
+      ahead = -1;
+      return t;
     }
-    __device__ __forceinline__ int publication() const { return taken - 1; }
-    __device__ __forceinline__ const Work& work() const {
+    __device__ __forceinline__ int take_ahead() {
+      if (ahead < 0) ahead = take();
+      return ahead;
+    }
+    __device__ __forceinline__ const Work& ahead_work() const {
       return *reinterpret_cast<const Work*>(storage.tile_work[(taken - 1) & 1]);
+    }
+    __device__ __forceinline__ int publication() const { return taken - 1 - (ahead >= 0); }
+    __device__ __forceinline__ const Work& work() const {
+      return *reinterpret_cast<const Work*>(storage.tile_work[(taken - 1 - (ahead >= 0)) & 1]);
     }
   };
 };
