@@ -160,6 +160,7 @@ struct PersistentScheduler {
       if (kPlanned && t >= p.plan[SparseLaunchWorkspace::kSplitUnits] + p.num_coord_tiles) t = p.num_tiles;
       const int s = published & 1;
       if (published >= 2) storage.tile_empty[s].wait(((published >> 1) - 1) & 1);
+      asm volatile("" ::: "memory");  // the slot's writes stay after the wait
       storage.tile_ids[s] = t;
       // Made into the slot (after the wait: held in registers across it, its fields spilled).
       if (t < p.num_tiles) *reinterpret_cast<Work*>(storage.tile_work[s]) = make(t);
@@ -192,6 +193,7 @@ struct PersistentScheduler {
     __device__ __forceinline__ int take() {
       const int s = taken & 1;
       storage.tile_full[s].wait((taken >> 1) & 1);
+      asm volatile("" ::: "memory");  // the slot's reads stay after the wait (cutlass's wait has no memory clobber)
       ++taken;
       return storage.tile_ids[s];
     }
