@@ -68,6 +68,10 @@ struct FwdKernel {
   __device__ __forceinline__ static Work work_of(const Params& params, const Unit& u) {
     return Schedule::template work<Scheduler, Fusion>(params.mainloop, params.scheduler, u);
   }
+  // make(t) for the schedulers' roles: the Work of tile t.
+  __device__ __forceinline__ static auto work_maker(const Params& params) {
+    return [&params](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+  }
 
   __device__ __forceinline__ static void run(const Params& params, char* smem_raw) {
     using namespace cute;
@@ -116,7 +120,7 @@ struct FwdKernel {
     auto poison = [&](int code, int index, int value) {
       poison_tile<KvSource::kGenericProxy>(storage, sched.publication(), code, index, value);
     };
-    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    const auto make = work_maker(params);
     for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
          t = sched.next(params.scheduler, t, make), ++n) {
       // Tile metadata: made by the producer and published with the tile (persistent schedulers), or made by every
@@ -134,7 +138,7 @@ struct FwdKernel {
                                                     Pipeline& pipeline_v) {
     PipelineState st;  // read state of the V pipeline (like a consumer's)
     typename Scheduler::template Consumer<SharedStorage, Work> sched{storage};
-    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    const auto make = work_maker(params);
     for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
          t = sched.next(params.scheduler, t, make), ++n) {
       const Work& work = sched.work();
@@ -154,7 +158,7 @@ struct FwdKernel {
     PipelineState st;            // consumer read state (same sequence for K and V), carried across tiles
     typename QLoad::template Consumer<Scheduler::kPersistent> q;
     typename Scheduler::template Consumer<SharedStorage, Work> sched{storage};
-    auto make = [&](int t) { return work_of(params, Scheduler::unit(params.scheduler, t)); };
+    const auto make = work_maker(params);
     for (int t = sched.first(params.scheduler, make), n = 0; sched.more(params.scheduler, t, n);
          t = sched.next(params.scheduler, t, make), ++n) {
       const Work& work = sched.work();

@@ -88,6 +88,15 @@ struct QPackGqaGather {
   // prefetch() (the sparse kernel's A/B variant SP_SPARSE_Q_PREFETCH, kernel_sm90.h): the same rows of the next
   // tile as cp.async copies (zero-filled past the sequence), issued once this warpgroup's last S GEMM of the current
   // tile is complete; the next acquire() only waits for them.
+  // Global address of element col of tile row `row` (row < the tile's rows).
+  template <class Work>
+  __device__ __forceinline__ static const typename Config::Element* row_src(const Params& p, const FwdProblem& pr,
+                                                                             const Work& w, int row, int col) {
+    return static_cast<const typename Config::Element*>(p.q) +
+           int64_t(w.seq.q_start + w.row_pos(pr, row)) * p.q_row_stride +
+           int64_t(w.row_head(pr, row)) * p.q_head_stride + col;
+  }
+
   template <bool kPersistent>
   struct Consumer {
     bool prefetched = false;
@@ -109,9 +118,7 @@ struct QPackGqaGather {
         const int idx = tq + 128 * k;
         const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
         const bool in = row < tile_rows;
-        const Element* src = in ? q_base + int64_t(next.seq.q_start + next.row_pos(pr, row)) * p.q_row_stride +
-                                      int64_t(next.row_head(pr, row)) * p.q_head_stride + ch * kPerChunk
-                                : q_base;
+        const Element* src = in ? row_src(p, pr, next, row, ch * kPerChunk) : q_base;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                          cast_smem_ptr_to_uint(&sQw(row, ch * kPerChunk))),
                      "l"(src), "r"(in ? 16 : 0));
@@ -135,7 +142,6 @@ struct QPackGqaGather {
       Tensor sQw = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
       constexpr int kPerChunk = 16 / int(sizeof(Element));  // elements per 16-byte load: 8 (16-bit), 16 (FP8)
       constexpr int kChunks = Config::kHeadDim / kPerChunk;
-      const Element* q_base = static_cast<const Element*>(p.q);
       const int tq = mma_tidx % 128;
       const int tile_rows = work.tile_rows(pr);  // rows past the sequence are zeros
       if constexpr (kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // previous epilogue read these rows
@@ -145,9 +151,7 @@ struct QPackGqaGather {
         for (int k = 0; k < 64 * kChunks / 128; ++k) {
           const int idx = tq + 128 * k;
           const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-          vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(
-                                          q_base + int64_t(work.seq.q_start + work.row_pos(pr, row)) * p.q_row_stride +
-                                          int64_t(work.row_head(pr, row)) * p.q_head_stride + ch * kPerChunk))
+          vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(row_src(p, pr, work, row, ch * kPerChunk)))
                                     : make_uint4(0, 0, 0, 0);
         }
         CUTE_UNROLL

@@ -200,9 +200,11 @@ struct PersistentScheduler {
     template <class Make>
     __device__ __forceinline__ int first(const Params&, Make&&) { return take(); }
     __device__ __forceinline__ bool more(const Params& p, int t, int) const { return t < p.num_tiles; }
+    // The current tile's publication number (the tile taken ahead, if any, is the newest).
+    __device__ __forceinline__ int publication() const { return taken - 1 - (ahead >= 0); }
     template <class Make>
     __device__ __forceinline__ int next(const Params&, int, Make&&) {
-      storage.tile_empty[(taken - 1 - (ahead >= 0)) & 1].arrive();  // done with the current tile's slot (its Work)
+      storage.tile_empty[publication() & 1].arrive();  // done with the current tile's slot (its Work)
       if (ahead < 0) return take();
       const int t = ahead;
       ahead = -1;
@@ -215,9 +217,8 @@ struct PersistentScheduler {
     __device__ __forceinline__ const Work& ahead_work() const {
       return *reinterpret_cast<const Work*>(storage.tile_work[(taken - 1) & 1]);
     }
-    __device__ __forceinline__ int publication() const { return taken - 1 - (ahead >= 0); }
     __device__ __forceinline__ const Work& work() const {
-      return *reinterpret_cast<const Work*>(storage.tile_work[(taken - 1 - (ahead >= 0)) & 1]);
+      return *reinterpret_cast<const Work*>(storage.tile_work[publication() & 1]);
     }
   };
 };
