@@ -53,8 +53,11 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     if (sparse != nullptr) {
       const SparseLaunchWorkspace& w = sparse->launch;
       // Planned implies persistent (split_planned); without counters the scheduler refuses the launch.
-      if (w.counters != nullptr && w.plan) return launch_fwd<SparseSplitKvFwd<Config>>(a, sparse);
-      return launch_fwd<SparseFwd<Config>>(a, sparse);
+      const bool planned = w.counters != nullptr && w.plan;
+      if (sparse_correction_on(*sparse))
+        return planned ? launch_fwd<SparseSplitKvFwd<Config>>(a, sparse) : launch_fwd<SparseFwd<Config>>(a, sparse);
+      return planned ? launch_fwd<SparseSplitKvNoCorrFwd<Config>>(a, sparse)
+                     : launch_fwd<SparseNoCorrFwd<Config>>(a, sparse);
     }
   }
   if (gather) return launch_fwd<DensePagedGatherFwd<Config>>(a, nullptr);

@@ -27,6 +27,15 @@ using SparseFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, M
 template <class Config>
 using SparseSplitKvFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>,
                                    SplitKvPartials, PlannedScheduler>;
+// Both without the correction (the library's default, and dense attention over PackGQA tiles): no correction
+// steps, so the step loop carries neither their branches nor their registers (the listed-block words and the chunk
+// state; MeanCorrection's runtime-off path keeps both).
+template <class Config>
+using SparseNoCorrFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, NoFusion>, DirectStore,
+                                  DynamicPersistentScheduler>;
+template <class Config>
+using SparseSplitKvNoCorrFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, NoFusion>,
+                                         SplitKvPartials, PlannedScheduler>;
 // Block-sparse FP8 attention: SparseFwd's schedule with DenseFp8Fwd's operands (V transposed in shared memory, the
 // descales folded in); the correction's pooled means are e4m3 in k's and v's raw units (the index stage's
 // k_mean_kernel / v_mean_kernel), so the same descales apply to them.
@@ -36,5 +45,7 @@ using SparseFp8Fwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTmaTransposeV,
 template <class Config>
 using SparseSplitKvFp8Fwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTmaTransposeV, CsrBlocks, MeanCorrectionFp8>,
                                       SplitKvPartials, PlannedScheduler>;
+// FP8 has no variant without the correction: built (Fp8Descale over CsrBlocks), its consumers spilled 224/288 bytes
+// against MeanCorrectionFp8's 40/32 with the correction off at run time (ptxas, 321c883).
 
 }  // namespace sparse_prefill::cuda
