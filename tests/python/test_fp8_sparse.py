@@ -334,14 +334,17 @@ def test_fp8_sparse_over_a_cpu_index_matches_the_cpu_reference(q_lens, k_lens, h
 
 def test_fp8_sparse_full_list_equals_the_dense_fp8_kernel():
     # alpha 0 keeps every visible block: the sparse kernel (PackGQA tiles, CSR steps) against DenseFp8Fwd (one head
-    # per tile), both on the GPU: the same per-row math; two bf16 ulps for the tile shapes' accumulation order
+    # per tile), both on the GPU: the same per-row math; two bf16 ulps of the output's scale for the tile shapes'
+    # accumulation order (an element's own ulp is too tight where its terms cancel: H200 at 4e90c8d, 1 element of
+    # 2.25M off by 0.0117 at 0.084, against a fixed 1e-2)
     rng = np.random.default_rng()
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, [1500, 700], [1500, 900], 8, 2)
     dense = sp.attention(*gpu, mq, mk, **ds_gpu)
     index = sp.build_index(*gpu, mq, mk, alpha=0.0, correction=False, **ds_gpu)
     got = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=_poisoned(cpu[0].shape), **ds_gpu)
     assert index.density == 1
-    torch.testing.assert_close(got.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
+    scale = dense.float().abs().max().item()
+    torch.testing.assert_close(got.float(), dense.float(), atol=2 ** -7 * scale, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("page_size", [64, 128])
