@@ -14,7 +14,6 @@
 #include <cutlass/arch/memory.h>
 #include <cutlass/numeric_conversion.h>
 
-#include "cuda/attention/ablation.h"
 #include "cuda/attention/problem.h"
 #include "cuda/fwd_args.h"
 #include "cuda/softmax.h"
@@ -63,14 +62,12 @@ struct DirectStore {
     return true;
   }
 
-  // O (normalised, float32 accumulator tOrO of thr_pv's slice) and lse[] of this thread's rows. kFromRegisters: O
-  // goes to out without the smem staging (the sparse kernel's Q prefetch, SP_SPARSE_Q_PREFETCH in kernel_sm90.h).
-  template <bool kFromRegisters = false, class Storage, class Work, class ThrMma, class TensorO, int kRows>
+  // O (normalised, float32 accumulator tOrO of thr_pv's slice) and lse[] of this thread's rows.
+  template <class Storage, class Work, class ThrMma, class TensorO, int kRows>
   __device__ __forceinline__ static void store(const Params& p, const FwdProblem& pr, Storage& storage, const Work& w,
                                                const ThrMma& thr_pv, TensorO& tOrO, const float (&lse)[kRows],
                                                int mma_tidx, int cwg) {
     using namespace cute;
-    if constexpr (ablate::kStoreO) return;  // measurement only (ablation.h)
     const int tile_rows = w.tile_rows(pr);
     Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
@@ -80,26 +77,6 @@ struct DirectStore {
         const int row = get<0>(cO_rc(r, 0));
         if (row < tile_rows) *lse_ptr(p, pr, w, row) = lse[r];
       }
-    }
-    if constexpr (kFromRegisters) {
-      // O straight from registers, 4-byte stores of adjacent column pairs: the Q buffer holds the next tile's Q by
-      // now (QPackGqaGather::Consumer::prefetch, kernel_sm90.h).
-      Tensor O_rc = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
-      cutlass::NumericArrayConverter<Element, float, 2> conv;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = get<0>(cO_rc(r, 0));
-        if (row >= tile_rows) continue;
-        Element* dst = out_ptr(p, pr, w, row);
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(O_rc); c += 2) {
-          cutlass::Array<float, 2> pair;
-          pair[0] = O_rc(r, c);
-          pair[1] = O_rc(r, c + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + get<1>(cO_rc(r, c))) = conv(pair);
-        }
-      }
-      return;
     }
     // O: registers -> smem (this warpgroup's 64 rows of the Q buffer; its own QK GEMMs are complete) -> 16-byte stores.
     Tensor sO = make_tensor(make_smem_ptr(Config::o_smem(storage)), typename Config::SmemLayoutO{});

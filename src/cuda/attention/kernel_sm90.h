@@ -19,13 +19,6 @@
 #include "cuda/device_checks.h"
 #include "cuda/softmax.h"
 
-// A/B variant of the sparse kernel, not yet measured (bench/NOTES_sparse.md, "Q prefetch"): 1 gathers the next
-// tile's Q once the current tile's last S GEMM is complete (under its last softmax, P V and epilogue) and stores O
-// from registers, so that the Q buffer is not the O staging. Keep the faster one and delete this switch.
-#ifndef SP_SPARSE_Q_PREFETCH
-#define SP_SPARSE_Q_PREFETCH 0
-#endif
-
 namespace sparse_prefill::cuda {
 
 template <class Mainloop_, template <class> class Epilogue_, template <class> class Scheduler_>
@@ -43,12 +36,6 @@ struct FwdKernel {
   using PipelineState = typename Mainloop::PipelineState;
   using SharedStorage = typename Config::SharedStorage;
   static constexpr int kRows = Mainloop::kRows;
-  // The Q prefetch (SP_SPARSE_Q_PREFETCH): PackGQA tiles gathered by the consumers, the dynamic persistent scheduler
-  // (the next tile is in the mailbox), the overlapped schedule and DirectStore (split-KV parts keep the plain path).
-  static constexpr bool kPrefetchQ = SP_SPARSE_Q_PREFETCH != 0 && QLoad::kCanPrefetch && Scheduler::kPersistent &&
-                                     !Scheduler::kPlanned && Config::kIntraWgOverlap &&
-                                     std::is_same_v<Epilogue, DirectStore<Config>>;
-
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
@@ -183,17 +170,8 @@ struct FwdKernel {
         }
       }
       OnlineSoftmax<kRows, Config::kMaxOffset> softmax(scale_log2);
-      auto after_last_s = [&]() {  // the next tile's Q (kPrefetchQ)
-        if constexpr (kPrefetchQ) {
-          const int t_next = sched.take_ahead();
-          if (sched.more(params.scheduler, t_next, 0)) {
-            const Work& next = sched.ahead_work();
-            if (next.valid && next.iter.count() > 0) q.prefetch(params.mainloop.q, pr, storage, next, mma_tidx, cwg);
-          }
-        }
-      };
       Mainloop::mma(params.mainloop, storage, work, pipeline_k, pipeline_v, st, q, mma_pv, tOrO, softmax, mma_tidx,
-                    cwg, after_last_s);
+                    cwg);
 
       // ---- epilogue ----
       float inv_sum[kRows], lse[kRows];
@@ -218,11 +196,7 @@ struct FwdKernel {
         }
       }
       Mainloop::rescale_o(tOrO, inv_sum);
-      if constexpr (kPrefetchQ)
-        Epilogue::template store<true>(params.epilogue, pr, storage, work, mma_pv.get_slice(mma_tidx), tOrO, lse,
-                                       mma_tidx, cwg);
-      else
-        Epilogue::store(params.epilogue, pr, storage, work, mma_pv.get_slice(mma_tidx), tOrO, lse, mma_tidx, cwg);
+      Epilogue::store(params.epilogue, pr, storage, work, mma_pv.get_slice(mma_tidx), tOrO, lse, mma_tidx, cwg);
       q.release(storage);
     }
   }

@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -23,12 +22,6 @@ void launch_fwd(const FwdArgs& a, const SparseFwdArgs* sparse) {
       cudaFuncSetAttribute(fwd_device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (attr_err != cudaSuccess)
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
-  if constexpr (SP_ABLATE != 0) {  // a measurement build (ablation.h): say so once, its outputs are wrong
-    static const bool said = std::fprintf(stderr,
-                                          "sparse_prefill: measurement build, SP_ABLATE=%d skips kernel stages "
-                                          "(src/cuda/attention/ablation.h): outputs are wrong\n", SP_ABLATE) > 0;
-    (void)said;
-  }
   // Sparse: the counters (tile counter, plan) were zeroed and the plan built on the stream by run_split_plan.
   fwd_device_kernel<Kernel><<<Kernel::grid(params), Config::kNumThreads, Config::kSmemBytes,
                               static_cast<cudaStream_t>(a.stream)>>>(params);

@@ -21,7 +21,6 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "cuda/attention/ablation.h"
 #include "cuda/attention/config.h"
 #include "cuda/attention/fusion.h"
 #include "cuda/attention/kv_source.h"
@@ -169,13 +168,11 @@ struct Mainloop {
   }
 
   // Every step of one tile: O (unnormalised) and the softmax state of this thread's rows.
-  // after_last_s(): called once per tile when this warpgroup's last S GEMM is complete (the Q buffer is no longer
-  // read; the overlapped schedule only).
-  template <class QConsumer, class TiledMmaPV, class TensorO, class Softmax, class AfterLastS>
+  template <class QConsumer, class TiledMmaPV, class TensorO, class Softmax>
   __device__ __forceinline__ static void mma(const Params& p, SharedStorage& storage, const Work& work,
                                              Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineState& st,
                                              QConsumer& q, TiledMmaPV& mma_pv, TensorO& tOrO, Softmax& softmax,
-                                             int mma_tidx, int cwg, AfterLastS&& after_last_s) {
+                                             int mma_tidx, int cwg) {
     using namespace cute;
     const FwdProblem& pr = p.problem;
     const Iterator& iter = work.iter;
@@ -239,7 +236,7 @@ struct Mainloop {
         if (iter.is_corr(i))
           return fusion.apply(p.fusion, pr, S_rc, cS_rc, iter, p.schedule.block_size, seq.k_len, corr_bias_scale);
       }
-      if constexpr (!ablate::kMask) apply_mask<kBlockN>(S_rc, cS_rc, iter, row_pos, n);  // (ablation.h)
+      apply_mask<kBlockN>(S_rc, cS_rc, iter, row_pos, n);
     };
     auto convert_p = [&]() {
       constexpr int N = decltype(size(tSrS))::value;
@@ -377,7 +374,6 @@ struct Mainloop {
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     pipeline_k.consumer_release(st);
-    if (n_count == 1) after_last_s();
     if (iter.needs_mask(0, n_cur)) mask_step(0, n_cur);
     softmax.template step<true>(S_rc, o_scale);
     convert_p();
@@ -399,7 +395,6 @@ struct Mainloop {
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       pipeline_k.consumer_release(st);
-      if (i == n_count - 1) after_last_s();
       if (iter.needs_mask(i, n_cur)) mask_step(i, n_cur);
       softmax.template step<false>(S_rc, o_scale);
       warpgroup_wait<0>();

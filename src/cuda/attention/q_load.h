@@ -8,7 +8,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/memory.h>
 
-#include "cuda/attention/ablation.h"
 #include "cuda/attention/problem.h"
 #include "cuda/fwd_args.h"
 
@@ -16,7 +15,6 @@ namespace sparse_prefill::cuda {
 
 template <class Config>
 struct QTma {
-  static constexpr bool kCanPrefetch = false;  // the producer loads Q (QPackGqaGather::Consumer::prefetch)
   struct Params {
     typename Config::TmaQ tma_q;
   };
@@ -67,7 +65,6 @@ struct QTma {
 
 template <class Config>
 struct QPackGqaGather {
-  static constexpr bool kCanPrefetch = true;
   struct Params {
     const void* q;
     int64_t q_row_stride, q_head_stride;  // elements
@@ -85,9 +82,6 @@ struct QPackGqaGather {
   // epilogue), zeros for rows past the sequence; then the generic-proxy stores are made visible to wgmma. Each
   // warpgroup's S GEMM reads only its own 64 rows.
   //
-  // prefetch() (the sparse kernel's A/B variant SP_SPARSE_Q_PREFETCH, kernel_sm90.h): the same rows of the next
-  // tile as cp.async copies (zero-filled past the sequence), issued once this warpgroup's last S GEMM of the current
-  // tile is complete; the next acquire() only waits for them.
   // Global address of element col of tile row `row` (row < the tile's rows).
   template <class Work>
   __device__ __forceinline__ static const typename Config::Element* row_src(const Params& p, const FwdProblem& pr,
@@ -99,45 +93,10 @@ struct QPackGqaGather {
 
   template <bool kPersistent>
   struct Consumer {
-    bool prefetched = false;
-    template <class Storage, class Work>
-    __device__ __forceinline__ void prefetch(const Params& p, const FwdProblem& pr, Storage& storage,
-                                             const Work& next, int mma_tidx, int cwg) {
-      using namespace cute;
-      using Element = typename Config::Element;
-      Tensor sQw = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
-      constexpr int kPerChunk = 16 / int(sizeof(Element));
-      constexpr int kChunks = Config::kHeadDim / kPerChunk;
-      const Element* q_base = static_cast<const Element*>(p.q);
-      const int tq = mma_tidx % 128;
-      const int tile_rows = next.tile_rows(pr);
-      // Every warp of this warpgroup is past its wait for the last S GEMM (the GEMM reads all 64 rows).
-      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
-      CUTE_UNROLL
-      for (int k = 0; k < 64 * kChunks / 128; ++k) {
-        const int idx = tq + 128 * k;
-        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-        const bool in = row < tile_rows;
-        const Element* src = in ? row_src(p, pr, next, row, ch * kPerChunk) : q_base;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                         cast_smem_ptr_to_uint(&sQw(row, ch * kPerChunk))),
-                     "l"(src), "r"(in ? 16 : 0));
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-      prefetched = true;
-    }
-
     template <class Storage, class Work>
     __device__ __forceinline__ void acquire(const Params& p, const FwdProblem& pr, Storage& storage, const Work& work,
                                             int mma_tidx, int cwg) {
       using namespace cute;
-      if (prefetched) {
-        prefetched = false;
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        cutlass::arch::fence_view_async_shared();  // cp.async writes (generic proxy) -> visible to wgmma
-        cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
-        return;
-      }
       using Element = typename Config::Element;
       Tensor sQw = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Config::SmemLayoutQ{});
       constexpr int kPerChunk = 16 / int(sizeof(Element));  // elements per 16-byte load: 8 (16-bit), 16 (FP8)
@@ -145,24 +104,22 @@ struct QPackGqaGather {
       const int tq = mma_tidx % 128;
       const int tile_rows = work.tile_rows(pr);  // rows past the sequence are zeros
       if constexpr (kPersistent) cutlass::arch::NamedBarrier::sync(128, 1 + cwg);  // previous epilogue read these rows
-      if constexpr (!ablate::kQGather) {  // (ablation.h: a measurement build may skip the gather)
-        uint4 vals[64 * kChunks / 128];
-        CUTE_UNROLL
-        for (int k = 0; k < 64 * kChunks / 128; ++k) {
-          const int idx = tq + 128 * k;
-          const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-          vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(row_src(p, pr, work, row, ch * kPerChunk)))
-                                    : make_uint4(0, 0, 0, 0);
-        }
-        CUTE_UNROLL
-        for (int k = 0; k < 64 * kChunks / 128; ++k) {
-          const int idx = tq + 128 * k;
-          const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
-          cutlass::arch::shared_store<16>(cast_smem_ptr_to_uint(&sQw(row, ch * kPerChunk)), &vals[k]);
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
+      uint4 vals[64 * kChunks / 128];
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int idx = tq + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        vals[k] = row < tile_rows ? __ldg(reinterpret_cast<const uint4*>(row_src(p, pr, work, row, ch * kPerChunk)))
+                                  : make_uint4(0, 0, 0, 0);
       }
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int idx = tq + 128 * k;
+        const int row = cwg * 64 + idx / kChunks, ch = idx % kChunks;
+        cutlass::arch::shared_store<16>(cast_smem_ptr_to_uint(&sQw(row, ch * kPerChunk)), &vals[k]);
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, 1 + cwg);
     }
     template <class Storage>
     __device__ __forceinline__ void release(Storage&) {}

@@ -183,13 +183,10 @@ struct PersistentScheduler {
       return *reinterpret_cast<const Work*>(storage.tile_work[(published - 1) & 1]);
     }
   };
-  // take_ahead(): the next tile taken while the current one still runs (its slot stays held until next()), for the
-  // sparse kernel's Q prefetch (kernel_sm90.h); work() and publication() keep naming the current tile.
   template <class Storage, class Work>
   struct Consumer {
     Storage& storage;
     int taken = 0;
-    int ahead = -1;  // the tile taken ahead, or -1
     __device__ __forceinline__ int take() {
       const int s = taken & 1;
       storage.tile_full[s].wait((taken >> 1) & 1);
@@ -200,22 +197,11 @@ struct PersistentScheduler {
     template <class Make>
     __device__ __forceinline__ int first(const Params&, Make&&) { return take(); }
     __device__ __forceinline__ bool more(const Params& p, int t, int) const { return t < p.num_tiles; }
-    // The current tile's publication number (the tile taken ahead, if any, is the newest).
-    __device__ __forceinline__ int publication() const { return taken - 1 - (ahead >= 0); }
+    __device__ __forceinline__ int publication() const { return taken - 1; }  // the current tile's
     template <class Make>
     __device__ __forceinline__ int next(const Params&, int, Make&&) {
       storage.tile_empty[publication() & 1].arrive();  // done with the current tile's slot (its Work)
-      if (ahead < 0) return take();
-      const int t = ahead;
-      ahead = -1;
-      return t;
-    }
-    __device__ __forceinline__ int take_ahead() {
-      if (ahead < 0) ahead = take();
-      return ahead;
-    }
-    __device__ __forceinline__ const Work& ahead_work() const {
-      return *reinterpret_cast<const Work*>(storage.tile_work[(taken - 1) & 1]);
+      return take();
     }
     __device__ __forceinline__ const Work& work() const {
       return *reinterpret_cast<const Work*>(storage.tile_work[publication() & 1]);
