@@ -1,6 +1,8 @@
 """One sparse-attention launch at length L on the topic workload, for ncu / compute-sanitizer, through the installed
 package (the index is built into a caller workspace and the kernel warmed up first; the launch to profile is the
-last one). With C and B: the last C-query chunk of B L-token prompts over a paged cache (chunked prefill).
+last one). With C and B: the last C-query chunk of B L-token prompts over a paged cache (chunked prefill). With
+--density: a random block mask of that density (bench_sparse.py's sweep, --mask its granularity) instead of the topic
+index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time).
 Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \\
          python3 bench/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
 import argparse
@@ -19,6 +21,10 @@ def parse_args(argv=None):
     ap.add_argument("C", nargs="?", type=int, default=None, help="chunk: profile the last C queries (needs B)")
     ap.add_argument("B", nargs="?", type=int, default=None, help="batch of the chunked step")
     ap.add_argument("--repeats", type=int, default=3, help="sparse-attention launches (default 3)")
+    ap.add_argument("--density", type=float, default=None, help="a random block mask of this density (0, 1]")
+    ap.add_argument("--mask", choices=("query_block", "tile"), default="query_block",
+                    help="the random mask's granularity (bench_sparse.py's sweep; default query_block)")
+    ap.add_argument("--dense", action="store_true", help="profile the dense kernel on the same inputs instead")
     a = ap.parse_args(argv)
     if a.L <= 0 or a.L % 128:
         ap.error(f"L: must be a positive multiple of 128, got {a.L}")
@@ -26,6 +32,8 @@ def parse_args(argv=None):
         ap.error("C and B go together")
     if a.C is not None and not (0 < a.C <= a.L and a.B > 0):
         ap.error("C must be in [1, L] and B positive")
+    if a.density is not None and not (0 < a.density <= 1 and a.C is None and a.correction == "nocorr"):
+        ap.error("--density: in (0, 1], without C B and without the correction")
     return a
 
 
@@ -44,13 +52,24 @@ def main(argv=None):
         cu = torch.tensor([0, a.L], dtype=torch.int32, device="cuda")
         kw = {}
         args = (q, k, v, cu, cu, a.L, a.L)
+    out = torch.empty_like(q)
+    if a.dense:
+        for _ in range(a.repeats):
+            sp.attention(*args, out=out, **kw)
+        torch.cuda.synchronize()
+        print("dense")
+        return
     ws = index_workspace(*args, **kw, **sel)
     idx = sp.build_index(*args, **kw, **sel, workspace=ws)
-    out = torch.empty_like(q)
+    density = idx.density
+    if a.density is not None:  # the sweep's random mask over the same tiles (a host index)
+        from bench_sparse import random_index
+        idx, density = random_index(sp, idx.to_host(), a.L, a.density, args[0].shape[1] // args[1].shape[1],
+                                    per_query_block=a.mask == "query_block")
     for _ in range(a.repeats):
         sp.sparse_attention(args[0], args[1], args[2], idx, *args[3:], out=out, **kw)
     torch.cuda.synchronize()
-    print("density", idx.density)
+    print("density", density)
 
 
 if __name__ == "__main__":
