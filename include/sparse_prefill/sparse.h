@@ -95,6 +95,9 @@ struct IndexBinding {
   float softmax_scale = 0.f;       // resolved
   int block_size = 0, head_subgroups = 1;
   bool union_lists = false, split_kv = true;
+  // Built with the correction, hence with V means (BlockIndex::v_mean): a device index built without them cannot
+  // be applied with the correction (its V means were never written).
+  bool v_means = false;
   int batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t total_q = 0, total_k = 0, max_seqlen_q = 0, max_seqlen_k = 0;
   bool paged = false;
@@ -113,6 +116,8 @@ struct IndexBinding {
 //
 // Pooled means: k_mean, v_mean [total_blocks, Hkv, D] float32, where sequence b owns rows
 // cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
+// v_mean only with the correction (the only reader): an index built with correction = false has none (empty), so
+// its build does not read V.
 // Head sub-groups (SelectionParams::head_subgroups = S): the index is over Hkv * S virtual KV heads. Virtual head v
 // holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads, group_size, the segment
 // order above and the pooled means' head axis are all in virtual heads (the means of v are those of K/V head v / S).
@@ -142,6 +147,7 @@ struct BlockIndexView {
   TensorView segment_start, segment_end, block_ids;  // int32 [S], [S], [N]
   TensorView cu_blocks;                              // int32 [B+1]
   TensorView k_mean, v_mean;                         // float32 [total_blocks, Hkv, D]
+  // v_mean may be absent (a default TensorView) when correction is false; with correction it is required.
 };
 BlockIndexView view_of(BlockIndex& index);
 

@@ -58,7 +58,8 @@ class Index:
         Host indexes also: segment_start, segment_end: [S] int32; block_ids: [N] int32; cu_blocks: [B+1] int32
         (block offsets); k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block
         averages its valid keys), in the library of the inputs it was built from (numpy for to_host()); `host`
-        holds them as a dict of numpy arrays.
+        holds them as a dict of numpy arrays. v_mean only with `correction` (its only reader): None otherwise, and
+        the build then does not read V. For the means of V without an index, use pool_kv().
     """
 
     _ARRAYS = ("segment_start", "segment_end", "block_ids", "cu_blocks", "k_mean", "v_mean")
@@ -69,10 +70,10 @@ class Index:
                           int(d["head_subgroups"]))
         self.on_device = False
         self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]), int(d["overflow_segments"]))
-        self.host = {name: d[name] for name in self._ARRAYS}
+        self.host = {name: d[name] for name in self._ARRAYS}  # v_mean None without the correction
         self._cache = {}
         for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
-            setattr(self, name, lib.from_numpy(self.host[name]))
+            setattr(self, name, _from_numpy(lib, self.host[name]))
 
     def _init_common(self, binding, lib, cu_seqlens_q, mode, block_size, correction, head_subgroups):
         self.binding = binding
@@ -189,7 +190,7 @@ class Index:
         key = (lib.compute, lib.cuda, lib.device_id if lib.cuda else 0,
                str(getattr(lib.ref, "device", "")) if lib.compute == "torch" else "")
         if key not in self._cache:
-            self._cache[key] = tuple(lib.from_numpy(self.host[n]) for n in self._ARRAYS)
+            self._cache[key] = tuple(_from_numpy(lib, self.host[n]) for n in self._ARRAYS)
         return self._cache[key]
 
     def _view_tuple(self, lib: ArrayLib) -> tuple:
@@ -200,6 +201,11 @@ class Index:
         return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
                 h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
                 self.visible_blocks, self.head_subgroups, self.binding)
+
+
+def _from_numpy(lib: ArrayLib, a: Optional[np.ndarray]) -> Any:
+    """lib.from_numpy, passing None (an absent v_mean) through."""
+    return None if a is None else lib.from_numpy(a)
 
 
 def _as_head_subgroups(value: Any) -> int:
@@ -275,9 +281,9 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
     block_size must be a positive multiple of 64. `correction` (default off) is recorded in the index:
     sparse_attention then adds, for every dropped block fully visible to the whole tile, one virtual key kmean_J with
-    value vmean_J and weight |B_J|. It halves the error on the structured workload but changed nothing measurable on
-    SmolLM2 (the mean logit underestimates a peaked block's mass) and costs +30 % (32K) to +66 % (128K) of the sparse
-    attention time, hence off by default.
+    value vmean_J and weight |B_J|; only then does the index hold v_mean (else None: V is not pooled). It halves the
+    error on the structured workload but changed nothing measurable on SmolLM2 (the mean logit underestimates a
+    peaked block's mass) and costs +30 % (32K) to +66 % (128K) of the sparse attention time, hence off by default.
 
     Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
     for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
@@ -394,7 +400,8 @@ def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[in
 
     Returns:
         (k_mean, v_mean, cu_blocks): [total_blocks, Hkv, D] float32 twice and [B+1] int32 block offsets, in k's
-        array library and device.
+        array library and device. Both means always (this helper has no correction setting; an Index's v_mean is
+        there only with the correction).
     """
     block_size = _as_int32("block_size", block_size)
     call = _Call({"k": k, "v": v, "cu_seqlens_k": cu_seqlens_k, "block_table": block_table,

@@ -224,7 +224,8 @@ void bind_sparse(nb::module_& m) {
         nb::arg("block_size"));
 
   // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
-  //         k_mean, v_mean, kept_blocks, visible_blocks, head_subgroups, binding | None), arrays as host numpy arrays.
+  //         k_mean, v_mean | None, kept_blocks, visible_blocks, head_subgroups, binding | None), arrays as host
+  //         numpy arrays.
   m.def("union_index",
         [](nb::tuple inputs, nb::tuple index) {
           if (nb::len(index) != 14) throw nb::value_error("internal: index tuple must have 14 entries");
@@ -241,7 +242,7 @@ void bind_sparse(nb::module_& m) {
           idx.block_ids = host_vector<int32_t>(index[6], "index.block_ids", sp::DType::kInt32);
           idx.cu_blocks = host_vector<int32_t>(index[7], "index.cu_blocks", sp::DType::kInt32);
           idx.k_mean = host_vector<float>(index[8], "index.k_mean", sp::DType::kFloat32);
-          idx.v_mean = host_vector<float>(index[9], "index.v_mean", sp::DType::kFloat32);
+          if (!index[9].is_none()) idx.v_mean = host_vector<float>(index[9], "index.v_mean", sp::DType::kFloat32);
           idx.kept_blocks = nb::cast<int64_t>(index[10]);
           idx.visible_blocks = nb::cast<int64_t>(index[11]);
           idx.head_subgroups = nb::cast<int>(index[12]);

@@ -230,7 +230,9 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   d["block_ids"] = numpy_owning(std::move(idx.block_ids), {N});
   d["cu_blocks"] = numpy_owning(std::move(idx.cu_blocks), {C});
   d["k_mean"] = numpy_owning(std::move(idx.k_mean), {total_blocks, hkv, size_t(head_dim)});
-  d["v_mean"] = numpy_owning(std::move(idx.v_mean), {total_blocks, hkv, size_t(head_dim)});
+  // None without the correction: such an index has no V means (sparse.h, BlockIndex).
+  if (!idx.correction && idx.v_mean.empty()) d["v_mean"] = nb::none();
+  else d["v_mean"] = numpy_owning(std::move(idx.v_mean), {total_blocks, hkv, size_t(head_dim)});
   return d;
 }
 
@@ -246,7 +248,7 @@ sp::BlockIndexView make_index_view(nb::tuple t, Held& held) {
   v.block_ids = to_view(t[5], "index.block_ids", held);
   v.cu_blocks = to_view(t[6], "index.cu_blocks", held);
   v.k_mean = to_view(t[7], "index.k_mean", held);
-  v.v_mean = to_view(t[8], "index.v_mean", held);
+  if (!t[8].is_none()) v.v_mean = to_view(t[8], "index.v_mean", held);  // None: absent (validate_index decides)
   return v;
 }
 

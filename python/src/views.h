@@ -64,11 +64,12 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
 // by _api._selection_args (rule: the int of sp::SelectionRule, range-checked by the library's validation).
 sp::SelectionParams selection_params(nb::tuple t);
 
-// A host BlockIndex as the dict sparse_prefill.Index is built from (its vectors moved into owning numpy arrays).
+// A host BlockIndex as the dict sparse_prefill.Index is built from (its vectors moved into owning numpy arrays;
+// v_mean None for an index without the correction).
 nb::dict index_to_dict(sp::BlockIndex&& idx);
 
 // Index arrays passed back in: (block_size, correction, head_subgroups, segment_start, segment_end, block_ids,
-// cu_blocks, k_mean, v_mean, binding | None).
+// cu_blocks, k_mean, v_mean | None, binding | None); v_mean None: absent (an index without the correction).
 sp::BlockIndexView make_index_view(nb::tuple t, Held& held);
 
 // The parts of the module, by role (bind_attention.cpp, bind_sparse.cpp, bind_workload.cpp), called by NB_MODULE.

@@ -1,5 +1,6 @@
 // The public entry points: validate once, then dispatch by device (CPU reference or CUDA backend).
 #include <algorithm>
+#include <stdexcept>
 #include <utility>
 
 #include "api/problem.h"
@@ -53,7 +54,8 @@ void checked_before(const AttentionInputs& in, const Problem& p, const BlockInde
   hv.segment_end = cuda::download_int32(view->segment_end, in.stream, s1);
   hv.block_ids = cuda::download_int32(view->block_ids, in.stream, ids);
   hv.cu_blocks = cuda::download_int32(view->cu_blocks, in.stream, cu_blocks);
-  hv.k_mean.device = hv.v_mean.device = Device::kCPU;  // shapes only: validate_index never reads the means
+  hv.k_mean.device = Device::kCPU;  // shapes only: validate_index never reads the means
+  if (!is_absent(hv.v_mean)) hv.v_mean.device = Device::kCPU;
   validate_index(hp, hv);
 }
 // ... and after it: the kernels' own checks (the device error word), synchronising in.stream.
@@ -109,7 +111,7 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
   params.block_size = block_size;
   check_selection_params(params);
   const Problem p = validate_host(in, nullptr, "pool_kv");
-  reference::pool_kv(p, reference::gather_kv(in, p), block_size, cu_blocks, k_mean, v_mean);
+  reference::pool_kv(p, reference::gather_kv(in, p), block_size, cu_blocks, k_mean, &v_mean);
 }
 
 namespace {
@@ -122,6 +124,15 @@ Problem validate_selection(const AttentionInputs& in, const SelectionParams& par
   check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, p, params.block_size, *cache);
   return p;
+}
+
+// The index stage writes V means only with the correction (pool.cu): a device index built without it, its params
+// edited to the correction, must not have unwritten means read (by the kernel or to_host).
+void check_device_v_means(const DeviceBlockIndex& index) {
+  if (index.params.correction && !index.binding.v_means) {
+    throw ArgumentError("index.v_mean", "is missing, but index.correction is set: the index was built without the "
+                                        "correction, so it holds no pooled V means (build it with correction=True)");
+  }
 }
 
 [[noreturn]] void device_index_on_cpu() {
@@ -208,6 +219,7 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, 
   if (p.device == Device::kCPU) device_index_on_cpu();
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);
+  check_device_v_means(index);
   // A device index keeps its correction means in the kernel operand type of the arrays it was built on (16-bit, or
   // e4m3 in k's / v's raw units): other dtypes would read them as their own.
   if (index.params.correction && index.binding.dtype != p.dtype) {
@@ -241,6 +253,7 @@ IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
 
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
+  check_device_v_means(index);
   return cuda::to_host(index, stream);
 #else
   (void)index, (void)stream;
@@ -258,6 +271,8 @@ void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIn
   const int64_t row = int64_t(p.num_kv_heads) * D;  // one slot of the cache; the index's rows hold row * S floats
   const int32_t* bt = in.block_table->ptr<const int32_t>();
   const int64_t bt0 = in.block_table->stride[0], bt1 = in.block_table->stride[1];
+  if (index.v_mean.size() != index.k_mean.size())  // built with v_means (sparse_prefill_impl)
+    throw std::logic_error("sparse_prefill: internal: the index for the mean cache has no V means");
   float* kc = cache.k_mean.ptr<float>();
   float* vc = cache.v_mean.ptr<float>();
   for (int b = 0; b < p.batch; ++b) {
@@ -280,7 +295,8 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& param
                          const MeanCache* cache) {
   const Problem p = validate_selection(in, params, &outs, cache);
   if (p.device == Device::kCPU) {
-    BlockIndex index = reference::build_index(in, p, params);
+    // The cache keeps V means for later steps (which may use the correction) even when this one does not.
+    BlockIndex index = reference::build_index(in, p, params, /*v_means=*/cache != nullptr);
     if (cache) write_mean_cache(p, in, index, *cache);
     return reference::sparse_attention(in, view_of(index), outs, p);
   }
@@ -337,7 +353,10 @@ BlockIndexView view_of(BlockIndex& index) {
     return make_view(m.data(), DType::kFloat32, {int64_t(m.size()) / row, index.num_kv_heads, index.head_dim});
   };
   v.k_mean = pooled_view(index.k_mean, "index.k_mean");
-  v.v_mean = pooled_view(index.v_mean, "index.v_mean");
+  // No V means (built without the correction): an absent view, which validate_index accepts only without it. An
+  // empty v_mean beside k_mean means absent too, so that a correction index missing them fails with a clear error.
+  const bool no_v = index.v_mean.empty() && (!index.correction || !index.k_mean.empty());
+  if (!no_v) v.v_mean = pooled_view(index.v_mean, "index.v_mean");
   return v;
 }
 

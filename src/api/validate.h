@@ -30,6 +30,9 @@ inline int64_t num_tiles(int64_t q_len, int group_size) { return geometry::num_t
 inline int64_t num_blocks(int64_t k_len, int block_size) { return geometry::num_blocks(k_len, block_size); }
 static_assert(geometry::kTileRows == kTileRows, "one tile height (sparse.h, core/geometry.h)");
 
+// An array not given (a default TensorView: BlockIndexView::v_mean of an index without the correction).
+inline bool is_absent(const TensorView& t) { return t.data == nullptr && t.ndim == 0; }
+
 // Element i of a host int32 vector (already checked by the caller).
 inline int32_t at1(const TensorView& t, int64_t i) { return t.ptr<const int32_t>()[i * t.stride[0]]; }
 

@@ -44,9 +44,15 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
   check_dtype(index.block_ids, DType::kInt32, "index.block_ids");
   check_rank(index.cu_blocks, 1, "index.cu_blocks");
   check_dtype(index.cu_blocks, DType::kInt32, "index.cu_blocks");
+  // v_mean: only the correction reads it; an index built without it has none (is_absent).
+  if (index.correction && is_absent(index.v_mean)) {
+    throw ArgumentError("index.v_mean", "is missing, but index.correction is set: the mean correction needs the "
+                                        "pooled V means (build the index with correction=True)");
+  }
   for (const auto& [t, name] : {std::pair{&index.block_ids, "index.block_ids"},
                                 std::pair{&index.cu_blocks, "index.cu_blocks"},
                                 std::pair{&index.k_mean, "index.k_mean"}, std::pair{&index.v_mean, "index.v_mean"}}) {
+    if (t == &index.v_mean && is_absent(*t)) continue;
     if (t->device != p.device) throw ArgumentError(name, "must be on the device of q", true);
   }
   if (index.cu_blocks.shape[0] != p.batch + 1) {
@@ -110,6 +116,7 @@ IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const Selec
   b.block_size = params.block_size;
   b.head_subgroups = params.head_subgroups;
   b.union_lists = params.union_lists;
+  b.v_means = params.correction;
   b.split_kv = in.options.split_kv;
   b.batch = p.batch;
   b.num_q_heads = p.num_q_heads;

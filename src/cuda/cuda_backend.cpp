@@ -205,7 +205,8 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.cu_tiles = index.cu_tiles;
   s.cu_blocks = index.cu_blocks;
   s.k_mean = index.k_mean_kernel;  // the kernel's operand type (FP8: e4m3 in raw units, index_stage.h)
-  s.v_mean = index.v_mean_kernel;
+  // Without the correction the index stage writes no V means (pool.cu) and the kernel reads none (fusion.h).
+  s.v_mean = index.correction ? index.v_mean_kernel : nullptr;
   s.mean_rows = index.max_blocks;
   s.num_segments = int(std::min<int64_t>(index.max_segments, INT32_MAX));
   s.num_block_ids = int(std::min<int64_t>(index.capacity, INT32_MAX));

@@ -73,10 +73,13 @@ struct VirtualHeads {
 VirtualHeads virtual_heads(const AttentionInputs& in, const Problem& p, int subgroups);
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
+// v_mean == nullptr: K means only (V is not read).
 void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
-             std::vector<float>& k_mean, std::vector<float>& v_mean);
+             std::vector<float>& k_mean, std::vector<float>* v_mean);
 // `p` is the caller's problem (real KV heads); head sub-groups are taken from params / the index (virtual_heads).
-BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+// index.v_mean is pooled only with params.correction or v_means (a mean cache needs them), else left empty.
+BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
+                       bool v_means = false);
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p);
 BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index);

@@ -48,12 +48,12 @@ void compact(const std::vector<std::vector<int32_t>>& lists, BlockIndex& index) 
 }  // namespace
 
 void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
-             std::vector<float>& k_mean, std::vector<float>& v_mean) {
+             std::vector<float>& k_mean, std::vector<float>* v_mean) {
   const int D = p.head_dim, H = p.num_kv_heads;
   cu_blocks.assign(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) cu_blocks[b + 1] = cu_blocks[b] + int32_t(num_blocks(p.seqs[b].k_len, block_size));
   k_mean.assign(size_t(cu_blocks[p.batch]) * H * D, 0.f);
-  v_mean.assign(k_mean.size(), 0.f);
+  if (v_mean) v_mean->assign(k_mean.size(), 0.f);
   parallel_for(int64_t(p.batch) * H, [&](int64_t item) {
     const int b = int(item / H), h = int(item % H);
     const SequenceKV& s = kv[item];
@@ -63,26 +63,25 @@ void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size
       std::fill(ks.begin(), ks.end(), 0.0);
       std::fill(vs.begin(), vs.end(), 0.0);
       for (int64_t j = lo; j < hi; ++j) {
-        for (int d = 0; d < D; ++d) {
-          ks[d] += s.k[size_t(j) * D + d];
-          vs[d] += s.v[size_t(j) * D + d];
-        }
+        for (int d = 0; d < D; ++d) ks[d] += s.k[size_t(j) * D + d];
+        if (v_mean)
+          for (int d = 0; d < D; ++d) vs[d] += s.v[size_t(j) * D + d];
       }
       const size_t off = (size_t(cu_blocks[b] + J) * H + h) * D;
       for (int d = 0; d < D; ++d) {
         k_mean[off + d] = float(ks[d] / double(hi - lo));
-        v_mean[off + d] = float(vs[d] / double(hi - lo));
+        if (v_mean) (*v_mean)[off + d] = float(vs[d] / double(hi - lo));
       }
     }
   });
 }
 
-BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means) {
   if (params.head_subgroups > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
     const VirtualHeads virt = virtual_heads(in, p, params.head_subgroups);
     SelectionParams one = params;
     one.head_subgroups = 1;
-    BlockIndex index = build_index(virt.in, virt.p, one);
+    BlockIndex index = build_index(virt.in, virt.p, one, v_means);
     index.head_subgroups = params.head_subgroups;
     return index;
   }
@@ -93,7 +92,9 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
   index.head_dim = p.head_dim;
   index.correction = params.correction;
   const std::vector<SequenceKV> kv = gather_kv(in, p);
-  pool_kv(p, kv, params.block_size, index.cu_blocks, index.k_mean, index.v_mean);
+  // V means only where something reads them (the correction, a mean cache): an index without them has none.
+  pool_kv(p, kv, params.block_size, index.cu_blocks, index.k_mean,
+          params.correction || v_means ? &index.v_mean : nullptr);
 
   const int D = p.head_dim, g = p.group_size, B = params.block_size, H = p.num_kv_heads;
   const std::vector<int64_t> seg_offset = segment_offsets(p);

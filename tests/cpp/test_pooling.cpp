@@ -1,5 +1,6 @@
 // pool_kv (block means of K and V) against naive64, contiguous and paged, tail blocks, block sizes 64/128/192, and
-// the chunked-prefill property: the means of complete blocks do not change when the cache grows.
+// the chunked-prefill property: the means of complete blocks do not change when the cache grows; an index's means
+// (V only with the correction).
 #include "test_util.h"
 
 namespace sptest {
@@ -95,22 +96,69 @@ TEST(Pooling, CompleteBlocksStableWhenCacheGrows) {
   }
 }
 
-// The index carries the pooled means: they equal pool_kv.
+// The index carries the pooled means: they equal pool_kv. V means only with the correction (their only reader).
 TEST(Pooling, IndexMeansEqualPoolKv) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
   Case c = mk(2, 64, DType::kFloat32, {129, 300}, true, 16);
   c.lq = {129, 100};
   auto B = build(c, rng);
-  SelectionParams p;
-  p.block_size = 64;
-  BlockIndex idx = build_index(B->in, p);
   std::vector<int32_t> cu;
   std::vector<float> km, vm;
   pool_kv(B->in, 64, cu, km, vm);
-  EXPECT_EQ(idx.cu_blocks, cu);
-  EXPECT_EQ(idx.k_mean, km);
-  EXPECT_EQ(idx.v_mean, vm);
+  for (bool correction : {false, true}) {
+    SCOPED_TRACE(correction ? "correction" : "no correction");
+    SelectionParams p;
+    p.block_size = 64;
+    p.correction = correction;
+    BlockIndex idx = build_index(B->in, p);
+    EXPECT_EQ(idx.correction, correction);
+    EXPECT_EQ(idx.cu_blocks, cu);
+    EXPECT_EQ(idx.k_mean, km);
+    if (correction) {
+      EXPECT_EQ(idx.v_mean, vm);
+    } else {
+      EXPECT_TRUE(idx.v_mean.empty());
+      EXPECT_EQ(view_of(idx).v_mean.data, nullptr);  // an absent view
+      EXPECT_EQ(view_of(idx).v_mean.ndim, 0);
+    }
+  }
+}
+
+// Without the correction an index has no V means (an absent view) and serves sparse_attention and union_index; with
+// it, missing V means are an ArgumentError naming index.v_mean.
+TEST(Pooling, IndexWithoutVMeans) {
+  SP_SEED_TRACE();
+  std::mt19937_64 rng(test_seed());
+  Case c = mk(2, 64, DType::kFloat32, {129, 300}, false, 1);
+  c.lq = {129, 100};
+  auto B = build(c, rng);
+  const AttentionOutputs o = B->outputs(false);
+  SelectionParams p;
+  p.block_size = 64;
+  p.alpha = 0.3f;
+  p.correction = false;
+  const BlockIndex off = build_index(B->in, p);
+  ASSERT_TRUE(off.v_mean.empty());
+  BlockIndex copy = off;
+  EXPECT_NO_THROW(sparse_attention(B->in, view_of(copy), o));
+  BlockIndex u = union_index(B->in, off);
+  EXPECT_TRUE(u.v_mean.empty());
+  EXPECT_NO_THROW(sparse_attention(B->in, view_of(u), o));
+  p.correction = true;
+  BlockIndex on = build_index(B->in, p);
+  ASSERT_EQ(on.v_mean.size(), on.k_mean.size());
+  EXPECT_EQ(on.k_mean, off.k_mean);
+  EXPECT_EQ(on.block_ids, off.block_ids);  // the correction does not change the selection
+  BlockIndexView v = view_of(on);
+  EXPECT_NO_THROW(sparse_attention(B->in, v, o));
+  v.v_mean = TensorView{};
+  EXPECT_ARG_ERROR(sparse_attention(B->in, v, o), "index.v_mean");
+  on.v_mean.clear();
+  EXPECT_ARG_ERROR(sparse_attention(B->in, view_of(on), o), "index.v_mean");
+  EXPECT_ARG_ERROR(union_index(B->in, on), "index.v_mean");
+  on.correction = false;  // the same arrays without the correction: valid
+  EXPECT_NO_THROW(sparse_attention(B->in, view_of(on), o));
 }
 
 }  // namespace

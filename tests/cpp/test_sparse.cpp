@@ -14,6 +14,7 @@ void check_sparse(const Case& c, SelectionParams p, bool with_lse = true) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
   auto B = build(c, rng);
+  p.correction = true;  // V means for the runs with the correction (the selection does not depend on it)
   BlockIndex idx = build_index(B->in, p);
   naive64::Pooled pl = naive64::pool(B->np, p.block_size);
   for (bool corr : {true, false}) {

@@ -119,6 +119,12 @@ TEST(Subgroups, IndexEqualsRepeatedModel) {
     }
     const BlockIndex idx = build_index(B->in, with_subgroups(p, S));
     const BlockIndex one = build_index(B->in, with_subgroups(p, 1));
+    ASSERT_TRUE(p.correction);  // the V means below: an index without the correction has none
+    SelectionParams off = with_subgroups(p, S);
+    off.correction = false;
+    const BlockIndex no_v = build_index(B->in, off);
+    EXPECT_TRUE(no_v.v_mean.empty());
+    EXPECT_EQ(no_v.k_mean, idx.k_mean);
     ASSERT_EQ(idx.k_mean.size(), one.k_mean.size() * S);
     for (size_t blk = 0; blk < size_t(one.cu_blocks.back()); ++blk)
       for (int v = 0; v < Hkv * S; ++v)
@@ -260,7 +266,8 @@ TEST(Subgroups, UnionPerQueryHead) {
 }
 
 // (5) The pooled-means cache (per real KV head) with S = 2 over paged KV: a chunked prefill with the cache gives the
-// outputs of the same steps without it, and every complete block's slot holds the real heads' means.
+// outputs of the same steps without it, and every complete block's slot holds the real heads' means, V's too when
+// the steps run without the correction (whose index has no V means).
 TEST(Subgroups, MeanCachePaged) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
@@ -269,7 +276,13 @@ TEST(Subgroups, MeanCachePaged) {
   const int64_t slots = mean_cache_slots(B->num_pages, ps, bs);
   std::vector<float> km(size_t(slots) * Hkv * D, 0.f), vm(km.size(), 0.f);
   const MeanCache cache{make_view(km.data(), F32, {slots, Hkv, D}), make_view(vm.data(), F32, {slots, Hkv, D})};
-  for (bool union_lists : {false, true}) {
+  std::vector<int32_t> cu_blocks;
+  std::vector<float> k_mean, v_mean;
+  pool_kv(B->in, bs, cu_blocks, k_mean, v_mean);
+  for (bool union_lists : {false, true}) {  // union: without the correction
+    SCOPED_TRACE(union_lists ? "union, no correction" : "tiles, correction");
+    std::fill(km.begin(), km.end(), 0.f);  // each pass fills its own cache
+    std::fill(vm.begin(), vm.end(), 0.f);
     for (int start = 0; start < L; start += C) {
       const int end = std::min(L, start + C), n = end - start;
       SCOPED_TRACE("chunk [" + std::to_string(start) + "," + std::to_string(end) + ")");
@@ -281,16 +294,13 @@ TEST(Subgroups, MeanCachePaged) {
       ::sparse_prefill::sparse_prefill(in, p, AttentionOutputs{without.view(), std::nullopt});
       EXPECT_EQ(with.bytes, without.bytes);
     }
-  }
-  std::vector<int32_t> cu_blocks;
-  std::vector<float> k_mean, v_mean;
-  pool_kv(B->in, bs, cu_blocks, k_mean, v_mean);
-  for (int J = 0; (J + 1) * bs <= L; ++J) {
-    const int last = (J + 1) * bs - 1;
-    const int64_t slot = B->block_table[last / ps];  // page_size < block_size: the slot of the block's last page
-    for (int e = 0; e < Hkv * D; ++e) {
-      ASSERT_EQ(km[slot * Hkv * D + e], k_mean[size_t(J) * Hkv * D + e]) << "block " << J;
-      ASSERT_EQ(vm[slot * Hkv * D + e], v_mean[size_t(J) * Hkv * D + e]) << "block " << J;
+    for (int J = 0; (J + 1) * bs <= L; ++J) {
+      const int last = (J + 1) * bs - 1;
+      const int64_t slot = B->block_table[last / ps];  // page_size < block_size: the slot of the block's last page
+      for (int e = 0; e < Hkv * D; ++e) {
+        ASSERT_EQ(km[slot * Hkv * D + e], k_mean[size_t(J) * Hkv * D + e]) << "block " << J;
+        ASSERT_EQ(vm[slot * Hkv * D + e], v_mean[size_t(J) * Hkv * D + e]) << "block " << J;
+      }
     }
   }
 }

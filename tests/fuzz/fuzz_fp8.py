@@ -69,8 +69,10 @@ def e4m3_means(index, k_descale, v_descale):
     seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
     S = index.head_subgroups
     for name, ds in (("k_mean", k_descale), ("v_mean", v_descale)):
-        d = ds[seq][:, np.repeat(np.arange(ds.shape[1]), S), None].astype(np.float32)
         m = index.host[name]
+        if m is None:  # no V means without the correction
+            continue
+        d = ds[seq][:, np.repeat(np.arange(ds.shape[1]), S), None].astype(np.float32)
         raw = np.divide(m, d, out=np.zeros_like(m), where=d != 0)
         m[...] = torch.from_numpy(raw).clamp(-448, 448).to(F8).float().numpy() * d
     return index

@@ -206,10 +206,13 @@ def check_index(index, bands, c):
 
 
 def check_means(index, k, v, k_lens, rtol):
-    """The index's pooled means [total_blocks, Hkv * S, D] against float64 ones (row v: K/V head v // S)."""
+    """The index's pooled means [total_blocks, Hkv * S, D] against float64 ones (row v: K/V head v // S); V means
+    only with the correction (None without it)."""
     S, B = index.head_subgroups, index.block_size
     ck = np.concatenate([[0], np.cumsum(k_lens)])
-    for name, x in (("k_mean", k), ("v_mean", v)):
+    if not index.correction:
+        assert index.host["v_mean"] is None
+    for name, x in (("k_mean", k), ("v_mean", v)) if index.correction else (("k_mean", k),):
         want = [_pool(x, int(ck[b]), int(ck[b + 1]), B) for b in range(len(k_lens))]
         want = np.repeat(np.concatenate(want), S, axis=1) if want else np.zeros((0,) + x.shape[1:])
         got = index.host[name]
@@ -230,7 +233,8 @@ def sparse_reference(q, k, v, q_lens, k_lens, hq, hkv, index, correction):
     scale = 1.0 / np.sqrt(q.shape[-1])
     cq, ck = np.concatenate([[0], np.cumsum(q_lens)]), np.concatenate([[0], np.cumsum(k_lens)])
     cb = h["cu_blocks"]
-    km_all, vm_all = h["k_mean"].astype(np.float64), h["v_mean"].astype(np.float64)
+    km_all = h["k_mean"].astype(np.float64)
+    vm_all = h["v_mean"].astype(np.float64) if correction else None  # None without the correction
     out = np.zeros(q.shape)
     lse = np.full((hq, q.shape[0]), -np.inf)
     listed, corr = {}, {}  # (b, kvh) -> [Lq, g, nb] bool: listed blocks, corrected blocks of each row
@@ -262,7 +266,8 @@ def sparse_reference(q, k, v, q_lens, k_lens, hq, hkv, index, correction):
         lg[hide] = -np.inf
         sizes = np.minimum(np.arange(nb) * B + B, lk) - np.arange(nb) * B
         # the means of K/V head kvh (rows kvh * S .. of the virtual heads all hold them)
-        km, vm = km_all[cb[b]:cb[b] + nb, kvh * S], vm_all[cb[b]:cb[b] + nb, kvh * S]
+        km = km_all[cb[b]:cb[b] + nb, kvh * S]
+        vm = vm_all[cb[b]:cb[b] + nb, kvh * S] if correction else np.zeros((nb, vv.shape[-1]))  # pc is 0 then
         lc = np.where(corr[b, kvh], scale * _mm(qb, km.T) + np.log(sizes), -np.inf)
         m = np.maximum(lg.max(-1, initial=-np.inf), lc.max(-1, initial=-np.inf))       # [Lq, g]
         ok = np.isfinite(m)

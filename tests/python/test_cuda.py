@@ -186,6 +186,13 @@ def test_build_index_on_gpu_matches_cpu():
     got = dev.to_host()
     assert got.kept_blocks == dev.kept_blocks and got.visible_blocks == dev.visible_blocks
     assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
+    # no correction (the default): no V means on either backend; with it, the GPU's equal the CPU's
+    assert ref.v_mean is None and got.v_mean is None and got.host["v_mean"] is None
+    ref_c = sp.build_index(*cpu, L, L, correction=True)
+    got_c = sp.build_index(*gpu, L, L, correction=True).to_host()
+    assert got_c.v_mean.shape == ref_c.v_mean.shape
+    assert np.allclose(got_c.host["v_mean"], ref_c.host["v_mean"], atol=1e-5)
+    assert np.array_equal(got_c.host["k_mean"], got.host["k_mean"])  # the K means do not depend on it
     differ = 0
     for t in range(int(ref.tiles[0])):
         for h in range(hkv):
@@ -193,6 +200,23 @@ def test_build_index_on_gpu_matches_cpu():
     # bf16 pooled keys and fp32 sums on the GPU vs double on the CPU: only near-threshold ties may flip.
     assert differ <= max(2, ref.kept_blocks // 200), differ
     assert abs(got.density - ref.density) <= 0.01
+
+
+def test_device_index_without_correction_has_no_v_means():
+    """A device index built without the correction never had its V means written: applying it with the correction
+    (its selection edited by hand) or copying it to the host that way is an error naming index.v_mean, not a
+    read of unwritten memory."""
+    rng = np.random.default_rng(3)
+    cpu, gpu, mq, mk = _bf16_case(rng, [700], [700])
+    dev = sp.build_index(*gpu, mq, mk, alpha=0.2)
+    assert not dev.correction and dev.to_host().v_mean is None
+    sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk)  # fine without the correction
+    sel = dev._selection
+    dev._selection = sel[:5] + (True,) + sel[6:]
+    with pytest.raises(ValueError, match="^index.v_mean: is missing"):
+        sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk)
+    with pytest.raises(ValueError, match="^index.v_mean: is missing"):
+        dev.to_host()
 
 
 def _structured_varlen(rng, q_lens, k_lens, hq, hkv):
@@ -219,7 +243,8 @@ def _bf16_means(index):
     assert not index.on_device and not index._cache
     for name in ("k_mean", "v_mean"):
         a = index.host[name]
-        a[...] = torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+        if a is not None:  # v_mean: None without the correction
+            a[...] = torch.from_numpy(a).to(torch.bfloat16).float().numpy()
     return index
 
 
@@ -421,10 +446,18 @@ def test_chunked_prompt_mean_cache_on_gpu():
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
         step = _chunk_step(qg, kc, vc, bt, c0, c1)
-        got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.2)
-        want = sp.chunked_prefill(*step, final_chunk=c1 == L, alpha=0.2)
+        # the steps before the last without the correction (their indexes have no V means, the cache gets them);
+        # the last with it, reading the cached V means of the blocks before its chunk
+        kw = dict(final_chunk=c1 == L, alpha=0.2, correction=c1 == L)
+        got = sp.chunked_prefill(*step, mean_cache=means, **kw)
+        want = sp.chunked_prefill(*step, **kw)
         torch.cuda.synchronize()
         assert not torch.isnan(got).any() and torch.equal(got, want)
+        if c0 == 0:  # a device index of the first step, without the correction, into a cache of its own
+            first = sp.mean_cache(kc)
+            index = sp.build_index(step[0], kc, vc, step[3], None, step[6], step[7], block_table=bt,
+                                   seqused_k=step[5], mean_cache=first, alpha=0.2, final_chunk=False)
+            assert index.to_host().v_mean is None
     kb = torch.from_numpy(k).to(bf).float().numpy()     # the bf16 keys the GPU pooled, in float
     vb = torch.from_numpy(v).to(bf).float().numpy()
     k_mean, v_mean, _ = sp.pool_kv(kb, vb, np.array([0, L], np.int32), block_size=128)
@@ -433,6 +466,12 @@ def test_chunked_prompt_mean_cache_on_gpu():
         slot = table[0, (J * 128 + 127) // ps]
         np.testing.assert_allclose(km[slot], k_mean[J], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(vm[slot], v_mean[J], rtol=1e-5, atol=1e-5)
+    fk, fv = first[0].cpu().numpy(), first[1].cpu().numpy()
+    for J in range(C // 128):  # the blocks the first chunk completes: V means too, as the chunked steps wrote them
+        slot = table[0, (J * 128 + 127) // ps]
+        np.testing.assert_array_equal(fk[slot], km[slot])
+        np.testing.assert_array_equal(fv[slot], vm[slot])
+        assert np.abs(fv[slot]).max() > 0
 
 
 # Head sub-groups (head_subgroups = S): the index is over Hkv * S virtual KV heads of g / S query heads each, which

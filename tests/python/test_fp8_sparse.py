@@ -102,8 +102,12 @@ def _check_selection(ref, got, batch, heads):
 
 
 def _check_means(ref, got):
-    """Real-unit float32 means (x * descale): the GPU sums in float32, the CPU in double."""
-    for name in ("k_mean", "v_mean"):
+    """Real-unit float32 means (x * descale): the GPU sums in float32, the CPU in double. V means only with the
+    correction (none on either side without it)."""
+    assert got.correction == ref.correction
+    if not ref.correction:
+        assert ref.host["v_mean"] is None and got.host["v_mean"] is None
+    for name in ("k_mean", "v_mean") if ref.correction else ("k_mean",):
         r, g = ref.host[name], got.host[name]
         assert r.shape == g.shape
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
@@ -118,8 +122,9 @@ def _check_means(ref, got):
 def test_fp8_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha):
     rng = np.random.default_rng(len(q_lens) * 100 + len(rule))
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, q_lens, k_lens, 8, hkv)
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, **ds_cpu)
-    dev = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, **ds_gpu)
+    corr = rule in ("row_max", "probe_row_max")  # V means (descaled) with the correction only
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_cpu)
+    dev = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_gpu)
     assert dev.on_device
     got = dev.to_host()
     _check_selection(ref, got, len(q_lens), hkv)
@@ -137,7 +142,7 @@ def test_fp8_index_on_gpu_broadcast_descales_paged_and_subgroups(modes):
     kc8, vc8 = (torch.from_numpy(x).clamp(-448, 448).to(F8) for x in (kc, vc))  # exact: the values are e4m3
     bt, used = torch.from_numpy(bt), torch.from_numpy(used)
     for S in (1, 2):
-        kw = dict(alpha=0.1, head_subgroups=S)
+        kw = dict(alpha=0.1, head_subgroups=S, correction=S == 2)  # V means with the correction only
         ref = sp.build_index(*cpu, mq, mk, **kw, **ds_cpu)
         got = sp.build_index(q8.cuda(), kc8.cuda(), vc8.cuda(), cu_q.cuda(), None, mq, mk, block_table=bt.cuda(),
                              seqused_k=used.cuda(), **kw, **ds_gpu).to_host()
@@ -205,9 +210,10 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
         differ = sum(len(set(x) ^ set(y)) for x, y in zip(_segments(ref, 2, hkv), _segments(a, 2, hkv)))
         assert differ <= max(4, ref.kept_blocks // 100), differ
     # the slot of complete block J of prompt b (the page of its last key) holds the reference's means of that block
+    # (the steps ran without the correction, so their indexes have no V means; the cache has them)
     full = sp.build_index(q8, kc8, vc8, torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32), None,
                           max(lens), max(lens), block_table=bt, seqused_k=torch.tensor(lens, dtype=torch.int32),
-                          **ds_cpu)
+                          correction=True, **ds_cpu)
     km, vm, table = means[0].cpu().numpy(), means[1].cpu().numpy(), bt.numpy()
     for b, L in enumerate(lens):
         for J in range(L // 128):
@@ -245,9 +251,11 @@ def _e4m3_means(index, k_descale, v_descale):
     seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
     S = index.head_subgroups
     for name, ds in (("k_mean", k_descale), ("v_mean", v_descale)):
+        a = index.host[name]
+        if a is None:  # no V means without the correction
+            continue
         ds = ds.contiguous().numpy()
         d = ds[seq][:, np.repeat(np.arange(ds.shape[1]), S), None].astype(np.float32)
-        a = index.host[name]
         raw = torch.from_numpy(np.divide(a, d, out=np.zeros_like(a), where=d != 0)).clamp(-448, 448).to(F8)
         a[...] = raw.float().numpy() * d
     return index

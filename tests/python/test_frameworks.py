@@ -126,7 +126,10 @@ def test_torch_cpu_index_arrays_are_torch():
     torch = pytest.importorskip("torch")
     t = [torch.from_numpy(a) for a in (Q, K, V, CU_Q, CU_K)]
     index = sp.build_index(*t, 12, 20, block_size=64)
-    assert all(isinstance(getattr(index, n), torch.Tensor) for n in Index_ARRAYS)
+    assert index.v_mean is None  # no correction: no V means
+    assert all(isinstance(getattr(index, n), torch.Tensor) for n in Index_ARRAYS if n != "v_mean")
+    corrected = sp.build_index(*t, 12, 20, block_size=64, correction=True)
+    assert all(isinstance(getattr(corrected, n), torch.Tensor) for n in Index_ARRAYS)
     k_mean, v_mean, cu_blocks = sp.pool_kv(t[1], t[2], t[4], block_size=64)
     assert isinstance(k_mean, torch.Tensor) and cu_blocks.dtype == torch.int32
     np.testing.assert_array_equal(k_mean.numpy(), index.k_mean.numpy())

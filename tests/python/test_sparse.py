@@ -86,16 +86,42 @@ def test_index_structure(batch):
 
 def test_pooled_means(batch):
     q, k, v, cu_q, cu_k = batch
-    index = sp.build_index(*args(batch), **SEL)
     km, cub = naive.pool(k, cu_k, BS)
     vm, _ = naive.pool(v, cu_k, BS)
-    np.testing.assert_array_equal(index.cu_blocks, cub)
-    np.testing.assert_allclose(index.k_mean, km, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(index.v_mean, vm, atol=1e-5, rtol=0)
+    for correction in (False, True):
+        index = sp.build_index(*args(batch), correction=correction, **SEL)
+        np.testing.assert_array_equal(index.cu_blocks, cub)
+        np.testing.assert_allclose(index.k_mean, km, atol=1e-5, rtol=0)
+        if correction:
+            np.testing.assert_allclose(index.v_mean, vm, atol=1e-5, rtol=0)
+        else:  # the correction is the only reader of the V means: none are pooled without it
+            assert index.v_mean is None and index.host["v_mean"] is None
     k_mean, v_mean, cu_blocks = sp.pool_kv(k, v, cu_k, block_size=BS)
     np.testing.assert_array_equal(cu_blocks, cub)
     np.testing.assert_allclose(k_mean, km, atol=1e-5, rtol=0)
     np.testing.assert_allclose(v_mean, vm, atol=1e-5, rtol=0)
+
+
+def test_index_without_v_mean(batch):
+    """An index without the correction has no V means and still serves sparse_attention and union_index; one with
+    the correction but its v_mean removed is rejected, naming index.v_mean."""
+    q, k, v, cu_q, cu_k = batch
+    lens = (max(Q_LENS), max(K_LENS))
+    off = sp.build_index(*args(batch), alpha=0.1, **SEL)
+    on = sp.build_index(*args(batch), alpha=0.1, correction=True, **SEL)
+    assert off.v_mean is None and on.v_mean is not None
+    for name in ("segment_start", "segment_end", "block_ids", "cu_blocks", "k_mean"):
+        np.testing.assert_array_equal(off.host[name], on.host[name], err_msg=name)
+    u = sp.union_index(off, *args(batch))
+    assert u.correction is False and u.v_mean is None
+    ref = naive.sparse_attention(q, k, v, cu_q, cu_k, u.host, BS, False)[0]
+    np.testing.assert_allclose(sp.sparse_attention(q, k, v, u, cu_q, cu_k, *lens), ref, atol=2e-5, rtol=0)
+    on.v_mean = None
+    on.host["v_mean"] = None
+    with pytest.raises(ValueError, match="^index.v_mean: is missing, but index.correction is set"):
+        sp.sparse_attention(q, k, v, on, cu_q, cu_k, *lens)
+    with pytest.raises(ValueError, match="^index.v_mean"):
+        sp.union_index(on, *args(batch))
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -337,7 +363,8 @@ def test_chunked_prefill_bad_input(rng):
 @pytest.mark.parametrize("page,block", [(64, 128), (256, 128), (64, 64)])
 def test_chunked_prefill_mean_cache(rng, page, block):
     """A 1000-token prompt in chunks of 300 over one paged cache, with a pooled-means cache passed to every step:
-    outputs equal the steps without it, and afterwards every complete block's slot holds pool_kv's means."""
+    outputs equal the steps without it, and afterwards every complete block's slot holds pool_kv's means (V too:
+    the steps run without the correction, whose index has no V means, but the cache keeps them)."""
     L, C = 1000, 300
     q, k, v, cu_q, cu_k = topic_batch([L], [L])
     kc, vc, bt, used = to_paged(rng, k, v, cu_k, page)

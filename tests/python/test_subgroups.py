@@ -63,7 +63,10 @@ def test_index_equals_repeated_model(batch, S, union, final_chunk):
     # pooled means: virtual head v holds K/V head v // S's
     one = sp.build_index(*args(q, k, v, cu_q, cu_k), **SEL)
     np.testing.assert_array_equal(idx.k_mean, np.repeat(one.k_mean, S, axis=1))
-    np.testing.assert_array_equal(idx.v_mean, np.repeat(one.v_mean, S, axis=1))
+    assert idx.v_mean is None  # no correction: no V means
+    corr = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **dict(kw, correction=True))
+    one = sp.build_index(*args(q, k, v, cu_q, cu_k), **dict(SEL, correction=True))
+    np.testing.assert_array_equal(corr.v_mean, np.repeat(one.v_mean, S, axis=1))
 
 
 def test_paged_index_and_outputs_equal_repeated_model(rng, batch):

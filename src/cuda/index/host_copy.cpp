@@ -64,22 +64,24 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
     idx.segment_end[s] = int32_t(idx.block_ids.size());
   }
   const size_t pooled = size_t(idx.cu_blocks[batch]) * hkv * D;
-  std::vector<float> km(pooled), vm(pooled);
+  // V means only with the correction: without it the pooling does not write them (pool.cu), and the index has none.
+  const bool with_v = params.correction;
+  std::vector<float> km(pooled), vm(with_v ? pooled : 0);
   download(d.k_mean, pooled * 4, km.data());
-  download(d.v_mean, pooled * 4, vm.data());
+  if (with_v) download(d.v_mean, pooled * 4, vm.data());
   if (heads.subgroups == 1) {
     idx.k_mean = std::move(km);
     idx.v_mean = std::move(vm);
   } else {  // the index's means are over virtual heads: head h * S + s repeats KV head h
     const size_t rows = size_t(idx.cu_blocks[batch]);
     idx.k_mean.resize(pooled * heads.subgroups);
-    idx.v_mean.resize(pooled * heads.subgroups);
+    idx.v_mean.resize(with_v ? pooled * heads.subgroups : 0);
     for (size_t r = 0; r < rows; ++r)
       for (int v = 0; v < heads.kv; ++v) {
         const size_t src = (r * hkv + geometry::memory_kv_head(v, heads.subgroups)) * D;
         const size_t dst = (r * heads.kv + v) * D;
         std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
-        std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
+        if (with_v) std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);
       }
   }
   idx.kept_blocks = int64_t(counters[kKept]);

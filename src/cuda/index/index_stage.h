@@ -1,7 +1,8 @@
 // GPU index stage of block-sparse prefill (FlashPrefill V2 selection), CUDA end to end, no host synchronisation:
 //   1. plan:  per-sequence prefix sums of tiles, blocks and index capacity (from cu_seqlens / seqused_k on the device);
-//   2. pool:  block means of K and V (float32 in real units, plus a bf16/fp16 copy of the K means for the
-//             tensor-core scorer and the sparse kernel's copies: FP8 inputs, docs/semantics.md "FP8 inputs");
+//   2. pool:  block means of K, and of V with the correction or a mean cache (float32 in real units, plus a
+//             bf16/fp16 copy of the K means for the tensor-core scorer and the sparse kernel's copies: FP8 inputs,
+//             docs/semantics.md "FP8 inputs");
 //   3. score: one CTA per (tile, KV head): S = Q_tile . K_mean^T on tensor cores (SS wgmma, 128 pooled blocks per
 //             step, Q and two stages of pooled keys in swizzled shared memory), running chunk maxima and block
 //             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold (or the per-row rule,
@@ -50,7 +51,7 @@ struct DeviceIndex {
   int32_t* cu_blocks = nullptr;      // [B+1]
   int32_t* cu_tiles = nullptr;       // [B+1] tiles per sequence, prefix-summed (segment_offset(b) = Hkv * cu_tiles[b])
   float* k_mean = nullptr;           // [max_blocks, Hkv, D]
-  float* v_mean = nullptr;
+  float* v_mean = nullptr;           // the v arrays: written only with the correction or a mean cache (pool.cu)
   // Low-precision copies, [max_blocks, Hkv, D] contiguous, rows past the real blocks zero. lowp: the scorer's B
   // operand, in q's dtype (bfloat16 in real units for FP8). kernel: the sparse kernel's correction keys / values in
   // its operand type: the lowp arrays themselves for bf16 / fp16; for FP8 e4m3 in raw units of the call's descales,

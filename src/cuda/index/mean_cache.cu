@@ -14,7 +14,8 @@ namespace {
 // batch 8 (128K) those 65K CTAs, each a chain of dependent loads, took 176 of the 420 us of a selection.
 // The cache holds real-unit float32 means; the low-precision copies are derived here, for FP8 the kernel's e4m3 ones
 // with the descales of this call (device_args.cuh, to_kernel_mean), so they follow the call's scales.
-template <typename T>
+// kWithV (the index's correction): the V means too; without it the index has none (the cache keeps its own).
+template <typename T, bool kWithV>
 __global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache,
                                                                 int block_size, int num_kv_heads, int head_dim,
                                                                 int64_t max_blocks, const int32_t* cu_blocks,
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVA
     union { L h[4]; uint2 u; } kl, vl;
     uint32_t k8 = 0, v8 = 0;  // FP8: four e4m3 bytes of the kernel's copies (zero past the real blocks)
     if (idx >= total) {
-      for (int e = 0; e < 4; ++e) kl.h[e] = vl.h[e] = from_float<L>(0.f);
+      for (int e = 0; e < 4; ++e) kl.h[e] = vl.h[e] = from_float<L>(0.f);  // vl: stored only with kWithV
     } else {
       const int b = find_sequence(cu_blocks, seq.batch, idx);
       const int64_t J = idx - cu_blocks[b];
@@ -40,28 +41,33 @@ __global__ void __launch_bounds__(256) copy_cached_means_kernel(SeqArgs seq, KVA
       if (slot >= 0) {
         const int64_t row = (slot * num_kv_heads + kvh) * head_dim + d;
         km.x = cache.k[row], km.y = cache.k[row + 1], km.z = cache.k[row + 2], km.w = cache.k[row + 3];
-        vm.x = cache.v[row], vm.y = cache.v[row + 1], vm.z = cache.v[row + 2], vm.w = cache.v[row + 3];
+        if constexpr (kWithV)
+          vm.x = cache.v[row], vm.y = cache.v[row + 1], vm.z = cache.v[row + 2], vm.w = cache.v[row + 3];
       }
       *reinterpret_cast<float4*>(k_mean + out) = km;  // workspace rows: 16-byte aligned
-      *reinterpret_cast<float4*>(v_mean + out) = vm;
       kl.h[0] = from_float<L>(km.x), kl.h[1] = from_float<L>(km.y), kl.h[2] = from_float<L>(km.z);
       kl.h[3] = from_float<L>(km.w);
-      vl.h[0] = from_float<L>(vm.x), vl.h[1] = from_float<L>(vm.y), vl.h[2] = from_float<L>(vm.z);
-      vl.h[3] = from_float<L>(vm.w);
+      if constexpr (kWithV) {
+        *reinterpret_cast<float4*>(v_mean + out) = vm;
+        vl.h[0] = from_float<L>(vm.x), vl.h[1] = from_float<L>(vm.y), vl.h[2] = from_float<L>(vm.z);
+        vl.h[3] = from_float<L>(vm.w);
+      }
       if constexpr (is_fp8_v<T>) {
-        const float kd = kv.k_descale.at(b, kvh), vd = kv.v_descale.at(b, kvh);
-        const float ks[4] = {km.x, km.y, km.z, km.w}, vs[4] = {vm.x, vm.y, vm.z, vm.w};
-        for (int e = 0; e < 4; ++e) {
-          k8 |= uint32_t(to_kernel_mean(ks[e], kd).__x) << (8 * e);
-          v8 |= uint32_t(to_kernel_mean(vs[e], vd).__x) << (8 * e);
+        const float kd = kv.k_descale.at(b, kvh);
+        const float ks[4] = {km.x, km.y, km.z, km.w};
+        for (int e = 0; e < 4; ++e) k8 |= uint32_t(to_kernel_mean(ks[e], kd).__x) << (8 * e);
+        if constexpr (kWithV) {
+          const float vd = kv.v_descale.at(b, kvh);
+          const float vs[4] = {vm.x, vm.y, vm.z, vm.w};
+          for (int e = 0; e < 4; ++e) v8 |= uint32_t(to_kernel_mean(vs[e], vd).__x) << (8 * e);
         }
       }
     }
     *reinterpret_cast<uint2*>(k_mean_lowp + out) = kl.u;
-    *reinterpret_cast<uint2*>(v_mean_lowp + out) = vl.u;
+    if constexpr (kWithV) *reinterpret_cast<uint2*>(v_mean_lowp + out) = vl.u;
     if constexpr (is_fp8_v<T>) {  // 4-byte aligned: out is a multiple of 4 elements
       *reinterpret_cast<uint32_t*>(k_kernel + out) = k8;
-      *reinterpret_cast<uint32_t*>(v_kernel + out) = v8;
+      if constexpr (kWithV) *reinterpret_cast<uint32_t*>(v_kernel + out) = v8;
     }
   }
 }
@@ -76,10 +82,11 @@ void launch_copy_cached_means(cudaStream_t stream, DType dtype, const SeqArgs& s
   const int grid = int(std::min<int64_t>((units + 255) / 256, int64_t(num_sms()) * 8));
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    copy_cached_means_kernel<T><<<grid, 256, 0, stream>>>(
-        seq, kv, cache, block_size, num_kv_heads, head_dim, max_blocks, d.cu_blocks, d.k_mean, d.v_mean,
-        static_cast<lowp_t<T>*>(d.k_mean_lowp), static_cast<lowp_t<T>*>(d.v_mean_lowp),
-        static_cast<T*>(d.k_mean_kernel), static_cast<T*>(d.v_mean_kernel));
+    auto kernel = d.correction ? copy_cached_means_kernel<T, true> : copy_cached_means_kernel<T, false>;
+    kernel<<<grid, 256, 0, stream>>>(seq, kv, cache, block_size, num_kv_heads, head_dim, max_blocks, d.cu_blocks,
+                                     d.k_mean, d.v_mean, static_cast<lowp_t<T>*>(d.k_mean_lowp),
+                                     static_cast<lowp_t<T>*>(d.v_mean_lowp), static_cast<T*>(d.k_mean_kernel),
+                                     static_cast<T*>(d.v_mean_kernel));
   };
   if (dtype == DType::kFloat8E4M3) launch(__nv_fp8_e4m3{});
   else if (dtype == DType::kBFloat16) launch(__nv_bfloat16{});
