@@ -10,7 +10,9 @@ fall on both. Every row times one call with CUDA events (median of --iters after
 (contiguous, paged with TMA pages of 64, paged with pages of 16 through the cp.async gather), the split-KV short-
 query path, sparse_prefill on the topic workload (index + sparse attention), a chunked-prefill last chunk and the
 index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule as issue 16 states its targets,
-`index_row_max`, the library default); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
+`index_row_max`, the library default) and the sparse kernel alone over bench_sparse.py's random 128-query-block
+masks at 20 % and 50 % (`sparse_random_20`, `sparse_random_50`: the sweep's high densities, where L2 reuse
+decides); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
 `--kinds` keeps the rows of the named kinds (e.g. `--kinds index_tile_energy,index_row_max`). Issue 19's target: ours / base <= 1.01; issue 15's:
 within 2 %. scripts/gpu.sh abbase builds the base from .deps/base.tar and runs this.
 """
@@ -32,6 +34,7 @@ def rows_of(quick):
     r = [("dense", L, 0) for L in dense] + [("dense_paged64", 16384, 64), ("dense_paged16", 8192, 16),
                                             ("split_kv_decode", 65536, 64)]
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
+    r += [(f"sparse_random_{d}", 65536, 0) for d in (20, 50)]
     r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max") for L in (32768, 131072)]
     return r
 
@@ -92,6 +95,15 @@ def worker(args):
             n = sp.sparse_prefill_workspace_bytes(q, k, v, cu, cu, L, L)
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, workspace=ws)
+        elif kind.startswith("sparse_random_"):  # the sparse kernel alone over bench_sparse's sweep mask
+            from _common import SEL
+            from bench_sparse import random_index  # random 128-query-block masks, density from the kind's name
+            host = sp.build_index(q, k, v, cu, cu, L, L, **dict(SEL, correction=False)).to_host()
+            ridx, _ = random_index(sp, host, L, int(kind.rsplit("_", 1)[1]) / 100, HQ // HKV, per_query_block=True)
+            n = sp.sparse_attention_workspace_bytes(q, k, v, ridx, cu, cu, L, L)
+            ws = torch.empty(n, dtype=torch.uint8, device=dev)
+            out = torch.empty_like(q)
+            fn = lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=ws)
         elif kind.startswith("index_"):  # the index stage alone, into a caller workspace
             from _common import SEL  # the benchmarks' selection (FlashPrefill V2's parameters), this row's rule
             sel = dict(SEL, rule=kind[len("index_"):], correction=False)
