@@ -353,10 +353,9 @@ BlockIndexView view_of(BlockIndex& index) {
     return make_view(m.data(), DType::kFloat32, {int64_t(m.size()) / row, index.num_kv_heads, index.head_dim});
   };
   v.k_mean = pooled_view(index.k_mean, "index.k_mean");
-  // No V means (built without the correction): an absent view, which validate_index accepts only without it. An
-  // empty v_mean beside k_mean means absent too, so that a correction index missing them fails with a clear error.
-  const bool no_v = index.v_mean.empty() && (!index.correction || !index.k_mean.empty());
-  if (!no_v) v.v_mean = pooled_view(index.v_mean, "index.v_mean");
+  // V means exist when there are as many as K means; otherwise (built without the correction) an absent view, which
+  // validate_index accepts only without the correction (write_mean_cache asks the same question).
+  if (index.v_mean.size() == index.k_mean.size()) v.v_mean = pooled_view(index.v_mean, "index.v_mean");
   return v;
 }
 
