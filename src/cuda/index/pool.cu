@@ -166,10 +166,7 @@ __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv
   const int kvh = blockIdx.y;
   const int v = threadIdx.x % kVec, grp = threadIdx.x / kVec;
   float ks[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  // The kernel is bound by the loads in flight (128K: K + V at ~3.5 TB/s, ncu 1261d8d), so without V it unrolls
-  // twice as far to keep the same bytes in flight (with 4, the K-only kernel took as long: index 1.002x, eb8a457).
-  constexpr int kUnroll = kWithV ? 4 : 8;
-#pragma unroll kUnroll
+#pragma unroll 4
   for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
     int64_t ko, vo;
     if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
