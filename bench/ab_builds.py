@@ -12,7 +12,8 @@ query path, sparse_prefill on the topic workload (index + sparse attention), a c
 index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule as issue 16 states its targets,
 `index_row_max`, the library default) and the sparse kernel alone over bench_sparse.py's random 128-query-block
 masks at 20 % and 50 % (`sparse_random_20`, `sparse_random_50`: the sweep's high densities, where L2 reuse
-decides); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
+decides) and over bench_sparse.py's own selection at 8K / 32K / 128K (`sparse_fpv2`: FlashPrefill V2's rule, no
+correction, the issue 16 headline's attention); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
 `--kinds` keeps the rows of the named kinds (e.g. `--kinds index_tile_energy,index_row_max`). Issue 19's target: ours / base <= 1.01; issue 15's:
 within 2 %. scripts/gpu.sh abbase builds the base from .deps/base.tar and runs this.
 """
@@ -35,6 +36,7 @@ def rows_of(quick):
                                             ("split_kv_decode", 65536, 64)]
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
     r += [(f"sparse_random_{d}", 65536, 0) for d in (20, 50)]
+    r += [("sparse_fpv2", L, 0) for L in (8192, 32768, 131072)]
     r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max") for L in (32768, 131072)]
     return r
 
@@ -104,6 +106,11 @@ def worker(args):
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             out = torch.empty_like(q)
             fn = lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=ws)
+        elif kind == "sparse_fpv2":  # the sparse kernel alone over bench_sparse's selection (FlashPrefill V2's rule)
+            from _common import SEL
+            idx = sp.build_index(q, k, v, cu, cu, L, L, **dict(SEL, correction=False))
+            out = torch.empty_like(q)
+            fn = lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out)
         elif kind.startswith("index_"):  # the index stage alone, into a caller workspace
             from _common import SEL  # the benchmarks' selection (FlashPrefill V2's parameters), this row's rule
             sel = dict(SEL, rule=kind[len("index_"):], correction=False)
