@@ -43,31 +43,24 @@ SP_HOST_DEVICE SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int
   return s;
 }
 
-// Block-sparse work order: index t -> (KV head, sequence, tile). The (sequence, tile) pairs r = sequence + batch *
-// (max_tiles - 1 - tile), tiles from the last (most blocks visible under causal, and the dense last_n tiles) to the
-// first, are cut into bands of `band` pairs; within a band KV heads are slowest. With band = the persistent grid
-// (SparseLaunchWorkspace::num_sms) the tiles in flight belong to one or two KV heads, whose selected K / V blocks
-// then stay in L2: KV heads fastest (before) spread them over all heads, and at 64K with 50 % random blocks the
-// sparse kernel's L2 hit rate was 30 % against the dense kernel's 72 % (ncu, eb8a457). Across heads the order stays
-// heaviest first, band by band. Tiles beyond a shorter sequence's count are empty work (skipped).
-// For t < num_kv_heads * batch * max_tiles: the band holding t starts below batch * max_tiles, so width >= 1.
+// Block-sparse work order: index t -> (KV head, sequence, tile). KV heads fastest, then sequences, then tiles from
+// the last (most blocks visible under causal, and the dense last_n tiles) to the first: the heaviest tiles of every
+// sequence first. The tiles in flight thus spread over every KV head and their K/V compete for L2 (ncu, 64K, 50 %
+// random blocks: L2 hit rate 30 % against the dense kernel's 72 %). Bands of the grid's size, KV heads in turn
+// (85ab931, reverted) raised it to 96 % and paid at high density (A/B on the H200, random blocks at 64K: 20 % 0.91,
+// 50 % 0.86) but lost on FlashPrefill V2's selection (8K 1.14, 32K 1.02, 128K 1.02): bench/NOTES_sparse.md.
+// Tiles beyond a shorter sequence's count are empty work (skipped).
 struct SparseTileCoord {
   int kv_head, tile, batch;
 };
-SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int batch, int max_tiles, int band) {
-  const int per_band = band * num_kv_heads;
-  const int first = (t / per_band) * band;  // the band's first pair
-  const int off = t - first * num_kv_heads;
-  const int width = sp_min(band, batch * max_tiles - first);
+SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int batch, int max_tiles) {
   SparseTileCoord c;
-  c.kv_head = off / width;
-  const int r = first + off - c.kv_head * width;
+  c.kv_head = t % num_kv_heads;
+  const int r = t / num_kv_heads;
   c.batch = r % batch;
   c.tile = max_tiles - 1 - r / batch;
   return c;
 }
-// The band of a launch: its persistent grid (the split plan and the kernel read the same value).
-inline int sparse_order_band(int num_sms) { return num_sms > 0 ? num_sms : 1; }
 
 // The split-KV rule (split_kv.cu; sizes in SparseLaunchWorkspace, fwd_args.h): a tile with more planned steps than
 // cap = max(kMinCap, ceil(total / SMs)) runs as nsplit = min(32, ceil(steps / cap)) units. As steps > cap,
