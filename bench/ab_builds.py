@@ -14,6 +14,8 @@ index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule a
 masks at 20 % and 50 % (`sparse_random_20`, `sparse_random_50`: the sweep's high densities, where L2 reuse
 decides) and over bench_sparse.py's own selection at 8K / 32K / 128K (`sparse_fpv2`: FlashPrefill V2's rule, no
 correction, the issue 16 headline's attention); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
+The split-KV decode and chunked rows also run as CUDA-graph replays (`split_kv_decode_graph`, `chunked_last_1024_graph`:
+the kernels without the host's launches).
 `--kinds` keeps the rows of the named kinds (e.g. `--kinds index_tile_energy,index_row_max`). Issue 19's target: ours / base <= 1.01; issue 15's:
 within 2 %. scripts/gpu.sh abbase builds the base from .deps/base.tar and runs this.
 """
@@ -27,6 +29,12 @@ import sys
 import time
 
 HQ, HKV, D = 32, 8, 128
+
+
+# Rows whose GPU work is shorter than a Python call's launches (split-KV decode: ~133 us of kernels in a 0.19 ms
+# call, ncu, bench/NOTES_sparse.md) also get a `<kind>_graph` row, timed as CUDA-graph replays, so that a kernel
+# change is gated on the kernels and host changes on the per-call row.
+GRAPHED = ("split_kv_decode", "chunked_last_1024")
 
 
 def rows_of(quick):
@@ -126,6 +134,9 @@ def worker(args):
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.chunked_prefill(qc, kc, vc, cq, bt, used, 1024, L, final_chunk=True, workspace=ws)
         res[f"{kind}@{L}"] = timed(fn)
+        if kind in GRAPHED:  # the GPU time alone: these rows' per-call time is mostly host launches
+            from _common import time_graph_ms
+            res[f"{kind}_graph@{L}"] = time_graph_ms(fn)
         del q, k, v
         torch.cuda.empty_cache()
     print(json.dumps(res))
@@ -161,7 +172,8 @@ def main():
             res = json.loads(p.stdout.strip().splitlines()[-1])
             runs[variant].append(res)
             print(f"round {r} {variant}: {time.time() - t0:.0f} s, {res['package']}", flush=True)
-    keys = [k for k in runs["ours"][0] if k != "package"]
+    keys = [k for k in runs["ours"][0] if k != "package"
+            and all(x.get(k) is not None for x in runs["base"] + runs["ours"])]  # a failed graph capture: no row
     rows = []
     for k in keys:
         b = statistics.median(x[k] for x in runs["base"])
