@@ -56,7 +56,7 @@ _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 # The extension's launch-option codes of sparse_prefill.LaunchOptions() (dense_path 'auto', split_kv on, not
-# checked): the operators always run the measured defaults.
+# checked, sparse_order 'heads_fastest'): the operators always run the measured defaults.
 _LAUNCH_DEFAULTS = _api._DEFAULT_CODES
 # The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
 # wrappers below take theirs from here.

@@ -156,8 +156,9 @@ nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, con
 }
 
 sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
-  // The last three: LaunchOptions (dense_path code, split_kv, checked), _api.LaunchOptions._codes().
-  if (nb::len(t) != 20) throw nb::value_error("internal: attention inputs tuple must have 20 entries");
+  // Entries 14-17: LaunchOptions (dense_path code, split_kv, checked, sparse_order code), LaunchOptions._codes();
+  // the library's validation range-checks the two codes (validate_inputs).
+  if (nb::len(t) != 21) throw nb::value_error("internal: attention inputs tuple must have 21 entries");
   sp::AttentionInputs in;
   in.q = to_view(t[0], "q", held);
   in.k = to_view(t[1], "k", held);
@@ -173,14 +174,13 @@ sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
   in.window_left = nb::cast<int>(t[11]);
   in.window_right = nb::cast<int>(t[12]);
   in.stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[13]));
-  const int path = nb::cast<int>(t[14]);
-  if (path < 0 || path > 2) throw sp::ArgumentError("dense_path", "unknown kernel path");
-  in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(path);
+  in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(nb::cast<int>(t[14]));
   in.options.split_kv = nb::cast<bool>(t[15]);
   in.options.checked = nb::cast<bool>(t[16]);
-  in.q_descale = to_opt_view(t[17], "q_descale", held);
-  in.k_descale = to_opt_view(t[18], "k_descale", held);
-  in.v_descale = to_opt_view(t[19], "v_descale", held);
+  in.options.sparse_order = static_cast<sp::LaunchOptions::SparseOrder>(nb::cast<int>(t[17]));
+  in.q_descale = to_opt_view(t[18], "q_descale", held);
+  in.k_descale = to_opt_view(t[19], "k_descale", held);
+  in.v_descale = to_opt_view(t[20], "v_descale", held);
   return in;
 }
 

@@ -4,8 +4,8 @@
 // The attention inputs travel as one tuple, in this order (see _call.py `_Call.inputs`):
 //   (q, k, v, cu_seqlens_q, cu_seqlens_k | None, block_table | None, seqused_k | None,
 //    max_seqlen_q, max_seqlen_k, causal, softmax_scale | None, window_left, window_right, stream, dense_path,
-//    split_kv, checked, q_descale | None, k_descale | None, v_descale | None)
-//   (dense_path: LaunchOptions::DensePath as int; the descales: FP8 inputs only)
+//    split_kv, checked, sparse_order, q_descale | None, k_descale | None, v_descale | None)
+//   (dense_path, sparse_order: LaunchOptions::DensePath / SparseOrder as int; the descales: FP8 inputs only)
 #pragma once
 
 #include <nanobind/nanobind.h>

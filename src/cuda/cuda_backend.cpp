@@ -185,9 +185,10 @@ struct Scratch {
 
 // Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu). `plan`: the
 // launch runs the split-KV plan (split_planned for indexes; always for the dense full-list path), when its workspace
-// has the split arrays.
-void run_sparse(const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
+// has the split arrays. The work order's band comes from in.options.sparse_order.
+void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
   s.launch.plan = plan && s.launch.max_split_units > 0;
+  s.order_band = in.options.sparse_order == LaunchOptions::SparseOrder::kBanded ? num_sms() : 1;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16 || fp8(p));  // FP8 writes bfloat16
@@ -283,7 +284,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   s.block_size = 128;
   s.correction = false;
   s.launch = carve_sparse_launch_workspace(ws.ptr, num_sms(), p.head_dim, true);
-  run_sparse(a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)
+  run_sparse(in, a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)
 }
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
@@ -292,7 +293,7 @@ void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, c
   const FwdArgs a = make_fwd_args(in, outs, p);
   const DeviceIndex d = carve_index(index.binding, index.params, index.workspace.data);  // pointers only: no access
   check_workspace(index.workspace, in.q, int64_t(d.workspace_bytes), "index_workspace_bytes(...)");
-  run_sparse(a, p, sparse_args_of(d), planned(in));
+  run_sparse(in, a, p, sparse_args_of(d), planned(in));
 }
 
 size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
@@ -324,7 +325,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.block_size = index.block_size;
   s.correction = index.correction && s.mean_rows > 0;
   s.head_subgroups = index.head_subgroups;
-  run_sparse(a, p, s, planned(in));
+  run_sparse(in, a, p, s, planned(in));
 }
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
@@ -333,7 +334,7 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   const size_t bytes = index_workspace_bytes(in, p, params);
   const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
-  run_sparse(a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)), planned(in));
+  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)), planned(in));
 }
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,

@@ -92,6 +92,9 @@ struct SparseFwdArgs {
   bool full_list = false;
   // A device index (sparse_args_of): a segment whose start is kOverflowStart runs its full list (device_checks.h).
   bool overflow_marks = false;
+  // The work order's band (sparse_tile_coord, block_schedule.h), set by run_sparse from LaunchOptions::sparse_order:
+  // 1 (KV heads fastest) or the persistent grid (banded). The kernel and the split plan read this one value.
+  int order_band = 1;
   // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
   SparseLaunchWorkspace launch;
 };

@@ -33,12 +33,14 @@ constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 
 // The sparse kernel's work order (sparse_tile_coord) as the plan and the combine see it.
 struct TileOrder {
-  int num_kv_heads, batch, max_tiles, group_size;
+  int num_kv_heads, batch, max_tiles, group_size, band;
   static TileOrder of(const FwdArgs& a, const SparseFwdArgs& s) {  // virtual KV heads with head sub-groups
     const int heads = geometry::virtual_kv_heads(a.num_kv_heads, s.head_subgroups), g = a.num_q_heads / heads;
-    return {heads, a.batch, int(geometry::num_tiles(a.max_seqlen_q, g)), g};
+    return {heads, a.batch, int(geometry::num_tiles(a.max_seqlen_q, g)), g, s.order_band};
   }
-  __device__ SparseTileCoord coord(int t) const { return sparse_tile_coord(t, num_kv_heads, batch, max_tiles); }
+  __device__ SparseTileCoord coord(int t) const {
+    return sparse_tile_coord(t, num_kv_heads, batch, max_tiles, band);
+  }
   int64_t tiles() const { return int64_t(num_kv_heads) * max_tiles * batch; }
 };
 

@@ -339,3 +339,32 @@ TEST(BlockIterator, OverflowedSegmentRunsTheFullList) {
 }
 
 TEST(BlockIterator, SplitRuleWorkspaceBounds) { EXPECT_EQ(check_split_rule(), 0); }
+
+// The sparse work order (sparse_tile_coord): a bijection of [0, H * B * T) onto (KV head, sequence, tile) for every
+// band; band 1 is KV heads fastest; within a band the (sequence, tile) pairs stay in [first, first + band), so the
+// heaviest-first order holds band by band, and the items of one band run one KV head after the other.
+TEST(BlockIterator, SparseWorkOrderBands) {
+  using sparse_prefill::cuda::sparse_tile_coord;
+  for (int heads : {1, 3, 8})
+    for (int batch : {1, 2, 5})
+      for (int tiles : {1, 7, 130})
+        for (int band : {1, 4, 132, 1000}) {
+          const int n = heads * batch * tiles, pairs = batch * tiles;
+          std::vector<int> seen(n, 0);
+          int prev_head = 0;
+          for (int t = 0; t < n; ++t) {
+            const auto c = sparse_tile_coord(t, heads, batch, tiles, band);
+            ASSERT_TRUE(c.kv_head >= 0 && c.kv_head < heads && c.batch >= 0 && c.batch < batch && c.tile >= 0 &&
+                        c.tile < tiles)
+                << "t " << t << " heads " << heads << " batch " << batch << " tiles " << tiles << " band " << band;
+            ++seen[(c.kv_head * batch + c.batch) * tiles + c.tile];
+            const int r = c.batch + batch * (tiles - 1 - c.tile), first = (t / (band * heads)) * band;
+            EXPECT_TRUE(r >= first && r < std::min(first + band, pairs)) << "t " << t << " band " << band;
+            if (band == 1) EXPECT_EQ(c.kv_head, t % heads);
+            if (t % (band * heads) == 0) prev_head = 0;
+            EXPECT_GE(c.kv_head, prev_head) << "t " << t << " band " << band;  // heads in turn within a band
+            prev_head = c.kv_head;
+          }
+          for (int i = 0; i < n; ++i) ASSERT_EQ(seen[i], 1) << "item " << i << " band " << band;
+        }
+}

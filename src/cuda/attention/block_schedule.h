@@ -43,20 +43,27 @@ SP_HOST_DEVICE SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int
   return s;
 }
 
-// Block-sparse work order: index t -> (KV head, sequence, tile). KV heads fastest, then sequences, then tiles from
-// the last (most blocks visible under causal, and the dense last_n tiles) to the first: the heaviest tiles of every
-// sequence first. The tiles in flight thus spread over every KV head and their K/V compete for L2 (ncu, 64K, 50 %
-// random blocks: L2 hit rate 30 % against the dense kernel's 72 %). Bands of the grid's size, KV heads in turn
-// (85ab931, reverted) raised it to 96 % and paid at high density (A/B on the H200, random blocks at 64K: 20 % 0.91,
-// 50 % 0.86) but lost on FlashPrefill V2's selection (8K 1.14, 32K 1.02, 128K 1.02): bench/NOTES_sparse.md.
-// Tiles beyond a shorter sequence's count are empty work (skipped).
+// Block-sparse work order: index t -> (KV head, sequence, tile). The (sequence, tile) pairs r = sequence + batch *
+// (max_tiles - 1 - tile), tiles from the last (most blocks visible under causal, and the dense last_n tiles) to the
+// first, are cut into bands of `band` pairs; within a band KV heads are slowest, across bands the order stays
+// heaviest first. band 1 (LaunchOptions::SparseOrder::kHeadsFastest, the default) is KV heads fastest: the tiles in
+// flight spread over every KV head. band = the persistent grid (kBanded) keeps them on one or two heads, whose K / V
+// blocks then stay in L2 (ncu, 64K, 50 % random blocks: L2 hit rate 30 % -> 96 %). Measured on the H200, banded
+// against heads fastest (bench/NOTES_sparse.md, eleventh session): random blocks at 64K 20 % 0.91, 50 % 0.86;
+// FlashPrefill V2's selection 8K 1.14, 32K 1.02, 128K 1.02. Tiles beyond a shorter sequence's count are empty work
+// (skipped). For t < num_kv_heads * batch * max_tiles: the band holding t starts below batch * max_tiles, so
+// width >= 1.
 struct SparseTileCoord {
   int kv_head, tile, batch;
 };
-SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int batch, int max_tiles) {
+SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int batch, int max_tiles, int band) {
+  const int per_band = band * num_kv_heads;
+  const int first = (t / per_band) * band;  // the band's first pair
+  const int off = t - first * num_kv_heads;
+  const int width = sp_min(band, batch * max_tiles - first);
   SparseTileCoord c;
-  c.kv_head = t % num_kv_heads;
-  const int r = t / num_kv_heads;
+  c.kv_head = off / width;
+  const int r = first + off - c.kv_head * width;
   c.batch = r % batch;
   c.tile = max_tiles - 1 - r / batch;
   return c;

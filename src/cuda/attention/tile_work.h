@@ -76,8 +76,8 @@ struct DenseRange {
   __device__ __forceinline__ static int id_bound(const P&, const SeqSpan&) { return 0; }
 };
 
-// Block-sparse tile order (SparseTileCoord, block_schedule.h): KV heads fastest, then sequences, then tiles from the
-// last (most blocks visible) to the first, so the heavy tiles of every sequence come first.
+// Block-sparse tile order (sparse_tile_coord, block_schedule.h): the heavy tiles of every sequence first, KV heads
+// fastest or (SparseFwdArgs::order_band > 1) in turn within bands.
 template <class Config>
 struct CsrBlocks {
   static constexpr bool kPackGqa = true;
@@ -98,6 +98,7 @@ struct CsrBlocks {
     // Dense attention through the sparse kernel (SparseFwdArgs::full_list): every tile visits the full list of the
     // blocks it sees (SparseBlockIterator::full_list_blocks), causal when window_right == 0, non-causal when < 0.
     int full_list;
+    int order_band;  // sparse_tile_coord's band (SparseFwdArgs::order_band)
   };
   static Params to_params(const FwdArgs&, const SparseFwdArgs* s) {
     Params p;
@@ -111,6 +112,7 @@ struct CsrBlocks {
     p.block_size = s->block_size;
     p.overflow_marks = s->overflow_marks ? 1 : 0;
     p.full_list = s->full_list ? 1 : 0;
+    p.order_band = s->order_band;
     return p;
   }
   static int64_t num_tiles(const FwdProblem& pr) { return int64_t(pr.num_kv_heads) * pr.num_m_blocks * pr.batch; }
@@ -145,7 +147,7 @@ struct CsrBlocks {
     w.slot = u.slot;
     w.valid = u.valid;
     if (!w.valid) return w;
-    const SparseTileCoord c = sparse_tile_coord(u.tile, pr.num_kv_heads, pr.batch, pr.num_m_blocks);
+    const SparseTileCoord c = sparse_tile_coord(u.tile, pr.num_kv_heads, pr.batch, pr.num_m_blocks, ix.order_band);
     w.batch = c.batch;
     w.kv_head = c.kv_head;
     w.q_head = c.kv_head * pr.group_size;
