@@ -54,6 +54,7 @@ def worker(args):
     import torch
 
     import sparse_prefill as sp
+    from _common import SEL, time_graph_ms  # SEL: the benchmarks' selection (FlashPrefill V2's parameters)
     torch.manual_seed(0)
     dev = "cuda"
     bf = torch.bfloat16
@@ -106,7 +107,6 @@ def worker(args):
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.sparse_prefill(q, k, v, cu, cu, L, L, workspace=ws)
         elif kind.startswith("sparse_random_"):  # the sparse kernel alone over bench_sparse's sweep mask
-            from _common import SEL
             from bench_sparse import random_index  # random 128-query-block masks, density from the kind's name
             host = sp.build_index(q, k, v, cu, cu, L, L, **dict(SEL, correction=False)).to_host()
             ridx, _ = random_index(sp, host, L, int(kind.rsplit("_", 1)[1]) / 100, HQ // HKV, per_query_block=True)
@@ -115,12 +115,10 @@ def worker(args):
             out = torch.empty_like(q)
             fn = lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=ws)
         elif kind == "sparse_fpv2":  # the sparse kernel alone over bench_sparse's selection (FlashPrefill V2's rule)
-            from _common import SEL
             idx = sp.build_index(q, k, v, cu, cu, L, L, **dict(SEL, correction=False))
             out = torch.empty_like(q)
             fn = lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out)
-        elif kind.startswith("index_"):  # the index stage alone, into a caller workspace
-            from _common import SEL  # the benchmarks' selection (FlashPrefill V2's parameters), this row's rule
+        elif kind.startswith("index_"):  # the index stage alone, into a caller workspace, with this row's rule
             sel = dict(SEL, rule=kind[len("index_"):], correction=False)
             n = sp.index_workspace_bytes(q, k, v, cu, cu, L, L, **sel)
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -135,7 +133,6 @@ def worker(args):
             fn = lambda: sp.chunked_prefill(qc, kc, vc, cq, bt, used, 1024, L, final_chunk=True, workspace=ws)
         res[f"{kind}@{L}"] = timed(fn)
         if kind in GRAPHED:  # the GPU time alone: these rows' per-call time is mostly host launches
-            from _common import time_graph_ms
             res[f"{kind}_graph@{L}"] = time_graph_ms(fn)
         del q, k, v
         torch.cuda.empty_cache()

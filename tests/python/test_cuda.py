@@ -369,34 +369,30 @@ def test_sparse_order_banded_is_bit_identical(head_subgroups):
     so two bands), the split-KV planned path of final chunks, and dense decode through the full-list split path.
     Poisoned outputs, LSE."""
     rng = np.random.default_rng()
-    banded = sp.LaunchOptions(sparse_order="banded")
 
-    def both(fn):
-        outs = []
-        for o in (None, banded):
-            out, lse = fn(o)
-            torch.cuda.synchronize()
-            assert not torch.isnan(out).any()
-            outs.append((out, lse))
-        (a, la), (b, lb) = outs
+    def both(fn):  # fn(order) -> (out, lse), for each order
+        (a, la), (b, lb) = (fn(order) for order in ("heads_fastest", "banded"))
+        torch.cuda.synchronize()
+        assert not torch.isnan(a).any() and not torch.isnan(b).any()
         assert torch.equal(a, b) and torch.equal(la, lb)
 
     _, gpu, mq, mk = _structured_varlen(rng, [4100, 300, 1763], [4100, 300, 1763], 8, 2)
     for correction in (False, True):
         both(lambda o: sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, correction=correction, return_lse=True,
-                                         head_subgroups=head_subgroups, options=o,
+                                         head_subgroups=head_subgroups, options=sp.LaunchOptions(sparse_order=o),
                                          out=torch.full_like(gpu[0], float("nan"))))
     cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)  # split units (see above)
     index = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=head_subgroups)
-    both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, options=o,
+    both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True,
+                                       options=sp.LaunchOptions(sparse_order=o),
                                        out=torch.full_like(gpu[0], float("nan"))))
     qg, kc, vc, bt, _, _ = _paged_prompt(rng, 5000)
     qd = qg[-16:].contiguous()
     cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
     used = torch.tensor([5000], dtype=torch.int32, device="cuda")
-    split = lambda o: sp.LaunchOptions(dense_path="split_kv", sparse_order=o.sparse_order if o else "heads_fastest")
+    split = lambda o: sp.LaunchOptions(dense_path="split_kv", sparse_order=o)
     assert sp.attention_path(qd, kc, vc, cu, None, 16, 5000, block_table=bt, seqused_k=used,
-                             options=split(banded)) == "split_kv"
+                             options=split("banded")) == "split_kv"
     both(lambda o: sp.attention(qd, kc, vc, cu, None, 16, 5000, block_table=bt, seqused_k=used, return_lse=True,
                                 out=torch.full_like(qd, float("nan")), options=split(o)))
 
