@@ -62,5 +62,24 @@ TEST(IndexLayout, CausalCapacityIsAboutHalfTheFixedSlicesForOnePrompt) {
   EXPECT_EQ(causal_capacity((int64_t(1) << 22) / 128 + 1, 1, int64_t(1) << 20, 4, 128, 8), 1073938432);
 }
 
+// The probe pass's key splits (layout.h, probe_splits): one-shot prompts have CTAs enough and no split; a chunk step
+// with one probe CTA per virtual KV head splits its keys into one wave of two CTAs per SM, never past one split per
+// bitmap word; non-probe rules have none.
+TEST(IndexLayout, ProbeSplits) {
+  using sparse_prefill::cuda::index_stage::probe_splits;
+  EXPECT_EQ(probe_splits(131072, 4, 8, 131072 / 128 / 32, 132), 1);   // 128K one-shot, Hq 32 / Hkv 8
+  EXPECT_EQ(probe_splits(1024, 1, 32, 131072 / 128 / 32, 132), 8);    // chunk 1024, head_subgroups = g: 32 CTAs
+  EXPECT_EQ(probe_splits(1024, 1, 32, 2, 132), 2);                   // capped by the bitmap's words
+  EXPECT_EQ(probe_splits(16, 4, 8, 32, 132), 32);                    // one CTA per head: as many splits as words
+  EXPECT_EQ(probe_splits(0, 4, 8, 4, 132), 4);                       // no queries: harmless
+  EXPECT_EQ(probe_splits(1024, 1, 32, 0, 132), 0);                   // not a probe rule
+  for (int64_t q : {1, 100, 1024, 5000, 70000})
+    for (int64_t words : {1, 3, 32, 256}) {
+      const int s = probe_splits(q, 4, 8, words, 132);
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, words);
+    }
+}
+
 }  // namespace
 #endif  // SPARSE_PREFILL_WITH_CUDA

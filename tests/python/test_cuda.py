@@ -815,6 +815,21 @@ def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha, mean_a
                 assert set(mean.segment(b, h, t)) <= set(got.segment(b, h, t))
 
 
+@pytest.mark.parametrize("rule,alpha", [("probe_row_max", 0.1), ("probe_row_mass", 0.05)])
+def test_probe_key_splits_match_cpu(rule, alpha):
+    """Chunks against long caches have few probe CTAs, so the probe pass splits their keys (layout.h probe_splits):
+    here 2 x 2 CTAs (head_subgroups 1) or 1 x 8 (4), each over 157 key blocks, i.e. 5 splits of one bitmap word (32
+    blocks) each, the last one short and the shorter sequence's last splits empty; against the CPU reference."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [256, 77], [20000, 9000], 8, 2)
+    for subgroups in (1, 4):
+        ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, head_subgroups=subgroups)
+        got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, head_subgroups=subgroups).to_host()
+        assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, subgroups
+        assert _segments_differ(ref, got, 2, 2 * subgroups) <= max(2, ref.kept_blocks // 200), subgroups
+        assert abs(got.density - ref.density) <= 0.01, subgroups
+
+
 @pytest.mark.parametrize("head_dim,dtype,padded", [
     (64, torch.bfloat16, False), (64, torch.float16, True), (128, torch.float16, False), (128, torch.bfloat16, True),
 ])

@@ -62,6 +62,8 @@ struct DeviceIndex {
   void* v_mean_kernel = nullptr;
   uint32_t* probe_bits = nullptr;   // kProbeRowMax / kProbeRowMass: [max_segments, probe_words] blocks the probe
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
+  int probe_splits = 0;             // key splits of each probe CTA (probe_splits(), layout.h)
+  float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
   // (SparseLaunchWorkspace, fwd_args.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so

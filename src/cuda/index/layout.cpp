@@ -33,6 +33,14 @@ int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int 
   return kv_heads * ((batch - r) * p_q + r * p_q1);
 }
 
+int probe_splits(int64_t total_q, int group_size, int kv_heads, int64_t probe_words, int sms) {
+  if (probe_words <= 0) return 0;
+  const int64_t tiles = std::max<int64_t>(1, (total_q * group_size + kTileRows - 1) / kTileRows);
+  const int64_t ctas = (tiles + kProbeTilesPerCta - 1) / kProbeTilesPerCta * kv_heads;  // ignores per-sequence rounding
+  const int64_t want = 2 * int64_t(sms) / ctas;  // rounded down: all split CTAs in one wave
+  return int(std::max<int64_t>(1, std::min(want, probe_words)));
+}
+
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, params.head_subgroups);
   const int block_size = params.block_size;
@@ -52,6 +60,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   }
   bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
   bd.probe_words = is_probe_rule(params.rule) ? (bd.nb_max + 31) / 32 : 0;
+  bd.probe_splits = probe_splits(b.total_q, h.group, h.kv, bd.probe_words, num_sms());
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
@@ -82,6 +91,10 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   if (bd.probe_words) {
     d.probe_bits = reinterpret_cast<uint32_t*>(take(size_t(bd.max_segments * bd.probe_words) * 4));
     d.probe_words = bd.probe_words;
+    d.probe_splits = bd.probe_splits;
+    if (bd.probe_splits > 1)  // [split][virtual KV head][tile][row][2]: (reference, sum) of each packed row
+      d.probe_partials = reinterpret_cast<float*>(
+          take(size_t(bd.probe_splits) * bd.max_segments * kTileRows * 2 * sizeof(float)));
   }
   const int sms = num_sms();
   char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split_kv));

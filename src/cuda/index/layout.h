@@ -10,9 +10,12 @@
 
 namespace sparse_prefill::cuda::index_stage {
 
+constexpr int kProbeTilesPerCta = 8;  // probe.cu: the tiles of one probe CTA, whose K loads they share
+
 struct Bounds {
   int64_t max_tiles, max_blocks, max_segments, capacity, nb_max;
   int64_t probe_words;  // is_probe_rule(params.rule): words of each segment's probe bitmap (else 0)
+  int probe_splits;     // is_probe_rule(params.rule): key splits of each probe CTA (probe_splits(), else 0)
   bool split_kv;  // the attention launch over this index may run split-KV (split_planned): carve the split arrays
 };
 
@@ -40,6 +43,14 @@ int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int 
 // Workspace bounds from the shapes the index is bound to (no device reads): the layout of a device index is a
 // function of its binding and parameters alone, so sparse_attention and to_host re-carve the same pointers.
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params);
+
+// Key splits of the probe pass (probe.cu): its CTAs take 8 tiles each, so a chunk step has few of them (chunk 1024
+// at head_subgroups = g: one per virtual KV head, 32 for Llama's heads) and each would stream the whole cache. With
+// S > 1 every CTA takes 1/S of the key blocks (whole 32-block words of the bitmap), in two launches: pass 1 writes
+// each split's partial row references, pass 2 merges them in split order and tests its blocks. S fills at most two
+// probe CTAs per SM (the kernel's occupancy: one wave) from an estimate of the CTAs, at most one split per bitmap
+// word.
+int probe_splits(int64_t total_q, int group_size, int kv_heads, int64_t probe_words, int sms);
 
 // Carves the workspace; with base == nullptr only sums the sizes. Returns the bytes of the layout.
 size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* idx);

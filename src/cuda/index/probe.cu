@@ -29,8 +29,12 @@ namespace {
 // Two passes over the keys, the first for m_r (a running maximum, or with row_mass a running log2-sum-exp2 of the
 // block masses) and the second recomputing the same masses (same instructions, same bits) for the test: no
 // per-(row, block) array, so any number of blocks fits. NaN: no bit (the scorer's NaN rule keeps the tile whole).
+// Key splits (Split, probe_splits() in layout.h): with S > 1, CTA (blockIdx.z = s) takes the bitmap words
+// [s * W, (s + 1) * W) of 32 blocks each, W = ceil(words / S), in two launches: kPass1 runs the first pass over its
+// blocks and stores each row's partial reference (max, or log2-sum-exp2 as (m, sum)); kPass2 merges the S partials
+// in split order (deterministic) and runs the second pass, writing its words of the bitmap. kBoth: S = 1, one launch.
 // A bad page id reads zeros (its tile's rows are NaN anyway, docs/engine.md).
-constexpr int kProbeWarps = 8, kProbeThreads = 32 * kProbeWarps, kProbeBatch = 16, kTilesPerCta = 8;
+constexpr int kProbeWarps = 8, kProbeThreads = 32 * kProbeWarps, kProbeBatch = 16, kTilesPerCta = kProbeTilesPerCta;
 constexpr int kChunkKeys = 64, kStages = 3, kMaxRows = kTilesPerCta * kTileRows;
 
 // A row of q or k in shared memory: the row's bytes plus 16, so the 8 rows of an ldmatrix hit distinct bank groups.
@@ -81,10 +85,18 @@ __device__ __forceinline__ void lse2_merge(float& m, float& l, float m2, float l
 // kVec16: K's base and strides are multiples of 16 bytes (16-byte cp.async copies), else element copies. Two CTAs
 // per SM (128 registers, ~92 KB of shared memory at D 128); e4m3 one: at 128 registers its mma.sync spilled 52-80
 // bytes (sm_90 has no native m16n8k32 e4m3 mma.sync; ptxas emulates it).
+enum class ProbePhase : int { kBoth = 0, kPass1 = 1, kPass2 = 2 };
+struct Split {
+  int count;         // S
+  ProbePhase phase;
+  float* partials;   // S > 1: [S][max_segments][kTileRows][2], slot (cu_tiles[b] + tile) * num_kv_heads + kvh
+};
+
 template <typename T, int D, bool kVec16>
 __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
     probe_kernel(SeqArgs seq, QArgs qa, KVArgs kv, SelectArgs sel, int group_size, int num_kv_heads, int subgroups,
-                 const int32_t* cu_tiles, int64_t words, bool row_mass, uint32_t* probe_bits) {
+                 const int32_t* cu_tiles, int64_t words, bool row_mass, Split split, int64_t max_segments,
+                 uint32_t* probe_bits) {
   constexpr int kRowBytes = D * int(sizeof(T)), kStride = probe_row_bytes<T, D>(), kSteps = kRowBytes / 32;
   constexpr int kParts = kRowBytes / 16;                       // 16-byte pieces of a row
   constexpr int kCopies = kChunkKeys * kParts / kProbeThreads;  // per thread and chunk
@@ -122,16 +134,28 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
   const float log2_alpha = sel.alpha > 0.f ? log2f(sel.alpha) : -INFINITY;
   const unsigned char* kbase = static_cast<const unsigned char*>(kv.k);
   const int chunks_per_block = B / kChunkKeys;
-  const int64_t n_chunks = nvis * chunks_per_block;
+  // This split's bitmap words [w_lo, w_hi) and their chunks [c_lo, c_hi) (all of them without splits); 32-bit, as
+  // the 16-bit D 128 kernels sit at their 128-register cap: with 64-bit bounds and the rows kept in registers they
+  // spilled 52-84 bytes, now 24-40 (ptxas), all outside the chunk loop (SASS: no LDL / STL between its HMMAs).
+  const int words_per_split = int((words + split.count - 1) / split.count);
+  const int w_lo = int(min(words, int64_t(blockIdx.z) * words_per_split));
+  const int w_hi = int(min(words, int64_t(w_lo) + words_per_split));
+  const int c_lo = int(min(nvis, int64_t(w_lo) * 32)) * chunks_per_block;
+  const int c_hi = int(min(nvis, int64_t(w_hi) * 32)) * chunks_per_block;
+  // A row's partial reference in split s (packed row r of this CTA).
+  auto partial = [&](int s, int r) {
+    const int64_t slot = (cu_tiles[b] + t0 + r / kTileRows) * num_kv_heads + kvh;
+    return split.partials + ((int64_t(s) * max_segments + slot) * kTileRows + r % kTileRows) * 2;
+  };
   // Chunk c (keys c * 64 + [0, 64)) into stage c % kStages, one commit group (empty past the last chunk, so that
   // wait_group counts stay uniform). Keys past k_len and bad pages are zeros.
-  auto load_chunk = [&](int64_t c) {
-    if (c < n_chunks) {
+  auto load_chunk = [&](int c) {
+    if (c < c_hi) {
       unsigned char* dst0 = kbuf + (c % kStages) * kChunkKeys * kStride;
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) {
         const int p = threadIdx.x + i * kProbeThreads, key = p / kParts, part = p % kParts;
-        const int64_t j = c * kChunkKeys + key;
+        const int64_t j = int64_t(c) * kChunkKeys + key;
         int64_t ko = -1;
         if (j < k_len) {
           if (kv.block_table) {
@@ -181,22 +205,39 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
     // this thread's two rows: the last key each sees (causal, bottom-right; -1: no row) and its tile
     int64_t lim[2];
     int tile[2];
+    // this thread's row h (-1: none), read again from shared memory where needed rather than kept in registers
+    auto row_of = [&](int h) { return g + 8 * h < nr ? probe_rows[r0 + g + 8 * h] : -1; };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int rr = g + 8 * h;
-      const int r = rr < nr ? probe_rows[r0 + rr] : 0;
-      lim[h] = rr < nr ? (t0 * kTileRows + r) / group_size + off : -1;
-      tile[h] = r / kTileRows;
+      const int r = row_of(h);
+      lim[h] = r >= 0 ? (t0 * kTileRows + r) / group_size + off : -1;
+      tile[h] = max(r, 0) / kTileRows;
     }
     float row_ref[2] = {-INFINITY, -INFINITY}, row_sum[2] = {1.f, 1.f};  // m_r (row_mass: with the sum of exp2)
-    for (int pass = 0; pass < 2; ++pass) {
-      load_chunk(0);
-      load_chunk(1);
+    if (split.phase == ProbePhase::kPass2) {  // the splits' first passes, merged in split order
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_of(h);
+        if (r < 0) continue;
+        for (int s = 0; s < split.count; ++s) {
+          const float* q = partial(s, r);
+          if (row_mass)
+            lse2_merge(row_ref[h], row_sum[h], q[0], q[1]);
+          else
+            row_ref[h] = fmaxf(row_ref[h], q[0]);
+        }
+        if (row_mass) row_ref[h] += log2f(row_sum[h]);  // -inf stays -inf
+      }
+    }
+    const int pass_lo = split.phase == ProbePhase::kPass2 ? 1 : 0, pass_hi = split.phase == ProbePhase::kPass1 ? 1 : 2;
+    for (int pass = pass_lo; pass < pass_hi; ++pass) {
+      load_chunk(c_lo);
+      load_chunk(c_lo + 1);
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // the current block's running log2-sum-exp2
       bool nan[2] = {false, false};                                // a NaN score in it (its mass becomes NaN)
-      int64_t J = 0;                                               // the block of chunk c, and c's place in it
+      int J = c_lo / chunks_per_block;                             // the block of chunk c, and c's place in it
       int in_block = 0;
-      for (int64_t c = 0; c < n_chunks; ++c) {
+      for (int c = c_lo; c < c_hi; ++c) {
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();  // chunk c visible to all; everyone is done with chunk c - 1, whose stage the next load takes
         load_chunk(c + 2);
@@ -216,7 +257,7 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
             mma_k32bytes<T>(acc[2 * np + 1], a[s], bf[2], bf[3]);
           }
         }
-        const int64_t j0 = c * kChunkKeys;
+        const int64_t j0 = int64_t(c) * kChunkKeys;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // row g + 8 h: acc[n][2 h], acc[n][2 h + 1] are keys 8 n + 2 tq, + 1
           float x[kChunkKeys / 4];
@@ -261,16 +302,27 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
       }
       asm volatile("cp.async.wait_group 0;\n" ::);
       __syncthreads();  // the stages are free for the next pass or round
-      if (pass == 0 && row_mass) {
+      if (pass == 0 && split.phase == ProbePhase::kPass1) {  // this split's reference, before the row_mass log
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row_of(h);
+          if (r >= 0 && tq == 0) {
+            float* q = partial(blockIdx.z, r);
+            q[0] = row_ref[h];
+            q[1] = row_sum[h];
+          }
+        }
+      } else if (pass == 0 && row_mass) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) row_ref[h] += log2f(row_sum[h]);  // -inf stays -inf
       }
     }
   }
   __syncthreads();
-  for (int tt = 0; tt < ntl; ++tt) {
+  if (split.phase == ProbePhase::kPass1) return;
+  for (int tt = 0; tt < ntl; ++tt) {  // this split's words, zeros past the blocks it sees
     const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t0 + tt;
-    for (int64_t w = threadIdx.x; w < words; w += kProbeThreads) probe_bits[seg * words + w] = bits[tt * words + w];
+    for (int64_t w = w_lo + threadIdx.x; w < w_hi; w += kProbeThreads) probe_bits[seg * words + w] = bits[tt * words + w];
   }
 }
 
@@ -301,9 +353,20 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
                                   (row_mass ? "probe_row_mass" : "probe_row_max") + "' supports up to " +
                                   std::to_string((probe_limit - probe_smem_bytes<T, kD>(0)) / 4 / kTilesPerCta * 32) +
                                   " blocks per sequence");
-      kernel<<<grid, kProbeThreads, probe_smem, stream>>>(seq, qa, kv, sel, heads.group, heads.kv, heads.subgroups,
-                                                          d.cu_tiles, d.probe_words, row_mass, d.probe_bits);
-      check_cuda(cudaGetLastError(), "probe_kernel launch");
+      const int splits = d.probe_splits > 1 ? d.probe_splits : 1;
+      const dim3 split_grid(grid.x, grid.y, unsigned(splits));
+      auto go = [&](ProbePhase phase) {
+        kernel<<<split_grid, kProbeThreads, probe_smem, stream>>>(
+            seq, qa, kv, sel, heads.group, heads.kv, heads.subgroups, d.cu_tiles, d.probe_words, row_mass,
+            Split{splits, phase, d.probe_partials}, d.max_segments, d.probe_bits);
+        check_cuda(cudaGetLastError(), "probe_kernel launch");
+      };
+      if (splits == 1) {
+        go(ProbePhase::kBoth);
+      } else {
+        go(ProbePhase::kPass1);
+        go(ProbePhase::kPass2);
+      }
     };
     vec16 ? run(std::true_type{}) : run(std::false_type{});
   };
