@@ -383,7 +383,7 @@ def test_sparse_order_banded_is_bit_identical(head_subgroups):
                                          out=torch.full_like(gpu[0], float("nan"))))
     cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)  # split units (see above)
     index = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=head_subgroups)
-    both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True,
+    both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, reuse_index=True,
                                        options=sp.LaunchOptions(sparse_order=o),
                                        out=torch.full_like(gpu[0], float("nan"))))
     qg, kc, vc, bt, _, _ = _paged_prompt(rng, 5000)
@@ -819,12 +819,15 @@ def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha, mean_a
 def test_probe_key_splits_match_cpu(rule, alpha):
     """Chunks against long caches have few probe CTAs, so the probe pass splits their keys (layout.h probe_splits):
     here 2 x 2 CTAs (head_subgroups 1) or 1 x 8 (4), each over 157 key blocks, i.e. 5 splits of one bitmap word (32
-    blocks) each, the last one short and the shorter sequence's last splits empty; against the CPU reference."""
+    blocks) each, the last one short and the shorter sequence's last splits empty; against the CPU reference.
+    Mid-prompt chunks (final_chunk=False): in a final chunk the last_n tiles keep every block, and with
+    head_subgroups 4 (group size 1) those are all of its tiles."""
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [256, 77], [20000, 9000], 8, 2)
     for subgroups in (1, 4):
-        ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, head_subgroups=subgroups)
-        got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, head_subgroups=subgroups).to_host()
+        sel = dict(alpha=alpha, rule=rule, head_subgroups=subgroups, final_chunk=False)
+        ref = sp.build_index(*cpu, mq, mk, **sel)
+        got = sp.build_index(*gpu, mq, mk, **sel).to_host()
         assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, subgroups
         assert _segments_differ(ref, got, 2, 2 * subgroups) <= max(2, ref.kept_blocks // 200), subgroups
         assert abs(got.density - ref.density) <= 0.01, subgroups
