@@ -4,6 +4,7 @@
 None of the engines is imported here; torch is imported by `core` (the adapters need it). See docs/integrations.md.
 """
 
-from .core import MeanCacheTracker, SparsePrefillConfig, VarlenDispatch, library_selection_defaults
+from .core import SparsePrefillConfig, VarlenDispatch, library_selection_defaults
+from .mean_cache import MeanCacheTracker
 
 __all__ = ["SparsePrefillConfig", "VarlenDispatch", "MeanCacheTracker", "library_selection_defaults"]

@@ -37,8 +37,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .core import (MeanCacheTracker, SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
+from .core import (SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
                    fp8_kernel_reason, quantize_query, warn_once)
+from .mean_cache import MeanCacheTracker
 
 __all__ = ["register", "make_backend_class", "NAME", "ExtendMetadata", "extend_metadata"]
 
