@@ -35,7 +35,7 @@ int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int 
 
 int probe_splits(int64_t total_q, int group_size, int kv_heads, int64_t probe_words, int sms) {
   if (probe_words <= 0) return 0;
-  const int64_t tiles = std::max<int64_t>(1, (total_q * group_size + kTileRows - 1) / kTileRows);
+  const int64_t tiles = std::max<int64_t>(1, geometry::num_tiles(total_q, group_size));
   const int64_t ctas = (tiles + kProbeTilesPerCta - 1) / kProbeTilesPerCta * kv_heads;  // ignores per-sequence rounding
   const int64_t want = 2 * int64_t(sms) / ctas;  // rounded down: all split CTAs in one wave
   return int(std::max<int64_t>(1, std::min(want, probe_words)));
