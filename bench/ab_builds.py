@@ -11,7 +11,7 @@ fall on both. Every row times one call with CUDA events (median of --iters after
 query path, sparse_prefill on the topic workload (index + sparse attention), a chunked-prefill last chunk and the
 index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule as issue 16 states its targets,
 `index_row_max`, the library default) and the sparse kernel alone over bench_sparse.py's random 128-query-block
-masks at 20 % and 50 % (`sparse_random_20`, `sparse_random_50`: the sweep's high densities, where L2 reuse
+masks at 5 %, 20 % and 50 % (`sparse_random_5`, `sparse_random_20`, `sparse_random_50`: 5 % where the per-tile fill and drain weigh, the high densities where L2 reuse
 decides) and over bench_sparse.py's own selection at 8K / 32K / 128K (`sparse_fpv2`: FlashPrefill V2's rule, no
 correction, the issue 16 headline's attention); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
 The split-KV decode and chunked rows also run as CUDA-graph replays (`split_kv_decode_graph`, `chunked_last_1024_graph`:
@@ -43,7 +43,7 @@ def rows_of(quick):
     r = [("dense", L, 0) for L in dense] + [("dense_paged64", 16384, 64), ("dense_paged16", 8192, 16),
                                             ("split_kv_decode", 65536, 64)]
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
-    r += [(f"sparse_random_{d}", 65536, 0) for d in (20, 50)]
+    r += [(f"sparse_random_{d}", 65536, 0) for d in (5, 20, 50)]
     r += [("sparse_fpv2", L, 0) for L in (8192, 32768, 131072)]
     r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max") for L in (32768, 131072)]
     return r
