@@ -251,9 +251,10 @@ def sdpa_layout(q, k, v, g):
     return qt, kt, vt
 
 
-def time_sdpa_peers(row, qt, kt, vt, is_causal, graph=False, keys=("cudnn", "fa2")):
+def time_sdpa_peers(row, qt, kt, vt, is_causal, graph=False, keys=("cudnn", "fa2"), timer=None):
     """row['cudnn_ms'] / row['fa2_ms'] (and *_graph_ms with graph=True): torch SDPA with the cuDNN and the flash
-    (FA2) backend; a backend that refuses the shapes records None and *_error."""
+    (FA2) backend, timed by timer (default time_ms); a backend that refuses the shapes records None and *_error."""
+    timer = timer or time_ms
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
@@ -261,7 +262,7 @@ def time_sdpa_peers(row, qt, kt, vt, is_causal, graph=False, keys=("cudnn", "fa2
         try:
             with sdpa_kernel(backends[key]):
                 fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=is_causal)  # noqa: E731
-                row[key + "_ms"] = time_ms(fn)
+                row[key + "_ms"] = timer(fn)
                 if graph:
                     row[key + "_graph_ms"] = time_graph_ms(fn)
         except Exception as e:  # noqa: BLE001
