@@ -299,3 +299,130 @@ def pruned_mass(q, k, v, selection, scale, block):
         res.append(dict(head=h, true_dropped=float(true_drop[rows].mean()), virtual_mass=float(virt[rows].mean()),
                         rel_err_nc=err(o_nc), rel_err_c=err(o_c)))
     return res
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The exact oracle of issue 37, in chunks of query positions (GPU at 32K, CPU for tests)
+# ---------------------------------------------------------------------------------------------------------------------
+# Per row the fewest key blocks that hold a fraction `frac` of its true softmax mass (the tile's always-kept blocks
+# first, then by decreasing mass: select()'s agg='rowcum' with score='exact'), the union over each PackGQA tile of
+# 128 packed rows (subgroups S: one selection per g / S query heads; S = g is one per query head), always-kept blocks
+# added, then exact softmax over the kept blocks (renormalised, no correction). Equal to
+# select(score='exact', agg='rowcum', gamma=frac, subgroups=S) + sparse_attention() (test_accuracy_oracle.py), but
+# the probabilities of one KV head's g query heads are formed for `chunk` query positions at a time (a multiple of
+# 128, so every tile lies in one chunk for any g), and the same exp(logits) serve the selection and the attention:
+# one QK^T per chunk, memory ~2 * g * chunk * L * itemsize.
+
+def tile_geometry(t_idx, gs, L, nb, block, sink, window, last_n):
+    """visible, always [len(t_idx), nb] bool for the tiles t_idx (as select(): blocks some row of the tile sees; sink,
+    local band, blocks not fully visible to the tile's first row, the last `last_n` tiles)."""
+    dev = t_idx.device
+    R = L * gs
+    T = (R + TILE_ROWS - 1) // TILE_ROWS
+    first_key = torch.arange(nb, device=dev) * block
+    last_key = torch.clamp(first_key + block, max=L) - 1
+    first_pos = (t_idx * TILE_ROWS) // gs
+    last_pos = (torch.clamp((t_idx + 1) * TILE_ROWS, max=R) - 1) // gs
+    visible = first_key[None, :] <= last_pos[:, None]
+    always = (first_key < sink)[None, :] | ~(last_key[None, :] <= first_pos[:, None])
+    if window > 0:
+        lo = torch.clamp(first_pos - window + 1, min=0)
+        always = always | ((last_key[None, :] >= lo[:, None]) & (first_key[None, :] <= last_pos[:, None]))
+    always = always | (t_idx >= T - last_n)[:, None]
+    return visible, always & visible
+
+
+def oracle_chunk_rows(L, g, mem_bytes, itemsize):
+    """Query positions per chunk: a multiple of 128 whose [g, rows, L] probabilities (x2: the exp and the masked copy
+    of one matmul's operands) fit mem_bytes."""
+    per_pos = 2 * g * (L + 128) * itemsize
+    return max(TILE_ROWS, (int(mem_bytes // per_pos) // TILE_ROWS) * TILE_ROWS)
+
+
+def oracle_chunks(q, k, scale, frac, subgroups=None, block=128, sink=256, window=512, last_n=2, mem_bytes=2 << 30,
+                  dtype=torch.float32, chunk=None):
+    """Yields, per KV head h and chunk of positions [c0, c1): dict(h, c0, c1, e [g, n, K] = exp(logit - row max)
+    (0 where masked; K = nbc * block, nbc the blocks the chunk sees), keep_rows [g, n, nbc] (each query head's row
+    mask), keep [S, Tc, nbc] and visible [Tc, nbc] of the chunk's tiles t0 .. t0 + Tc). frac None keeps every
+    visible block (dense, same arithmetic). q [L, Hq, D], k [L, Hkv, D]: one causal sequence."""
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    S = subgroups or g
+    assert g % S == 0, f"subgroups {S} must divide the group size {g}"
+    gs = g // S
+    nb = (L + block - 1) // block
+    isz = torch.tensor([], dtype=dtype).element_size()
+    chunk = chunk or oracle_chunk_rows(L, g, mem_bytes, isz)
+    assert chunk % TILE_ROWS == 0, "chunk must be a multiple of 128 positions (whole tiles for any g)"
+    dev = q.device
+    for h in range(Hkv):
+        kh = torch.cat([k[:, h].to(dtype), k.new_zeros(nb * block - L, D).to(dtype)])
+        for c0 in range(0, L, chunk):
+            c1 = min(L, c0 + chunk)
+            n, nbc = c1 - c0, (c1 + block - 1) // block
+            K = nbc * block
+            qc = q[c0:c1, h * g:(h + 1) * g].to(dtype).permute(1, 0, 2)  # [g, n, D]
+            e = torch.matmul(qc, kh[:K].T).mul_(scale)  # [g, n, K]
+            posi = torch.arange(c0, c1, device=dev)
+            e.masked_fill_(torch.arange(K, device=dev)[None, None, :] > posi[None, :, None], -math.inf)
+            e.sub_(e.amax(-1, keepdim=True)).exp_()  # key 0 is visible to every row: the max is finite
+            t0, t1 = (c0 * gs) // TILE_ROWS, (c1 * gs + TILE_ROWS - 1) // TILE_ROWS
+            vis, alw = tile_geometry(torch.arange(t0, t1, device=dev), gs, L, nbc, block, sink, window, last_n)
+            if frac is None:
+                keep = vis[None].expand(S, -1, -1)
+            else:
+                bm = e.view(g, n, nbc, block).sum(-1)
+                p = bm / bm.sum(-1, keepdim=True)  # each row's true mass per block
+                # packed rows of virtual head (h, s): row (pos - c0) * gs + j <-> query head h * g + s * gs + j
+                pr = p.view(S, gs, n, nbc).permute(0, 2, 1, 3).reshape(S, n * gs, nbc)
+                pr = torch.cat([pr, pr.new_zeros(S, (t1 - t0) * TILE_ROWS - n * gs, nbc)], 1)
+                pr = pr.view(S, t1 - t0, TILE_ROWS, nbc)
+                al = alw[None, :, None, :].expand_as(pr)
+                order = torch.where(al, torch.full_like(pr, 2.0), pr).argsort(-1, descending=True)
+                ps = torch.gather(pr, -1, order)
+                take = ((ps.cumsum(-1) - ps) < frac) & (ps > 0)  # while the mass before a block is below frac
+                rows = torch.zeros_like(take).scatter_(-1, order, take)
+                keep = (rows.any(2) & vis[None]) | alw[None]
+            kr = keep.repeat_interleave(TILE_ROWS, 1)[:, :n * gs].reshape(S, n, gs, nbc)
+            keep_rows = kr.permute(0, 2, 1, 3).reshape(g, n, nbc)
+            yield dict(h=h, c0=c0, c1=c1, e=e, keep_rows=keep_rows, keep=keep, visible=vis, t0=t0, S=S, gs=gs, nb=nb)
+
+
+def oracle_attention(q, k, v, scale, frac, subgroups=None, block=128, sink=256, window=512, last_n=2,
+                     mem_bytes=2 << 30, dtype=torch.float32, chunk=None):
+    """-> (out [L, Hq, D] in `dtype`, kept blocks, visible blocks) of the oracle (frac None: dense, every block)."""
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    nb = (L + block - 1) // block
+    vpad = torch.cat([v.to(dtype), v.new_zeros(nb * block - L, v.shape[1], D).to(dtype)])
+    out = torch.empty(L, Hq, D, dtype=dtype, device=q.device)
+    kept = visible = 0
+    for c in oracle_chunks(q, k, scale, frac, subgroups, block, sink, window, last_n, mem_bytes, dtype, chunk):
+        h, c0, c1, e, kr = c["h"], c["c0"], c["c1"], c["e"], c["keep_rows"]
+        n, nbc = c1 - c0, kr.shape[-1]
+        e.view(g, n, nbc, block).mul_(kr[..., None])  # drop the blocks the tile did not keep (in place)
+        o = torch.matmul(e, vpad[:nbc * block, h]) / e.sum(-1, keepdim=True)
+        out[c0:c1, h * g:(h + 1) * g] = o.permute(1, 0, 2)
+        kept += int((c["keep"] & c["visible"][None]).sum())
+        visible += int(c["visible"].sum()) * c["S"]
+    return out, kept, visible
+
+
+def oracle_select(q, k, scale, frac, subgroups=None, block=128, sink=256, window=512, last_n=2, mem_bytes=2 << 30,
+                  dtype=torch.float64, chunk=None):
+    """The oracle's selection assembled from the chunks: (keep [Hkv * S, T, nb], visible [T, nb]) in select()'s
+    layout (virtual head h * S + s), for tests and diagnostics."""
+    L, Hq, _ = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    S = subgroups or g
+    T = (L * (g // S) + TILE_ROWS - 1) // TILE_ROWS
+    nb = (L + block - 1) // block
+    keep = torch.zeros(Hkv * S, T, nb, dtype=torch.bool, device=q.device)
+    vis = torch.zeros(T, nb, dtype=torch.bool, device=q.device)
+    for c in oracle_chunks(q, k, scale, frac, subgroups, block, sink, window, last_n, mem_bytes, dtype, chunk):
+        Tc, nbc = c["visible"].shape
+        keep[c["h"] * S:(c["h"] + 1) * S, c["t0"]:c["t0"] + Tc, :nbc] = c["keep"]
+        vis[c["t0"]:c["t0"] + Tc, :nbc] = c["visible"]
+    return keep, vis

@@ -4,7 +4,10 @@ pluggable backend:
   emulate  bench/accuracy/emulate.py: exact torch emulation of a selection rule (CPU research)
   sp       the public sparse_prefill package (sp.attention for dense layers, sp.sparse_prefill / sp.chunked_prefill);
            CUDA bf16, head_dim 64 zero-padded to 128 with softmax_scale 1/8 (exact)
-Usage: m = Model(); m.set_backend("emulate", rule={...}); logits = m.logits(ids)
+  oracle   emulate.oracle_attention: the exact oracle of issue 37 (rule: frac, subgroups), torch float32, in chunks
+           of query positions (~2 GB of probabilities at a time: SP_ORACLE_MEM_GB)
+A selection argument 'g' (head_subgroups / subgroups) is the model's query heads per KV head (configs.resolve_g).
+Usage: m = Model(); m.set_backend("emulate", rule={...}); logits = m.logits(ids); m.logits_at(ids, positions)
 """
 import importlib.util
 import math
@@ -13,6 +16,7 @@ import os
 import torch
 
 from . import emulate
+from .configs import resolve_g
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,7 +79,7 @@ def routed_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = _dense_torch(query, key, value, scale)[0].transpose(0, 1)
     elif R.backend == "emulate":
         q, k, v = (x[0].transpose(0, 1).float() for x in (query, key, value))  # [L, H, D]
-        rule = emulate.full_rule(R.rule)
+        rule = emulate.full_rule(resolve_g(R.rule, query.shape[1] // key.shape[1]))
         if layer < rule["dense_layers"]:
             out = _dense_torch(query, key, value, scale)[0].transpose(0, 1)
         else:
@@ -85,9 +89,24 @@ def routed_attention(module, query, key, value, attention_mask, scaling=None, dr
     elif R.backend == "sp":
         out = _sp_attention(layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                             scale)
+    elif R.backend == "oracle":
+        out = oracle_layer(R, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                           scale).to(query.dtype)
     else:
         raise ValueError(R.backend)
     return out.unsqueeze(0).contiguous(), None
+
+
+ORACLE_MEM = float(os.environ.get("SP_ORACLE_MEM_GB", "2")) * 2**30
+
+
+def oracle_layer(R, layer, q, k, v, scale):
+    """The oracle (or dense_torch, frac None) on q [L, Hq, D], k/v [L, Hkv, D]; its blocks counted in R.stats."""
+    a = R.rule
+    out, kept, vis = emulate.oracle_attention(q, k, v, scale, a.get("frac"), a.get("subgroups"),
+                                              mem_bytes=a.get("mem_bytes", ORACLE_MEM))
+    R.stats.append((layer, kept, vis))
+    return out
 
 
 def _pad128(x):
@@ -105,7 +124,7 @@ def _sp_attention(layer, q, k, v, scale):
     dt = q.dtype
     qp, kp, vp = (_pad128(x.to(torch.bfloat16)) for x in (q, k, v))
     # zero-padded dims add 0 to q.k, so softmax_scale must stay the model's (1/8 for D = 64)
-    a = dict(R.sp_args)
+    a = resolve_g(R.sp_args, Hq // k.shape[1])
     dense_layers = a.pop("dense_layers", 0)
     cu = torch.tensor([0, L], dtype=torch.int32, device=q.device)
     if a.get("alpha", 0.1) is None or layer < dense_layers:
@@ -171,16 +190,23 @@ def register():
 
 
 class Model:
-    def __init__(self, gguf=None, device="cpu", dtype=torch.float32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, gguf=None, device="cpu", dtype=torch.float32, hf_model=None, tok=None, name=None):
+        """SmolLM2 from its GGUF; or (tests) any transformers causal LM built with attn_implementation='sp_route'
+        (hf_model) and its tokenizer."""
         register()
-        d, name = find_gguf(gguf)
-        self.tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype,
-                                                          attn_implementation="sp_route")
+        if hf_model is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            d, fname = find_gguf(gguf)
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=fname)
+            hf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fname, dtype=dtype,
+                                                            attn_implementation="sp_route")
+            name = name or "SmolLM2-135M-Instruct-Q4_1"
+        self.tok, self.model = tok, hf_model
         self.model.to(device).eval()
         self.device = device
-        self.name = "SmolLM2-135M-Instruct-Q4_1"
+        self.name = name or "model"
+        cfg = self.model.config
+        self.group_size = cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
 
     def set_backend(self, backend, rule=None, sp_args=None, chunk=0):
         ROUTER.backend = backend
@@ -193,3 +219,12 @@ class Model:
         ROUTER.stats = []
         x = torch.tensor([ids], device=self.device)
         return self.model(input_ids=x, use_cache=False).logits[0].float().cpu()
+
+    @torch.no_grad()
+    def logits_at(self, ids, at):
+        """float32 logits [len(at), vocab] at positions `at` only (the LM head on those hidden states: at 8K the full
+        [L, 49152] logits would be 1.6 GB in float32)."""
+        ROUTER.stats = []
+        x = torch.tensor([ids], device=self.device)
+        h = self.model.model(input_ids=x, use_cache=False).last_hidden_state[0]
+        return self.model.lm_head(h[torch.as_tensor(at, device=h.device)]).float()

