@@ -30,15 +30,21 @@ stage, max_len, keeps >= 40 % of the budget), PoSE-style
 position skipping (two chunks; the second one's position ids start after a random skip so that ids up to max_pos are
 seen while training at <= max_len tokens), `--minutes` budget and `--steps` cap; checkpoint (bf16 weights + config).
 
-  python bench/accuracy/retrieval.py train --out /tmp/retrieval.pt --minutes 4 --device cuda
-  python bench/accuracy/retrieval.py eval --ckpt /tmp/retrieval.pt --device cuda --lengths 8192,16384,32768 \\
-      --configs dense_sp,default --out bench/results/accuracy_retrieval_h200.json
+  python bench/accuracy/retrieval.py train --out /tmp/retrieval.pt --minutes 4 --device cuda --seed 1
+  python bench/accuracy/retrieval.py eval --ckpt /tmp/retrieval.pt --device cuda --lengths 16384,32768 \\
+      --configs dense_sp,default,oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5 --index-cost \\
+      --out bench/results/accuracy_retrieval_h200.json
 Configurations (--configs, comma separated; 'dense' (sdpa) always runs first and gives dense_metric):
   dense_sp                       the library's dense attention
-  default                        the library's default selection (sp.SELECTION_DEFAULTS)
-  <name of accuracy/run.py CONFIGS> its library arguments (e.g. s3_a001, rowmax_a03, fpv2)
-  sp:alpha=0.01;head_subgroups=2  library keyword arguments
-  emu:default | emu:<run.py name> | emu:agg=rowcum;gamma=0.8   emulator rules (CPU or CUDA, exact torch)
+  default                        the library's default selection (no selection keyword)
+  oracle_F, oracle_tile_F        the exact oracle (configs.py, emulate.oracle_attention), dense_torch its keep-all path
+  <registered name>              configs.CONFIGS (e.g. s3_a001, rowmax_a003_head, fpv2)
+  sp:alpha=0.01;head_subgroups=g  library keyword arguments ('g': one selection per query head, 4 here)
+  emu:default | emu:<name> | emu:agg=rowcum;gamma=0.8   emulator rules (CPU or CUDA, exact torch)
+Rows (issue 37's format, as accuracy/run.py): model 'retrieval-seed<k>' (k: the training seed), task 'kv_recall',
+layout 'mqar', format 'tokens', L, config, density, metric (exact match per value token), dense_metric, diff, ci_low,
+ci_high (paired bootstrap over queries: the resampling unit is one query's value tokens, stats.py), index_ms_128k (the
+config's index at 128K on the topic workload, this run, --index-cost), n_tokens, n_units, seconds.
 """
 import argparse
 import datetime
@@ -56,7 +62,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(HERE))  # bench/: `accuracy` as a package, `_common`
 
+from accuracy import configs as C  # noqa: E402
 from accuracy import emulate  # noqa: E402
+from accuracy import stats  # noqa: E402
 
 NSPECIAL = 4
 MODEL_DEFAULTS = dict(vocab=8192, layers=4, d_model=512, n_q_heads=8, n_kv_heads=2, head_dim=128, mlp_mult=4,
@@ -135,7 +143,8 @@ def pose_positions(L, max_pos, rng_py, device):
 # ---------------------------------------------------------------------------------------------------------------------
 
 class Backend:
-    """kind in dense | dense_sp | sp | emulate; args: library kwargs (sp) or a rule dict (emulate)."""
+    """kind in dense | dense_sp | sp | emulate | oracle; args: library kwargs (sp), a rule dict (emulate) or the
+    oracle's frac / subgroups (configs.Route); 'g' in head_subgroups / subgroups is the model's Hq / Hkv."""
 
     def __init__(self, kind="dense", args=None):
         self.kind, self.args = kind, dict(args or {})
@@ -156,10 +165,18 @@ class Backend:
             kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale).transpose(1, 2)
         outs = []
+        args = C.resolve_g(self.args, Hq // k.shape[2])
         for b in range(B):
             qb, kb, vb = q[b], k[b], v[b]  # [L, H, D]
+            if self.kind == "oracle":
+                o, kept, vis = emulate.oracle_attention(qb, kb, vb, scale, args.get("frac"), args.get("subgroups"),
+                                                        mem_bytes=float(os.environ.get("SP_ORACLE_MEM_GB", "2")) * 2**30)
+                self.kept += kept
+                self.visible += vis
+                outs.append(o.to(q.dtype))
+                continue
             if self.kind == "emulate":
-                rule = emulate.full_rule(self.args)
+                rule = emulate.full_rule(args)
                 qf, kf, vf = qb.float(), kb.float(), vb.float()
                 sel = emulate.select(qf, kf, vf, rule, scale)
                 self.kept += sel.kept_blocks
@@ -173,7 +190,7 @@ class Backend:
                 o = sp.attention(qb, kb, vb, cu, cu, L, L, causal=True, softmax_scale=scale)
             elif self.kind == "sp":
                 o, idx = sp.sparse_prefill(qb, kb, vb, cu, cu, L, L, softmax_scale=scale, return_index=True,
-                                           **self.args)
+                                           **args)
                 self.kept += int(idx.kept_blocks)
                 self.visible += int(idx.visible_blocks)
             else:
@@ -183,29 +200,15 @@ class Backend:
 
 
 def parse_config(name):
-    """-> (label, Backend)."""
-    from accuracy.run import parse_kv as kv_args
-
+    """-> (label, Backend): 'dense' (sdpa), 'dense_sp' (sp.attention), or any configs.parse name."""
     if name == "dense":
         return name, Backend("dense")
     if name == "dense_sp":
         return name, Backend("dense_sp")
-    if name == "default":
-        return name, Backend("sp", {})
-    if name.startswith("sp:"):
-        return name, Backend("sp", kv_args(name[3:]))
-    if name.startswith("emu:"):
-        rest = name[4:]
-        if rest == "default":
-            return name, Backend("emulate", {})
-        from accuracy.run import CONFIGS
-        if rest in CONFIGS:
-            return name, Backend("emulate", CONFIGS[rest][0])
-        return name, Backend("emulate", kv_args(rest))
-    from accuracy.run import CONFIGS
-    if name in CONFIGS and CONFIGS[name][1] is not None:
-        return name, Backend("sp", CONFIGS[name][1])
-    raise ValueError(f"unknown configuration {name!r}")
+    r = C.parse(name, "sp")
+    if r is None:
+        raise ValueError(f"configuration {name!r} has nothing to run here")
+    return name, Backend(r.kind if r.kind != "dense" else "dense", r.args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,7 +380,7 @@ def train(args):
     sd = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
           for k, v in model.state_dict().items()}
     ck = dict(config=cfg, state_dict=sd, log=log, steps=step, seconds=round(time.time() - t0, 1), stages=stages,
-              max_pos=args.max_pos, commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"))
+              max_pos=args.max_pos, seed=args.seed, commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.save(ck, args.out)
     print(f"saved {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB) after {step} steps, "
@@ -398,18 +401,25 @@ def load(path, device="cpu"):
 
 
 @torch.no_grad()
-def evaluate(model, backend, L, n_seq, seed=0, device="cpu"):
+def evaluate(model, backend, L, n_seq, seed=0, device="cpu", detail=False):
     """Exact-match accuracy per scored value token over n_seq sequences of length L (seeded per (seed, L), CPU RNG),
-    and the backend's density (1.0 for dense backends)."""
+    and the backend's density (1.0 for dense backends). detail: also the per-sequence outcome arrays (1.0 / 0.0 per
+    scored token, in position order) and their clusters (the query each token answers)."""
     backend.reset()
     g = torch.Generator().manual_seed(seed * 1000003 + L)
     t = eval_task(L)
     hits = n = 0
+    outs, clusters = [], []
     for _ in range(n_seq):
         ids, labels, _ = make_batch(1, L, vocab=model.cfg["vocab"], generator=g, **t)
         logits, tgt = model.scored_logits(ids.to(device), labels.to(device), attn=backend)
-        hits += int((logits.argmax(-1) == tgt).sum())
+        hit = (logits.argmax(-1) == tgt)
+        hits += int(hit.sum())
         n += tgt.numel()
+        outs.append(hit.double().cpu().numpy())
+        clusters.append(torch.arange(tgt.numel()).numpy() // t["val_len"])  # labels in position order: query-major
+    if detail:
+        return hits / n, backend.density(), n, outs, clusters
     return hits / n, backend.density(), n
 
 
@@ -421,56 +431,95 @@ def _commit():
         return os.environ.get("SP_COMMIT", "unknown")
 
 
+def model_label(ck, override=None):
+    """'retrieval-seed<k>' from the checkpoint's training seed (issue 37 reports each training separately)."""
+    if override:
+        return override
+    return f"retrieval-seed{ck['seed']}" if ck.get("seed") is not None else "retrieval"
+
+
 def run_eval(args, model=None):
     dev = args.device
     if model is None:
         model, ck = load(args.ckpt, dev)
     else:
         ck = {}
+    cuda = torch.device(dev).type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # the oracle's float32 probabilities
+    label = model_label(ck, getattr(args, "model_name", None))
     lengths = [int(x) for x in str(args.lengths).split(",") if x]
     configs = ["dense"] + [c for c in args.configs.split(",") if c and c != "dense"]
-    doc = dict(kind="trained retrieval model (bench/accuracy/retrieval.py), attention through the configured backend",
-               device=torch.cuda.get_device_name() if torch.device(dev).type == "cuda" else "cpu",
-               model=model.name, commit=_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), checkpoint=dict(path=args.ckpt, steps=ck.get("steps"),
-                                                           seconds=ck.get("seconds"), commit=ck.get("commit")),
-               task=dict(EVAL_TASK, n_seq=args.n_seq, seed=args.seed), rows=[])
+    old = {}
     if args.out and os.path.exists(args.out):
-        doc["rows"] = json.load(open(args.out)).get("rows", [])
+        old = json.load(open(args.out))
+    doc = dict(kind="trained retrieval model (bench/accuracy/retrieval.py), attention through the configured backend",
+               through_package=True, device=torch.cuda.get_device_name() if cuda else "cpu",
+               model=label, model_arch=model.name, commit=_commit(),
+               date=datetime.datetime.now().isoformat(timespec="seconds"),
+               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+               checkpoint=dict(path=args.ckpt, steps=ck.get("steps"), seconds=ck.get("seconds"),
+                               commit=ck.get("commit"), seed=ck.get("seed"),
+                               final=ck.get("log", [{}])[-1] if ck.get("log") else None),
+               task=dict(EVAL_TASK, n_seq=args.n_seq, seed=args.seed),
+               bootstrap=dict(unit=args.unit, n_boot=args.n_boot, level=0.95,
+                              clusters="one query: its value tokens (stats.py)"),
+               dense_ms_128k=old.get("dense_ms_128k"), index_cost=old.get("index_cost"), rows=old.get("rows", []))
 
     def put(row):
-        key = lambda r: (r.get("model"), r.get("task"), r.get("L"), r.get("config"))  # noqa: E731
+        key = lambda r: (r.get("model"), r.get("task"), r.get("layout"), r.get("L"), r.get("config"))  # noqa: E731
         doc["rows"] = [r for r in doc["rows"] if key(r) != key(row)] + [row]
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
             json.dump(doc, open(args.out, "w"), indent=1)
 
+    cost = {}
+    if getattr(args, "index_cost", False):
+        routes = [C.parse(c, "sp") for c in configs if c not in ("dense", "dense_sp")]
+        routes = [r for r in routes if r is not None and r.library_args is not None]
+        if routes and (cuda or args.index_L <= 4096):
+            from accuracy import index_cost
+            ic = index_cost.for_routes(routes, L=args.index_L, device=dev)
+            doc["dense_ms_128k"], doc["index_cost"], cost = ic.get("dense_ms"), ic, ic["rows"]
+
     t_start = time.time()
     results = []
+    todo, done = len(lengths) * len(configs), 0
     for L in lengths:
-        dense_metric = None
+        dense = None
         for c in configs:
             if args.budget_s and time.time() - t_start > args.budget_s:
                 print(f"eval budget {args.budget_s} s spent: L={L} {c} and later skipped", flush=True)
                 return results
-            label, be = parse_config(c)
+            name, be = parse_config(c)
             t0 = time.time()
             try:
-                acc, dens, n = evaluate(model, be, L, args.n_seq, args.seed, dev)
+                acc, dens, n, outs, clus = evaluate(model, be, L, args.n_seq, args.seed, dev, detail=True)
             except (TypeError, ValueError, NotImplementedError) as e:
-                print(f"L={L} {label}: {type(e).__name__}: {e}", flush=True)
+                print(f"L={L} {name}: {type(e).__name__}: {e}", flush=True)
                 continue
-            if torch.device(dev).type == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
-            if label == "dense":
-                dense_metric = acc
-            row = dict(model=model.name, task="kv_recall", L=L, config=label, density=dens, metric=acc,
-                       dense_metric=dense_metric, metric_name="exact match per value token", n_tokens=n,
-                       backend=be.kind, args=be.args, commit=doc["commit"], date=doc["date"],
-                       seconds=round(time.time() - t0, 2))
+            done += 1
+            if name == "dense":
+                dense = outs
+            cmp = stats.compare(dense, outs, clus, unit=args.unit, n_boot=args.n_boot, seed=args.seed)
+            ic = cost.get(name) if be.kind == "sp" else None
+            row = dict(model=label, task="kv_recall", layout="mqar", format="tokens", L=L, config=name,
+                       density=dens, metric=acc, dense_metric=cmp["dense_metric"], diff=cmp["diff"],
+                       ci_low=cmp["ci_low"], ci_high=cmp["ci_high"], metric_name="top1",
+                       index_ms_128k=ic.get("index_ms") if ic else None,
+                       index_graph_ms_128k=ic.get("index_graph_ms") if ic else None,
+                       topic_density_128k=ic.get("density") if ic else None,
+                       n_tokens=n, n_units=cmp["n_units"], prompts=len(outs), backend=be.kind,
+                       route="dense" if name == "dense" else be.kind, args=be.args, model_arch=model.name,
+                       commit=doc["commit"], date=doc["date"], seconds=round(time.time() - t0, 2))
             results.append(row)
             put(row)
-            print(f"L={L} {label}: acc={acc:.4f} density={dens:.3f} ({row['seconds']:.1f} s)", flush=True)
+            el = time.time() - t_start
+            print(f"[{done}/{todo}] L={L} {name}: acc={acc:.4f} diff {100 * row['diff']:+.2f} pt "
+                  f"[{100 * row['ci_low']:+.2f}, {100 * row['ci_high']:+.2f}] density={dens:.3f} "
+                  f"({row['seconds']:.1f} s; ~{el / done * (todo - done):.0f} s left)", flush=True)
     return results
 
 
@@ -501,6 +550,11 @@ def main(argv=None):
     ev.add_argument("--n-seq", type=int, default=16, help="sequences per length (each scores n_queries * val_len)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--budget-s", type=float, default=0, help="stop starting new rows after this many seconds")
+    ev.add_argument("--unit", default="cluster", choices=["cluster", "prompt", "token"], help="bootstrap unit")
+    ev.add_argument("--n-boot", type=int, default=2000)
+    ev.add_argument("--index-cost", action="store_true", help="time each library config's index at --index-L")
+    ev.add_argument("--index-L", type=int, default=131072)
+    ev.add_argument("--model-name", default=None, help="the rows' model (default retrieval-seed<training seed>)")
     ev.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), int(os.environ.get("SP_THREADS", "64")))))

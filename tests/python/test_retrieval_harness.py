@@ -74,11 +74,13 @@ def test_train_and_eval_end_to_end(tmp_path):
     rows = doc["rows"]
     keys = [(r["model"], r["task"], r["L"], r["config"]) for r in rows]
     assert len(keys) == len(set(keys)) and ("other", "copy", 1, "dense") in keys
-    mine = {r["config"]: r for r in rows if r["model"] == model.name}
+    assert R.model_label(meta) == "retrieval-seed0"  # the training seed names the subject (issue 37)
+    mine = {r["config"]: r for r in rows if r["model"] == R.model_label(meta)}
     assert set(mine) == {"dense", "dense_sp", "default", "sp:alpha=0", "emu:default", "emu:alpha=0"}
     for r in mine.values():
         assert r["task"] == "kv_recall" and r["L"] == 512 and 0.0 <= r["metric"] <= 1.0 and 0 < r["density"] <= 1
         assert r["dense_metric"] == mine["dense"]["metric"] and r["commit"] and r["date"]
+        assert r["model_arch"] == model.name and r["ci_low"] <= r["diff"] <= r["ci_high"]
     assert mine["sp:alpha=0"]["density"] == 1.0
 
 
