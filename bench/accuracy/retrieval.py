@@ -439,6 +439,7 @@ def model_label(ck, override=None):
 
 
 def run_eval(args, model=None):
+    t_start = time.time()  # --budget-s counts from here (loading and the index timing included)
     dev = args.device
     if model is None:
         model, ck = load(args.ckpt, dev)
@@ -482,7 +483,6 @@ def run_eval(args, model=None):
             ic = index_cost.for_routes(routes, L=args.index_L, device=dev)
             doc["dense_ms_128k"], doc["index_cost"], cost = ic.get("dense_ms"), ic, ic["rows"]
 
-    t_start = time.time()
     results = []
     todo, done = len(lengths) * len(configs), 0
     for L in lengths:

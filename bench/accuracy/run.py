@@ -132,7 +132,13 @@ class Runner:
         return outs, ROUTER.density(), time.time() - t0
 
 
+# Assumed seconds per forward of one prompt on the H200 at 4K (SmolLM2: library or sdpa; the oracle's float32 torch
+# attention, ~(L / 4K)^2), for the plan printed before the run; the ETAs during the run use measured times.
+GUESS_S = dict(dense=0.08, sp=0.1, emulate=0.5, oracle=0.15)
+
+
 def run(args, model=None, log=print):
+    t_start = time.time()  # --budget-s counts from here (model load and index timing included)
     torch.set_num_threads(args.threads)
     if args.device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -190,7 +196,16 @@ def run(args, model=None, log=print):
             log(f"index cost at {args.index_L} needs CUDA: skipped")
 
     run_ = Runner(m, args)
-    t_start = time.time()
+    t0 = time.time()
+    sets = {(L, key): T.make_set(key[0], m.tok, L, args.seed, key[1], key[2], min_scored=args.min_scored,
+                                 min_prompts=args.min_prompts) for L in lengths for key in variants}
+    guess = 0.0
+    for (L, key), parts in sets.items():
+        for kind in ["dense"] + [r.kind for r in routes]:
+            guess += len(parts) * GUESS_S[kind] * (L / 4096) ** (2 if kind in ("oracle", "emulate") else 1.3)
+    log(f"plan: {len(lengths)} lengths x {len(variants)} task variants, "
+        f"{sum(len(p) for p in sets.values())} prompts ({', '.join(f'L={L}: {sum(len(p) for (l, _), p in sets.items() if l == L)}' for L in lengths)}), "
+        f"{1 + len(routes)} configurations; prompts made in {time.time() - t0:.0f} s; guessed H200 time ~{guess:.0f} s")
     todo = len(lengths) * len(variants) * (1 + len(routes))
     done, spent = 0, {}
 
@@ -227,8 +242,7 @@ def run(args, model=None, log=print):
                 log(f"budget {args.budget_s:.0f} s spent: {what} and later skipped")
                 save()
                 return doc
-            parts = T.make_set(tname, m.tok, L, args.seed, layout, fmt, min_scored=args.min_scored,
-                               min_prompts=args.min_prompts)
+            parts = sets[(L, key)]
             dense_route = C.Route("dense", "dense")
             douts, _, dt = run_.forward(parts, dense_route)
             done += 1
