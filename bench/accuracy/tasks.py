@@ -315,7 +315,8 @@ def kv_task(tok, L, seed=0, layout="together", fmt="code", n_facts=None):
     ids.extend(filler[cur:])
     assert len(ids) == L, (len(ids), L)
     srt = np.argsort(pos, kind="stable")
-    info = dict(task="kv", layout=layout, format=fmt, n_facts=n, fact_pos=fact_at, question_pos=q_pos)
+    info = dict(task="kv", layout=layout, format=fmt, n_facts=n, fact_pos=fact_at, question_pos=q_pos,
+                piece_len=[len(x) for x in pieces])
     return _task(ids, np.asarray(pos)[srt], "top1", np.asarray(clusters)[srt], info)
 
 

@@ -67,16 +67,24 @@ def test_train_and_eval_end_to_end(tmp_path):
     out = str(tmp_path / "acc.json")
     json.dump({"rows": [{"model": "other", "task": "copy", "L": 1, "config": "dense"}]}, open(out, "w"))
     R.main(["eval", "--ckpt", ck, "--device", "cpu", "--lengths", "512", "--n-seq", "1", "--out", out,
-            "--configs", "dense_sp,default,sp:alpha=0,emu:default,emu:alpha=0"])
+            "--configs", "dense_sp,default,sp:alpha=0,emu:default,emu:alpha=0,oracle_0.5,dense_torch", "--n-boot",
+            "200"])
     R.main(["eval", "--ckpt", ck, "--device", "cpu", "--lengths", "512", "--n-seq", "1", "--out", out,
-            "--configs", "default"])  # merged: same (model, task, L, config) replaced, others kept
+            "--configs", "default", "--index-cost", "--index-L", "512"])  # merged: same key replaced, others kept
     doc = json.load(open(out))
     rows = doc["rows"]
     keys = [(r["model"], r["task"], r["L"], r["config"]) for r in rows]
     assert len(keys) == len(set(keys)) and ("other", "copy", 1, "dense") in keys
     assert R.model_label(meta) == "retrieval-seed0"  # the training seed names the subject (issue 37)
     mine = {r["config"]: r for r in rows if r["model"] == R.model_label(meta)}
-    assert set(mine) == {"dense", "dense_sp", "default", "sp:alpha=0", "emu:default", "emu:alpha=0"}
+    assert set(mine) == {"dense", "dense_sp", "default", "sp:alpha=0", "emu:default", "emu:alpha=0", "oracle_0.5",
+                         "dense_torch"}
+    assert mine["oracle_0.5"]["backend"] == "oracle" and mine["oracle_0.5"]["index_ms_128k"] is None
+    assert mine["default"]["index_ms_128k"] > 0 and doc["dense_ms_128k"] > 0 and doc["index_cost"]["L"] == 512
+    assert abs(mine["dense_torch"]["diff"]) < 0.02 and mine["dense_torch"]["density"] == 1.0
+    nq = R.eval_task(512)["n_queries"]
+    assert mine["dense"]["n_units"] == nq and mine["dense"]["n_tokens"] == 2 * nq  # one unit per query
+    assert (mine["dense"]["layout"], mine["dense"]["format"]) == ("mqar", "tokens")
     for r in mine.values():
         assert r["task"] == "kv_recall" and r["L"] == 512 and 0.0 <= r["metric"] <= 1.0 and 0 < r["density"] <= 1
         assert r["dense_metric"] == mine["dense"]["metric"] and r["commit"] and r["date"]

@@ -1,0 +1,126 @@
+"""bench/accuracy/run.py end to end on the CPU with a tiny random Llama (transformers) and a byte tokenizer: the rows
+of issue 37's results file (model, task, layout, format, L, config, density, metric, dense_metric, ci_low, ci_high,
+index_ms_128k; top-level dense_ms_128k, commit, date, device, command, through_package), the oracle and emulator
+routes, the library route through the CPU reference (when sparse_prefill is built), configs.py's names."""
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from accuracy import configs as C  # noqa: E402
+from accuracy import model as M  # noqa: E402
+from accuracy import run as RUN  # noqa: E402
+
+HAVE_SP = importlib.util.find_spec("sparse_prefill") is not None
+
+
+class ByteTok:
+    def __call__(self, s, add_special_tokens=False):
+        return {"input_ids": [b + 3 for b in s.encode()]}
+
+    def decode(self, ids):
+        return bytes(max(0, i - 3) for i in ids).decode(errors="replace")
+
+
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    M.register()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=259, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    cfg._attn_implementation = "sp_route"
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharp attention, so that selections differ from dense
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+    return M.Model(hf_model=hf, tok=ByteTok(), name="tiny-llama")
+
+
+REQUIRED = ("model", "task", "layout", "format", "L", "config", "density", "metric", "dense_metric", "ci_low",
+            "ci_high", "index_ms_128k")
+
+
+def _run(tmp_path, backend, configs, extra=()):
+    out = str(tmp_path / f"acc_{backend}.json")
+    args = RUN.build_args(["--backend", backend, "--lengths", "1536", "--tasks", "copy,ppl,kv", "--layouts", "depth",
+                           "--formats", "code", "--min-scored", "60", "--min-prompts", "1", "--n-boot", "300",
+                           "--configs", configs, "--out", out, *extra])
+    RUN.run(args, tiny_model(), log=lambda *a: None)
+    return json.load(open(out))
+
+
+def test_emulator_and_oracle_rows(tmp_path):
+    doc = _run(tmp_path, "emulate", "default,oracle_0.5,oracle_tile_0.7,dense_torch,emu:agg=rowmax;alpha=0.5;"
+                                    "subgroups=g")
+    for key in ("commit", "date", "device", "command", "through_package", "dense_ms_128k", "bootstrap", "corpus"):
+        assert key in doc
+    assert doc["through_package"] is False and doc["device"] == "cpu"
+    rows = doc["rows"]
+    assert len(rows) == 3 * 6  # (copy, ppl, kv depth/code) x (dense + 5 configurations)
+    for r in rows:
+        for k in REQUIRED:
+            assert k in r, k
+        assert r["L"] == 1536 and r["index_ms_128k"] is None  # nothing timed on the emulator
+        assert r["ci_low"] <= r["diff"] + 1e-12 and r["diff"] <= r["ci_high"] + 1e-12
+        assert r["diff"] == pytest.approx(r["metric"] - r["dense_metric"])
+        assert 0 < r["density"] <= 1 and r["n_tokens"] >= 60
+        if r["task"] == "kv":
+            assert (r["layout"], r["format"]) == ("depth", "code") and r["n_units"] >= 10
+        else:
+            assert r["layout"] is None and r["format"] is None
+        if r["metric_name"] == "nll":
+            assert r["rel_pct"] == pytest.approx(100 * r["diff"] / r["dense_metric"])
+    by = {(r["task"], r["config"]): r for r in rows}
+    for t in ("copy", "ppl", "kv"):
+        assert by[(t, "dense")]["ci_low"] == by[(t, "dense")]["ci_high"] == 0.0
+        # the oracle's keep-all path is dense attention in float32: the same outcomes up to rounding
+        assert abs(by[(t, "dense_torch")]["diff"]) < 1e-3 and by[(t, "dense_torch")]["density"] == 1.0
+        assert by[(t, "oracle_0.5")]["route"] == "oracle" and by[(t, "oracle_0.5")]["args"]["subgroups"] is None
+        assert by[(t, "oracle_tile_0.7")]["args"] == dict(frac=0.7, subgroups=1)
+    # a re-run replaces rows of the same key instead of appending
+    doc2 = _run(tmp_path, "emulate", "default")
+    assert len(doc2["rows"]) == len(rows)
+
+
+@pytest.mark.skipif(not HAVE_SP, reason="needs the sparse_prefill package (CPU reference)")
+def test_library_rows_and_index_cost(tmp_path):
+    doc = _run(tmp_path, "sp", "default,sp:alpha=0.5;head_subgroups=g,oracle_0.5",
+               ["--tasks", "kv", "--index-cost", "--index-L", "512"])
+    assert doc["through_package"] is True and doc["dense_ms_128k"] > 0
+    assert doc["index_cost"]["L"] == 512
+    assert doc["selection_defaults"]["block_size"] == 128
+    by = {r["config"]: r for r in doc["rows"]}
+    assert set(by) == {"dense", "default", "sp:alpha=0.5;head_subgroups=g", "oracle_0.5"}
+    assert by["default"]["args"] == {} and by["default"]["route"] == "sp"  # no selection keyword at all
+    for c in ("default", "sp:alpha=0.5;head_subgroups=g"):
+        assert by[c]["index_ms_128k"] > 0 and 0 < by[c]["topic_density_128k"] <= 1
+    # 'g' resolved per subject: SmolLM2-like model g = 3 in the forward, the topic workload's 4 in the timing
+    assert doc["index_cost"]["rows"]["sp:alpha=0.5;head_subgroups=g"]["args"]["head_subgroups"] == 4
+    assert by["oracle_0.5"]["index_ms_128k"] is None
+
+
+def test_configs_parse():
+    assert C.parse("default", "sp").kind == "sp" and C.parse("default", "sp").args == {}
+    assert C.parse("default", "emulate").kind == "emulate"
+    o = C.parse("oracle_0.7")
+    assert (o.kind, o.args) == ("oracle", dict(frac=0.7, subgroups=None)) and o.library_args is None
+    assert C.parse("oracle_tile_0.5").args == dict(frac=0.5, subgroups=1)
+    assert C.parse("dense_torch").args == dict(frac=None, subgroups=1)
+    r = C.parse("sp:rule=row_max;alpha=0.03;head_subgroups=g")
+    assert r.library_args == dict(rule="row_max", alpha=0.03, head_subgroups="g")
+    assert C.resolve_g(r.args, 3)["head_subgroups"] == 3 and C.resolve_g({"subgroups": "g"}, 4) == {"subgroups": 4}
+    assert C.parse("emu:agg=rowcum;gamma=0.8").args == dict(agg="rowcum", gamma=0.8)
+    assert C.parse("agg=rowmax;alpha=0.2").kind == "emulate"
+    assert C.parse("probe8", "sp").kind == "emulate"  # emulator-only names run in the emulator
+    assert C.parse("rowmax_a003_head", "emulate").args["subgroups"] == "g"
+    for bad in ("nonsense", "oracle_1.5"):
+        with pytest.raises(ValueError):
+            C.parse(bad)
+    assert math.isclose(C.parse("oracle_.9").args["frac"], 0.9)
