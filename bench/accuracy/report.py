@@ -175,6 +175,14 @@ def markdown(summary, doc):
                      f"(L {e.get('maxL', '–')}) | {_fmt(e.get('oracle_0.5_density_maxL'), '.3f')} | "
                      f"{_fmt(e.get('density_ratio'), '.2f')} | {idx} | {'pass' if e['pass'] else 'fail'} | "
                      f"{'pass' if e['ci_pass'] else 'fail'} |")
+    dense = [r for r in doc.get("rows", []) if r.get("config") == "dense" and not r.get("chunk")]
+    if dense:
+        lines += ["", "Dense (the reference of every row): metric over the scored tokens (prompts).", "",
+                  "| model | task | L | dense | tokens |", "|---|---|---|---|---|"]
+        for r in sorted(dense, key=lambda r: (r["model"], r["task"], str(r.get("layout")), str(r.get("format")),
+                                              r["L"])):
+            lines.append(f"| {r['model']} | {(task_name(r) + ' ' + variant(r)).strip()} | {r['L']} | {r['metric']:.4f} "
+                         f"({r.get('metric_name')}) | {r.get('n_tokens', '–')} ({r.get('prompts', '–')}) |")
     return "\n".join(lines) + "\n"
 
 

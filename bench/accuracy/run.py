@@ -132,9 +132,12 @@ class Runner:
         return outs, ROUTER.density(), time.time() - t0
 
 
-# Assumed seconds per forward of one prompt on the H200 at 4K (SmolLM2: library or sdpa; the oracle's float32 torch
-# attention, ~(L / 4K)^2), for the plan printed before the run; the ETAs during the run use measured times.
-GUESS_S = dict(dense=0.08, sp=0.1, emulate=0.5, oracle=0.15)
+# Assumed seconds per forward of one prompt on the H200 at 4K, for the plan printed before the run (the ETAs during
+# the run use measured times). Issue 13's H200 logs: ~1.0 s at 4K and 1.5 s at 8K per prompt when the full [L, 49152]
+# logits went to the host; logits_at keeps the scored positions' logits on the GPU, so the transformers forward and
+# 30 layers of library calls remain (~0.15 s guessed). The oracle adds a float32 QK^T, softmax and PV per layer
+# (~12 ms per layer at 8K by arithmetic: 3 KV heads x [3, 8K, 8K] probabilities, ~10 passes over 0.8 GB each).
+GUESS_S = dict(dense=0.15, sp=0.2, emulate=0.8, oracle=0.25)
 
 
 def run(args, model=None, log=print):

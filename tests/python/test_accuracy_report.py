@@ -59,7 +59,9 @@ def test_summary_pass_fail_and_markdown(tmp_path):
     assert s["ci_edge"]["top1_worst_ci_pt"][0] == pytest.approx(-1.2)
     assert "index_ms_128k" not in s["oracle_0.5"] and s["oracle_0.5"]["density_ratio"] == pytest.approx(1.0)
     md = report.markdown(report.summarize(d), d)
-    lines = [ln for ln in md.splitlines() if ln.startswith("| SmolLM2 |")]
+    table, dense = md.split("Dense (")
+    lines = [ln for ln in table.splitlines() if ln.startswith("| SmolLM2 |")]
+    assert sum(ln.startswith("| SmolLM2 |") for ln in dense.splitlines()) == 2 * len(TASKS)  # dense per task and L
     assert len(lines) == len(configs)
     assert any(ln.startswith("| SmolLM2 | default |") and ln.rstrip().endswith("| pass | pass |") for ln in lines)
     assert any(ln.startswith("| SmolLM2 | lossy_kv |") and "| fail |" in ln for ln in lines)
