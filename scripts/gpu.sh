@@ -296,7 +296,7 @@ PYEOF
       extra="${SP_ACCURACY_CONFIGS-rowmax_a003_head,probe_mass_head}"   # set and empty: no candidates
       cfgs="default,$oracles"
       [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
-      left=$(( 540 - SECONDS ))
+      left=$(( 500 - SECONDS ))   # rows start until then; the last row (<= ~20 s), the report (~5 s) and the margin
       echo "configs: $cfgs; $left s left for the rows"
       (cd bench && export PYTHONPATH="/tmp/acc-site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
        timeout $(( left + 40 )) "$PY" -m accuracy.run --backend sp --device cuda --lengths "$lens" \
@@ -305,7 +305,7 @@ PYEOF
          --out "$OUT/accuracy_h200.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       grep -E "^plan|^\[|budget|Error|error" "$OUT/accuracy.log" | tail -40
-      (cd bench && timeout 60 "$PY" -m accuracy.report "$OUT/accuracy_h200.json" --png "$OUT/accuracy_frontier_h200.png" \
+      (cd bench && timeout 30 "$PY" -m accuracy.report "$OUT/accuracy_h200.json" --png "$OUT/accuracy_frontier_h200.png" \
          --summary "$OUT/accuracy_frontier_h200.md" --summary-json "") >> "$OUT/accuracy.log" 2>&1 || echo "report failed (accuracy.log)"
       [[ -f "$OUT/accuracy_frontier_h200.md" ]] && cat "$OUT/accuracy_frontier_h200.md"
       ;;
@@ -328,14 +328,14 @@ PYEOF
         cfgs="dense_sp,default,$oracles"
         extra="${SP_RETRIEVAL_CONFIGS-rowmax_a003_head,probe_mass_head}"
         [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
-        left=$(( 560 - SECONDS ))
+        left=$(( 540 - SECONDS ))
         step "retrieval model seed $seed: evaluation at $lens ($cfgs; $left s left)"
         (cd bench && timeout $(( left > 30 ? left : 30 )) "$PY" accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
           --lengths "$lens" --configs "$cfgs" --n-seq "${SP_RETRIEVAL_NSEQ:-16}" --index-cost \
-          --budget-s $(( left > 60 ? left - 30 : 30 )) --out "$res") > "$OUT/retrieval_eval.log" 2>&1
+          --budget-s $(( left > 60 ? left - 40 : 20 )) --out "$res") > "$OUT/retrieval_eval.log" 2>&1
         r=$?; (( r == 0 || r == 124 )) || rc=$r
         grep -E '^\[|budget|Error' "$OUT/retrieval_eval.log" | tail -40
-        (cd bench && timeout 40 "$PY" -m accuracy.report "$res" --png "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.png" \
+        (cd bench && timeout 30 "$PY" -m accuracy.report "$res" --png "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.png" \
            --summary "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.md" --summary-json "") >> "$OUT/retrieval_eval.log" 2>&1 ||
           echo "report failed (retrieval_eval.log)"
       fi

@@ -87,6 +87,8 @@ def test_merge_and_cli(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 10_000
     # disagreeing inputs: the shared keys become lists
-    b["commit"] = "other"
+    b["commit"], b["dense_ms_128k"] = "other", 260.0
     pb.write_text(json.dumps(b))
-    assert report.merge(report.load([str(pa), str(pb)]))["commit"] == ["c0ffee", "other"]
+    m = report.merge(report.load([str(pa), str(pb)]))
+    assert m["commit"] == ["c0ffee", "other"] and m["dense_ms_128k"] == 250.0
+    assert [r["dense_ms_128k"] for r in m["runs"]] == [250.0, 260.0]
