@@ -281,7 +281,11 @@ def run(args, model=None, log=print):
                         route = C.parse(c, "sp")
                         if route is None or route.kind != "sp":
                             continue
-                        outs, _, secs = run_.forward(parts, route, chunk=ch)
+                        try:
+                            outs, _, secs = run_.forward(parts, route, chunk=ch)
+                        except (TypeError, ValueError, NotImplementedError) as e:  # CUDA-only mean cache, etc.
+                            log(f"  chunked {ch} {c}: {type(e).__name__}: {e}")
+                            continue
                         row = row_for(key, L, parts, c, route, douts, outs, None, secs, chunk=ch)
                         row["backend"] = "sp_chunked"
                         doc["rows"] = merge_rows(doc["rows"], row)
