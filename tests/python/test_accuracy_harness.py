@@ -92,7 +92,7 @@ def test_emulator_and_oracle_rows(tmp_path):
 @pytest.mark.skipif(not HAVE_SP, reason="needs the sparse_prefill package (CPU reference)")
 def test_library_rows_and_index_cost(tmp_path):
     doc = _run(tmp_path, "sp", "default,sp:alpha=0.5;head_subgroups=g,oracle_0.5",
-               ["--tasks", "kv", "--index-cost", "--index-L", "512"])
+               ["--tasks", "kv", "--min-scored", "30", "--index-cost", "--index-L", "512"])
     assert doc["through_package"] is True and doc["dense_ms_128k"] > 0
     assert doc["index_cost"]["L"] == 512
     assert doc["selection_defaults"]["block_size"] == 128
