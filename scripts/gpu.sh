@@ -52,6 +52,11 @@
 #             (~6 min: training 3 min, oracles ~1 min at 32K, index ~30 s)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
 #             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests and their CUDA replays (~2 min)
+#   retrieval_pair  both trainings of SP_RETRIEVAL_SEEDS (default 1,2) side by side, then each evaluated at
+#             SP_RETRIEVAL_LENGTHS (dense, default, oracles) -> OUT/accuracy_retrieval_seed{1,2}_h200.json (~9 min)
+#   selection bench/bench_selection.py: the default selection's index and one-call times against the previous default
+#             and FlashPrefill V2's rule, the dense rule's density-1 rows and gate cost, a 1024-token chunk step at
+#             128K -> OUT/selection_h200.json (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
 #             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
@@ -61,7 +66,7 @@
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|abflags|bench|ab|model|accuracy|retrieval|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|abflags|bench|ab|model|accuracy|retrieval|retrieval_pair|selection|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -121,7 +126,7 @@ for phase in "${PHASES[@]}"; do
       ;;
     test)
       step "pytest (CPU and CUDA cases) through the installed package"
-      timeout 330 "$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 -rfE tests/python \
+      timeout "${SP_TEST_TIME:-330}" "$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 -rfE tests/python \
         > "$OUT/pytest.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -15 "$OUT/pytest.log"
@@ -339,6 +344,45 @@ PYEOF
            --summary "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.md" --summary-json "") >> "$OUT/retrieval_eval.log" 2>&1 ||
           echo "report failed (retrieval_eval.log)"
       fi
+      ;;
+    retrieval_pair)
+      # Two trainings (seeds SP_RETRIEVAL_SEEDS, default 1,2) side by side on the one GPU (the 22M-parameter model uses
+      # a fraction of it), then each evaluated as the retrieval phase does: both seeds in one 10-minute call.
+      lens="${SP_RETRIEVAL_LENGTHS:-16384,32768}"
+      mins="${SP_RETRIEVAL_MINUTES:-3.5}"
+      IFS=, read -r -a seeds <<< "${SP_RETRIEVAL_SEEDS:-1,2}"
+      pids=()
+      for seed in "${seeds[@]}"; do
+        step "retrieval model, training seed $seed: ${mins} min (concurrently)"
+        timeout 400 "$PY" bench/accuracy/retrieval.py train --out "/tmp/retrieval_seed${seed}.pt" --device cuda \
+          --minutes "$mins" --seed "$seed" > "$OUT/retrieval_train_seed${seed}.log" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+      oracles="oracle_0.5,oracle_0.7,oracle_0.9,oracle_tile_0.5,dense_torch"
+      cfgs="dense_sp,default,$oracles"
+      extra="${SP_RETRIEVAL_CONFIGS-}"
+      [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
+      for i in "${!seeds[@]}"; do
+        seed=${seeds[$i]}
+        ck=/tmp/retrieval_seed${seed}.pt res="$OUT/accuracy_retrieval_seed${seed}_h200.json"
+        grep '"step"' "$OUT/retrieval_train_seed${seed}.log" | tail -2
+        [[ -f "$ck" ]] || { echo "seed $seed: no checkpoint"; rc=1; continue; }
+        left=$(( (570 - SECONDS) / (${#seeds[@]} - i) ))   # this seed's share of what is left
+        step "retrieval seed $seed: evaluation at $lens ($cfgs; $left s)"
+        (cd bench && timeout $(( left > 30 ? left : 30 )) "$PY" accuracy/retrieval.py eval --ckpt "$ck" --device cuda \
+          --lengths "$lens" --configs "$cfgs" --n-seq "${SP_RETRIEVAL_NSEQ:-16}" \
+          --budget-s $(( left > 40 ? left - 25 : 15 )) --out "$res") > "$OUT/retrieval_eval_seed${seed}.log" 2>&1
+        r=$?; (( r == 0 || r == 124 )) || rc=$r
+        grep -E '^\[|budget|Error' "$OUT/retrieval_eval_seed${seed}.log" | tail -20
+      done
+      ;;
+    selection)
+      step "bench_selection: the default selection's price, the dense rule, the chunk step"
+      timeout "${SP_SELECTION_TIME:-240}" "$PY" bench/bench_selection.py --out "$OUT/selection_h200.json" \
+        > "$OUT/bench_selection.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -20 "$OUT/bench_selection.log"
       ;;
     integrations)
       step "engine adapters: transformers on the GPU, vLLM/SGLang contract tests"

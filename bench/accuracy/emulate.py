@@ -21,7 +21,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows
-  subgroups S (head_subgroups), sink, window, last_n, block, correction, dense_layers (first n layers dense).
+  subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
+  layers dense), dense_fraction (the library's dense rule: a selection keeping at least this fraction of the visible
+  blocks keeps them all; 1 = off).
 Selection arithmetic runs in float64 (the CPU reference uses double), attention in float32.
 """
 import math
@@ -29,8 +31,8 @@ import math
 import torch
 
 TILE_ROWS = 128
-RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.1, gamma=0.9, subgroups=1, sink=256, window=512, last_n=2,
-                     block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0)
+RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.03, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
+                     block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85)
 
 
 def full_rule(rule):
@@ -122,7 +124,7 @@ def select(q, k, v, rule, scale):
     L, Hq, D = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
-    S = r["subgroups"]
+    S = r["subgroups"] or g  # 0: one selection per query head (the library's head_subgroups 0)
     assert g % S == 0
     gs, V, B = g // S, Hkv * S, r["block"]
     nb = (L + B - 1) // B
@@ -217,6 +219,12 @@ def select(q, k, v, rule, scale):
         mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
         sel = sel | (torch.exp(sm - mm) >= r["union_mean"]).any(2)
     keep = (sel & visible[None]) | always[None]
+    # the dense rule (SelectionParams::dense_fraction): kept >= fraction * visible (the fraction a float32, the
+    # product in double, as in sparse.h's keeps_all) keeps every visible block
+    frac = float(torch.tensor(r["dense_fraction"], dtype=torch.float32))
+    kept, vis = int((keep & visible[None]).sum()), int(visible.sum()) * V
+    if frac < 1 and vis > 0 and kept >= frac * vis:
+        keep = visible[None].expand_as(keep).clone()
     corr = (fully[None] & ~keep) if r["correction"] else torch.zeros_like(keep)
     return Selection(keep, corr, visible, gs, L, nb, kmean, vmean, counts)
 

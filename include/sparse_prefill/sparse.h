@@ -40,6 +40,17 @@ enum class SelectionRule : int {
   // kept 76 % of the blocks at 32K, this rule at alpha 0.05 39 %. CUDA: the same probe pass as kProbeRowMax.
   kProbeRowMass = 3,
 };
+// The dense rule (SelectionParams::dense_fraction), after any selection: whether a call whose selection keeps
+// kept_blocks of its visible_blocks (summed over sequences, KV heads and tiles, what BlockIndex::density() divides)
+// keeps them all. dense_fraction 1 turns the rule off. One double multiply and compare, the same on the host and on
+// the device.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline bool keeps_all(int64_t kept_blocks, int64_t visible_blocks, float dense_fraction) {
+  return dense_fraction < 1.f && visible_blocks > 0 &&
+         double(kept_blocks) >= double(dense_fraction) * double(visible_blocks);
+}
 constexpr int kProbeStride = 8;          // 1/8 of the rows' Q K^T: ~1/16 of dense attention (stride 16 lost kv)
 // The rules with probe rows (their probe pass and bitmap, and the pooled-means term at SelectionParams::mean_alpha).
 constexpr bool is_probe_rule(SelectionRule rule) {
@@ -47,7 +58,11 @@ constexpr bool is_probe_rule(SelectionRule rule) {
 }
 
 struct SelectionParams {
-  float alpha = 0.1f;     // the threshold of `rule`; alpha = 0 keeps every visible block (dense)
+  // The threshold of `rule`; alpha = 0 keeps every visible block (dense). 0.03 with one selection per query head
+  // is the most accurate setting of the pooled-means rule measured on SmolLM2-135M and the trained retrieval model
+  // across key-value layouts (bench/accuracy/NOTES.md); 0.1 per KV group, the previous default, lost 6 points of
+  // key-value recall at 8K on a layout it was not tuned on.
+  float alpha = 0.03f;
   // kProbeRowMax / kProbeRowMass only: the threshold of their pooled-means row-max term, which covers the rows
   // between probes (in [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 %
   // with it.
@@ -72,7 +87,14 @@ struct SelectionParams {
   // Sub-groups of a GQA group (CompactAttention's option for large groups): the g = Hq / Hkv query heads of each KV
   // head are split into head_subgroups groups of g / head_subgroups heads, each selected (and, with union_lists,
   // unioned) on its own. Must divide g. The index is then over Hkv * head_subgroups virtual KV heads (BlockIndex).
-  int head_subgroups = 1;
+  // 0 (the default): one selection per query head, head_subgroups = g. The heads of a KV group attend to different
+  // blocks, so one selection for the group keeps the union of what each head needs.
+  int head_subgroups = 0;
+  // The dense rule, after any selection: a call whose selection keeps at least this fraction of its visible blocks
+  // keeps them all and runs as dense attention (exact; in (0, 1], 1 turns the rule off: the selection as selected). Near full
+  // density the sparse kernel costs what dense attention costs or more (per-tile lists, a work order tuned for few
+  // blocks), so keeping the last few percent out only costs time. The CUDA one-shot launch then runs the dense kernel.
+  float dense_fraction = 0.85f;
   // CUDA device index: its budget of block-id slots (int32 each, in the workspace; docs/semantics.md "Device
   // index"). -1: the causal bound, what any selection can keep (each segment at most the blocks its tile's last row
   // sees). A smaller budget in [0, 2^31 - 1] makes the workspace follow the kept blocks instead: segments take
@@ -95,6 +117,7 @@ struct IndexBinding {
   float softmax_scale = 0.f;       // resolved
   int block_size = 0, head_subgroups = 1;
   bool union_lists = false, split_kv = true;
+  float dense_fraction = 1.f;  // SelectionParams::dense_fraction (union_index applies it to the union it lowers)
   // Built with the correction, hence with V means (BlockIndex::v_mean): a device index built without them cannot
   // be applied with the correction (its V means were never written).
   bool v_means = false;

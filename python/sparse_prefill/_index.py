@@ -17,6 +17,7 @@ _RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 
 _C_DEFAULTS = dict(_C.selection_defaults())
 SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
                           mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
+                          dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
                           rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
 """The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
 rule, block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
@@ -92,7 +93,7 @@ class Index:
     def _device(cls, workspace: Any, selection: tuple, binding, lib: ArrayLib, stream: int, cu_seqlens_q: Any,
                 mode: str) -> "Index":
         self = cls.__new__(cls)
-        self._init_common(binding, lib, cu_seqlens_q, mode, selection[1], selection[5], selection[8])
+        self._init_common(binding, lib, cu_seqlens_q, mode, selection[1], selection[5], binding.head_subgroups)
         self.on_device = True
         self.workspace = workspace
         self._selection = selection
@@ -210,8 +211,9 @@ def _from_numpy(lib: ArrayLib, a: Optional[np.ndarray]) -> Any:
 
 def _as_head_subgroups(value: Any) -> int:
     s = _as_int32("head_subgroups", value)
-    if s < 1:
-        raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {s}")
+    if s < 0:
+        raise ValueError(f"head_subgroups: must be 0 (one selection per query head) or >= 1 dividing Hq // Hkv, "
+                         f"got {s}")
     return s
 
 
@@ -233,23 +235,26 @@ def _as_max_kept_blocks(value: Any) -> int:
 
 
 def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=1, rule=_D["rule"], max_kept_blocks=None, mean_alpha=_D["mean_alpha"]) -> tuple:
+                    head_subgroups=_D["head_subgroups"], rule=_D["rule"], max_kept_blocks=None,
+                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]) -> tuple:
     """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
     the shapes)."""
     return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
             _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
             _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
-            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks), _as_float("mean_alpha", mean_alpha))
+            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks), _as_float("mean_alpha", mean_alpha),
+            _as_float("dense_fraction", dense_fraction))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
                 block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                 last_n: int = _D["last_n"], correction: bool = _D["correction"],
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = 1,
+                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = _D["head_subgroups"],
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
                 rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"]) -> Index:
+                max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
+                dense_fraction: float = _D["dense_fraction"]) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -290,10 +295,17 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
     'union'), built in the same call.
 
-    head_subgroups (S, default 1; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query
-    heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
+    head_subgroups (S; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query heads,
+    each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
     [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads, group_size, segments and means
     are over these virtual heads). In union mode the union is then per sub-group rather than over the whole group.
+    0 (the default) is S = g, one selection per query head (the index then reports head_subgroups = g); 1 is one
+    selection per KV group.
+
+    dense_fraction (default 0.85, in (0, 1]): the dense rule. A call whose selection keeps at least this fraction of
+    its visible blocks keeps them all (density 1, every segment its full list): near full density the sparse kernel
+    costs what dense attention costs, so the last few percent are not worth pruning. On CUDA a one-shot launch over
+    such an index then runs the dense kernel, decided on the device. 1 turns the rule off.
 
     CUDA inputs: the index stays on the device (Index.on_device), in `workspace` when given (a 1-D array of q's
     library on q's device of at least index_workspace_bytes(...) bytes, 256-byte aligned: the call then allocates
@@ -315,7 +327,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule, max_kept_blocks, mean_alpha)
+                          rule, max_kept_blocks, mean_alpha, dense_fraction)
     mode = "union" if sel[7] else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
@@ -334,7 +346,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                           block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
-                          head_subgroups: int = 1, causal: bool = True, softmax_scale: Optional[float] = None,
+                          head_subgroups: int = _D["head_subgroups"], causal: bool = True, softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
     0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out
@@ -345,13 +357,14 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
                           selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
                           selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
                           head_subgroups, selection.get("rule", _D["rule"]), selection.get("max_kept_blocks"),
-                          selection.get("mean_alpha", _D["mean_alpha"]))
+                          selection.get("mean_alpha", _D["mean_alpha"]),
+                          selection.get("dense_fraction", _D["dense_fraction"]))
     return int(_C.index_workspace_bytes(inputs, sel))
 
 
 def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                    block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
-                                   head_subgroups: int = 1, causal: bool = True,
+                                   head_subgroups: int = _D["head_subgroups"], causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
                                    qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays."""
@@ -363,7 +376,7 @@ def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
                                     max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
-                                    head_subgroups: int = 1, options: Optional[LaunchOptions] = None,
+                                    head_subgroups: int = _D["head_subgroups"], options: Optional[LaunchOptions] = None,
                                     qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
     return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,

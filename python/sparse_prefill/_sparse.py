@@ -75,9 +75,10 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
                    stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
-                   head_subgroups: int = 1, workspace=None, options: Optional[LaunchOptions] = None,
+                   head_subgroups: int = _D["head_subgroups"], workspace=None, options: Optional[LaunchOptions] = None,
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                   max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"]):
+                   max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
+                   dense_fraction: float = _D["dense_fraction"]):
     """build_index() + sparse_attention() in one call (same arguments as the two; rule, mean_alpha and max_kept_blocks
     as in build_index(): with a budget, pass the same max_kept_blocks to sparse_prefill_workspace_bytes()).
 
@@ -92,7 +93,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule, max_kept_blocks, mean_alpha)
+                          rule, max_kept_blocks, mean_alpha, dense_fraction)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                                 (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
@@ -114,7 +115,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                         stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
                         workspace=workspace, mean_cache=mean_cache, options=options, rule=rule,
                         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qkv_dtype=qkv_dtype,
-                        max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha)
+                        max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha, dense_fraction=dense_fraction)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream, options=options, q_descale=q_descale,
@@ -173,10 +174,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                     last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
-                    mean_cache=None, head_subgroups: int = 1, workspace=None,
+                    mean_cache=None, head_subgroups: int = _D["head_subgroups"], workspace=None,
                     options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
                     k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = None,
-                    mean_alpha: float = _D["mean_alpha"]):
+                    mean_alpha: float = _D["mean_alpha"], dense_fraction: float = _D["dense_fraction"]):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -227,5 +228,6 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                           block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
                           union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
                           options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                          qkv_dtype=qkv_dtype, max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha)
+                          qkv_dtype=qkv_dtype, max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha,
+                          dense_fraction=dense_fraction)
 

@@ -208,14 +208,16 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
-                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha) -> torch.Tensor:
+                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
+                dense_fraction) -> torch.Tensor:
     if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
             _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
-            1 <= head_subgroups <= _INT32_MAX):
+            0 <= head_subgroups <= _INT32_MAX):
         for name, x in (("block_size", block_size), ("sink", sink), ("window", window), ("last_n", last_n),
                         ("head_subgroups", head_subgroups)):
             _check_int32(name, x)
-        raise ValueError(f"head_subgroups: must be >= 1 (and divide Hq // Hkv), got {head_subgroups}")
+        raise ValueError(f"head_subgroups: must be 0 (one selection per query head) or >= 1 dividing Hq // Hkv, "
+                         f"got {head_subgroups}")
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
     if rule not in (0, 1, 2, 3):
@@ -223,7 +225,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          f"('probe_row_mass'), got {rule}")
     # max_kept_blocks -1: the operators size the device index for the causal bound (no budget in their schemas)
     sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1,
-           mean_alpha)
+           mean_alpha, dense_fraction)
     stream = _raw_stream(dev) if dev >= 0 else 0
     inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
@@ -244,25 +246,27 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                    sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                   mean_alpha=_D["mean_alpha"]):
+                   head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                   mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
-                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha)
+                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
+                      dense_fraction)
     return out, lse
 
 
 def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"],
                        block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
-                       union=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
-                       q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"]):
+                       union=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
+                       q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
+                       dense_fraction=_D["dense_fraction"]):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
                        final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale,
-                       mean_alpha)
+                       mean_alpha, dense_fraction)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -286,30 +290,30 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                     final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                     correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                    mean_alpha=_D["mean_alpha"]):
+                    head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                       window, last_n, correction, True, softmax_scale,
                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha)
+                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                         final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                         correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                        mean_alpha=_D["mean_alpha"]):
+                        head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                        mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, True, softmax_scale,
                        return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha)
+                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -337,31 +341,32 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
                  sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                 mean_alpha=_D["mean_alpha"]):
+                 head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                 mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"], block_size=_D["block_size"],
                      sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                     mean_alpha=_D["mean_alpha"]):
+                     mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                     mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
                   union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
-                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=1, rule=_RULE_D,
-                  q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"]):
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
+                  q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
+                  dense_fraction=_D["dense_fraction"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                       final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                       correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=1, rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                      mean_alpha=_D["mean_alpha"]):
+                      head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
+                      mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
     return _fake_lse(q, return_lse)
 
 
@@ -378,13 +383,17 @@ _SEL_OPTS = (f"float alpha={_D['alpha']!r}, int block_size={_D['block_size']}, i
              f"int window={_D['window']}, int last_n={_D['last_n']}, bool correction={_D['correction']}")
 _SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
                 "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
-                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, int rule={_RULE_D}, "
-                f"{_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}")
+                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups={_D['head_subgroups']}, "
+                f"int rule={_RULE_D}, "
+                f"{_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
+                f"float dense_fraction={_D['dense_fraction']!r}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
-               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups=1, "
-               f"int rule={_RULE_D}, {_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}")
+               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, "
+               f"int head_subgroups={_D['head_subgroups']}, "
+               f"int rule={_RULE_D}, {_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
+               f"float dense_fraction={_D['dense_fraction']!r}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -453,9 +462,10 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                    last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
                    return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
-                   union: bool = False, mean_cache=None, head_subgroups: int = 1,
+                   union: bool = False, mean_cache=None, head_subgroups: int = _D["head_subgroups"],
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
-                   mean_alpha: float = _D["mean_alpha"]):
+                   mean_alpha: float = _D["mean_alpha"],
+                    dense_fraction: float = _D["dense_fraction"]):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
     Returns out, or (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
@@ -463,12 +473,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                               window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
                               final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha)
+                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
                              sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
                              seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                             q_descale, k_descale, v_descale, mean_alpha)
+                             q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
     return (out, lse) if return_lse else out
 
 
@@ -477,8 +487,9 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
                     last_n: int = _D["last_n"], correction: bool = _D["correction"],
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = 1, rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
-                    mean_alpha: float = _D["mean_alpha"]):
+                    head_subgroups: int = _D["head_subgroups"], rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
+                    mean_alpha: float = _D["mean_alpha"],
+                    dense_fraction: float = _D["dense_fraction"]):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
     (out, lse)."""
     mean_k, mean_v = _mean_pair(mean_cache)
@@ -486,10 +497,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
                                return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                               q_descale, k_descale, v_descale, mean_alpha)
+                               q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
                               softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha)
+                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
     return (out, lse) if return_lse else out

@@ -50,6 +50,7 @@ void bind_sparse(nb::module_& m) {
       .def_ro("block_size", &sp::IndexBinding::block_size)
       .def_ro("head_subgroups", &sp::IndexBinding::head_subgroups)
       .def_ro("union", &sp::IndexBinding::union_lists)
+      .def_ro("dense_fraction", &sp::IndexBinding::dense_fraction)
       .def_ro("batch", &sp::IndexBinding::batch)
       .def_ro("num_q_heads", &sp::IndexBinding::num_q_heads)
       .def_ro("num_kv_heads", &sp::IndexBinding::num_kv_heads)
@@ -85,6 +86,7 @@ void bind_sparse(nb::module_& m) {
     d["last_n"] = p.last_n;
     d["correction"] = p.correction;
     d["head_subgroups"] = p.head_subgroups;
+    d["dense_fraction"] = p.dense_fraction;
     return d;
   });
   m.def("index_workspace_bytes",

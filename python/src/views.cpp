@@ -192,7 +192,7 @@ sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held) {
 }
 
 sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 12) throw nb::value_error("internal: the selection tuple must have 12 entries");
+  if (nb::len(t) != 13) throw nb::value_error("internal: the selection tuple must have 13 entries");
   sp::SelectionParams p;
   p.alpha = nb::cast<float>(t[0]);
   p.block_size = nb::cast<int>(t[1]);
@@ -206,6 +206,7 @@ sp::SelectionParams selection_params(nb::tuple t) {
   p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
   p.max_kept_blocks = nb::cast<int64_t>(t[10]);
   p.mean_alpha = nb::cast<float>(t[11]);
+  p.dense_fraction = nb::cast<float>(t[12]);
   return p;
 }
 

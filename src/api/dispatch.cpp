@@ -116,14 +116,20 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
 
 namespace {
 
-// The problem of a selection call: parameters, inputs, head sub-groups, and the mean cache when given.
-Problem validate_selection(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs* outs,
-                           const MeanCache* cache = nullptr) {
+// The problem of a selection call (parameters, inputs, head sub-groups, and the mean cache when given) and the
+// parameters resolved for it: head_subgroups 0 (one selection per query head) becomes the group size g.
+struct SelectionCall {
+  Problem p;
+  SelectionParams params;
+};
+SelectionCall validate_selection(const AttentionInputs& in, const SelectionParams& params,
+                                 const AttentionOutputs* outs, const MeanCache* cache = nullptr) {
   check_selection_params(params);
-  const Problem p = validate_inputs(in, outs);
-  check_head_subgroups(params.head_subgroups, p.group_size, "head_subgroups");
-  if (cache) validate_mean_cache(in, p, params.block_size, *cache);
-  return p;
+  SelectionCall c{validate_inputs(in, outs), params};
+  c.params.head_subgroups = resolve_head_subgroups(params.head_subgroups, c.p.group_size);
+  check_head_subgroups(c.params.head_subgroups, c.p.group_size, "head_subgroups");
+  if (cache) validate_mean_cache(in, c.p, c.params.block_size, *cache);
+  return c;
 }
 
 // The index stage writes V means only with the correction (pool.cu): a device index built without it, its params
@@ -135,6 +141,19 @@ void check_device_v_means(const DeviceBlockIndex& index) {
   }
 }
 
+// A device index as the backend reads it: its params with head_subgroups as built (the binding's; a caller may pass
+// the requested 0, one selection per query head). Any other value than the built one is an error.
+DeviceBlockIndex as_built(const DeviceBlockIndex& index) {
+  DeviceBlockIndex d = index;
+  if (d.params.head_subgroups != 0 && d.params.head_subgroups != d.binding.head_subgroups) {
+    throw ArgumentError("index", "its head_subgroups (" + std::to_string(d.params.head_subgroups) +
+                                     ") differ from those it was built with (" +
+                                     std::to_string(d.binding.head_subgroups) + ")");
+  }
+  d.params.head_subgroups = d.binding.head_subgroups;
+  return d;
+}
+
 [[noreturn]] void device_index_on_cpu() {
   throw NotImplementedError("the device index is built for CUDA inputs; on the CPU build_index() returns the index "
                             "on the host");
@@ -142,8 +161,8 @@ void check_device_v_means(const DeviceBlockIndex& index) {
 
 }  // namespace
 
-BlockIndex build_index(const AttentionInputs& in, const SelectionParams& params) {
-  const Problem p = validate_selection(in, params, nullptr);
+BlockIndex build_index(const AttentionInputs& in, const SelectionParams& requested) {
+  const auto [p, params] = validate_selection(in, requested, nullptr);
 #ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
   BlockIndex index = p.device == Device::kCPU ? reference::build_index(in, p, params)
@@ -183,8 +202,8 @@ int64_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockI
 #endif
 }
 
-int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& params) {
-  const Problem p = validate_selection(in, params, nullptr);
+int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& requested) {
+  const auto [p, params] = validate_selection(in, requested, nullptr);
   if (p.device == Device::kCPU) return 0;
 #ifdef SPARSE_PREFILL_WITH_CUDA
   return int64_t(cuda::index_workspace_bytes(in, p, params));
@@ -197,9 +216,9 @@ int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const Selectio
   return index_workspace_bytes(in, params);  // the index and the launch state of its sparse_attention
 }
 
-DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& params, const TensorView& workspace,
-                             const MeanCache* mean_cache) {
-  const Problem p = validate_selection(in, params, nullptr, mean_cache);
+DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& requested,
+                             const TensorView& workspace, const MeanCache* mean_cache) {
+  const auto [p, params] = validate_selection(in, requested, nullptr, mean_cache);
   if (p.device == Device::kCPU) device_index_on_cpu();
 #ifdef SPARSE_PREFILL_WITH_CUDA
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
@@ -213,9 +232,10 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& p
 #endif
 }
 
-void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& index, const AttentionOutputs& outs,
+void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, const AttentionOutputs& outs,
                       bool reuse_index) {
   const Problem p = validate_inputs(in, &outs);
+  const DeviceBlockIndex index = as_built(given);
   if (p.device == Device::kCPU) device_index_on_cpu();
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);
@@ -244,7 +264,7 @@ std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* st
 
 IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
-  return cuda::index_stats(index, stream);
+  return cuda::index_stats(as_built(index), stream);
 #else
   (void)index, (void)stream;
   not_on_cuda("index_stats");
@@ -254,7 +274,7 @@ IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
 #ifdef SPARSE_PREFILL_WITH_CUDA
   check_device_v_means(index);
-  return cuda::to_host(index, stream);
+  return cuda::to_host(as_built(index), stream);
 #else
   (void)index, (void)stream;
   not_on_cuda("to_host");
@@ -291,9 +311,9 @@ void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIn
   }
 }
 
-void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
+void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& requested, const AttentionOutputs& outs,
                          const MeanCache* cache) {
-  const Problem p = validate_selection(in, params, &outs, cache);
+  const auto [p, params] = validate_selection(in, requested, &outs, cache);
   if (p.device == Device::kCPU) {
     // The cache keeps V means for later steps (which may use the correction) even when this one does not.
     BlockIndex index = reference::build_index(in, p, params, /*v_means=*/cache != nullptr);
@@ -326,7 +346,7 @@ BlockIndex union_index(const AttentionInputs& in, const BlockIndex& index) {
   const BlockIndexView view = view_of(copy);
   check_binding(view.binding, in, p, /*reuse_index=*/true);  // the union depends on the problem's geometry only
   validate_index(p, view);
-  BlockIndex u = reference::union_index(in, p, index);
+  BlockIndex u = reference::union_index(in, p, index, index.binding.dense_fraction);
   u.binding = index.binding;
   u.binding.union_lists = true;
   return u;

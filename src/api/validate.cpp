@@ -53,6 +53,9 @@ void check_selection_params(const SelectionParams& params) {
   if (!(params.alpha >= 0.f && params.alpha <= 1.f)) {
     throw ArgumentError("alpha", "must lie in [0, 1], got " + std::to_string(params.alpha));
   }
+  if (!(params.dense_fraction > 0.f && params.dense_fraction <= 1.f)) {
+    throw ArgumentError("dense_fraction", "must lie in (0, 1], got " + std::to_string(params.dense_fraction));
+  }
   if (!(params.mean_alpha >= 0.f && params.mean_alpha <= 1.f)) {
     throw ArgumentError("mean_alpha", "must lie in [0, 1], got " + std::to_string(params.mean_alpha));
   }
@@ -65,14 +68,17 @@ void check_selection_params(const SelectionParams& params) {
   if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
   if (params.window < 0) throw ArgumentError("window", "must be >= 0");
   if (params.last_n < 0) throw ArgumentError("last_n", "must be >= 0");
-  if (params.head_subgroups < 1) {
-    throw ArgumentError("head_subgroups", "must be >= 1, got " + std::to_string(params.head_subgroups));
+  if (params.head_subgroups < 0) {
+    throw ArgumentError("head_subgroups", "must be 0 (one selection per query head) or >= 1, got " +
+                                              std::to_string(params.head_subgroups));
   }
   if (params.max_kept_blocks < -1 || params.max_kept_blocks > INT32_MAX) {  // int32 ids and segment offsets
     throw ArgumentError("max_kept_blocks", "must be -1 (the causal bound) or a budget in [0, 2^31 - 1], got " +
                                                std::to_string(params.max_kept_blocks));
   }
 }
+
+int resolve_head_subgroups(int subgroups, int group_size) { return subgroups == 0 ? group_size : subgroups; }
 
 void check_head_subgroups(int subgroups, int group_size, const char* name) {
   if (subgroups < 1) throw ArgumentError(name, "must be >= 1, got " + std::to_string(subgroups));

@@ -115,6 +115,7 @@ IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const Selec
   b.softmax_scale = p.softmax_scale;
   b.block_size = params.block_size;
   b.head_subgroups = params.head_subgroups;
+  b.dense_fraction = params.dense_fraction;
   b.union_lists = params.union_lists;
   b.v_means = params.correction;
   b.split_kv = in.options.split_kv;

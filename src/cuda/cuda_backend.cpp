@@ -219,6 +219,22 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   return s;
 }
 
+// Sparse attention over a device index. A one-shot launch (no split-KV plan) runs the dense kernel when the dense
+// rule kept every block (counters[kDense], dense_rule.cu) and the sparse kernel otherwise, both launched and each
+// gated on that word: dense attention at dense speed, decided on the device. Planned launches (chunk shapes) run the
+// sparse kernel, whose full lists are dense attention the way attention() runs those shapes too.
+void run_sparse_index(const AttentionInputs& in, FwdArgs a, const Problem& p, const DeviceIndex& d,
+                      float dense_fraction) {
+  const bool plan = planned(in);
+  if (!plan && dense_fraction < 1.f) {  // 1: the rule is off, the flag stays 0
+    FwdArgs dense = a;
+    dense.gate = {d.counters + kDense, 1};
+    run(dense, p, nullptr);
+    a.gate = {d.counters + kDense, 0};
+  }
+  run_sparse(in, a, p, sparse_args_of(d), plan);
+}
+
 // The host-index path's prepared copies in one workspace: tiles per sequence, the kernel's pooled means (q's dtype;
 // FP8: e4m3), launch state.
 // Without a base only `bytes` is set.
@@ -293,7 +309,7 @@ void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, c
   const FwdArgs a = make_fwd_args(in, outs, p);
   const DeviceIndex d = carve_index(index.binding, index.params, index.workspace.data);  // pointers only: no access
   check_workspace(index.workspace, in.q, int64_t(d.workspace_bytes), "index_workspace_bytes(...)");
-  run_sparse(in, a, p, sparse_args_of(d), planned(in));
+  run_sparse_index(in, a, p, d, index.params.dense_fraction);
 }
 
 size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index, const Problem& p) {
@@ -334,7 +350,7 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
   const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
   const size_t bytes = index_workspace_bytes(in, p, params);
   const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
-  run_sparse(in, a, p, sparse_args_of(build_index(in, p, params, ws.ptr, bytes, cache)), planned(in));
+  run_sparse_index(in, a, p, build_index(in, p, params, ws.ptr, bytes, cache), params.dense_fraction);
 }
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,

@@ -8,6 +8,14 @@
 
 namespace sparse_prefill::cuda {
 
+// A launch that runs or not by a device word written earlier on the stream: the kernel's CTAs return at once unless
+// *word == run_if (word == nullptr: always runs). The dense rule's one-shot launches (cuda_backend.cpp) put the dense
+// and the sparse kernel on one stream, each gated on the index's counters[kDense]: no host synchronisation.
+struct LaunchGate {
+  const unsigned long long* word = nullptr;
+  unsigned long long run_if = 0;
+};
+
 struct FwdArgs {
   // q [total_q, Hq, D]; k, v contiguous [total_k, Hkv, D] or paged [num_pages, page_size, Hkv, D]; out like q.
   const void* q = nullptr;
@@ -40,6 +48,7 @@ struct FwdArgs {
   bool causal = true;
   int window_left = -1, window_right = -1;
   void* stream = nullptr;                // cudaStream_t
+  LaunchGate gate;
 };
 
 // Per-launch device state of the sparse kernel, carved from caller memory (sparse_launch_workspace_bytes):

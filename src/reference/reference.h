@@ -82,7 +82,13 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
                        bool v_means = false);
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p);
-BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index);
+// dense_fraction: the dense rule applied to the union (SelectionParams::dense_fraction; 1: the union as it is).
+BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index, float dense_fraction);
+
+// The dense rule (SelectionParams::dense_fraction): an index that keeps at least that fraction of its visible blocks
+// gets every segment's full list of visible blocks (what the CUDA index stage marks with kOverflowStart). `p` has the
+// index's (virtual) KV heads.
+void apply_dense_rule(const AttentionInputs& in, const Problem& p, BlockIndex& index, float dense_fraction);
 
 // kept / visible counts of an index (listed blocks that the segment's tile can see, and all it can see); `p` has the
 // index's (virtual) KV heads.

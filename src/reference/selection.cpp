@@ -2,8 +2,8 @@
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
 // threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
 // kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha; kProbeRowMass,
-// the probe rows' test against each row's whole mass instead of its top block), the
-// always-kept rules, and CSR compaction. Also the chunked-prefill union lowering.
+// the probe rows' test against each row's whole mass instead of its top block), the always-kept rules, CSR
+// compaction and the dense rule (SelectionParams::dense_fraction). Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
 
@@ -239,7 +239,31 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
   });
   compact(lists, index);
   count_density(in, p, index);
-  return params.union_lists ? union_index(in, p, index) : index;
+  if (params.union_lists) return union_index(in, p, index, params.dense_fraction);  // the rule applies to the union
+  apply_dense_rule(in, p, index, params.dense_fraction);
+  return index;
+}
+
+void apply_dense_rule(const AttentionInputs& in, const Problem& p, BlockIndex& index, float dense_fraction) {
+  if (!keeps_all(index.kept_blocks, index.visible_blocks, dense_fraction)) return;
+  const std::vector<int64_t> seg_offset = segment_offsets(p);
+  std::vector<std::vector<int32_t>> lists(index.segment_start.size());
+  for (int b = 0; b < p.batch; ++b) {
+    const SequenceInfo& s = p.seqs[b];
+    const int64_t tiles = num_tiles(s.q_len, p.group_size), nb = num_blocks(s.k_len, index.block_size);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const std::vector<char> visible =
+          tile_visible_blocks(in, s, tile_geometry(t, s.q_len, p.group_size), index.block_size, nb);
+      for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+        std::vector<int32_t>& list = lists[size_t(seg_offset[b] + kvh * tiles + t)];
+        for (int64_t J = 0; J < nb; ++J) {
+          if (visible[J]) list.push_back(int32_t(J));
+        }
+      }
+    }
+  }
+  compact(lists, index);
+  count_density(in, p, index);
 }
 
 void count_density(const AttentionInputs& in, const Problem& p, BlockIndex& index) {
@@ -297,11 +321,13 @@ BlockIndex union_of_tiles(const AttentionInputs& in, const Problem& p, const Blo
 
 }  // namespace
 
-BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
+BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index, float dense_fraction) {
   // Head sub-groups: one list per (sequence, virtual KV head), i.e. per sub-group. The union reads no K/V, so the
   // virtual problem is enough (count_density reads only the masks of `in`).
-  if (index.head_subgroups > 1) return union_of_tiles(in, virtual_problem(p, index.head_subgroups), index);
-  return union_of_tiles(in, p, index);
+  const Problem vp = index.head_subgroups > 1 ? virtual_problem(p, index.head_subgroups) : p;
+  BlockIndex u = union_of_tiles(in, vp, index);
+  apply_dense_rule(in, vp, u, dense_fraction);
+  return u;
 }
 
 }  // namespace sparse_prefill::reference

@@ -221,7 +221,40 @@ Selection select(const Problem& P, const Pooled& pl, const SelParams& sp) {
     S.energy.push_back(E);
     S.threshold.push_back(thr);
   }
+  // The dense rule on the kept count; threshold ties that could cross its boundary make the outcome ambiguous.
+  int64_t tie_kept = 0, tie_dropped = 0;
+  for (size_t s = 0; s < S.lists.size(); ++s)
+    for (int J : S.ambiguous[s])
+      (std::binary_search(S.lists[s].begin(), S.lists[s].end(), J) ? tie_kept : tie_dropped) += 1;
+  auto dense_at = [&](int64_t kept) {
+    return sp.dense_fraction < 1.0 && S.visible > 0 && double(kept) >= sp.dense_fraction * double(S.visible);
+  };
+  S.dense_ambiguous = dense_at(S.kept - tie_kept) != dense_at(S.kept + tie_dropped);
+  if (dense_rule(P, sp.bs, sp.dense_fraction, S.lists)) {
+    S.dense = true;
+    S.kept = S.visible;
+    S.forced = S.lists;
+    for (auto& a : S.ambiguous) a.clear();
+  }
   return S;
+}
+
+bool dense_rule(const Problem& P, int bs, double dense_fraction, std::vector<std::vector<int>>& lists) {
+  const std::vector<Segment> segs = segments(P);
+  std::vector<std::vector<int>> full(segs.size());
+  int64_t kept = 0, visible = 0;
+  for (size_t s = 0; s < segs.size(); ++s) {
+    const TileBlocks tb = analyze(P, segs[s], bs);
+    for (int64_t J = 0; J < int64_t(tb.visible.size()); ++J) {
+      if (!tb.visible[J]) continue;
+      full[s].push_back(int(J));
+      ++visible;
+      kept += std::binary_search(lists[s].begin(), lists[s].end(), int(J));
+    }
+  }
+  if (dense_fraction >= 1.0 || visible == 0 || double(kept) < dense_fraction * double(visible)) return false;
+  lists = full;
+  return true;
 }
 
 Result sparse(const Problem& P, const Pooled& pl, const std::vector<std::vector<int>>& lists, bool correction) {
@@ -265,7 +298,8 @@ Result sparse(const Problem& P, const Pooled& pl, const std::vector<std::vector<
   return R;
 }
 
-std::vector<std::vector<int>> union_lists(const Problem& P, const std::vector<std::vector<int>>& lists) {
+std::vector<std::vector<int>> union_lists(const Problem& P, const std::vector<std::vector<int>>& lists, int bs,
+                                          double dense_fraction) {
   std::vector<Segment> segs = segments(P);
   std::vector<std::vector<int>> out(segs.size());
   size_t i = 0;
@@ -279,6 +313,7 @@ std::vector<std::vector<int>> union_lists(const Problem& P, const std::vector<st
     for (size_t s = i; s < j; ++s) out[s] = std::vector<int>(u.begin(), u.end());
     i = j;
   }
+  dense_rule(P, bs, dense_fraction, out);
   return out;
 }
 

@@ -63,6 +63,7 @@ struct SelParams {
   // The per-row rule (SelectionRule::kRowMax): keep J iff max over the rows r that see J of (s_rJ - max_J' s_rJ')
   // >= ln(alpha). Selection::energy then holds that per-block maximum and threshold ln(alpha).
   bool row_max = false;
+  double dense_fraction = 1.0;  // the dense rule (SelectionParams::dense_fraction); 1: off
 };
 
 struct Selection {
@@ -73,6 +74,8 @@ struct Selection {
   std::vector<std::vector<double>> energy;  // per segment per block (0 for invisible)
   std::vector<double> threshold;            // per segment: alpha * max E (row_max: ln alpha)
   int64_t kept = 0, visible = 0;
+  // The dense rule turned the lists into every visible block; ambiguous: threshold ties decide whether it does.
+  bool dense = false, dense_ambiguous = false;
 };
 // Scores use the pooled means rounded to float32 (the contract's k_mean is float32).
 Selection select(const Problem& P, const Pooled& pooled, const SelParams& sp);
@@ -80,8 +83,13 @@ Selection select(const Problem& P, const Pooled& pooled, const SelParams& sp);
 // Sparse attention over per-segment block lists (any lists of valid block ids), with optional mean correction.
 Result sparse(const Problem& P, const Pooled& pooled, const std::vector<std::vector<int>>& lists, bool correction);
 
-// Union per (sequence, KV head) of the lists of all its tiles; returned per segment.
-std::vector<std::vector<int>> union_lists(const Problem& P, const std::vector<std::vector<int>>& lists);
+// Union per (sequence, KV head) of the lists of all its tiles, then the dense rule (below); returned per segment.
+std::vector<std::vector<int>> union_lists(const Problem& P, const std::vector<std::vector<int>>& lists, int bs,
+                                          double dense_fraction);
+
+// The dense rule (SelectionParams::dense_fraction): lists that keep at least that fraction of the visible blocks
+// (summed over segments) become every segment's visible blocks. Returns whether it applied.
+bool dense_rule(const Problem& P, int bs, double dense_fraction, std::vector<std::vector<int>>& lists);
 
 // sum over segments of |list ∩ visible(tile)|
 int64_t count_kept(const Problem& P, int bs, const std::vector<std::vector<int>>& lists);

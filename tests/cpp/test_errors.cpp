@@ -31,6 +31,7 @@ class Errors : public ::testing::Test {
   // A valid index for C, and its view
   BlockIndex index_for(Built& B, int bs = 64) {
     SelectionParams p;
+    p.head_subgroups = 1;  // the segment counts below are per KV head
     p.block_size = bs;
     p.correction = true;  // the index checks below include its pooled means
     p.rule = SelectionRule::kTileEnergy;
@@ -638,7 +639,7 @@ TEST_F(Errors, SparseAttentionValidatesInputsAndOutputs) {
 // Fixture: Hq 4, Hkv 2 (g = 2); lq {5, 70}: 1 + 2 tiles per KV head (6 segments) with S = 1, 1 + 1 tiles per virtual
 // head (8 segments) with S = 2.
 TEST_F(Errors, HeadSubgroups) {
-  for (int S : {0, -1, 3, 4}) {
+  for (int S : {-1, 3, 4}) {
     SelectionParams p;
     p.block_size = 64;
     p.head_subgroups = S;
@@ -663,6 +664,11 @@ TEST_F(Errors, HeadSubgroups) {
   p.head_subgroups = 2;
   EXPECT_NO_THROW(build_index(C->in, p));
   EXPECT_NO_THROW(::sparse_prefill::sparse_prefill(C->in, p, co));
+  p.head_subgroups = 0;  // one selection per query head: S = g = 2
+  const BlockIndex per_head = build_index(C->in, p);
+  EXPECT_EQ(per_head.head_subgroups, 2);
+  EXPECT_EQ(per_head.segment_start.size(), 8u);
+  EXPECT_EQ(per_head.binding.head_subgroups, 2);
 }
 TEST_F(Errors, IndexHeadSubgroups) {
   BlockIndex one = index_for(*C);  // S = 1

@@ -109,6 +109,7 @@ TEST(Pooling, IndexMeansEqualPoolKv) {
   for (bool correction : {false, true}) {
     SCOPED_TRACE(correction ? "correction" : "no correction");
     SelectionParams p;
+    p.head_subgroups = 1;  // the index's means per KV head, as pool_kv's
     p.block_size = 64;
     p.correction = correction;
     BlockIndex idx = build_index(B->in, p);
@@ -135,6 +136,7 @@ TEST(Pooling, IndexWithoutVMeans) {
   auto B = build(c, rng);
   const AttentionOutputs o = B->outputs(false);
   SelectionParams p;
+  p.head_subgroups = 1;
   p.block_size = 64;
   p.alpha = 0.3f;
   p.correction = false;

@@ -47,7 +47,7 @@ TEST(RowMax, MatchesNaive64) {
   check_rowmax(sc(3, 1, 64, F32, {300}, {700}, true, 16), sp(0.5f, 64, 0, 64, 0), rng);  // g = 3 straddles tiles
   check_rowmax(sc(12, 2, 64, BF16, {200, 43}, {600, 300}, false, 1), sp(0.5f, 64, 64, 0, 1), rng);
   check_rowmax(sc(4, 1, 64, F32, {300}, {129}, false, 1), sp(0.3f, 64, 0, 0, 0), rng);  // Lq > Lk
-  check_rowmax(sc(8, 2, 128, BF16, {129}, {1000}, true, 128), SelectionParams{}, rng);
+  check_rowmax(sc(8, 2, 128, BF16, {129}, {1000}, true, 128), defaults_per_group(), rng);
   check_rowmax(sc(4, 1, 64, F32, {0, 70, 5}, {64, 130, 0}, false, 1), sp(0.5f, 64, 0, 0, 0), rng);  // empty seqs
   check_rowmax(sc(4, 1, 64, F32, {1000}, {1500}, true, 64), sp(1.0f, 64, 0, 0, 0), rng);  // alpha 1: the row tops
   Case u = sc(4, 1, 64, F32, {700}, {900}, false, 1);
@@ -139,7 +139,7 @@ TEST(RowMax, UnionMode) {
     const int64_t flips = compare_selection(*B, tiles, S, p);
     p.union_lists = true;
     BlockIndex u = build_index(B->in, p);
-    const auto exp = naive64::union_lists(B->np, S.lists);
+    const auto exp = naive64::union_lists(B->np, S.lists, p.block_size, p.dense_fraction);
     if (flips == 0) EXPECT_EQ(lists_of(u), exp);
     EXPECT_EQ(lists_of(u), lists_of(union_index(B->in, tiles)));
     EXPECT_EQ(u.kept_blocks, naive64::count_kept(B->np, p.block_size, lists_of(u)));

@@ -116,9 +116,9 @@ TEST(Selection, OddGroupStraddlingPositionOpensBlock) {
 }
 TEST(Selection, LqGreaterThanLk) { check_selection(sc(4, 1, 64, F32, {300}, {129}, false, 1), sp(0.3f, 64, 0, 0, 0)); }
 TEST(Selection, D128_GQA4_Paged128_Defaults) {
-  check_selection(sc(8, 2, 128, BF16, {129}, {1000}, true, 128), SelectionParams{});
+  check_selection(sc(8, 2, 128, BF16, {129}, {1000}, true, 128), defaults_per_group());
 }
-TEST(Selection, Defaults_L1763) { check_selection(sc(4, 1, 64, F32, {1763}, {1763}, true, 16), SelectionParams{}); }
+TEST(Selection, Defaults_L1763) { check_selection(sc(4, 1, 64, F32, {1763}, {1763}, true, 16), defaults_per_group()); }
 TEST(Selection, Unstructured_BS192) {
   Case c = sc(4, 1, 64, F32, {700}, {900}, false, 1);
   c.structured = false;

@@ -42,10 +42,10 @@ TEST(Sparse, CausalLeftWindow_D128) {
   check_sparse(sc(4, 2, 128, BF16, {300}, {700}, true, 128, true, 333, -1), sp(0.3f, 128, 0, 100, 0, true));
 }
 TEST(Sparse, L1763_GQA8_D128_Paged128_Defaults) {
-  check_sparse(sc(8, 1, 128, BF16, {1763}, {1763}, true, 128), SelectionParams{});
+  check_sparse(sc(8, 1, 128, BF16, {1763}, {1763}, true, 128), defaults_per_group());
 }
 TEST(Sparse, ManyHeadsNoGQA) { check_sparse(sc(8, 8, 64, F32, {200}, {400}, true, 64), sp(0.5f, 64, 0, 0, 0, true)); }
-TEST(Sparse, AllEmpty) { check_sparse(sc(4, 1, 64, F32, {0, 3}, {5, 0}, true, 16), SelectionParams{}); }
+TEST(Sparse, AllEmpty) { check_sparse(sc(4, 1, 64, F32, {0, 3}, {5, 0}, true, 16), defaults_per_group()); }
 TEST(Sparse, OddGroup3) { check_sparse(sc(3, 1, 64, F32, {300}, {700}, true, 16), sp(0.5f, 64, 0, 64, 0, true)); }
 TEST(Sparse, OddGroup6_TwoKVHeads) {
   check_sparse(sc(12, 2, 64, BF16, {200, 43}, {600, 300}, false, 1), sp(0.5f, 64, 64, 0, 1, true));

@@ -232,7 +232,7 @@ TEST(Subgroups, UnionPerSubgroup) {
       }
     }
     ASSERT_EQ(seg, ul.size());
-    EXPECT_EQ(lists_of(u), naive64::union_lists(R->np, tl));
+    EXPECT_EQ(lists_of(u), naive64::union_lists(R->np, tl, 64, p.dense_fraction));
     EXPECT_EQ(u.kept_blocks, naive64::count_kept(R->np, 64, ul));
     EXPECT_LT(u.kept_blocks, u.visible_blocks) << "the union keeps everything: the test would be trivial";
     EXPECT_GT(u.kept_blocks, tiles.kept_blocks) << "the union adds nothing: the test would be trivial";

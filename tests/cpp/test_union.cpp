@@ -18,7 +18,7 @@ void check_union(const Case& c, const SelectionParams& p) {
   const naive64::Problem& P = B->np;
   auto segs = naive64::segments(P);
   auto tiles = lists_of(idx);
-  auto exp = naive64::union_lists(P, tiles);
+  auto exp = naive64::union_lists(P, tiles, p.block_size, p.dense_fraction);
   ASSERT_EQ(u.segment_start.size(), segs.size());
   ASSERT_EQ(u.segment_end.size(), segs.size());
   EXPECT_EQ(u.block_size, idx.block_size);

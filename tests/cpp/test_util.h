@@ -213,8 +213,13 @@ inline Case sc(int Hq, int Hkv, int D, DType dt, std::vector<int> lq, std::vecto
 }
 
 // FlashPrefill V2's tile-energy rule (the tests written for it; the row-max rule's tests take rowmax(sp(...))).
+// Tile-energy parameters, one selection per KV group (head_subgroups 1: naive64 has no sub-groups; test_subgroups
+// checks them against the repeated model), the selection as selected (dense_fraction 1: no dense rule, which would
+// turn the near-dense selections of Gaussian inputs into full lists; the rule has tests of its own).
 inline SelectionParams sp(float alpha, int bs, int sink, int window, int last_n, bool corr = true) {
   SelectionParams p;
+  p.head_subgroups = 1;
+  p.dense_fraction = 1.f;
   p.rule = SelectionRule::kTileEnergy;
   p.alpha = alpha;
   p.block_size = bs;
@@ -499,7 +504,15 @@ struct ChunkStep {
 // Runs reference dense attention into B's poisoned outputs.
 inline void run_dense(Built& B, bool with_lse = true) { attention(B.in, B.outputs(with_lse)); }
 
+// The library's defaults with one selection per KV group (head_subgroups 0, the default, is one per query head).
+inline SelectionParams defaults_per_group() {
+  SelectionParams p;
+  p.head_subgroups = 1;
+  return p;
+}
+
 inline naive64::SelParams naive_params(const SelectionParams& p) {
+  if (p.head_subgroups != 1) throw std::logic_error("naive64 selects per KV group: pass head_subgroups = 1");
   naive64::SelParams s;
   s.alpha = p.alpha;
   s.bs = p.block_size;
@@ -507,6 +520,7 @@ inline naive64::SelParams naive_params(const SelectionParams& p) {
   s.window = p.window;
   s.last_n = p.last_n;
   s.row_max = p.rule == SelectionRule::kRowMax;
+  s.dense_fraction = p.dense_fraction;
   return s;
 }
 

@@ -158,7 +158,7 @@ def select_bands(q, k, q_lens, k_lens, hq, hkv, sel, delta):
     delta(bound of the tile's |s_rJ|) in the log domain; may = must plus the blocks within it; exact = the
     float64 decision (in union mode all three are the unions over the tiles). q [total_q, Hq, D]
     and k [total_k, Hkv, D] float64 contiguous (k: each sequence's Lk keys), causal, bottom-right."""
-    B, S = sel["block_size"], sel["head_subgroups"]
+    B, S = sel["block_size"], sel["head_subgroups"] or hq // hkv  # 0: one selection per query head
     gs = hq // hkv // S
     cq, ck = np.concatenate([[0], np.cumsum(q_lens)]), np.concatenate([[0], np.cumsum(k_lens)])
     means = [_pool(k, int(ck[b]), int(ck[b + 1]), B) for b in range(len(k_lens))]
@@ -183,13 +183,29 @@ def select_bands(q, k, q_lens, k_lens, hq, hkv, sel, delta):
     return out
 
 
-def check_index(index, bands, c):
+def _keeps_all(kept, visible, dense_fraction):
+    """The dense rule (sparse.h keeps_all): the fraction a float32, the comparison in double."""
+    f = float(np.float32(dense_fraction))
+    return f < 1.0 and visible > 0 and kept >= f * visible
+
+
+def check_index(index, bands, c, dense_fraction=1.0):
     """Every segment of the host `index` lists its `must` blocks and nothing outside `may`, ascending and distinct;
-    visible_blocks and kept_blocks (hence density) follow the contract. Returns the number of listed blocks that differ
-    from the float64 decision (near-threshold flips)."""
+    visible_blocks and kept_blocks (hence density) follow the contract. With the dense rule (dense_fraction < 1) an
+    index whose `must` blocks already reach the fraction must list every visible block, one whose `may` blocks cannot
+    must not, and between the two either is right. Returns the number of listed blocks that differ from the float64
+    decision (near-threshold flips)."""
     h = index.host
     starts, ends, ids = h["segment_start"], h["segment_end"], h["block_ids"]
     assert len(starts) == len(bands), (len(starts), len(bands), c)
+    vis = sum(len(b[3]) for b in bands)
+    low = _keeps_all(sum(len(b[0] & b[3]) for b in bands), vis, dense_fraction)
+    high = _keeps_all(sum(len(b[1] & b[3]) for b in bands), vis, dense_fraction)
+    full = all(set(ids[int(starts[s]):int(ends[s])].tolist()) == b[3] for s, b in enumerate(bands))
+    if low or (high and full):  # the rule fired: every segment its visible blocks
+        assert full, ("dense rule", dense_fraction, c)
+        assert (index.visible_blocks, index.kept_blocks) == (vis, vis), (index.visible_blocks, index.kept_blocks, c)
+        return 0
     flipped = kept = vis = 0
     for s, (must, may, exact, visible) in enumerate(bands):
         listed = ids[int(starts[s]):int(ends[s])].tolist()

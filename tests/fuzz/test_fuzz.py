@@ -152,7 +152,8 @@ class Case:
                                                                  "probe_row_mass"])),
                             sink=int(rng.choice([0, 0, 64])), window=int(rng.choice([0, 0, 0, 64, 200])),
                             last_n=int(rng.choice([0, 0, 0, 1])),
-                            head_subgroups=int(rng.choice([s for s in (1, 2, 4, 8) if g % s == 0])))
+                            head_subgroups=int(rng.choice([s for s in (0, 1, 2, 4, 8) if s == 0 or g % s == 0])),
+                            dense_fraction=float(rng.choice([1.0, 1.0, 0.85, 0.6])))
             if self.sel["rule"].startswith("probe_"):  # their pooled-means term: the default or a sparser one
                 self.sel.update(mean_alpha=float(rng.choice([0.5, 0.8, 0.95])))
         self.union = self.selective and rng.random() < 0.15
@@ -551,7 +552,7 @@ def prepare_index(c, a, x, index_state):
         nonempty = np.nonzero(h["segment_end"] > h["segment_start"])[0]
         s = int(nonempty[int(c.mrng.integers(len(nonempty)))])
         cu_blocks = h["cu_blocks"]  # the sequence of segment s: its block count bounds the ids
-        S = c.sel["head_subgroups"]  # segments are over Hkv * S virtual heads of g / S query heads
+        S = c.sel["head_subgroups"] or c.hq // c.hkv  # segments over Hkv * S virtual heads of g / S query heads
         tiles = [-(-int(n) * (c.hq // c.hkv // S) // 128) for n in c.q_lens]
         off = np.cumsum([0] + [c.hkv * S * t for t in tiles])
         b = int(np.searchsorted(off, s, side="right") - 1)
@@ -731,7 +732,7 @@ def check_sparse(c, a, got, lse, index_state):
         delta = lambda s: (2 ** -5 if c.fp8 else 2 ** -6) * s + 1e-3  # noqa: E731
     sel = dict(selection(c), union=c.union, final_chunk=c.final_chunk)
     bands = fuzz_select.select_bands(q, k, c.q_lens, c.k_lens, c.hq, c.hkv, sel, delta)
-    flips = fuzz_select.check_index(index, bands, c)
+    flips = fuzz_select.check_index(index, bands, c, c.sel["dense_fraction"])
     fuzz_select.check_means(index, k, v, c.k_lens, 1e-5)
     record_selection(c, index.density, flips)
     if c.device == "cpu":

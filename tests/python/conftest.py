@@ -23,6 +23,13 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 
+# The selection's mechanics as the tests below were written for them: one selection per KV group (the library's
+# default is one per query head, head_subgroups 0) and the dense rule off (dense_fraction 1: random inputs keep
+# most blocks, and the rule would turn their selections into full lists). The defaults have tests of their own
+# (test_dense_rule.py).
+MECHANICS = dict(head_subgroups=1, dense_fraction=1.0)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

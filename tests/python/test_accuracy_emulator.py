@@ -36,14 +36,18 @@ PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row
 RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass"}
 
 
-def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax", mean_alpha=0.5):
+def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax", mean_alpha=0.5,
+          dense_fraction=1.0):
+    """dense_fraction 1 (the dense rule off) by default: random inputs keep most blocks, and the rule would turn
+    the comparison into full lists on both sides."""
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
     kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
-              head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha)
+              head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha, dense_fraction=dense_fraction)
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
-    rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg)
+    rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg,
+                dense_fraction=dense_fraction)
     if agg in ("probe", "probe_mass"):  # the probe rows against their top block / their whole mass
         rule.update(PROBE, union_mean=mean_alpha, agg="rowmax" if agg == "probe" else "rowmass")
     sel = emulate.select(q, k, v, rule, SCALE)
@@ -77,6 +81,17 @@ def test_random(L, subgroups, correction, geometry, agg):
     d = check(q, k, v, subgroups, correction, sink=geometry[0], window=geometry[1], agg=agg, **extra)
     if geometry[1] < 512:
         assert d < 1.0  # something was pruned
+
+
+@pytest.mark.parametrize("subgroups", [0, 1])
+def test_dense_rule_and_per_head_default(subgroups):
+    """The library's dense rule and head_subgroups 0 in the emulator: at a fraction just below the raw selection's
+    density both keep every visible block; just above it, neither does."""
+    q, k, v = random_qkv(2100, 7)
+    raw = check(q, k, v, subgroups, False, sink=0, window=128)
+    assert raw < 1.0
+    assert check(q, k, v, subgroups, False, sink=0, window=128, dense_fraction=raw - 1e-4) == 1.0
+    assert check(q, k, v, subgroups, False, sink=0, window=128, dense_fraction=min(1.0, raw + 1e-3)) == raw
 
 
 def test_alpha_zero_is_dense():

@@ -155,7 +155,7 @@ def test_sparse_paged_page_size_not_multiple_of_64_is_a_clear_error():
     g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
     with pytest.raises(NotImplementedError, match="page_size % 64 == 0"):
         sp.sparse_prefill(g(q, torch.bfloat16), g(kc, torch.bfloat16), g(vc, torch.bfloat16), g(cu_q), None, 300,
-                          300, block_table=g(bt), seqused_k=g(used))
+                          300, block_table=g(bt), seqused_k=g(used), dense_fraction=1.0)
 
 
 def test_dense_paged_page128_matches_contiguous():
@@ -178,8 +178,8 @@ def test_build_index_on_gpu_matches_cpu():
     cu = np.array([0, L], np.int32)
     cpu = [_to(a, "cpu", torch.bfloat16) for a in (q, k, v)] + [_to(cu, "cpu"), _to(cu, "cpu")]
     gpu = [a.cuda() for a in cpu]
-    ref = sp.build_index(*cpu, L, L)
-    dev = sp.build_index(*gpu, L, L)
+    ref = sp.build_index(*cpu, L, L, dense_fraction=1.0)
+    dev = sp.build_index(*gpu, L, L, dense_fraction=1.0)
     assert dev.on_device and dev.workspace.is_cuda and dev.num_segments == ref.num_segments
     with pytest.raises(AttributeError, match="to_host"):
         dev.segment_start
@@ -188,8 +188,8 @@ def test_build_index_on_gpu_matches_cpu():
     assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
     # no correction (the default): no V means on either backend; with it, the GPU's equal the CPU's
     assert ref.v_mean is None and got.v_mean is None and got.host["v_mean"] is None
-    ref_c = sp.build_index(*cpu, L, L, correction=True)
-    got_c = sp.build_index(*gpu, L, L, correction=True).to_host()
+    ref_c = sp.build_index(*cpu, L, L, correction=True, dense_fraction=1.0)
+    got_c = sp.build_index(*gpu, L, L, correction=True, dense_fraction=1.0).to_host()
     assert got_c.v_mean.shape == ref_c.v_mean.shape
     assert np.allclose(got_c.host["v_mean"], ref_c.host["v_mean"], atol=1e-5)
     assert np.array_equal(got_c.host["k_mean"], got.host["k_mean"])  # the K means do not depend on it
@@ -208,7 +208,7 @@ def test_device_index_without_correction_has_no_v_means():
     read of unwritten memory."""
     rng = np.random.default_rng(3)
     cpu, gpu, mq, mk = _bf16_case(rng, [700], [700])
-    dev = sp.build_index(*gpu, mq, mk, alpha=0.2)
+    dev = sp.build_index(*gpu, mq, mk, alpha=0.2, dense_fraction=1.0)
     assert not dev.correction and dev.to_host().v_mean is None
     sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk)  # fine without the correction
     sel = dev._selection
@@ -269,8 +269,8 @@ def test_build_index_q_without_16_byte_alignment_equals_aligned():
     wide[:, :, 2:2 + d] = qg
     q_view = wide[:, :, 2:2 + d]  # base 4 bytes past a 16-byte boundary
     assert q_view.data_ptr() % 16 != 0
-    a = sp.build_index(qg, kg, vg, cu, cu, L, L, alpha=0.2).to_host()
-    b = sp.build_index(q_view, kg, vg, cu, cu, L, L, alpha=0.2).to_host()
+    a = sp.build_index(qg, kg, vg, cu, cu, L, L, alpha=0.2, dense_fraction=1.0).to_host()
+    b = sp.build_index(q_view, kg, vg, cu, cu, L, L, alpha=0.2, dense_fraction=1.0).to_host()
     for key in ("segment_start", "segment_end", "block_ids"):
         assert np.array_equal(a.host[key], b.host[key]), key
     assert a.kept_blocks == b.kept_blocks
@@ -285,7 +285,7 @@ def test_build_index_q_without_16_byte_alignment_equals_aligned():
 def test_sparse_attention_matches_cpu_reference(q_lens, k_lens, hq, hkv, correction):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, hq, hkv)
-    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2))
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, dense_fraction=1.0))
     assert 0 < index.density < 1                                     # some blocks are dropped (and corrected)
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))                       # poisoned: every element must be written
@@ -312,12 +312,13 @@ def test_sparse_alpha0_equals_dense_kernel():
 def test_sparse_paged_matches_contiguous(page_size):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [300, 1100], [1500, 2100], 8, 2)
-    index = sp.build_index(*cpu, mq, mk)
+    index = sp.build_index(*cpu, mq, mk, dense_fraction=1.0)
     contiguous = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, reuse_index=True)
     kc, vc, bt, used = to_paged(rng, cpu[1].float().numpy(), cpu[2].float().numpy(), cpu[4].numpy(), page_size)
     g = lambda a, dt=None: _to(a, "cuda", dt)  # noqa: E731
     paged_index = sp.build_index(*cpu[:1], _to(kc, "cpu", torch.bfloat16), _to(vc, "cpu", torch.bfloat16), cpu[3],
-                                 None, mq, mk, block_table=_to(bt, "cpu"), seqused_k=_to(used, "cpu"))
+                                 None, mq, mk, block_table=_to(bt, "cpu"), seqused_k=_to(used, "cpu"),
+                                 dense_fraction=1.0)
     for name in ("segment_start", "segment_end", "block_ids"):   # the same selection, paged or not
         np.testing.assert_array_equal(paged_index.host[name], index.host[name])
     paged = sp.sparse_attention(gpu[0], g(kc, torch.bfloat16), g(vc, torch.bfloat16), paged_index, gpu[3], None, mq,
@@ -329,8 +330,8 @@ def test_sparse_paged_matches_contiguous(page_size):
 def test_sparse_prefill_one_call_matches_two_steps():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [2500], [2500], 8, 2)
-    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, return_lse=True)
-    two, lse2, index = sp.sparse_prefill(*gpu, mq, mk, return_lse=True, return_index=True)
+    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, return_lse=True, dense_fraction=1.0)
+    two, lse2, index = sp.sparse_prefill(*gpu, mq, mk, return_lse=True, return_index=True, dense_fraction=1.0)
     torch.cuda.synchronize()
     assert 0 < index.density < 1
     assert torch.equal(one, two) and torch.equal(lse1, lse2)
@@ -339,7 +340,7 @@ def test_sparse_prefill_one_call_matches_two_steps():
 def test_sparse_block_size_256_matches_cpu_reference():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1900], [1900], 8, 2)
-    index = _bf16_means(sp.build_index(*cpu, mq, mk, block_size=256, alpha=0.2))
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, block_size=256, alpha=0.2, dense_fraction=1.0))
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, reuse_index=True)
     torch.cuda.synchronize()
@@ -353,7 +354,7 @@ def test_sparse_split_heavy_tiles_matches_cpu_reference(correction):
     tiles write out directly; varlen batch, GQA 4, poisoned out, LSE."""
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)
-    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2))
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, dense_fraction=1.0))
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))
     got, lse = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, out=out, return_lse=True,
@@ -380,9 +381,9 @@ def test_sparse_order_banded_is_bit_identical(head_subgroups):
     for correction in (False, True):
         both(lambda o: sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, correction=correction, return_lse=True,
                                          head_subgroups=head_subgroups, options=sp.LaunchOptions(sparse_order=o),
-                                         out=torch.full_like(gpu[0], float("nan"))))
+                                         out=torch.full_like(gpu[0], float("nan")), dense_fraction=1.0))
     cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)  # split units (see above)
-    index = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=head_subgroups)
+    index = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=head_subgroups, dense_fraction=1.0)
     both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, reuse_index=True,
                                        options=sp.LaunchOptions(sparse_order=o),
                                        out=torch.full_like(gpu[0], float("nan"))))
@@ -401,11 +402,11 @@ def test_sparse_unsupported_on_cuda_is_a_clear_error():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [256], [256], 4, 2)
     with pytest.raises(NotImplementedError, match="block_size"):
-        sp.sparse_prefill(*gpu, mq, mk, block_size=64)
+        sp.sparse_prefill(*gpu, mq, mk, block_size=64, dense_fraction=1.0)
     q64, k64, v64 = (t[..., :64].contiguous() for t in gpu[:3])    # dense runs at head dim 64, sparse does not
     with pytest.raises(NotImplementedError, match="head dim"):
-        sp.sparse_prefill(q64, k64, v64, *gpu[3:], mq, mk)
-    index = sp.build_index(*cpu, mq, mk, causal=False)
+        sp.sparse_prefill(q64, k64, v64, *gpu[3:], mq, mk, dense_fraction=1.0)
+    index = sp.build_index(*cpu, mq, mk, causal=False, dense_fraction=1.0)
     with pytest.raises(NotImplementedError, match="causal"):
         sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False, reuse_index=True)
 
@@ -413,14 +414,14 @@ def test_sparse_unsupported_on_cuda_is_a_clear_error():
 def test_union_mode_on_gpu_matches_cpu_union_of_the_gpu_index():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 300], [5000, 3000], 8, 2)   # chunks against long caches
-    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2)
-    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True)
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2, dense_fraction=1.0)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True, dense_fraction=1.0)
     ref = sp.union_index(tiles, *cpu, mq, mk)
     assert union.mode == "union" and union.kept_blocks == ref.kept_blocks and union.density > tiles.density
     host = union.to_host()
     for name in ("segment_start", "segment_end", "block_ids"):
         np.testing.assert_array_equal(host.host[name], ref.host[name])
-    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False)
+    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False, dense_fraction=1.0)
     want = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
     torch.cuda.synchronize()
     assert (got.float().cpu() - want.float()).abs().max().item() <= 2e-2
@@ -483,7 +484,7 @@ def test_chunked_prompt_mean_cache_on_gpu():
         step = _chunk_step(qg, kc, vc, bt, c0, c1)
         # the steps before the last without the correction (their indexes have no V means, the cache gets them);
         # the last with it, reading the cached V means of the blocks before its chunk
-        kw = dict(final_chunk=c1 == L, alpha=0.2, correction=c1 == L)
+        kw = dict(final_chunk=c1 == L, alpha=0.2, correction=c1 == L, dense_fraction=1.0)
         got = sp.chunked_prefill(*step, mean_cache=means, **kw)
         want = sp.chunked_prefill(*step, **kw)
         torch.cuda.synchronize()
@@ -491,7 +492,8 @@ def test_chunked_prompt_mean_cache_on_gpu():
         if c0 == 0:  # a device index of the first step, without the correction, into a cache of its own
             first = sp.mean_cache(kc)
             index = sp.build_index(step[0], kc, vc, step[3], None, step[6], step[7], block_table=bt,
-                                   seqused_k=step[5], mean_cache=first, alpha=0.2, final_chunk=False)
+                                   seqused_k=step[5], mean_cache=first, alpha=0.2, final_chunk=False,
+                                   dense_fraction=1.0)
             assert index.to_host().v_mean is None
     kb = torch.from_numpy(k).to(bf).float().numpy()     # the bf16 keys the GPU pooled, in float
     vb = torch.from_numpy(v).to(bf).float().numpy()
@@ -516,8 +518,8 @@ def test_head_subgroups_index_on_gpu_matches_cpu():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1500, 400], [1500, 3000], 8, 2)   # g = 4
     for S in (2, 4):
-        ref = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=S)
-        got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S).to_host()
+        ref = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=S, dense_fraction=1.0)
+        got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S, dense_fraction=1.0).to_host()
         assert got.head_subgroups == S and got.num_segments == ref.num_segments
         assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
         differ = sum(len(set(ref.segment(b, h, t)) ^ set(got.segment(b, h, t)))
@@ -529,7 +531,8 @@ def test_head_subgroups_index_on_gpu_matches_cpu():
 def test_head_subgroups_sparse_attention_matches_cpu_reference(correction):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 129], [1763, 3000], 8, 1)   # g = 8, S = 4: 2 heads per tile
-    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, head_subgroups=4))
+    index = _bf16_means(sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, head_subgroups=4,
+                                       dense_fraction=1.0))
     assert 0 < index.density < 1
     ref, ref_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True)
     out = torch.full_like(gpu[0], float("nan"))
@@ -544,14 +547,14 @@ def test_head_subgroups_union_and_chunks_on_gpu():
     launches over a paged cache, with the mean cache) matches the CPU reference on that index; alpha = 0 = dense."""
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 300], [5000, 3000], 8, 2)
-    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=2)
-    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True, head_subgroups=2)
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=2, dense_fraction=1.0)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.2, union=True, head_subgroups=2, dense_fraction=1.0)
     ref = sp.union_index(tiles, *cpu, mq, mk)
     assert union.kept_blocks == ref.kept_blocks
     for name in ("segment_start", "segment_end", "block_ids"):
         np.testing.assert_array_equal(union.to_host().host[name], ref.host[name])
     assert union.num_segments == tiles.num_segments and union.density >= tiles.density
-    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False, head_subgroups=2)
+    got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, union=True, correction=False, head_subgroups=2, dense_fraction=1.0)
     want = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
     dense = sp.attention(*gpu, mq, mk)
     alpha0 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, union=True, head_subgroups=2)
@@ -570,8 +573,9 @@ def test_head_subgroups_chunked_mean_cache_on_gpu():
         step = _chunk_step(qg, kc, vc, bt, c0, c1)
         for union in (False, True):
             got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means, alpha=0.2,
-                                     head_subgroups=2)
-            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.2, head_subgroups=2)
+                                     head_subgroups=2, dense_fraction=1.0)
+            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.2, head_subgroups=2,
+                                      dense_fraction=1.0)
             torch.cuda.synchronize()
             assert not torch.isnan(got).any() and torch.equal(got, want)
 
@@ -580,7 +584,7 @@ def test_head_subgroups_not_dividing_the_group_is_a_clear_error_on_gpu():
     rng = np.random.default_rng()
     _, gpu, mq, mk = _structured_varlen(rng, [300], [300], 8, 2)
     with pytest.raises(ValueError, match="head_subgroups"):
-        sp.sparse_prefill(*gpu, mq, mk, head_subgroups=3)
+        sp.sparse_prefill(*gpu, mq, mk, head_subgroups=3, dense_fraction=1.0)
 
 
 # The engine path: a device index and caller workspaces (no allocation, no host synchronisation, graph capture).
@@ -599,13 +603,13 @@ def _pool_used_high(reset=False):
 def test_device_index_two_steps_equal_one_call():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 400], [1763, 3000], 8, 2)
-    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, return_lse=True)
-    index = sp.build_index(*gpu, mq, mk, alpha=0.2)
+    one, lse1 = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, return_lse=True, dense_fraction=1.0)
+    index = sp.build_index(*gpu, mq, mk, alpha=0.2, dense_fraction=1.0)
     assert index.on_device and index.workspace.is_cuda
     two, lse2 = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(one, two) and torch.equal(lse1, lse2)
-    ref = sp.build_index(*cpu, mq, mk, alpha=0.2)
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.2, dense_fraction=1.0)
     assert abs(index.density - ref.density) <= 0.01
     with pytest.raises(ValueError, match="^causal"):
         sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, causal=False)
@@ -637,8 +641,9 @@ def test_workspace_paths_allocate_nothing_and_replay_in_a_cuda_graph():
     means = sp.mean_cache(kc)
 
     def run(with_ws):
-        a = sp.sparse_prefill(*one_shot, workspace=ws_pref if with_ws else None)
-        b = sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, workspace=ws_chunk if with_ws else None)
+        a = sp.sparse_prefill(*one_shot, workspace=ws_pref if with_ws else None, dense_fraction=1.0)
+        b = sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, workspace=ws_chunk if with_ws else None,
+                               dense_fraction=1.0)
         return a, b
 
     torch.cuda.synchronize()
@@ -656,12 +661,13 @@ def test_workspace_paths_allocate_nothing_and_replay_in_a_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                                  # warm-up outside the capture
-        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref)
+        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref, dense_fraction=1.0)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref)
-        sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, out=outs[1], workspace=ws_chunk)
+        sp.sparse_prefill(*one_shot, out=outs[0], workspace=ws_pref, dense_fraction=1.0)
+        sp.chunked_prefill(*step, final_chunk=True, mean_cache=means, out=outs[1], workspace=ws_chunk,
+                           dense_fraction=1.0)
     for t in (gpu[0], step[0]):                                     # new query values, same buffers
         t.copy_(torch.randn_like(t))
     graph.replay()
@@ -675,13 +681,14 @@ def test_device_index_workspace_errors():
     _, gpu, mq, mk = _structured_varlen(rng, [500], [500], 8, 2)
     n = sp.index_workspace_bytes(*gpu, mq, mk)
     with pytest.raises(ValueError, match="^workspace: needs at least"):
-        sp.build_index(*gpu, mq, mk, workspace=torch.empty(n // 2, dtype=torch.uint8, device="cuda"))
+        sp.build_index(*gpu, mq, mk, workspace=torch.empty(n // 2, dtype=torch.uint8, device="cuda"),
+                       dense_fraction=1.0)
     big = torch.empty(n + 256, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="^workspace: must be 256-byte aligned"):
-        sp.build_index(*gpu, mq, mk, workspace=big[1:])
+        sp.build_index(*gpu, mq, mk, workspace=big[1:], dense_fraction=1.0)
     with pytest.raises(TypeError, match="^workspace"):
-        sp.sparse_prefill(*gpu, mq, mk, workspace=np.empty(n, np.uint8))
-    index = sp.build_index(*gpu, mq, mk, workspace=big[:n])
+        sp.sparse_prefill(*gpu, mq, mk, workspace=np.empty(n, np.uint8), dense_fraction=1.0)
+    index = sp.build_index(*gpu, mq, mk, workspace=big[:n], dense_fraction=1.0)
     host = index.to_host()
     assert not host.on_device and host.kept_blocks == index.kept_blocks
 
@@ -704,13 +711,13 @@ def _segments_differ(ref, got, batch, heads):
 def test_row_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="row_max")
-    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="row_max").to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule="row_max", dense_fraction=1.0)
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="row_max", dense_fraction=1.0).to_host()
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     differ = _segments_differ(ref, got, len(q_lens), hkv)
     assert differ <= max(2, ref.kept_blocks // 200), differ
     assert abs(got.density - ref.density) <= 0.01
-    tile = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="tile_energy")    # a different selection
+    tile = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="tile_energy", dense_fraction=1.0)    # a different selection
     assert got.kept_blocks != tile.kept_blocks or alpha == 0.01
 
 
@@ -720,8 +727,8 @@ def test_row_max_index_on_gpu_d64_and_fp16():
     for dt in (torch.bfloat16, torch.float16):
         cpu = [_to(a, "cpu", dt) for a in (q, k, v)] + [_to(cu_q, "cpu"), _to(cu_k, "cpu")]
         gpu = [a.cuda() for a in cpu]
-        ref = sp.build_index(*cpu, 700, 2000, alpha=0.3, rule="row_max")
-        got = sp.build_index(*gpu, 700, 2000, alpha=0.3, rule="row_max").to_host()
+        ref = sp.build_index(*cpu, 700, 2000, alpha=0.3, rule="row_max", dense_fraction=1.0)
+        got = sp.build_index(*gpu, 700, 2000, alpha=0.3, rule="row_max", dense_fraction=1.0).to_host()
         assert _segments_differ(ref, got, 2, 2) <= max(2, ref.kept_blocks // 200)
 
 
@@ -734,8 +741,9 @@ def test_row_max_alpha0_is_dense_and_alpha1_keeps_row_tops():
     dense = sp.attention(*gpu, mq, mk)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
-    ref = sp.build_index(*cpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0)
-    got = sp.build_index(*gpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0).to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0, dense_fraction=1.0)
+    got = sp.build_index(*gpu, mq, mk, alpha=1.0, rule="row_max", sink=0, window=0, last_n=0,
+                         dense_fraction=1.0).to_host()
     # alpha 1 keeps only each row's top block: where a row's two best blocks tie within the bf16 rounding of the GPU's
     # pooled means the top flips (2 in the symmetric difference); measured 4 of 346 once on the H200 (c2ef8c7)
     assert _segments_differ(ref, got, 2, 2) <= max(4, ref.kept_blocks // 50)
@@ -744,15 +752,15 @@ def test_row_max_alpha0_is_dense_and_alpha1_keeps_row_tops():
 def test_row_max_head_subgroups_union_and_paged_on_gpu():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [1000, 301], [5001, 3000], 8, 2)
-    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2)
-    tiles = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2)
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2, dense_fraction=1.0)
+    tiles = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", head_subgroups=2, dense_fraction=1.0)
     assert _segments_differ(ref, tiles.to_host(), 2, 4) <= max(2, ref.kept_blocks // 200)
-    union = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", union=True, head_subgroups=2)
+    union = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="row_max", union=True, head_subgroups=2, dense_fraction=1.0)
     want = sp.union_index(tiles, *cpu, mq, mk)
     for name in ("segment_start", "segment_end", "block_ids"):
         np.testing.assert_array_equal(union.to_host().host[name], want.host[name])
     got = sp.sparse_prefill(*gpu, mq, mk, alpha=0.1, rule="row_max", union=True, correction=False,
-                            head_subgroups=2)
+                            head_subgroups=2, dense_fraction=1.0)
     out = sp.sparse_attention(*cpu[:3], union.to_host(), *cpu[3:], mq, mk, reuse_index=True)
     torch.cuda.synchronize()
     assert (got.float().cpu() - out.float()).abs().max().item() <= 2e-2
@@ -770,15 +778,16 @@ def test_row_max_chunked_paged_mean_cache_on_gpu():
         step = _chunk_step(qg, kc, vc, bt, c0, c1)
         for union in (False, True):
             got = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, mean_cache=means if not union else None,
-                                     alpha=0.1, rule="row_max")
-            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.1, rule="row_max")
+                                     alpha=0.1, rule="row_max", dense_fraction=1.0)
+            want = sp.chunked_prefill(*step, final_chunk=c1 == L, union=union, alpha=0.1, rule="row_max",
+                                      dense_fraction=1.0)
             torch.cuda.synchronize()
             assert not torch.isnan(got).any() and torch.equal(got, want)
         q, k, v, cu_q, bt_, used, mq, mk = step
         ref = sp.build_index(*(a.cpu() for a in (q, k, v, cu_q)), None, mq, mk, block_table=bt_.cpu(),
-                             seqused_k=used.cpu(), alpha=0.1, rule="row_max", final_chunk=c1 == L)
+                             seqused_k=used.cpu(), alpha=0.1, rule="row_max", final_chunk=c1 == L, dense_fraction=1.0)
         dev = sp.build_index(q, k, v, cu_q, None, mq, mk, block_table=bt_, seqused_k=used, alpha=0.1,
-                             rule="row_max", final_chunk=c1 == L).to_host()
+                             rule="row_max", final_chunk=c1 == L, dense_fraction=1.0).to_host()
         assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)
 
 
@@ -797,18 +806,20 @@ def test_row_max_chunked_paged_mean_cache_on_gpu():
 def test_probe_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha, mean_alpha):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha)
-    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha).to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha, dense_fraction=1.0)
+    got = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, mean_alpha=mean_alpha, dense_fraction=1.0).to_host()
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
     assert abs(got.density - ref.density) <= 0.01
     if rule == "probe_row_mass":  # the whole mass is at least the top block: never more kept than probe_row_max
-        top = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha).to_host()
+        top = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="probe_row_max", mean_alpha=mean_alpha,
+                             dense_fraction=1.0).to_host()
         for b in range(len(q_lens)):
             for t in range(int(ref.tiles[b])):
                 for h in range(hkv):
                     assert set(got.segment(b, h, t)) <= set(top.segment(b, h, t))
-    mean = sp.build_index(*gpu, mq, mk, alpha=mean_alpha, rule="row_max").to_host()  # the union term is a subset
+    mean = sp.build_index(*gpu, mq, mk, alpha=mean_alpha, rule="row_max",
+                          dense_fraction=1.0).to_host()  # the union term is a subset
     for b in range(len(q_lens)):
         for t in range(int(ref.tiles[b])):
             for h in range(hkv):
@@ -825,7 +836,7 @@ def test_probe_key_splits_match_cpu(rule, alpha):
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [256, 77], [20000, 9000], 8, 2)
     for subgroups in (1, 4):
-        sel = dict(alpha=alpha, rule=rule, head_subgroups=subgroups, final_chunk=False)
+        sel = dict(alpha=alpha, rule=rule, head_subgroups=subgroups, final_chunk=False, dense_fraction=1.0)
         ref = sp.build_index(*cpu, mq, mk, **sel)
         got = sp.build_index(*gpu, mq, mk, **sel).to_host()
         assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, subgroups
@@ -858,8 +869,8 @@ def test_probe_index_on_gpu_head_dims_dtypes_and_layouts(head_dim, dtype, padded
         gpu[1:3] = (torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)[..., :head_dim] for x in gpu[1:3])
         assert gpu[1].stride(1) * gpu[1].element_size() % 16 and torch.equal(gpu[1].cpu(), k)
     for rule, alpha in (("probe_row_max", 0.1), ("probe_row_max", 0.3), ("probe_row_mass", 0.2)):
-        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule)
-        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule).to_host()
+        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule, dense_fraction=1.0)
+        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule, dense_fraction=1.0).to_host()
         assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, rule
         assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
         assert abs(got.density - ref.density) <= 0.01
@@ -870,8 +881,8 @@ def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():
     cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)
     out = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, rule="probe_row_max")
     torch.testing.assert_close(out.float(), sp.attention(*gpu, mq, mk).float(), atol=1e-2, rtol=2 ** -7)
-    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2)
-    got = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2).to_host()
+    ref = sp.build_index(*cpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2, dense_fraction=1.0)
+    got = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="probe_row_max", head_subgroups=2, dense_fraction=1.0).to_host()
     assert _segments_differ(ref, got, 2, 4) <= max(2, ref.kept_blocks // 200)
     L, C = 3000, 1024
     qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
@@ -879,11 +890,13 @@ def test_probe_alpha0_dense_subgroups_and_paged_chunks_on_gpu():
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
         q, k, v, cu_q, bt_, used, mq_, mk_ = step = _chunk_step(qg, kc, vc, bt, c0, c1)
-        got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.1, rule="probe_row_max")
+        got = sp.chunked_prefill(*step, final_chunk=c1 == L, mean_cache=means, alpha=0.1, rule="probe_row_max",
+                                 dense_fraction=1.0)
         torch.cuda.synchronize()
         assert not torch.isnan(got).any()
         ref = sp.build_index(*(a.cpu() for a in (q, k, v, cu_q)), None, mq_, mk_, block_table=bt_.cpu(),
-                             seqused_k=used.cpu(), alpha=0.1, rule="probe_row_max", final_chunk=c1 == L)
+                             seqused_k=used.cpu(), alpha=0.1, rule="probe_row_max", final_chunk=c1 == L,
+                             dense_fraction=1.0)
         dev = sp.build_index(q, k, v, cu_q, None, mq_, mk_, block_table=bt_, seqused_k=used, alpha=0.1,
-                             rule="probe_row_max", final_chunk=c1 == L).to_host()
+                             rule="probe_row_max", final_chunk=c1 == L, dense_fraction=1.0).to_host()
         assert _segments_differ(ref, dev, 1, 2) <= max(2, ref.kept_blocks // 200)

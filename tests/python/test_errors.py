@@ -36,7 +36,7 @@ def readonly(a):
     return a
 
 
-SEL = dict(block_size=64, sink=64, window=64, last_n=1)
+SEL = dict(block_size=64, sink=64, window=64, last_n=1, head_subgroups=1)
 
 ATTENTION_CASES = [
     # shapes and ranks
@@ -157,7 +157,9 @@ SELECTION_CASES = [
     ("window_pair", dict(window=(64, 0)), TypeError, "window"),
     ("last_n_negative", dict(last_n=-1), ValueError, "last_n"),
     ("correction_str", dict(correction="no"), TypeError, "correction"),
-    ("head_subgroups_0", dict(head_subgroups=0), ValueError, "head_subgroups"),
+    ("head_subgroups_negative", dict(head_subgroups=-1), ValueError, "head_subgroups"),
+    ("dense_fraction_0", dict(dense_fraction=0.0), ValueError, "dense_fraction"),
+    ("dense_fraction_above_1", dict(dense_fraction=1.5), ValueError, "dense_fraction"),
     ("head_subgroups_not_dividing_g", dict(head_subgroups=3), ValueError, "head_subgroups"),   # g = 4 // 2
     ("head_subgroups_float", dict(head_subgroups=2.0), TypeError, "head_subgroups"),
 ]

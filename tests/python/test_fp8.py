@@ -108,7 +108,7 @@ def test_fp8_selection_equals_the_float32_dequantised_call(rng):
     deq = lambda x8, d, rep: (x8.float() * d[0].repeat_interleave(rep).view(1, -1, 1))  # noqa: E731
     q32, k32, v32 = deq(q8, dq, 2), deq(k8, dk, 1), deq(v8, dv, 1)
     cu_q_t, cu_k_t = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
-    kw = dict(alpha=0.1, sink=128, window=256, block_size=128)
+    kw = dict(alpha=0.1, sink=128, window=256, block_size=128, dense_fraction=1.0)  # the raw selection
     fp8 = dict(q_descale=dq, k_descale=dk, v_descale=dv)
     i8 = sp.build_index(q8, k8, v8, cu_q_t, cu_k_t, 700, 1300, **kw, **fp8)
     i32 = sp.build_index(q32, k32, v32, cu_q_t, cu_k_t, 700, 1300, **kw)

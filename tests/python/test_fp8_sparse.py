@@ -123,8 +123,8 @@ def test_fp8_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, rule, alpha):
     rng = np.random.default_rng(len(q_lens) * 100 + len(rule))
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, q_lens, k_lens, 8, hkv)
     corr = rule in ("row_max", "probe_row_max")  # V means (descaled) with the correction only
-    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_cpu)
-    dev = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_gpu)
+    ref = sp.build_index(*cpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_cpu, dense_fraction=1.0)
+    dev = sp.build_index(*gpu, mq, mk, alpha=alpha, rule=rule, correction=corr, **ds_gpu, dense_fraction=1.0)
     assert dev.on_device
     got = dev.to_host()
     _check_selection(ref, got, len(q_lens), hkv)
@@ -142,7 +142,7 @@ def test_fp8_index_on_gpu_broadcast_descales_paged_and_subgroups(modes):
     kc8, vc8 = (torch.from_numpy(x).clamp(-448, 448).to(F8) for x in (kc, vc))  # exact: the values are e4m3
     bt, used = torch.from_numpy(bt), torch.from_numpy(used)
     for S in (1, 2):
-        kw = dict(alpha=0.1, head_subgroups=S, correction=S == 2)  # V means with the correction only
+        kw = dict(alpha=0.1, head_subgroups=S, correction=S == 2, dense_fraction=1.0)  # V means: correction only
         ref = sp.build_index(*cpu, mq, mk, **kw, **ds_cpu)
         got = sp.build_index(q8.cuda(), kc8.cuda(), vc8.cuda(), cu_q.cuda(), None, mq, mk, block_table=bt.cuda(),
                              seqused_k=used.cuda(), **kw, **ds_gpu).to_host()
@@ -160,8 +160,8 @@ def test_fp8_index_q_without_16_byte_alignment_equals_aligned():
     q_odd = wide.view(F8)[:, :, 1:129]
     assert q_odd.data_ptr() % 16 == 1 and torch.equal(q_odd.view(torch.uint8), q8.view(torch.uint8))
     for rule in ("row_max", "tile_energy"):
-        a = sp.build_index(*gpu, mq, mk, alpha=0.1, rule=rule, **ds_gpu).to_host()
-        b = sp.build_index(q_odd, *gpu[1:], mq, mk, alpha=0.1, rule=rule, **ds_gpu).to_host()
+        a = sp.build_index(*gpu, mq, mk, alpha=0.1, rule=rule, **ds_gpu, dense_fraction=1.0).to_host()
+        b = sp.build_index(q_odd, *gpu[1:], mq, mk, alpha=0.1, rule=rule, **ds_gpu, dense_fraction=1.0).to_host()
         for name in ("segment_start", "segment_end", "block_ids", "k_mean", "v_mean"):
             np.testing.assert_array_equal(a.host[name], b.host[name])
 
@@ -198,7 +198,7 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
     for c0 in range(0, max(lens), C):
         q, cu, used, mq, mk = _step(q8, lens, c0, C)
         last = all(c0 + C >= L for L in lens)
-        kw = dict(alpha=0.1, final_chunk=last)
+        kw = dict(alpha=0.1, final_chunk=last, dense_fraction=1.0)
         gpu = (q.cuda(), kcg, vcg, cu.cuda(), None, mq, mk)
         cached = sp.build_index(*gpu, block_table=btg, seqused_k=used.cuda(), mean_cache=means, **kw, **ds_gpu)
         plain = sp.build_index(*gpu, block_table=btg, seqused_k=used.cuda(), **kw, **ds_gpu)
@@ -213,7 +213,7 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
     # (the steps ran without the correction, so their indexes have no V means; the cache has them)
     full = sp.build_index(q8, kc8, vc8, torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32), None,
                           max(lens), max(lens), block_table=bt, seqused_k=torch.tensor(lens, dtype=torch.int32),
-                          correction=True, **ds_cpu)
+                          correction=True, **ds_cpu, dense_fraction=1.0)
     km, vm, table = means[0].cpu().numpy(), means[1].cpu().numpy(), bt.numpy()
     for b, L in enumerate(lens):
         for J in range(L // 128):
@@ -229,16 +229,16 @@ def test_fp8_index_errors_on_gpu():
     k8 = torch.zeros(40, 2, 64, dtype=F8, device="cuda")
     cu = torch.tensor([0, 20, 40], dtype=torch.int32, device="cuda")
     with pytest.raises(NotImplementedError, match="head dim 64"):
-        sp.build_index(q8, k8, k8, cu, cu, 20, 20)
+        sp.build_index(q8, k8, k8, cu, cu, 20, 20, dense_fraction=1.0)
     _, gpu, _, ds_gpu, mq, mk = _fp8_case(rng, [20, 30], [20, 30], 4, 2)
     with pytest.raises(ValueError, match=r"^k_descale: expected shape \[2, 2\]"):
-        sp.build_index(*gpu, mq, mk, **dict(ds_gpu, k_descale=torch.ones(2, 3, device="cuda")))
+        sp.build_index(*gpu, mq, mk, **dict(ds_gpu, k_descale=torch.ones(2, 3, device="cuda")), dense_fraction=1.0)
     with pytest.raises(ValueError, match=r"^q_descale: expected shape \[2, 2\]"):
-        sp.build_index(*gpu, mq, mk, **dict(ds_gpu, q_descale=torch.ones(1, 2, device="cuda")))
+        sp.build_index(*gpu, mq, mk, **dict(ds_gpu, q_descale=torch.ones(1, 2, device="cuda")), dense_fraction=1.0)
     # bf16 / fp16 keep both head dims
     qb = torch.zeros(40, 4, 64, dtype=torch.bfloat16, device="cuda")
     kb = torch.zeros(40, 2, 64, dtype=torch.bfloat16, device="cuda")
-    assert sp.build_index(qb, kb, kb, cu, cu, 20, 20).on_device
+    assert sp.build_index(qb, kb, kb, cu, cu, 20, 20, dense_fraction=1.0).on_device
 
 
 # --- the block-sparse FP8 attention kernel ---------------------------------------------------------------------
@@ -267,7 +267,7 @@ def test_fp8_sparse_attention_on_gpu_matches_cpu(correction):
     # the GPU index (downloaded) on the CPU reference, with the correction's e4m3-rounded means: the same selection
     # and virtual keys, so only the kernel's arithmetic (P in e4m3) differs
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, [1, 129, 1763], [1, 1000, 1763], 8, 2)
-    dev = sp.build_index(*gpu, mq, mk, alpha=0.1, correction=correction, **ds_gpu)
+    dev = sp.build_index(*gpu, mq, mk, alpha=0.1, correction=correction, **ds_gpu, dense_fraction=1.0)
     got = sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk, **ds_gpu)
     host = dev.to_host()
     if correction:
@@ -295,8 +295,8 @@ def test_fp8_chunked_prefill_mean_cache_on_gpu():
         last = all(c0 + C >= L for L in lens)
         for corr in (False, True):
             got = sp.chunked_prefill(*step, final_chunk=last, mean_cache=means, alpha=0.1, correction=corr,
-                                     **ds_gpu)
-            want = sp.chunked_prefill(*step, final_chunk=last, alpha=0.1, correction=corr, **ds_gpu)
+                                     **ds_gpu, dense_fraction=1.0)
+            want = sp.chunked_prefill(*step, final_chunk=last, alpha=0.1, correction=corr, **ds_gpu, dense_fraction=1.0)
             torch.cuda.synchronize()
             assert not torch.isnan(got).any() and torch.equal(got, want)
 
@@ -322,7 +322,7 @@ def test_fp8_sparse_over_a_cpu_index_matches_the_cpu_reference(q_lens, k_lens, h
     # an index the CPU reference built (its float32 means go to the kernel through prepare_index_view, as e4m3)
     rng = np.random.default_rng()
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, q_lens, k_lens, hq, hkv)
-    index = sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, **ds_cpu)
+    index = sp.build_index(*cpu, mq, mk, correction=correction, alpha=0.2, **ds_cpu, dense_fraction=1.0)
     assert 0 < index.density < 1
     _e4m3_means(index, ds_cpu["k_descale"], ds_cpu["v_descale"])
     want, want_lse = sp.sparse_attention(*cpu[:3], index, *cpu[3:], mq, mk, return_lse=True, **ds_cpu)
@@ -359,14 +359,15 @@ def test_fp8_sparse_full_list_equals_the_dense_fp8_kernel():
 def test_fp8_sparse_paged_equals_contiguous(page_size):
     rng = np.random.default_rng()
     cpu, gpu, ds_cpu, ds_gpu, mq, mk = _fp8_case(rng, [300, 1100], [1500, 2100], 8, 2)
-    index = _e4m3_means(sp.build_index(*cpu, mq, mk, alpha=0.2, **ds_cpu), ds_cpu["k_descale"], ds_cpu["v_descale"])
+    index = _e4m3_means(sp.build_index(*cpu, mq, mk, alpha=0.2, **ds_cpu,
+                                       dense_fraction=1.0), ds_cpu["k_descale"], ds_cpu["v_descale"])
     contiguous = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, reuse_index=True, **ds_gpu)
     # the e4m3 codes paged as floats; the garbage rows wrap to arbitrary codes (NaN bit patterns included)
     k_codes, v_codes = (x.view(torch.uint8).numpy().astype(np.float32) for x in cpu[1:3])
     kc, vc, bt, used = to_paged(rng, k_codes, v_codes, cpu[4].numpy(), page_size)
     kc8, vc8 = (torch.from_numpy(np.mod(np.rint(x), 256).astype(np.uint8)).view(F8) for x in (kc, vc))
     paged_index = sp.build_index(cpu[0], kc8, vc8, cpu[3], None, mq, mk, alpha=0.2, block_table=torch.from_numpy(bt),
-                                 seqused_k=torch.from_numpy(used), **ds_cpu)
+                                 seqused_k=torch.from_numpy(used), **ds_cpu, dense_fraction=1.0)
     for name in ("segment_start", "segment_end", "block_ids"):  # the same selection, paged or not
         np.testing.assert_array_equal(paged_index.host[name], index.host[name])
     _e4m3_means(paged_index, ds_cpu["k_descale"], ds_cpu["v_descale"])
@@ -385,7 +386,7 @@ def test_fp8_sparse_reusing_a_bf16_device_index():
            for x, d in zip(gpu[:3], (ds_gpu["q_descale"], ds_gpu["k_descale"], ds_gpu["v_descale"]))]
     bf = [x.to(torch.bfloat16) for x in deq]
     for correction in (False, True):
-        index = sp.build_index(*bf, *gpu[3:], mq, mk, alpha=0.2, correction=correction)
+        index = sp.build_index(*bf, *gpu[3:], mq, mk, alpha=0.2, correction=correction, dense_fraction=1.0)
         call = lambda: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, reuse_index=True, **ds_gpu)  # noqa: E731
         if correction:
             with pytest.raises(ValueError, match="index.*bfloat16.*float8_e4m3fn"):

@@ -165,7 +165,7 @@ def _sparse_problem(rng):
     return q8, k8, v8, cu_q, cu_k, (dq, dk, dv)
 
 
-_SEL = dict(alpha=0.1, block_size=64, sink=64, window=64, last_n=1)
+_SEL = dict(alpha=0.1, block_size=64, sink=64, window=64, last_n=1, dense_fraction=1.0)  # the raw selection
 
 
 def _same_index(a, b):

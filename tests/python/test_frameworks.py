@@ -125,7 +125,7 @@ def test_jax_cuda():
 def test_torch_cpu_index_arrays_are_torch():
     torch = pytest.importorskip("torch")
     t = [torch.from_numpy(a) for a in (Q, K, V, CU_Q, CU_K)]
-    index = sp.build_index(*t, 12, 20, block_size=64)
+    index = sp.build_index(*t, 12, 20, block_size=64, head_subgroups=1)  # means per KV head, as pool_kv's
     assert index.v_mean is None  # no correction: no V means
     assert all(isinstance(getattr(index, n), torch.Tensor) for n in Index_ARRAYS if n != "v_mean")
     corrected = sp.build_index(*t, 12, 20, block_size=64, correction=True)

@@ -46,7 +46,7 @@ def test_nan_scores_keep_every_visible_block(rng, where, rule):
     """docs/semantics.md, NaN policy: a tile with a NaN score keeps every visible block, so sparse attention is NaN
     exactly where dense attention is (and nowhere else)."""
     q, k, v, cu_q, cu_k = _nan_problem(rng, where)
-    kw = dict(alpha=0.9, block_size=64, sink=0, window=0, last_n=0, rule=rule)
+    kw = dict(alpha=0.9, block_size=64, sink=0, window=0, last_n=0, rule=rule, head_subgroups=1, dense_fraction=1.0)
     index = sp.build_index(q, k, v, cu_q, cu_k, 300, 300, **kw)
     g, B = 2, 64
     nan_tiles = 0

@@ -158,20 +158,20 @@ def test_chunked_prefill_bad_values():
     bf = torch.bfloat16
     args = [_g(q, bf), _g(kc, bf), _g(vc, bf), _g(cu_q), _g(bt), _g(used), 128, 1500]
     means = sp.mean_cache(args[1], block_size=128)
-    sp.chunked_prefill(*args, final_chunk=False, mean_cache=means)
+    sp.chunked_prefill(*args, final_chunk=False, mean_cache=means, dense_fraction=1.0)
     sp.check_errors()
     bad_bt = _g(bt)
     bad_bt[0, 0] = 10**6  # the sink block: always loaded
     args[4] = bad_bt
-    out = sp.chunked_prefill(*args, final_chunk=False, mean_cache=means)
+    out = sp.chunked_prefill(*args, final_chunk=False, mean_cache=means, dense_fraction=1.0)
     _flagged("block_table")
     assert torch.isnan(out[:128]).any()
     args[4] = _g(bt)
     args[5] = _g(np.array([1500, 10**5], np.int32))
-    sp.chunked_prefill(*args, final_chunk=True, mean_cache=means)
+    sp.chunked_prefill(*args, final_chunk=True, mean_cache=means, dense_fraction=1.0)
     _flagged("seqused_k")
     args[5] = _g(np.array([1500, 1600], np.int32))  # within the pages but above max_seqlen_k
-    sp.chunked_prefill(*args, final_chunk=True)
+    sp.chunked_prefill(*args, final_chunk=True, dense_fraction=1.0)
     _flagged("max_seqlen_k")
 
 
@@ -179,7 +179,8 @@ def test_chunked_prefill_bad_values():
 def test_index_view_bad_values(mutation):
     rng = np.random.default_rng(6)
     x = _sparse_inputs(rng, False)
-    index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], 700, 700).to_host()
+    index = sp.build_index(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], 700, 700,
+                           dense_fraction=1.0).to_host()
     h = index.host
     if mutation == "segment":
         h["segment_end"][3] = len(h["block_ids"]) + 10
@@ -205,7 +206,7 @@ def test_nan_policy_matches_the_cpu_reference():
     k[100, 1, 7] = np.nan
     bf = torch.bfloat16
     cpu = [torch.from_numpy(a).to(bf) for a in (q, k, v)] + [torch.from_numpy(cu_q), torch.from_numpy(cu_k)]
-    kw = dict(alpha=0.9, block_size=128, sink=0, window=0, last_n=0)
+    kw = dict(alpha=0.9, block_size=128, sink=0, window=0, last_n=0, dense_fraction=1.0)
     ref = sp.build_index(*cpu, 600, 600, **kw)
     got = sp.build_index(*[a.cuda() for a in cpu], 600, 600, **kw).to_host()
     # NaN tiles: every tile of KV head 1 (its block 0 has a NaN key: a NaN mean every tile sees) and the tile of

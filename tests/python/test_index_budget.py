@@ -28,10 +28,10 @@ def _arg(e):
                                      (1.5, TypeError), (True, TypeError), ("8", TypeError)])
 def test_max_kept_blocks_is_validated_with_its_name(rng, bad, exc):
     q, k, v, cu_q, cu_k = make_varlen(rng, [300], [300])
-    calls = [lambda: sp.build_index(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad),
+    calls = [lambda: sp.build_index(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad, dense_fraction=1.0),
              lambda: sp.index_workspace_bytes(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad),
              lambda: sp.sparse_prefill_workspace_bytes(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad),
-             lambda: sp.sparse_prefill(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad)]
+             lambda: sp.sparse_prefill(q, k, v, cu_q, cu_k, 300, 300, max_kept_blocks=bad, dense_fraction=1.0)]
     for call in calls:
         with pytest.raises(exc) as e:
             call()
@@ -41,10 +41,10 @@ def test_max_kept_blocks_is_validated_with_its_name(rng, bad, exc):
 def test_max_kept_blocks_valid_values_on_the_cpu(rng):
     # The CPU reference has no budget: the same index whatever the budget, no overflow.
     q, k, v, cu_q, cu_k = make_varlen(rng, [700, 129], [700, 300])
-    ref = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.3)
+    ref = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.3, dense_fraction=1.0)
     assert ref.overflow_segments == 0
     for budget in (None, 0, 5, 2**31 - 1):
-        got = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.3, max_kept_blocks=budget)
+        got = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.3, max_kept_blocks=budget, dense_fraction=1.0)
         assert got.overflow_segments == 0
         for name in ("segment_start", "segment_end", "block_ids"):
             np.testing.assert_array_equal(got.host[name], ref.host[name])
@@ -55,9 +55,10 @@ def test_chunked_prefill_takes_max_kept_blocks(rng):
     q, k, v, cu_q, cu_k = make_varlen(rng, [64], [500])
     kc, vc, bt, used = to_paged(rng, k, v, cu_k, 64)
     with pytest.raises(ValueError) as e:
-        sp.chunked_prefill(q, kc, vc, cu_q, bt, used, 64, 500, final_chunk=True, max_kept_blocks=-3)
+        sp.chunked_prefill(q, kc, vc, cu_q, bt, used, 64, 500, final_chunk=True, max_kept_blocks=-3,
+                           dense_fraction=1.0)
     assert _arg(e) == "max_kept_blocks"
-    sp.chunked_prefill(q, kc, vc, cu_q, bt, used, 64, 500, final_chunk=True, max_kept_blocks=10)
+    sp.chunked_prefill(q, kc, vc, cu_q, bt, used, 64, 500, final_chunk=True, max_kept_blocks=10, dense_fraction=1.0)
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------------------------
@@ -116,14 +117,14 @@ CASES = [  # q_lens, k_lens, hq, hkv
 def test_budget_that_fits_gives_the_default_index(q_lens, k_lens, hq, hkv, union):
     rng = np.random.default_rng()
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
-    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union)
+    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union, dense_fraction=1.0)
     ref_host = ref.to_host()
     assert ref.overflow_segments == 0 and ref_host.overflow_segments == 0 and 0 < ref.density <= 1
     assert union or ref.density < 1  # union lists cover every tile's list: density 1 on these inputs (H200)
     # Per-tile mode needs exactly the kept ids; union mode the per-tile lists (their kept ids, at most the union
     # blocks each tile sees: ref.kept_blocks) and then the unions (the host copy's ids: one list per sequence and head).
     budget = ref.kept_blocks if not union else ref.kept_blocks + ref_host.host["block_ids"].size
-    got = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union, max_kept_blocks=budget)
+    got = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union, max_kept_blocks=budget, dense_fraction=1.0)
     host = got.to_host()
     assert got.overflow_segments == 0 and host.overflow_segments == 0
     assert (got.kept_blocks, got.visible_blocks) == (ref.kept_blocks, ref.visible_blocks)
@@ -142,7 +143,8 @@ def test_zero_budget_overflows_every_segment_and_equals_dense(q_lens, k_lens, hq
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
     g = hq // hkv
     full = _full_lists(q_lens, k_lens, hkv, g)
-    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=0)
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=0,
+                         dense_fraction=1.0)
     assert idx.overflow_segments == len(full)                     # every segment (each sees a block here)
     assert idx.kept_blocks == idx.visible_blocks and idx.density == 1.0
     host = idx.to_host()
@@ -155,7 +157,7 @@ def test_zero_budget_overflows_every_segment_and_equals_dense(q_lens, k_lens, hq
     ws = torch.empty(sp.sparse_prefill_workspace_bytes(*gpu, mq, mk, union=union, correction=correction,
                                                        max_kept_blocks=0), dtype=torch.uint8, device="cuda")
     out, lse = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=0,
-                                 workspace=ws, return_lse=True)
+                                 workspace=ws, return_lse=True, dense_fraction=1.0)
     torch.cuda.synchronize()
     _close_to(out, lse, dense, dense_lse)
 
@@ -169,16 +171,17 @@ def test_partial_budget_lists_each_segment_in_full_or_as_selected(q_lens, k_lens
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
     g = hq // hkv
     full = _full_lists(q_lens, k_lens, hkv, g)
-    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union)
+    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, dense_fraction=1.0)
     selected = _lists(ref.to_host())
     if union:
         # The per-tile lists all fit (their ids are the per-tile index's kept blocks), then the unions one short:
         # the first union to ask fits, the last does not.
-        per_tile = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction).kept_blocks
+        per_tile = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, dense_fraction=1.0).kept_blocks
         budget = per_tile + int(ref.to_host().host["block_ids"].size) - 1
     else:
         budget = ref.kept_blocks // 2  # segments take their ids in the order they finish: about half overflow
-    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=budget)
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=budget,
+                         dense_fraction=1.0)
     host = idx.to_host()
     got = _lists(host)
     assert 0 < idx.overflow_segments < len(full), (idx.overflow_segments, len(full))
@@ -207,13 +210,13 @@ def test_budget_sizes_the_workspace():
     zero = sp.index_workspace_bytes(*gpu, mq, mk, max_kept_blocks=0)
     small = sp.index_workspace_bytes(*gpu, mq, mk, max_kept_blocks=50)  # below the causal bound (~600 ids here)
     assert 200 <= small - zero <= 200 + 256                       # 4 bytes a slot, 256-byte carving
-    idx = sp.build_index(*gpu, mq, mk)
+    idx = sp.build_index(*gpu, mq, mk, dense_fraction=1.0)
     assert default - zero >= 4 * idx.visible_blocks               # the causal bound holds every visible block
     # A workspace sized for a budget is too small for the default one, and the error says what it needs.
     ws = torch.empty(small, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="^workspace: needs at least"):
-        sp.build_index(*gpu, mq, mk, workspace=ws)
-    idx = sp.build_index(*gpu, mq, mk, workspace=ws, max_kept_blocks=50)
+        sp.build_index(*gpu, mq, mk, workspace=ws, dense_fraction=1.0)
+    idx = sp.build_index(*gpu, mq, mk, workspace=ws, max_kept_blocks=50, dense_fraction=1.0)
     assert idx.kept_blocks == idx.to_host().kept_blocks
 
 

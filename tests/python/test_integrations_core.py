@@ -84,7 +84,7 @@ def test_dispatch_choice_and_out_in_place():
 
 def test_dispatch_sparse_equals_library_call():
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=64, sink=64,
-                                   window=64)
+                                   window=64, dense_fraction=1.0)  # the sparse path even where it keeps most blocks
     q, k, v = sp.workload.topic(1024, 4, 2, 64, seed=2, block=64)
     q, k, v = map(torch.from_numpy, (q, k, v))
     cu = torch.tensor([0, 1024], dtype=torch.int32)

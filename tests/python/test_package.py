@@ -103,7 +103,7 @@ def test_readme_python_example_runs(tmp_path):
 _rng = np.random.default_rng(11)
 Q, K, V, CU_Q, CU_K = make_varlen(_rng, [8, 40], [30, 70])   # Hq=4, Hkv=2, D=64, float32
 KC, VC, BT, USED = to_paged(_rng, K, V, CU_K, 16)
-SEL = dict(block_size=64, sink=64, window=64, last_n=1)
+SEL = dict(block_size=64, sink=64, window=64, last_n=1, head_subgroups=1, dense_fraction=1.0)
 
 
 def test_int64_cu_seqlens_converted_on_host():
@@ -234,10 +234,12 @@ def test_selection_defaults_come_from_the_library():
     function's keyword defaults (numpy API and torch wrappers) and the torch schemas are those."""
     import inspect
     D = sp.SELECTION_DEFAULTS
-    assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.1
+    assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.03
+    assert D["head_subgroups"] == 0 and D["dense_fraction"] == 0.85
     c = dict(sp._C.selection_defaults())
-    assert {k: v for k, v in D.items() if k not in ("rule", "alpha")} == {k: v for k, v in c.items()
-                                                                          if k not in ("rule", "alpha")}
+    floats = ("rule", "alpha", "mean_alpha", "dense_fraction")  # float32 in C++, rounded to 7 digits in Python
+    assert {k: v for k, v in D.items() if k not in floats} == {k: v for k, v in c.items() if k not in floats}
+    assert all(abs(D[k] - c[k]) < 1e-7 for k in floats[1:])
     fns = [sp.build_index, sp.sparse_prefill, sp.chunked_prefill]
     try:
         import sparse_prefill.torch_ops as spt
@@ -250,5 +252,6 @@ def test_selection_defaults_come_from_the_library():
         pass
     for fn in fns:
         params = inspect.signature(fn).parameters
-        for key in ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction"):
+        for key in ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
+                    "mean_alpha", "dense_fraction"):
             assert params[key].default == D[key], (fn.__qualname__, key, params[key].default)

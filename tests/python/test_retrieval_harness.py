@@ -120,8 +120,10 @@ def test_sparse_alpha0_equals_dense_and_library_matches_emulator():
         for name in ("dense_sp", "sp0", "emu0"):
             torch.testing.assert_close(h[name], h["dense"], atol=2e-4, rtol=2e-4)
         # a selection that drops blocks: the library's CPU reference and the emulator keep the same blocks
-        lib = R.Backend("sp", dict(alpha=0.1, block_size=64, sink=0, window=0, last_n=2))
-        emu = R.Backend("emulate", dict(alpha=0.1, block=64, sink=0, window=0, last_n=2))
+        lib = R.Backend("sp", dict(alpha=0.1, block_size=64, sink=0, window=0, last_n=2, head_subgroups=1,
+                                   dense_fraction=1.0))
+        emu = R.Backend("emulate", dict(alpha=0.1, block=64, sink=0, window=0, last_n=2, subgroups=1,
+                                        dense_fraction=1.0))
         hl, he = m.hidden(ids, pos, lib), m.hidden(ids, pos, emu)
     assert lib.density() < 0.8, lib.density()
     assert (lib.kept, lib.visible) == (emu.kept, emu.visible)

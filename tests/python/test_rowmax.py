@@ -7,7 +7,7 @@ import pytest
 
 import sparse_prefill as sp
 import sp_naive as naive
-from conftest import to_paged
+from conftest import MECHANICS, to_paged
 from conftest import topic_batch as conftest_topic_batch
 
 BS = 64
@@ -46,7 +46,7 @@ CASES = [
 def test_selection_matches_naive(q_lens, k_lens, hq, hkv, alpha, rule):
     q, k, v, cu_q, cu_k = batch(q_lens, k_lens, hq, hkv)
     sel = dict(block_size=BS, sink=64, window=64, last_n=1)
-    index = sp.build_index(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), alpha=alpha, rule=rule, **sel)
+    index = sp.build_index(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), alpha=alpha, rule=rule, **sel, **MECHANICS)
     compare(index, naive.select(q, k, cu_q, cu_k, alpha, rule=rule, **sel))
     if rule == "row_max" and alpha > 0.05:
         assert index.density < 1
@@ -55,9 +55,9 @@ def test_selection_matches_naive(q_lens, k_lens, hq, hkv, alpha, rule):
 def test_row_max_differs_from_tile_energy_and_keeps_more():
     q, k, v, cu_q, cu_k = batch([1500], [1500], 4, 1)
     a = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0,
-                       rule="tile_energy")
+                       rule="tile_energy", **MECHANICS)
     r = sp.build_index(q, k, v, cu_q, cu_k, 1500, 1500, alpha=0.3, block_size=BS, sink=0, window=0, last_n=0,
-                       rule="row_max")
+                       rule="row_max", **MECHANICS)
     assert lists(a) != lists(r) and r.density < 1
 
 
@@ -68,12 +68,13 @@ def test_head_subgroups_and_union(S, union):
     q, k, v, cu_q, cu_k = batch(q_lens, k_lens, 8, 2)
     sel = dict(block_size=BS, sink=64, window=64, last_n=1)
     index = sp.build_index(q, k, v, cu_q, cu_k, 300, 900, alpha=0.2, rule="row_max", head_subgroups=S,
-                           union=union, **sel)
+                           union=union, dense_fraction=1.0, **sel)
     want = naive.select(q, k, cu_q, cu_k, 0.2, rule="row_max", head_subgroups=S, **sel)
     if not union:
         compare(index, want)
         return
-    tiles = sp.build_index(q, k, v, cu_q, cu_k, 300, 900, alpha=0.2, rule="row_max", head_subgroups=S, **sel)
+    tiles = sp.build_index(q, k, v, cu_q, cu_k, 300, 900, alpha=0.2, rule="row_max", head_subgroups=S,
+                           dense_fraction=1.0, **sel)
     flips = compare(tiles, want)
     assert lists(index) == lists(sp.union_index(tiles, q, k, v, cu_q, cu_k, 300, 900))
     if flips == 0:  # the union per (sequence, sub-group) of naive's lists
@@ -95,7 +96,8 @@ def test_chunked_prefill_paged_matches_contiguous_and_naive():
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
         cu_q, used = np.array([0, c1 - c0], np.int32), np.array([c1], np.int32)
-        kw = dict(alpha=0.1, block_size=BS, sink=64, window=64, last_n=1, rule="row_max", correction=False)
+        kw = dict(alpha=0.1, block_size=BS, sink=64, window=64, last_n=1, rule="row_max", correction=False,
+                  **MECHANICS)
         got = sp.chunked_prefill(q[c0:c1], kc, vc, cu_q, bt, used, c1 - c0, c1, final_chunk=c1 == L, **kw)
         cu_k = np.array([0, c1], np.int32)
         idx = sp.build_index(q[c0:c1], k[:c1], v[:c1], cu_q, cu_k, c1 - c0, c1, final_chunk=c1 == L, **kw)
@@ -107,7 +109,7 @@ def test_chunked_prefill_paged_matches_contiguous_and_naive():
 
 def test_alpha_zero_is_dense():
     q, k, v, cu_q, cu_k = batch([700, 130], [700, 600], 4, 2)
-    index = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="row_max")
+    index = sp.build_index(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="row_max", **MECHANICS)
     assert index.kept_blocks == index.visible_blocks
     out = sp.sparse_prefill(q, k, v, cu_q, cu_k, 700, 700, alpha=0.0, block_size=BS, rule="row_max")
     dense = sp.attention(q, k, v, cu_q, cu_k, 700, 700)
@@ -153,7 +155,7 @@ def test_probe_rule_sees_the_one_strong_key_pooled_means_dilute():
     5 has the lowest offset but holds one key that matches the last query (a probe row) along u: that key dominates
     the row's softmax, yet its pooled mean dilutes it 64x. row_max drops block 5, probe_row_max keeps it."""
     q, k, v, cu, L, nb = strong_key_case()
-    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0)
+    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0, **MECHANICS)
     probe = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", **sel)
     mean = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **sel)
     last = probe.num_segments - 1        # the tile of query L - 1 (one sequence, one KV head)
@@ -168,7 +170,7 @@ def test_probe_rule_mean_alpha_is_its_pooled_means_term():
     (sink, window and tail included), a higher mean_alpha keeps a subset, 0 keeps every visible block, and the
     default is 0.5. The probe rows' own blocks do not depend on it."""
     q, k, v, cu_q, cu_k = batch([700, 130, 64], [700, 600, 64], 4, 2, seed=5)
-    sel = dict(alpha=0.2, block_size=BS, sink=64, window=64, last_n=1)
+    sel = dict(alpha=0.2, block_size=BS, sink=64, window=64, last_n=1, **MECHANICS)
     assert sp.SELECTION_DEFAULTS["mean_alpha"] == 0.5
     default = lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", **sel))
     assert default == lists(sp.build_index(q, k, v, cu_q, cu_k, 700, 700, rule="probe_row_max", mean_alpha=0.5,
@@ -195,7 +197,7 @@ def test_probe_rule_keeps_the_strong_key_block_at_any_mean_alpha():
     """The probe term alone finds the one strong key (test above): at mean_alpha 1 (each row's top pooled block
     only) block 5 stays in the last tile's list."""
     q, k, v, cu, L, _ = strong_key_case()
-    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0)
+    sel = dict(alpha=0.1, block_size=BS, sink=0, window=64, last_n=0, **MECHANICS)
     for m in (0.5, 1.0):
         idx = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", mean_alpha=m, **sel)
         assert 5 in set(idx.segment(0, 0, idx.num_segments - 1).tolist()), m
@@ -211,7 +213,7 @@ def test_probe_row_mass_alpha_zero_is_dense_and_keeps_the_strong_key():
     np.testing.assert_allclose(out, sp.attention(q, k, v, cu_q, cu_k, 700, 700), rtol=1e-5, atol=1e-6)
     q, k, v, cu, L, nb = strong_key_case()
     idx = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_mass", alpha=0.05, mean_alpha=1.0, block_size=BS,
-                         sink=0, window=64, last_n=0)
+                         sink=0, window=64, last_n=0, **MECHANICS)
     kept = set(idx.segment(0, 0, idx.num_segments - 1).tolist())
     assert 5 in kept and len(kept) < nb, kept
 
@@ -227,7 +229,7 @@ def test_probe_row_mass_drops_the_blocks_of_a_diffuse_row():
     k = (0.05 * rng.standard_normal((L, hkv, D))).astype(np.float32)
     v = rng.standard_normal((L, hkv, D)).astype(np.float32)
     cu = np.array([0, L], np.int32)
-    sel = dict(alpha=0.1, mean_alpha=1.0, block_size=BS, sink=0, window=64, last_n=0)
+    sel = dict(alpha=0.1, mean_alpha=1.0, block_size=BS, sink=0, window=64, last_n=0, **MECHANICS)
     top = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_max", **sel)
     mass = sp.build_index(q, k, v, cu, cu, L, L, rule="probe_row_mass", **sel)
     forced = sp.build_index(q, k, v, cu, cu, L, L, rule="row_max", **dict(sel, alpha=1.0))  # top pooled + window

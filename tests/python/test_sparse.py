@@ -6,11 +6,11 @@ import pytest
 
 import sparse_prefill as sp
 import sp_naive as naive
-from conftest import make_varlen, to_paged
+from conftest import MECHANICS, make_varlen, to_paged
 from conftest import topic_batch as conftest_topic_batch
 
 BS = 64  # block size used by these tests (the smallest allowed)
-SEL = dict(block_size=BS, sink=64, window=64, last_n=1)
+SEL = dict(block_size=BS, sink=64, window=64, last_n=1, **MECHANICS)
 
 
 def topic_batch(q_lens, k_lens, hq=4, hkv=2, d=64, seed=0):

@@ -11,7 +11,7 @@ from conftest import to_paged
 from conftest import topic_batch as conftest_topic_batch
 
 BS = 64
-SEL = dict(block_size=BS, sink=64, window=64, last_n=1)
+SEL = dict(block_size=BS, sink=64, window=64, last_n=1, dense_fraction=1.0)  # the rule off: test_dense_rule.py
 HQ, HKV, D = 8, 2, 64          # g = 4: S in {1, 2, 4}
 Q_LENS, K_LENS = [201, 67, 0], [451, 130, 33]
 
@@ -50,7 +50,7 @@ def test_index_equals_repeated_model(batch, S, union, final_chunk):
     q, k, v, cu_q, cu_k = batch
     kw = dict(SEL, alpha=0.2, union=union, final_chunk=final_chunk)
     idx = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **kw)
-    ref = sp.build_index(*args(q, rep(k, S), rep(v, S), cu_q, cu_k), **kw)
+    ref = sp.build_index(*args(q, rep(k, S), rep(v, S), cu_q, cu_k), head_subgroups=1, **kw)
     assert (idx.head_subgroups, ref.head_subgroups) == (S, 1)
     assert (idx.num_kv_heads, idx.group_size) == (HKV * S, HQ // HKV // S)
     assert idx.mode == ("union" if union else "tile")
@@ -61,11 +61,11 @@ def test_index_equals_repeated_model(batch, S, union, final_chunk):
     np.testing.assert_array_equal(idx.tiles, tiles)
     assert idx.num_segments == HKV * S * sum(tiles)
     # pooled means: virtual head v holds K/V head v // S's
-    one = sp.build_index(*args(q, k, v, cu_q, cu_k), **SEL)
+    one = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=1, **SEL)
     np.testing.assert_array_equal(idx.k_mean, np.repeat(one.k_mean, S, axis=1))
     assert idx.v_mean is None  # no correction: no V means
     corr = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **dict(kw, correction=True))
-    one = sp.build_index(*args(q, k, v, cu_q, cu_k), **dict(SEL, correction=True))
+    one = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=1, **dict(SEL, correction=True))
     np.testing.assert_array_equal(corr.v_mean, np.repeat(one.v_mean, S, axis=1))
 
 
@@ -76,7 +76,7 @@ def test_paged_index_and_outputs_equal_repeated_model(rng, batch):
     paged = (q, kc, vc, cu_q, None, max(Q_LENS), max(K_LENS))
     paged_rep = (q, rep(kc, 2), rep(vc, 2), cu_q, None, max(Q_LENS), max(K_LENS))
     idx = sp.build_index(*paged, alpha=0.2, head_subgroups=2, **SEL, **pkw)
-    ref = sp.build_index(*paged_rep, alpha=0.2, **SEL, **pkw)
+    ref = sp.build_index(*paged_rep, alpha=0.2, head_subgroups=1, **SEL, **pkw)
     assert_same_index(idx, ref)
     out, lse = sp.sparse_attention(q, kc, vc, idx, cu_q, None, max(Q_LENS), max(K_LENS), return_lse=True, **pkw)
     want, want_lse = sp.sparse_attention(*paged_rep[:3], ref, cu_q, None, max(Q_LENS), max(K_LENS),
@@ -94,7 +94,7 @@ def test_sparse_attention_equals_repeated_model(batch, correction, union):
     kw = dict(SEL, alpha=0.2, correction=correction, union=union)
     kr, vr = rep(k, S), rep(v, S)
     idx = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **kw)
-    ref = sp.build_index(*args(q, kr, vr, cu_q, cu_k), **kw)
+    ref = sp.build_index(*args(q, kr, vr, cu_q, cu_k), head_subgroups=1, **kw)
     out, lse = sp.sparse_attention(q, k, v, idx, *args(q, k, v, cu_q, cu_k)[3:], return_lse=True)
     want, want_lse = sp.sparse_attention(q, kr, vr, ref, *args(q, k, v, cu_q, cu_k)[3:], return_lse=True)
     np.testing.assert_array_equal(out, want)
@@ -175,11 +175,11 @@ def test_union_with_S_equal_g_is_per_query_head(chunks):
             for t in range(int(u.tiles[b])):
                 assert set(u.segment(b, h, t).tolist()) == want[b, h]
     # and equals the model with one KV head per query head
-    ref = sp.build_index(q, rep(k, g), rep(v, g), *chunks[3:], union=True, **CHUNK_SEL)
+    ref = sp.build_index(q, rep(k, g), rep(v, g), *chunks[3:], union=True, head_subgroups=1, **CHUNK_SEL)
     assert_same_index(u, ref)
 
 
-SUB_ERRORS = [(0, ValueError), (-1, ValueError), (3, ValueError), (8, ValueError), (2.0, TypeError),
+SUB_ERRORS = [(-2, ValueError), (-1, ValueError), (3, ValueError), (8, ValueError), (2.0, TypeError),
               (True, TypeError), ("2", TypeError)]
 
 

@@ -256,7 +256,9 @@ def test_errors_name_the_argument(device):
         spt.attention(*args, out=torch.empty_like(args[0]).requires_grad_(args[0].dtype.is_floating_point))
     sargs, skw = sparse_problem(device)
     with pytest.raises(ValueError, match="^head_subgroups"):
-        spt.sparse_prefill(*sargs, head_subgroups=0, **skw)
+        spt.sparse_prefill(*sargs, head_subgroups=-1, **skw)
+    with pytest.raises(ValueError, match="^dense_fraction"):
+        spt.sparse_prefill(*sargs, dense_fraction=1.5, **skw)
     with pytest.raises(ValueError, match="^block_size"):
         spt.sparse_prefill(*sargs, **dict(skw, block_size=100))
     cargs = chunk_problem(device)

@@ -30,7 +30,7 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
 
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
 SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
-                    "mean_alpha")
+                    "mean_alpha", "dense_fraction")
 
 
 def library_selection_defaults() -> dict:
@@ -81,6 +81,7 @@ class SparsePrefillConfig:
     union: bool = None
     head_subgroups: int = None
     mean_alpha: float = None
+    dense_fraction: float = None
     dense_layers: int = 0
     min_sparse_q_len: int = 128
     min_sparse_kv_len: int = 8192
@@ -144,7 +145,7 @@ class SparsePrefillConfig:
 
 
 def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
-    kind = {"alpha": float, "mean_alpha": float, "correction": bool, "union": bool}.get(f.name)
+    kind = {"alpha": float, "mean_alpha": float, "dense_fraction": float, "correction": bool, "union": bool}.get(f.name)
     if kind is None:
         kind = str if f.name in ("rule", "final_chunk", "mean_cache", "fallback") else int
     if kind is bool:
@@ -352,7 +353,8 @@ class VarlenDispatch:
                 q, k, v, cu_q, cu_k, max_q, max_k, block_size=c.block_size, block_table=block_table,
                 seqused_k=seqused_k, union=c.union, head_subgroups=c.head_subgroups, **{
                     n: getattr(c, n)
-                    for n in ("alpha", "sink", "window", "last_n", "correction", "rule", "mean_alpha")}))
+                    for n in ("alpha", "sink", "window", "last_n", "correction", "rule", "mean_alpha",
+                              "dense_fraction")}))
             if len(self._ws_bytes) > 256:
                 self._ws_bytes.clear()
             self._ws_bytes[key] = nbytes

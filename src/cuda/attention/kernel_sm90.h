@@ -40,6 +40,7 @@ struct FwdKernel {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
     typename Scheduler::Params scheduler;
+    LaunchGate gate;
   };
   // Host: every policy builds its own parameters from the launch arguments.
   static Params to_underlying_arguments(const FwdArgs& a, const SparseFwdArgs* s) {
@@ -47,6 +48,7 @@ struct FwdKernel {
     p.mainloop = Mainloop::to_params(a, s);
     p.epilogue = Epilogue::to_params(a, s);
     p.scheduler = Scheduler::to_params(Schedule::num_tiles(p.mainloop.problem), s);
+    p.gate = a.gate;
     return p;
   }
   static int grid(const Params& p) { return Scheduler::grid(p.scheduler); }
@@ -206,6 +208,8 @@ template <class Kernel>
 __global__ void __launch_bounds__(Kernel::Config::kNumThreads, 1)
     fwd_device_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
   extern __shared__ char smem_raw[];
+  // A gated launch whose word says otherwise: every CTA returns before any barrier or load (LaunchGate).
+  if (params.gate.word != nullptr && *params.gate.word != params.gate.run_if) return;
   Kernel::run(params, smem_raw);
 }
 

@@ -1,6 +1,6 @@
 // The index stage's entry (index_stage.h): checks what the CUDA index stage supports, carves the workspace, and
 // launches the roles in order: plan (plan.cu) -> mean cache and pooling (mean_cache.cu, pool.cu) -> probe rows,
-// score and select (probe.cu, score_select.cu) -> union (union.cu). FP8 inputs are read raw and dequantised with the
+// score and select (probe.cu, score_select.cu) -> union (union.cu) -> the dense rule (dense_rule.cu). FP8 inputs are read raw and dequantised with the
 // call's descales by every kernel that reads them (pooling, scorer, probe): no host synchronisation, no copy.
 #include <cuda_runtime.h>
 
@@ -93,6 +93,7 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   if (params.union_lists && bd.max_tiles > 0) {
     launch_union(stream, seq, heads, p.batch, params.block_size, bd.nb_max, d);
   }
+  launch_dense_rule(stream, seq, heads, params.block_size, params.dense_fraction, bd, d);
   return d;
 }
 

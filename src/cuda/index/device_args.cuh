@@ -192,5 +192,8 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
 // union.cu: union mode, one list per (sequence, virtual KV head).
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);
+// dense_rule.cu: the dense rule (SelectionParams::dense_fraction) over the finished selection, after score or union.
+void launch_dense_rule(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int block_size,
+                       float dense_fraction, const Bounds& bd, const DeviceIndex& d);
 
 }  // namespace sparse_prefill::cuda::index_stage

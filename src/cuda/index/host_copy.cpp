@@ -55,8 +55,7 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
       continue;
     }
     idx.segment_start[s] = int32_t(idx.block_ids.size());
-    if (full) {  // overflowed: blocks 0 .. end - 1, what the sparse kernel runs
-      ++idx.overflow_segments;
+    if (full) {  // overflowed, or every segment under the dense rule: blocks 0 .. end - 1, what the kernel runs
       for (int32_t J = 0; J < end[s]; ++J) idx.block_ids.push_back(J);
     } else {
       idx.block_ids.insert(idx.block_ids.end(), ids.begin() + start[s], ids.begin() + end[s]);
@@ -86,6 +85,7 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   }
   idx.kept_blocks = int64_t(counters[kKept]);
   idx.visible_blocks = int64_t(counters[kVisible]);
+  idx.overflow_segments = int64_t(counters[kOverflow]);  // the segments marked for want of room, not the dense rule's
   return idx;
 }
 

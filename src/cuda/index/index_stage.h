@@ -7,7 +7,8 @@
 //             step, Q and two stages of pooled keys in swizzled shared memory), running chunk maxima and block
 //             energies kept in shared memory (no L x L/B score buffer), alpha * max threshold (or the per-row rule,
 //             SelectionRule::kRowMax: a second pass over the chunks), sink / window / last_n
-//             / diagonal rules, and the kept ids bump-allocated into the CSR.
+//             / diagonal rules, and the kept ids bump-allocated into the CSR;
+//   4. the dense rule (dense_rule.cu): a selection that keeps nearly every visible block keeps them all.
 // The CSR is bump-allocated: each CTA counts its segment's kept blocks, takes that many slots of `block_ids` with one
 // atomicAdd on a global cursor and writes its ids there (ascending), so block_ids holds what is kept, in the order
 // the CTAs finish, within a budget of `capacity` slots (SelectionParams::max_kept_blocks; default the causal bound).
@@ -16,9 +17,9 @@
 // one caller-provided workspace, reusable across calls and layers (index_workspace_bytes gives its size from
 // host-known bounds).
 // Files, by role (src/cuda/index/): build.cu (build_index: checks, then the launches in order), plan.cu, pool.cu and
-// mean_cache.cu (step 2), score_select.cu and probe.cu (step 3), union.cu (union mode), view.cu (a caller's index
-// view), layout.{h,cpp} (bounds and workspace carving), host_copy.cpp (download to the host); device_args.cuh holds
-// the device structs they share.
+// mean_cache.cu (step 2), score_select.cu and probe.cu (step 3), union.cu (union mode), dense_rule.cu (step 4),
+// view.cu (a caller's index view), layout.{h,cpp} (bounds and workspace carving), host_copy.cpp (download to the
+// host); device_args.cuh holds the device structs they share.
 #pragma once
 
 #include <cstddef>
@@ -34,7 +35,10 @@ namespace sparse_prefill::cuda {
 // counters[]: kept blocks (overflowed segments count their full lists), visible blocks (density = kept / visible),
 // union mode's per-tile kept count before the union, overflowed segments, and the block_ids bump cursor (slots
 // taken, possibly past capacity: the segments that found no room).
-enum IndexCounter { kKept = 0, kVisible = 1, kUnionPerTile = 2, kOverflow = 3, kCursor = 4, kNumCounters = 5 };
+// kDense: 1 when the dense rule (SelectionParams::dense_fraction) turned the selection into the full one (dense_rule.cu).
+enum IndexCounter {
+  kKept = 0, kVisible = 1, kUnionPerTile = 2, kOverflow = 3, kCursor = 4, kDense = 5, kNumCounters = 6
+};
 
 // Device pointers into the workspace; sizes are upper bounds known on the host.
 struct DeviceIndex {

@@ -1,0 +1,229 @@
+"""Block-importance estimators against the exact oracle, offline, on a real model's attention (issue 37's study).
+
+Step 1 captures every layer's post-RoPE q, k, v of SmolLM2-135M in one dense forward of a task prompt; step 2 scores
+candidate selections per query head (128-position tiles, 128-key blocks, sink 256 / window 512 / last 2 tiles always
+kept) from those tensors and measures, against each row's exact softmax:
+  density  kept / visible blocks;
+  miss     mean over rows (outside the dense last tiles) of the attention mass the kept blocks miss;
+  low50    fraction of those rows that keep less than half their mass (the oracle at F = 0.5 has none);
+  err      mean relative error of the row's output against dense attention (renormalised over the kept blocks);
+  ans_*    the same on the rows that predict the task's scored answer tokens (kv tasks).
+A selection is as good as the oracle at its density when its miss / low50 match the oracle curve's there.
+
+    python -m accuracy.estimators capture --task kv --layout spread --L 8192 --out /tmp/cap_kv.pt
+    python -m accuracy.estimators score /tmp/cap_kv.pt --layers 3,10,17,24 --set pooled,exact,oracle
+(run from bench/; CPU: ~1-2 min per 8K forward and ~1 min per layer set on two cores.)
+
+Estimator families (names in the output): mean_a{alpha} the library's row max on pooled block means; sub{n}_a{alpha}
+the same on means of n-key sub-blocks (max over a block's sub-blocks); mv_c{c}_a{alpha} mean + c sigma (sigma^2 =
+q^2 . per-channel key variance: a block's optimistic score); exact_a{alpha} the row max on exact block maxima of
+q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k projected onto the top-r principal
+directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); oracle_{F} the exact per-row mass target.
+"""
+import argparse
+import math
+import sys
+
+import torch
+
+B = 128       # key block
+TILE = 128    # query positions per tile (per query head)
+SINK, WINDOW, LAST_N = 256, 512, 2
+
+
+def capture(args):
+    from accuracy import tasks as T
+    from accuracy.model import Model, ROUTER
+    torch.set_num_threads(args.threads)
+    m = Model()
+    task = T.make(args.task, m.tok, args.L, seed=args.seed, layout=args.layout if args.task == "kv" else None)
+    cap = {}
+    ROUTER.hook = lambda layer, q, k, v: cap.__setitem__(layer, tuple(x.half().clone() for x in (q, k, v)))
+    m.set_backend("dense")
+    m.logits(task["ids"])
+    ROUTER.hook = None
+    rows = (task["pos"] - 1).tolist() if args.task == "kv" else None  # the rows that predict the answers
+    torch.save(dict(layers=cap, L=len(task["ids"]), answer_rows=rows), args.out)
+    print(f"captured {len(cap)} layers of {args.task} L={args.L} into {args.out}", flush=True)
+
+
+def always_kept(L):
+    nb = (L + B - 1) // B
+    T = (L + TILE - 1) // TILE
+    t = torch.arange(T)
+    first, last = t * TILE, torch.clamp((t + 1) * TILE, max=L) - 1
+    fk = torch.arange(nb) * B
+    lk = torch.clamp(fk + B, max=L) - 1
+    vis = fk[None, :] <= last[:, None]
+    al = (fk < SINK)[None, :].expand(T, nb).clone()
+    lo = torch.clamp(first - WINDOW + 1, min=0)
+    al |= (lk[None, :] >= lo[:, None]) & (fk[None, :] <= last[:, None])
+    al |= ~(lk[None, :] <= first[:, None])      # blocks crossing the diagonal
+    al |= (t >= T - LAST_N)[:, None]
+    return al & vis, vis
+
+
+def tile_any(x, T):
+    L, nb = x.shape
+    pad = T * TILE - L
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, nb)])
+    return x.view(T, TILE, nb).any(1)
+
+
+def rowcum(pm, F, al_rows):
+    """Per row: always-kept blocks first, then the fewest by decreasing mass reaching F."""
+    key = torch.where(al_rows, torch.full_like(pm, 2.0), pm)
+    order = key.argsort(-1, descending=True)
+    ps = torch.gather(pm, -1, order)
+    take = (ps.cumsum(-1) - ps < F) & (ps > 0)
+    out = torch.zeros_like(take)
+    out.scatter_(-1, order, take)
+    return out
+
+
+def row_max(s, sees, alpha):
+    s = s.masked_fill(~sees, -math.inf)
+    return s >= s.amax(-1, keepdim=True) + math.log(alpha)
+
+
+def sub_means(lg, n):
+    """q . mean(k over n-key sub-blocks) * scale = the mean of the logits over the sub-block (linearity)."""
+    return lg.view(lg.shape[0], -1, n).mean(-1)
+
+
+def block_max(lgm):
+    return lgm.view(lgm.shape[0], -1, B).amax(-1)
+
+
+def candidates(names):
+    """name -> f(x) -> [L, nb] bool (rows' wishes); x holds the per-head tensors."""
+    out = {}
+    for name in names:
+        kind, *rest = name.split("_")
+        if kind == "mean":
+            a = float(rest[0][1:])
+            out[name] = lambda x, a=a: row_max(sub_means(x["lg"], B), x["sees"], a)
+        elif kind.startswith("sub"):
+            n, a = int(kind[3:]), float(rest[0][1:])
+            out[name] = lambda x, n=n, a=a: row_max(sub_means(x["lg"], n).view(x["L"], -1, B // n).amax(-1),
+                                                    x["sees"], a)
+        elif kind == "mv":
+            c, a = float(rest[0][1:]), float(rest[1][1:])
+
+            def f(x, c=c, a=a):
+                var = x["k"].view(-1, B, x["k"].shape[-1]).var(1, unbiased=False)
+                sig = ((x["q"] ** 2) @ var.T).clamp(min=0).sqrt() * x["scale"]
+                return row_max(sub_means(x["lg"], B) + c * sig, x["sees"], a)
+            out[name] = f
+        elif kind == "exact":
+            a = float(rest[0][1:])
+            out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
+        elif kind.startswith("pca"):
+            r, a = int(kind[3:]), float(rest[0][1:])
+
+            def f(x, r=r, a=a):
+                U = torch.linalg.eigh(x["k"].T @ x["k"] + x["q"].T @ x["q"])[1][:, -r:]
+                lg = ((x["q"] @ U) @ (x["k"] @ U).T) * x["scale"]
+                return row_max(block_max(lg.masked_fill(~x["causal"], -math.inf)), x["sees"], a)
+            out[name] = f
+        elif kind == "maxcum":
+            F = float(rest[0])
+            out[name] = lambda x, F=F: rowcum(torch.softmax(block_max(x["lgm"]).masked_fill(~x["sees"], -math.inf),
+                                                            -1), F, x["al_rows"])
+        elif kind == "oracle":
+            F = float(rest[0])
+            out[name] = lambda x, F=F: rowcum(x["pm"], F, x["al_rows"])
+        else:
+            raise ValueError(name)
+    return out
+
+
+SETS = {
+    "pooled": ["mean_a0.1", "mean_a0.05", "mean_a0.03", "mean_a0.02", "mean_a0.01", "sub32_a0.1", "sub16_a0.1",
+               "sub8_a0.1", "sub8_a0.03", "mv_c2_a0.1", "mv_c3_a0.03"],
+    "exact": ["exact_a0.1", "exact_a0.2", "exact_a0.3", "exact_a0.5", "pca8_a0.1", "pca16_a0.1", "maxcum_0.7",
+              "maxcum_0.8", "maxcum_0.9"],
+    "oracle": ["oracle_0.5", "oracle_0.7", "oracle_0.8", "oracle_0.9"],
+}
+
+
+def score(args):
+    torch.set_num_threads(args.threads)
+    d = torch.load(args.capture)
+    cap = d["layers"]
+    L = d["L"] if "L" in d else len(d["ids"])
+    nb, T = (L + B - 1) // B, (L + TILE - 1) // TILE
+    al, vis = always_kept(L)
+    pos = torch.arange(L)
+    sees = (torch.arange(nb) * B)[None, :] <= pos[:, None]
+    tile_of = pos // TILE
+    al_rows = al[tile_of]
+    scored = pos < (T - LAST_N) * TILE
+    rows = d.get("answer_rows", None if d.get("pos") is None else d["pos"] - 1)
+    ans = torch.as_tensor(rows) if rows is not None else None
+    causal = torch.ones(L, L, dtype=torch.bool).tril_()
+    names = [n for s in args.set.split(",") for n in SETS[s]]
+    cands = candidates(names)
+    acc = {n: dict(kept=0, visible=0, miss=0.0, n=0, low50=0, err=0.0, ans_miss=0.0, ans_n=0, ans_low50=0)
+           for n in names}
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
+    for layer in layers:
+        q, k, v = (t.float() for t in cap[layer])
+        Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+        g, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+        for h in range(Hq):
+            lg = (q[:, h] @ k[:, h // g].T) * scale
+            lgm = lg.masked_fill(~causal, -math.inf)
+            P = torch.softmax(lgm, -1)
+            pm = P.view(L, nb, B).sum(-1)
+            Ob = torch.einsum("rjb,jbd->rjd", P.view(L, nb, B), v[:, h // g].reshape(nb, B, -1))
+            od = Ob.sum(1)
+            x = dict(L=L, lg=lg, lgm=lgm, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
+                     scale=scale, causal=causal)
+            for n, f in cands.items():
+                keep = (tile_any(f(x) & sees, T) & vis) | al
+                kr = keep[tile_of]
+                cov = (pm * kr).sum(-1)
+                o = torch.einsum("rj,rjd->rd", kr.float(), Ob) / cov[:, None].clamp(min=1e-30)
+                e = (o - od).norm(dim=-1) / od.norm(dim=-1).clamp(min=1e-30)
+                a = acc[n]
+                a["kept"] += int(keep.sum())
+                a["visible"] += int(vis.sum())
+                a["miss"] += float((1 - cov[scored]).sum())
+                a["n"] += int(scored.sum())
+                a["low50"] += int((cov[scored] < 0.5).sum())
+                a["err"] += float(e[scored].sum())
+                if ans is not None:
+                    a["ans_miss"] += float((1 - cov[ans]).sum())
+                    a["ans_n"] += len(ans)
+                    a["ans_low50"] += int((cov[ans] < 0.5).sum())
+    print(f"{'estimator':14s} {'density':>7s} {'miss':>6s} {'low50':>6s} {'err':>6s} {'ans_miss':>8s} {'ans_low50':>9s}")
+    for n, a in acc.items():
+        am = f"{a['ans_miss'] / a['ans_n']:.3f}" if a["ans_n"] else "-"
+        al50 = f"{a['ans_low50'] / a['ans_n']:.3f}" if a["ans_n"] else "-"
+        print(f"{n:14s} {a['kept'] / a['visible']:7.3f} {a['miss'] / a['n']:6.3f} {a['low50'] / a['n']:6.3f} "
+              f"{a['err'] / a['n']:6.3f} {am:>8s} {al50:>9s}", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("capture")
+    c.add_argument("--task", default="kv")
+    c.add_argument("--layout", default="spread")
+    c.add_argument("--L", type=int, default=8192)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", required=True)
+    c.add_argument("--threads", type=int, default=2)
+    s = sub.add_parser("score")
+    s.add_argument("capture")
+    s.add_argument("--layers", default="3,10,17,24")
+    s.add_argument("--set", default="pooled,exact,oracle")
+    s.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    return capture(args) if args.cmd == "capture" else score(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
