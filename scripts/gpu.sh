@@ -126,7 +126,9 @@ for phase in "${PHASES[@]}"; do
       ;;
     test)
       step "pytest (CPU and CUDA cases) through the installed package"
-      timeout "${SP_TEST_TIME:-330}" "$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 -rfE tests/python \
+      # SP_TEST_FILES: a subset (default the whole suite); SP_TEST_TIME: its limit in seconds
+      timeout "${SP_TEST_TIME:-330}" "$PY" -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 -rfE \
+        ${SP_TEST_FILES:-tests/python} \
         > "$OUT/pytest.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -15 "$OUT/pytest.log"
