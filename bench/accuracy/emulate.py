@@ -31,7 +31,7 @@ import math
 import torch
 
 TILE_ROWS = 128
-RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.03, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
+RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85)
 
 

@@ -58,11 +58,11 @@ constexpr bool is_probe_rule(SelectionRule rule) {
 }
 
 struct SelectionParams {
-  // The threshold of `rule`; alpha = 0 keeps every visible block (dense). 0.03 with one selection per query head
-  // is the most accurate setting of the pooled-means rule measured on SmolLM2-135M and the trained retrieval model
-  // across key-value layouts (bench/accuracy/NOTES.md); 0.1 per KV group, the previous default, lost 6 points of
-  // key-value recall at 8K on a layout it was not tuned on.
-  float alpha = 0.03f;
+  // The threshold of `rule`; alpha = 0 keeps every visible block (dense). 0.003 with one selection per query head:
+  // the pooled-means row max that kept SmolLM2-135M within 1 point of dense on every key-value layout and format
+  // at 4K and 8K (worst -0.4 points; 0.03 lost 5.2, 0.1 per KV group 14, bench/accuracy/NOTES.md), at the price
+  // of density (0.89 at 8K there, where the dense rule then runs most calls dense).
+  float alpha = 0.003f;
   // kProbeRowMax / kProbeRowMass only: the threshold of their pooled-means row-max term, which covers the rows
   // between probes (in [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 %
   // with it.

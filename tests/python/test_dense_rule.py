@@ -19,7 +19,7 @@ def _case(L=1500, hq=8, hkv=2, seed=0):
 def test_defaults():
     d = sp.SELECTION_DEFAULTS
     assert d["head_subgroups"] == 0 and d["dense_fraction"] == 0.85 and d["rule"] == "row_max"
-    assert d["alpha"] == 0.03
+    assert d["alpha"] == 0.003
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, math.nan])

@@ -234,7 +234,7 @@ def test_selection_defaults_come_from_the_library():
     function's keyword defaults (numpy API and torch wrappers) and the torch schemas are those."""
     import inspect
     D = sp.SELECTION_DEFAULTS
-    assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.03
+    assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.003
     assert D["head_subgroups"] == 0 and D["dense_fraction"] == 0.85
     c = dict(sp._C.selection_defaults())
     floats = ("rule", "alpha", "mean_alpha", "dense_fraction")  # float32 in C++, rounded to 7 digits in Python
