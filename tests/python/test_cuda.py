@@ -869,8 +869,9 @@ def test_probe_index_on_gpu_head_dims_dtypes_and_layouts(head_dim, dtype, padded
         gpu[1:3] = (torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)[..., :head_dim] for x in gpu[1:3])
         assert gpu[1].stride(1) * gpu[1].element_size() % 16 and torch.equal(gpu[1].cpu(), k)
     for rule, alpha in (("probe_row_max", 0.1), ("probe_row_max", 0.3), ("probe_row_mass", 0.2)):
-        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule, dense_fraction=1.0)
-        got = sp.build_index(*gpu, max(q_lens), max(k_lens), alpha=alpha, rule=rule, dense_fraction=1.0).to_host()
+        sel = dict(alpha=alpha, rule=rule, dense_fraction=1.0, head_subgroups=1)  # probe rows of a KV group
+        ref = sp.build_index(*cpu, max(q_lens), max(k_lens), **sel)
+        got = sp.build_index(*gpu, max(q_lens), max(k_lens), **sel).to_host()
         assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, rule
         assert _segments_differ(ref, got, len(q_lens), hkv) <= max(2, ref.kept_blocks // 200)
         assert abs(got.density - ref.density) <= 0.01

@@ -198,7 +198,7 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
     for c0 in range(0, max(lens), C):
         q, cu, used, mq, mk = _step(q8, lens, c0, C)
         last = all(c0 + C >= L for L in lens)
-        kw = dict(alpha=0.1, final_chunk=last, dense_fraction=1.0)
+        kw = dict(alpha=0.1, final_chunk=last, dense_fraction=1.0, head_subgroups=1)  # means per KV head
         gpu = (q.cuda(), kcg, vcg, cu.cuda(), None, mq, mk)
         cached = sp.build_index(*gpu, block_table=btg, seqused_k=used.cuda(), mean_cache=means, **kw, **ds_gpu)
         plain = sp.build_index(*gpu, block_table=btg, seqused_k=used.cuda(), **kw, **ds_gpu)

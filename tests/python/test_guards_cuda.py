@@ -206,7 +206,7 @@ def test_nan_policy_matches_the_cpu_reference():
     k[100, 1, 7] = np.nan
     bf = torch.bfloat16
     cpu = [torch.from_numpy(a).to(bf) for a in (q, k, v)] + [torch.from_numpy(cu_q), torch.from_numpy(cu_k)]
-    kw = dict(alpha=0.9, block_size=128, sink=0, window=0, last_n=0, dense_fraction=1.0)
+    kw = dict(alpha=0.9, block_size=128, sink=0, window=0, last_n=0, dense_fraction=1.0, head_subgroups=1)
     ref = sp.build_index(*cpu, 600, 600, **kw)
     got = sp.build_index(*[a.cuda() for a in cpu], 600, 600, **kw).to_host()
     # NaN tiles: every tile of KV head 1 (its block 0 has a NaN key: a NaN mean every tile sees) and the tile of

@@ -117,14 +117,14 @@ CASES = [  # q_lens, k_lens, hq, hkv
 def test_budget_that_fits_gives_the_default_index(q_lens, k_lens, hq, hkv, union):
     rng = np.random.default_rng()
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
-    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union, dense_fraction=1.0)
+    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, union=union, dense_fraction=1.0)
     ref_host = ref.to_host()
     assert ref.overflow_segments == 0 and ref_host.overflow_segments == 0 and 0 < ref.density <= 1
     assert union or ref.density < 1  # union lists cover every tile's list: density 1 on these inputs (H200)
     # Per-tile mode needs exactly the kept ids; union mode the per-tile lists (their kept ids, at most the union
     # blocks each tile sees: ref.kept_blocks) and then the unions (the host copy's ids: one list per sequence and head).
     budget = ref.kept_blocks if not union else ref.kept_blocks + ref_host.host["block_ids"].size
-    got = sp.build_index(*gpu, mq, mk, alpha=0.2, union=union, max_kept_blocks=budget, dense_fraction=1.0)
+    got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, union=union, max_kept_blocks=budget, dense_fraction=1.0)
     host = got.to_host()
     assert got.overflow_segments == 0 and host.overflow_segments == 0
     assert (got.kept_blocks, got.visible_blocks) == (ref.kept_blocks, ref.visible_blocks)
@@ -143,7 +143,7 @@ def test_zero_budget_overflows_every_segment_and_equals_dense(q_lens, k_lens, hq
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
     g = hq // hkv
     full = _full_lists(q_lens, k_lens, hkv, g)
-    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=0,
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, correction=correction, union=union, max_kept_blocks=0,
                          dense_fraction=1.0)
     assert idx.overflow_segments == len(full)                     # every segment (each sees a block here)
     assert idx.kept_blocks == idx.visible_blocks and idx.density == 1.0
@@ -156,7 +156,7 @@ def test_zero_budget_overflows_every_segment_and_equals_dense(q_lens, k_lens, hq
     _close_to(out, lse, dense, dense_lse)
     ws = torch.empty(sp.sparse_prefill_workspace_bytes(*gpu, mq, mk, union=union, correction=correction,
                                                        max_kept_blocks=0), dtype=torch.uint8, device="cuda")
-    out, lse = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=0,
+    out, lse = sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, head_subgroups=1, correction=correction, union=union, max_kept_blocks=0,
                                  workspace=ws, return_lse=True, dense_fraction=1.0)
     torch.cuda.synchronize()
     _close_to(out, lse, dense, dense_lse)
@@ -171,16 +171,16 @@ def test_partial_budget_lists_each_segment_in_full_or_as_selected(q_lens, k_lens
     gpu, mq, mk = _structured(rng, q_lens, k_lens, hq, hkv)
     g = hq // hkv
     full = _full_lists(q_lens, k_lens, hkv, g)
-    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, dense_fraction=1.0)
+    ref = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, correction=correction, union=union, dense_fraction=1.0)
     selected = _lists(ref.to_host())
     if union:
         # The per-tile lists all fit (their ids are the per-tile index's kept blocks), then the unions one short:
         # the first union to ask fits, the last does not.
-        per_tile = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, dense_fraction=1.0).kept_blocks
+        per_tile = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, correction=correction, dense_fraction=1.0).kept_blocks
         budget = per_tile + int(ref.to_host().host["block_ids"].size) - 1
     else:
         budget = ref.kept_blocks // 2  # segments take their ids in the order they finish: about half overflow
-    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, correction=correction, union=union, max_kept_blocks=budget,
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=1, correction=correction, union=union, max_kept_blocks=budget,
                          dense_fraction=1.0)
     host = idx.to_host()
     got = _lists(host)
