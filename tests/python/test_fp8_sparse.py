@@ -213,7 +213,7 @@ def test_fp8_chunked_mean_cache_on_gpu_equals_repooling():
     # (the steps ran without the correction, so their indexes have no V means; the cache has them)
     full = sp.build_index(q8, kc8, vc8, torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32), None,
                           max(lens), max(lens), block_table=bt, seqused_k=torch.tensor(lens, dtype=torch.int32),
-                          correction=True, **ds_cpu, dense_fraction=1.0)
+                          correction=True, **ds_cpu, dense_fraction=1.0, head_subgroups=1)
     km, vm, table = means[0].cpu().numpy(), means[1].cpu().numpy(), bt.numpy()
     for b, L in enumerate(lens):
         for J in range(L // 128):
