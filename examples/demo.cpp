@@ -26,6 +26,14 @@
 #include <cuda_runtime.h>
 #endif
 
+// SP_CUDA_REASON: why the library was built with or without the CUDA backend, in words (CMakeLists.txt writes it,
+// e.g. "no nvcc found", "SPARSE_PREFILL_CUDA=OFF", or scripts/demo.sh's "no GPU found ...").
+#if __has_include("sp_build_info.h")
+#include "sp_build_info.h"
+#else
+#define SP_CUDA_REASON "not recorded: built outside CMakeLists.txt"
+#endif
+
 namespace sp = sparse_prefill;
 
 namespace {
@@ -353,16 +361,17 @@ int main(int argc, char** argv) {
   }
   try {
 #ifdef SPARSE_PREFILL_WITH_CUDA
+    progress(std::string("built with the CUDA backend (") + SP_CUDA_REASON + ")");
     if (force_cpu) {
       progress("--cpu: skipping the GPU run");
     } else if (have_gpu()) {
       progress("GPU found: running the GPU path first (L=" + std::to_string(gpu_shape.seqlen) + ")");
       run_gpu(gpu_shape, sel, seed);
     } else {
-      progress("no GPU found: running the CPU reference backend only");
+      progress("no GPU found at run time (cudaGetDeviceCount): running the CPU reference backend only");
     }
 #else
-    progress("built without the CUDA backend (no nvcc, or SPARSE_PREFILL_CUDA=OFF): CPU reference backend only");
+    progress(std::string("built without the CUDA backend (") + SP_CUDA_REASON + "): CPU reference backend only");
 #endif
     run_cpu(cpu_shape, sel, seed);
   } catch (const std::exception& e) {

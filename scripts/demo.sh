@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The main job: installs dependencies, builds the demo, runs it. With an NVIDIA GPU (nvidia-smi -L lists one) it builds
-# the CUDA backend and runs the GPU path (dense attention, the GPU index stage, sparse attention at L=32768), then the
-# CPU reference backend on a small input; without one it builds the CPU backend only (no CUDA compile) and runs that.
+# the CUDA backend (where nvcc is found) and runs the GPU path (dense attention, the GPU index stage, sparse attention at
+# L=32768), then the CPU reference backend on a small input; without one it builds the CPU backend only (no CUDA
+# compile, even where nvcc is installed: nothing could run it) and runs that. The demo prints why it was built the way
+# it was (no GPU found / no nvcc / switched off).
 # Extra arguments go to the demo (bash scripts/demo.sh --help lists them, e.g. --seqlen 8192).
-# Build trees: ./build (with a GPU, shared with scripts/build.sh) or ./build-demo (CPU only, demo target only).
+# Build tree: ./build-demo (the library and the demo only: no Python extension, no tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "[demo.sh] $*"; }
@@ -11,17 +13,20 @@ say() { echo "[demo.sh] $*"; }
 say "checking dependencies (scripts/install_deps.sh)..."
 bash scripts/install_deps.sh | sed -u 's/^/[demo.sh]   /'
 
+dir=build-demo
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  say "GPU found: $(nvidia-smi -L | head -1); building with the CUDA backend"
-  dir=build
-  cfg=(-DSPARSE_PREFILL_CUDA=AUTO)
-  first="first time: several minutes, the CUDA kernels"
+  say "GPU found: $(nvidia-smi -L | head -1); building with the CUDA backend where nvcc is found"
+  cfg=(-DSPARSE_PREFILL_CUDA=AUTO -DSP_CUDA_OFF_REASON=)
+  first="first time: several minutes with CUDA (the kernels; ~11 min on 2 cores), about a minute without"
 else
-  say "no GPU found (nvidia-smi -L lists none): building the CPU reference backend only (CUDA is not compiled)"
-  dir=build-demo
-  cfg=(-DSPARSE_PREFILL_CUDA=OFF -DSPARSE_PREFILL_PYTHON=OFF -DSPARSE_PREFILL_TESTS=OFF)
+  nvcc_note=""
+  command -v nvcc >/dev/null && nvcc_note=", nvcc not used"
+  say "no GPU found (nvidia-smi -L lists none): building the CPU reference backend only$( [ -n "$nvcc_note" ] &&
+      echo " (nvcc is at $(command -v nvcc), but nothing here could run CUDA code)")"
+  cfg=(-DSPARSE_PREFILL_CUDA=OFF "-DSP_CUDA_OFF_REASON=no GPU found by scripts/demo.sh$nvcc_note")
   first="first time: about a minute"
 fi
+cfg+=(-DSPARSE_PREFILL_PYTHON=OFF -DSPARSE_PREFILL_TESTS=OFF)
 mkdir -p "$dir"
 log=$dir/demo-build.log
 gen=()
@@ -31,6 +36,7 @@ if ! cmake -S . -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFIL
       -DPython_EXECUTABLE="$(command -v "${PYTHON:-python3}")" "${cfg[@]}" > "$log" 2>&1; then
   tail -30 "$log"; say "configure failed (full log: $log)"; exit 1
 fi
+grep -E "CUDA backend (ON|OFF)" "$log" | sed 's/^-- /[demo.sh]   /' || true
 say "building ($first)..."
 t0=$SECONDS
 # Ninja/make progress lines only ([12/40] Building ...); everything else (ptxas register reports) goes to the log.
