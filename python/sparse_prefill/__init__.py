@@ -6,18 +6,18 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
                             causal=True, softmax_scale=None, window=(-1, -1), out=None, return_lse=True)
     out = sp.attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
                        block_table=block_table, seqused_k=seqused_k)                      # paged KV
-    index = sp.build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           alpha=0.1, rule='row_max', block_size=128, sink=256, window=512, last_n=2,
-                           correction=False)                            # = sp.SELECTION_DEFAULTS
+    index = sp.build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # selection keywords:
+                                  # help(sp.build_index), "Selection arguments"; their defaults: sp.SELECTION_DEFAULTS
     out = sp.sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=0.1)
+    out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)   # both in one call
     out = sp.chunked_prefill(q_chunk, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk,
                              max_cache, final_chunk=False)                              # one chunked-prefill step
     means = sp.mean_cache(k_cache, block_size=128)      # pooled-means cache: pass mean_cache=means to every step
     q, k, v = sp.workload.topic(8192, num_q_heads=32, num_kv_heads=8, head_dim=128, seed=0)
 
-CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it exists (otherwise
-NotImplementedError). See sparse_prefill._api for shapes, masking and error conventions.
+CPU arrays run the exact CPU reference backend; CUDA arrays run the CUDA backend where it implements the call
+(otherwise NotImplementedError). Every function documents its arguments (help(sp.attention));
+sparse_prefill._api holds the shapes, masking and error conventions.
 
 dtypes: q/k/v are float32 (CPU only), float16 or bfloat16 (or float8_e4m3fn, or its uint8 bit patterns with
 qkv_dtype='float8_e4m3fn' for array libraries without float8); float64 is refused with a TypeError naming the

@@ -78,6 +78,7 @@ class LaunchOptions:
     """CUDA kernel choices the library otherwise makes from the shapes, for A/B benchmarks and tests (the defaults are
     the measured best, bench/NOTES.md). Pass as `options=` to any compute function; ignored on the CPU.
 
+    Args:
     dense_path: 'auto' (the dense kernel, except short queries against long keys: PackGQA tiles with split-KV below
         half a wave of dense tiles), 'dense' (always the dense kernel) or 'split_kv' (PackGQA tiles with split-KV
         wherever that path applies: head dim 128, no window, more keys than queries, pages of a multiple of 64).
@@ -132,6 +133,10 @@ def check_errors(stream=None) -> None:
     torch.cuda.Stream or a cupy Stream also work) on the current device, and raises ValueError naming the argument,
     e.g. "seqused_k: seqused_k[0] = 5000 exceeds the 16 rows that block_table row 0's pages hold (detected on the
     device)", with `.argument` set. It reports violations from every stream of the device. A no-op without CUDA.
+
+    Args:
+        stream: the stream to synchronise: None (the current torch stream), an int handle, a torch.cuda.Stream or a
+            cupy Stream.
     """
     if not bool(_C.with_cuda):
         return

@@ -9,7 +9,11 @@ from ._call import LaunchOptions, _Call, _as_bool, _as_int32, _kv_arrays
 
 
 def attention_workspace_bytes(head_dim: int = 128) -> int:
-    """Bytes of the `workspace` that attention() may use on the current CUDA device (0 without a CUDA build or GPU)."""
+    """Bytes of the `workspace` that attention() may use on the current CUDA device (0 without a CUDA build or GPU).
+
+    Args:
+        head_dim: D of the calls the workspace serves (default 128).
+    """
     return int(_C.attention_workspace_bytes(_as_int32("head_dim", head_dim)))
 
 
@@ -50,9 +54,11 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
             [B, Hkv] arrays of any strides (0 broadcasts a per-tensor scale), the factor each stored value is
             multiplied by (query head h uses column h // (Hq // Hkv), FA3's convention); None = 1. Refused for other
             dtypes. The same keywords exist on build_index, sparse_attention, sparse_prefill and chunked_prefill.
-            FP8 runs on the CPU reference (the exact math on the dequantised values) and, on CUDA, the dense FP8
-            kernel for head dim 128 (contiguous KV or page_size % 64 == 0); other CUDA FP8 combinations (head dim
-            64, other page sizes, the sparse functions) raise NotImplementedError.
+            FP8 runs on the CPU reference (the exact math on the dequantised values) and, on CUDA, on the FP8
+            kernels for head dim 128 with contiguous KV or page_size % 64 == 0: dense here, block-sparse in
+            sparse_attention, sparse_prefill and chunked_prefill (the CUDA index stage of build_index takes FP8 at
+            head dim 128 with any page size); other CUDA FP8 combinations (head dim 64, other page sizes) raise
+            NotImplementedError (docs/semantics.md, "FP8 inputs").
         qkv_dtype: None (default: q, k, v are what their dtype says) or 'float8_e4m3fn' (or torch.float8_e4m3fn):
             q, k and v are uint8 arrays of float8_e4m3fn bit patterns, for array libraries without float8 (numpy,
             cupy; sp.quantize_fp8 of a numpy array makes them). They are read as float8_e4m3fn without a copy, so
@@ -76,7 +82,12 @@ def attention_path(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    window: Tuple[int, int] = (-1, -1), block_table=None, seqused_k=None,
                    options: Optional[LaunchOptions] = None, qkv_dtype=None) -> str:
     """Which kernel attention() runs for these arguments: 'dense' (one 128-row tile per query head) or 'split_kv'
-    (PackGQA tiles with split-KV; CUDA only). For tests and benchmarks; reads shapes only."""
+    (PackGQA tiles with split-KV; CUDA only). For tests and benchmarks; reads shapes only.
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, block_table, seqused_k,
+            options, qkv_dtype: as in attention().
+    """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     return str(_C.attention_path(call.inputs(max_seqlen_q, max_seqlen_k, causal, None, window, 0, options)))
 

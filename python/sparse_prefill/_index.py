@@ -20,7 +20,8 @@ SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # 
                           dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
                           rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
 """The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
-rule, block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these."""
+rule, block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these; what
+each argument means: build_index(), "Selection arguments"."""
 _D = SELECTION_DEFAULTS
 
 
@@ -160,6 +161,13 @@ class Index:
         return np.concatenate([[0], np.cumsum(self.tiles * self.num_kv_heads)]).astype(np.int64)
 
     def segment_id(self, b: int, kv_head: int, tile: int) -> int:
+        """The id of segment (b, kv_head, tile): segment_offsets[b] + kv_head * tiles[b] + tile.
+
+        Args:
+            b: sequence, in [0, B).
+            kv_head: KV head (a virtual one with head_subgroups > 1), in [0, num_kv_heads).
+            tile: query tile of sequence b, in [0, tiles[b]).
+        """
         b, kv_head, tile = (_as_int(n, x) for n, x in (("b", b), ("kv_head", kv_head), ("tile", tile)))
         tiles = self.tiles
         if not 0 <= b < len(tiles):
@@ -171,7 +179,11 @@ class Index:
         return int(self.segment_offsets[b] + kv_head * tiles[b] + tile)
 
     def segment(self, b: int, kv_head: int, tile: int) -> np.ndarray:
-        """The kept block ids (ascending, per-sequence numbering) of sequence b, KV head kv_head, query tile tile."""
+        """The kept block ids (ascending, per-sequence numbering) of one segment; a host index only (to_host() first).
+
+        Args:
+            b, kv_head, tile: the segment, as in segment_id().
+        """
         s = self.segment_id(b, kv_head, tile)
         h = self.host
         lo, hi = int(h["segment_start"][s]), int(h["segment_end"][s])
@@ -258,70 +270,85 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
-    s_rJ = scale * q_r . kmean_J. rule (how the scores are thresholded):
-      'row_max' (default): with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see
-          J of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top block of at least one row;
-      'tile_energy' (FlashPrefill V2): keep J iff E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, M_I the
-          tile's maximum score. It loses 47 points of copy top-1 at 8K on a real LM (SmolLM2-135M), row_max 2
-          (bench/accuracy/NOTES.md): a block that only a few rows need, with low scores of their own, drowns in the
-          tile-wide sum.
-      'probe_row_max' (CUDA: ~1/8 of dense attention's QK^T, twice, on tensor cores; slower than dense at 8K): the
-          row_max test on the exact
-          softmax log-mass of each block for the probe rows (every 8th query of the sequence and its last one, all
-          heads), plus the pooled-means row_max test at `mean_alpha` (default 0.5) for the other rows
-          (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one strong key of a block that pooled means
-          dilute 128x.
-      'probe_row_mass' (CUDA: the same probe pass and cost as 'probe_row_max'): 'probe_row_max' with the probe
-          rows' test against the row's whole mass: J passes iff it holds at least alpha of a probe row's softmax
-          probability (alpha ~0.05), so a diffuse row keeps none of its many equal blocks
-          (SelectionRule::kProbeRowMass; bench/accuracy/NOTES.md: alpha 0.05, mean_alpha 0.8 and one selection per
-          query head kept the retrieval model at 100 % at density 0.37 at 32K and SmolLM2 within 0.5 % NLL and
-          1 point at 0.35-0.38 at 8K, on CUDA; the probe pass makes it slower than dense below ~32K).
-    Always kept under either rule: the blocks of the first `sink` tokens, the blocks meeting the `window` tokens
-    before each query, and every visible block for the last `last_n` tiles of each sequence. alpha=0 keeps every
-    visible block (sparse_attention then equals attention). The defaults are SELECTION_DEFAULTS.
+    s_rJ = scale * q_r . kmean_J; the selection `rule` thresholds these scores per tile (see "Selection arguments").
+    alpha=0 keeps every visible block (sparse_attention then equals attention).
 
-    KV arguments are those of attention() (contiguous, or paged with block_table/seqused_k and cu_seqlens_k=None;
-    FP8 with the descales, or as uint8 bit patterns with qkv_dtype='float8_e4m3fn').
-    `window` here is the selection's local window in tokens (an int), not attention()'s (left, right) mask.
-    block_size must be a positive multiple of 64. `correction` (default off) is recorded in the index:
-    sparse_attention then adds, for every dropped block fully visible to the whole tile, one virtual key kmean_J with
-    value vmean_J and weight |B_J|; only then does the index hold v_mean (else None: V is not pooled). It halves the
-    error on the structured workload but changed nothing measurable on SmolLM2 (the mean logit underestimates a
-    peaked block's mass) and costs +30 % (32K) to +66 % (128K) of the sparse attention time, hence off by default.
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
+            seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention() (contiguous KV,
+            or paged with block_table / seqused_k and cu_seqlens_k=None; FP8 with the descales, or as uint8 bit
+            patterns with qkv_dtype='float8_e4m3fn'). attention()'s `window` mask does not apply here.
+        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
+            final_chunk, union, max_kept_blocks: see "Selection arguments" below.
+        workspace: CUDA inputs only: a 1-D array of q's library on q's device of at least index_workspace_bytes(...)
+            bytes, 256-byte aligned, in which the index lives (the call then allocates nothing and can be captured in
+            a CUDA graph; the index lives there until the buffer is reused). Default: a workspace array allocated in
+            q's library.
+        mean_cache: paged KV on CUDA: the pooled-means cache of mean_cache(), as for chunked_prefill().
 
-    Chunked prefill (queries = the last C positions of each sequence, k/v = its whole cache): `final_chunk=False`
-    for a chunk that does not end its prompt (the last_n dense tail tiles are for the prompt's final queries only);
-    `union=True` returns one list per (sequence, KV head), the union of its tiles' lists (CompactAttention; mode
-    'union'), built in the same call.
-
-    head_subgroups (S; must divide g = Hq // Hkv): splits each GQA group into S sub-groups of g // S query heads,
-    each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds query heads
-    [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads, group_size, segments and means
-    are over these virtual heads). In union mode the union is then per sub-group rather than over the whole group.
-    0 (the default) is S = g, one selection per query head (the index then reports head_subgroups = g); 1 is one
-    selection per KV group.
-
-    dense_fraction (default 0.85, in (0, 1]): the dense rule. A call whose selection keeps at least this fraction of
-    its visible blocks keeps them all (density 1, every segment its full list): near full density the sparse kernel
-    costs what dense attention costs, so the last few percent are not worth pruning. On CUDA a one-shot launch over
-    such an index then runs the dense kernel, decided on the device. 1 turns the rule off.
-
-    CUDA inputs: the index stays on the device (Index.on_device), in `workspace` when given (a 1-D array of q's
-    library on q's device of at least index_workspace_bytes(...) bytes, 256-byte aligned: the call then allocates
-    nothing and can be captured in a CUDA graph; the index lives there until the buffer is reused) or else in a
-    workspace array allocated in q's library. mean_cache (paged KV): as for chunked_prefill().
-
-    max_kept_blocks (CUDA; None or an int in [0, 2^31 - 1]): the device index's budget of block ids, 4 bytes each in
-    the workspace. None: the causal bound, room for any selection (each segment at most the blocks its tile's last
-    row sees; 67 MB at 128K with Hq 32, Hkv 8, 4.3 GB at 1M). A budget makes the workspace follow the kept blocks
-    (e.g. a few times the density you run at times the causal bound): segments take their ids in the order their
-    CTAs finish, and one that no longer fits runs its full list (every block its tile sees: the output stays exact,
-    that tile runs at dense cost), counted by index.overflow_segments. In union mode the per-tile lists and the
-    unions share the budget. Ignored by the CPU reference (validated all the same).
+    Selection arguments. The one place they are documented: sparse_prefill(), chunked_prefill(), the
+    *_workspace_bytes() functions, torch.ops.sparse_prefill.* and the engine adapters take the same ones. The
+    defaults written here are sp.SELECTION_DEFAULTS, read from the C++ SelectionParams{} (tests/python/test_docs.py
+    checks that the two agree).
+        alpha (default 0.03): the threshold of the rule, in [0, 1]; 0 keeps every visible block.
+        rule (default 'row_max'): how the scores are thresholded:
+            'row_max': with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see J
+                of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top block of at least one
+                row;
+            'tile_energy' (FlashPrefill V2): keep J iff E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, M_I the
+                tile's maximum score. On a real LM (SmolLM2-135M) it loses far more accuracy than 'row_max'
+                (bench/accuracy/NOTES.md): a block that only a few rows need drowns in the tile-wide sum;
+            'probe_row_max': the 'row_max' test on the exact softmax log-mass of each block for the probe rows
+                (every 8th query of the sequence and its last one, all heads), plus the pooled-means 'row_max' test
+                at `mean_alpha` for the other rows (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one
+                strong key of a block that pooled means dilute 128x. On CUDA its probe pass costs ~1/8 of dense
+                attention's QK^T, twice, on tensor cores (bench/NOTES_index.md);
+            'probe_row_mass': 'probe_row_max' with the probe rows' test against the row's whole mass: J passes iff
+                it holds at least alpha of a probe row's softmax probability (alpha ~0.05), so a diffuse row keeps
+                none of its many equal blocks (SelectionRule::kProbeRowMass; accuracy and cost:
+                bench/accuracy/NOTES.md, bench/NOTES_index.md).
+        mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
+            by 'row_max' and 'tile_energy').
+        block_size (default 128): key block size in tokens, a positive multiple of 64 (CUDA sparse attention:
+            a multiple of 128).
+        sink (default 256): the blocks of the first `sink` tokens are always kept.
+        window (default 512): the blocks meeting the `window` tokens before each query are always kept (an int, the
+            selection's local window; not attention()'s (left, right) mask).
+        last_n (default 2): every visible block is kept for the last `last_n` query tiles of each sequence (they
+            run dense); only in a final chunk, see final_chunk.
+        correction (default False): recorded in the index: sparse_attention then adds, for every dropped block fully
+            visible to the whole tile, one virtual key kmean_J with value vmean_J and weight |B_J|; only then does
+            the index hold v_mean (else None: V is not pooled). It halves the error on the structured workload but
+            changed nothing measurable on SmolLM2 (the mean logit underestimates a peaked block's mass) and costs
+            +30 % (32K) to +66 % (128K) of the sparse attention time on the H200 (bench/NOTES_sparse.md).
+        head_subgroups (default 0): S, dividing g = Hq // Hkv: splits each GQA group into S sub-groups of g // S
+            query heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds
+            query heads [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads,
+            group_size, segments and means are over these virtual heads). In union mode the union is then per
+            sub-group rather than over the whole group. 0 means S = g, one selection per query head (the index then
+            reports head_subgroups = g); 1 is one selection per KV group.
+        dense_fraction (default 0.85): the dense rule, in (0, 1]: a call whose selection keeps at least this fraction
+            of its visible blocks keeps them all (density 1, every segment its full list): near full density the
+            sparse kernel costs what dense attention costs, so the last few percent are not worth pruning. On CUDA
+            a one-shot launch over such an index then runs the dense kernel, decided on the device. 1 turns the
+            rule off.
+        final_chunk (default True; chunked_prefill() requires it): chunked prefill (queries = the last C positions of
+            each sequence, k/v = its whole cache): False for a chunk that does not end its prompt (the last_n dense
+            tail tiles are for the prompt's final queries only).
+        union (default False): one list per (sequence, KV head), the union of its tiles' lists (CompactAttention;
+            the index's mode 'union'), built in the same call; else per-tile lists (FlashPrefill V2).
+        max_kept_blocks (default None; CUDA; None or an int in [0, 2^31 - 1]): the device index's budget of block
+            ids, 4 bytes each in the workspace. None: the causal bound, room for any selection (each segment at most
+            the blocks its tile's last row sees; 67 MB at 128K with Hq 32, Hkv 8, 4.3 GB at 1M). A budget makes the
+            workspace follow the kept blocks (e.g. a few times the density you run at times the causal bound):
+            segments take their ids in the order their CTAs finish, and one that no longer fits runs its full list
+            (every block its tile sees: the output stays exact, that tile runs at dense cost), counted by
+            index.overflow_segments. In union mode the per-tile lists and the unions share the budget. Ignored by the
+            CPU reference (validated all the same); pass the same value to the *_workspace_bytes() functions.
 
     Returns:
-        Index (see its docstring); `index.density` is kept / visible blocks.
+        Index (see its docstring); `index.density` is kept / visible blocks. CPU inputs give a host index; CUDA inputs
+        an index that stays on the device (Index.on_device; index.to_host() copies it).
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
@@ -349,8 +376,15 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
                           head_subgroups: int = _D["head_subgroups"], causal: bool = True, softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, qkv_dtype=None, **selection) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
-    0 for CPU arrays. Takes build_index()'s arguments; the ones that do not change the size may be left out
-    (max_kept_blocks does: pass the build's own)."""
+    0 for CPU arrays.
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
+            softmax_scale, options, qkv_dtype: as in build_index() (shapes are read, not values).
+        block_size, union, head_subgroups, **selection: the selection arguments of the build (build_index(),
+            "Selection arguments"); those that do not change the size may be left out, max_kept_blocks does (pass
+            the build's own).
+    """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
     sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
@@ -367,7 +401,13 @@ def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    head_subgroups: int = _D["head_subgroups"], causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
                                    qkv_dtype=None, **selection) -> int:
-    """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays."""
+    """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays.
+
+    Args:
+        as index_workspace_bytes(): sparse_prefill()'s arrays and selection arguments (build_index(), "Selection
+        arguments"); q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, block_table,
+        seqused_k, union, head_subgroups, causal, softmax_scale, options, qkv_dtype, **selection.
+    """
     return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
                                  head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
@@ -378,7 +418,13 @@ def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_tab
                                     max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
                                     head_subgroups: int = _D["head_subgroups"], options: Optional[LaunchOptions] = None,
                                     qkv_dtype=None, **selection) -> int:
-    """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays."""
+    """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays.
+
+    Args:
+        as index_workspace_bytes() with chunked_prefill()'s arrays: q, k_cache, v_cache, cu_seqlens_q, block_table,
+        seqused_k, max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, options, qkv_dtype, **selection
+        (build_index(), "Selection arguments").
+    """
     return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
                                  head_subgroups=head_subgroups, options=options, qkv_dtype=qkv_dtype, **selection)
@@ -390,9 +436,17 @@ def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
                 stream=None, qkv_dtype=None) -> Index:
     """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
     its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union'). With
-    index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group.
+    index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group. Computed on the host
+    from CPU arrays (CUDA arrays raise NotImplementedError: build_index(..., union=True) builds the union on the GPU).
 
-    Pass the inputs `index` was built from (the shapes and lengths are needed to lay the segments out).
+    Args:
+        index: an Index from build_index() in tile mode.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
+            seqused_k, stream, qkv_dtype: the inputs `index` was built from, as in build_index() (the shapes and
+            lengths lay the segments out).
+
+    Returns:
+        a host Index in mode 'union'.
     """
     if not isinstance(index, Index):
         raise TypeError(f"index: expected a sparse_prefill.Index, got {type(index).__name__}")
@@ -407,9 +461,15 @@ def pool_kv(k, v, cu_seqlens_k, block_size: int = 128, max_seqlen_k: Optional[in
             seqused_k=None, stream=None, qkv_dtype=None):
     """Pooled block means of K and V: block J of sequence b averages its keys (a tail block its valid keys).
 
-    Contiguous (k, v [total_k, Hkv, D] + cu_seqlens_k) or paged (k, v [num_pages, page_size, Hkv, D] + block_table +
-    seqused_k, cu_seqlens_k=None) KV. max_seqlen_k defaults to the longest sequence (read from the host). qkv_dtype as
-    in attention() (uint8 k, v of float8_e4m3fn bit patterns).
+    Args:
+        k, v: contiguous [total_k, Hkv, D] (with cu_seqlens_k) or paged [num_pages, page_size, Hkv, D] (with
+            block_table and seqused_k, cu_seqlens_k=None).
+        cu_seqlens_k: [B+1] int32 offsets (contiguous KV), else None.
+        block_size: tokens per block (default 128).
+        max_seqlen_k: bound on the key lengths; default the longest sequence (read on the host).
+        block_table, seqused_k: paged KV, as in attention().
+        stream: as in attention().
+        qkv_dtype: as in attention() (uint8 k, v of float8_e4m3fn bit patterns).
 
     Returns:
         (k_mean, v_mean, cu_blocks): [total_blocks, Hkv, D] float32 twice and [B+1] int32 block offsets, in k's

@@ -18,7 +18,12 @@ def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seq
                                      softmax_scale: Optional[float] = None,
                                      options: Optional[LaunchOptions] = None, qkv_dtype=None) -> int:
     """Bytes of the `workspace` of sparse_attention() over a host index with CUDA arrays (0 for a device index, which
-    carries its own, and for CPU arrays)."""
+    carries its own, and for CPU arrays).
+
+    Args:
+        q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
+            softmax_scale, options, qkv_dtype: as in sparse_attention() (shapes are read, not values).
+    """
     _check_index(index)
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     if index.on_device or not call.lib.cuda:
@@ -41,12 +46,22 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     """Attention over the blocks listed in `index` (token-level causal masking still applies), plus the mean
     correction for the dropped, fully visible blocks when index.correction is set.
 
-    The KV arguments (the FP8 descales and qkv_dtype included) are those of attention(). `index` must come from
-    build_index() or union_index() on these very arrays (its binding is checked: a different mask, scale, shape,
-    length bound or array raises an error naming the argument); reuse_index=True applies it to other arrays of the same problem (e.g. another layer's K/V).
-    A device index is read in place; a host index with CUDA arrays is copied to the device once (cached) and
-    prepared in `workspace` (sparse_attention_workspace_bytes(...)) or a stream-ordered temporary.
-    Returns out, or (out, lse) when return_lse is True.
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
+            block_table, seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention()
+            (no sliding-window mask here).
+        index: an Index from build_index() or union_index() on these very arrays: its binding is checked (a
+            different mask, scale, shape, length bound or array raises an error naming the argument). A device
+            index is read in place; a host index with CUDA arrays is copied to the device once (cached).
+        workspace: CUDA arrays with a host index: at least sparse_attention_workspace_bytes(...) bytes on q's device,
+            where the host index is prepared (default: a stream-ordered temporary). A device index carries its own:
+            passing one then is an error.
+        reuse_index: True applies the index to other arrays of the same problem (e.g. another layer's K/V): the
+            arrays' addresses are then not checked; the problem (mask, scale, head geometry, lengths, dtype) still
+            must match (docs/engine.md).
+
+    Returns:
+        out, or (out, lse) when return_lse is True.
     """
     _check_index(index)
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
@@ -79,18 +94,25 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                    max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
                    dense_fraction: float = _D["dense_fraction"]):
-    """build_index() + sparse_attention() in one call (same arguments as the two; rule, mean_alpha and max_kept_blocks
-    as in build_index(): with a budget, pass the same max_kept_blocks to sparse_prefill_workspace_bytes()).
+    """Block-sparse prefill in one call: build_index() + sparse_attention(). On CUDA the index never leaves the
+    device and no host synchronisation happens.
 
-    final_chunk, union and head_subgroups as in build_index() (chunked prefill; head_subgroups splits each GQA group
-    into sub-groups selected, and in union mode unioned, on their own). mean_cache: the pooled-means cache of a paged KV
-    cache (see mean_cache() and chunked_prefill()), read for the blocks before each chunk and written for the blocks
-    the chunk completes. On CUDA the index never leaves the device: it lives in `workspace` (at least
-    sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned; the call then allocates nothing and can be captured
-    in a CUDA graph) or else in a stream-ordered temporary; no host synchronisation either way. return_index=True
-    returns the index as well (build_index() + sparse_attention(); on CUDA a device index).
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
+            block_table, seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention()
+            (no sliding-window mask here).
+        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
+            final_chunk, union, max_kept_blocks: the selection; see build_index(), "Selection arguments" (with a
+            max_kept_blocks budget, pass the same value to sparse_prefill_workspace_bytes()).
+        mean_cache: the pooled-means cache of a paged KV cache (mean_cache(); see chunked_prefill()), read for the
+            blocks before each chunk and written for the blocks the chunk completes.
+        workspace: CUDA: at least sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned, holding the index and
+            its launch state (the call then allocates nothing and can be captured in a CUDA graph); default: a
+            stream-ordered temporary.
+        return_index: also return the index (runs build_index() + sparse_attention(); on CUDA a device index).
 
-    Returns out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
+    Returns:
+        out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
     sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                           rule, max_kept_blocks, mean_alpha, dense_fraction)
@@ -140,8 +162,13 @@ class MeanCache(tuple):
 
 
 def mean_cache(k_cache, block_size: int = 128):
-    """A pooled-means cache for the paged KV cache `k_cache` [num_pages, page_size, Hkv, D]: the pair
-    (k_mean, v_mean) of zeroed float32 arrays [mean_cache_slots, Hkv, D] in k_cache's library, on its device.
+    """A pooled-means cache for a paged KV cache: the pair (k_mean, v_mean) of zeroed float32 arrays
+    [mean_cache_slots, Hkv, D] in k_cache's library, on its device (a MeanCache).
+
+    Args:
+        k_cache: the paged key cache [num_pages, page_size, Hkv, D] (torch, cupy or numpy; not jax: the cache is
+            written in place).
+        block_size: the selection's block size (default 128); page_size and block_size must divide one another.
 
     Pass it to every chunked_prefill() step of the prompts that use these pages (from their first chunk on): each
     step then reads the means of the blocks earlier chunks completed and pools only the blocks its own chunk completes
@@ -182,26 +209,36 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
 
-    final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles run
-    dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. union: one block list per
-    (sequence, KV head), the union of its tiles' lists (CompactAttention), else per-tile lists (FlashPrefill V2;
-    faster on all 36 measured steps of bench/results/chunked_h200.json, hence the default). head_subgroups (S, dividing Hq // Hkv): each GQA group
-    is split into S sub-groups of query heads selected on their own, so in union mode the union is per (sequence,
-    sub-group) instead of over the whole group (CompactAttention's option for large groups; on the topic workload
-    at 128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json). rule: as in
-    build_index() ('row_max', the default, 'tile_energy', or 'probe_row_max' / 'probe_row_mass' with their
-    mean_alpha). Everything else is sparse_prefill()'s (max_kept_blocks: the device index's budget, build_index()).
-
-    mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
-    chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
-    completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
-
-    workspace (CUDA): at least chunked_prefill_workspace_bytes(...) bytes, allocated once and passed to every step on
-    one stream: the step then allocates nothing, never synchronises and can be captured in a CUDA graph.
+    Args:
+        q: [total_q, Hq, D] the chunks' queries.
+        k_cache, v_cache: the paged cache [num_pages, page_size, Hkv, D].
+        cu_seqlens_q: [B+1] int32 offsets of the chunks in q.
+        block_table, seqused_k: [B, max_pages] page ids and [B] cache lengths (the chunk included), as in attention().
+        max_seqlen_q, max_seqlen_k: bounds on the chunk and cache lengths.
+        final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles
+            run dense (they serve the prompt's final queries); mid-prompt chunks skip that tail.
+        union: one block list per (sequence, KV head), the union of its tiles' lists (CompactAttention), else
+            per-tile lists (FlashPrefill V2; faster on all 36 measured steps of bench/results/chunked_h200.json,
+            hence the default).
+        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
+            max_kept_blocks: the selection; see build_index(), "Selection arguments". With head_subgroups > 1 the union is per (sequence,
+            sub-group) (CompactAttention's option for large groups; on the topic workload at 128K it lowered the
+            union density by a few % only, bench/results/chunked_subgroups_h200.json).
+        mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
+            chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
+            completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
+        workspace: CUDA: at least chunked_prefill_workspace_bytes(...) bytes, allocated once and passed to every
+            step on one stream: the step then allocates nothing, never synchronises and can be captured in a CUDA
+            graph.
+        softmax_scale, out, return_lse, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in
+            attention().
 
     Checks beyond attention()'s: for host arrays, every chunk fits in its cache (chunk length <= seqused_k[b]) and
     max_seqlen_k bounds the cache lengths. Device arrays are trusted, as cu_seqlens are (reading them would
     synchronise).
+
+    Returns:
+        out, or (out, lse) when return_lse is True.
     """
     final_chunk = _as_bool("final_chunk", final_chunk)
     union = _as_bool("union", union)

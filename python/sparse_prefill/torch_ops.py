@@ -446,7 +446,16 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
               softmax_scale: Optional[float] = None, window: Tuple[int, int] = (-1, -1), out=None,
               return_lse: bool = False, block_table=None, seqused_k=None,
               q_descale=None, k_descale=None, v_descale=None):
-    """sparse_prefill.attention through torch.ops.sparse_prefill.attention(_out). Returns out, or (out, lse)."""
+    """sparse_prefill.attention through torch.ops.sparse_prefill.attention(_out) (torch tensors; the current torch
+    stream; the workspace from torch's allocator).
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, out,
+            return_lse, block_table, seqused_k, q_descale, k_descale, v_descale: as in sparse_prefill.attention().
+
+    Returns:
+        out, or (out, lse) when return_lse is True.
+    """
     if out is None:
         out, lse = _attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                  softmax_scale, window, return_lse, block_table, seqused_k,
@@ -467,7 +476,16 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    mean_alpha: float = _D["mean_alpha"],
                     dense_fraction: float = _D["dense_fraction"]):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
-    Returns out, or (out, lse)."""
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
+            block_table, seqused_k, mean_cache, q_descale, k_descale, v_descale: as in sparse_prefill.sparse_prefill().
+        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
+            final_chunk, union: the selection; see sparse_prefill.build_index(), "Selection arguments".
+
+    Returns:
+        out, or (out, lse) when return_lse is True.
+    """
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
@@ -490,8 +508,18 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     head_subgroups: int = _D["head_subgroups"], rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
                     mean_alpha: float = _D["mean_alpha"],
                     dense_fraction: float = _D["dense_fraction"]):
-    """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out). Returns out, or
-    (out, lse)."""
+    """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out).
+
+    Args:
+        q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk, union,
+            softmax_scale, out, return_lse, mean_cache, q_descale, k_descale, v_descale: as in
+            sparse_prefill.chunked_prefill().
+        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction: the
+            selection; see sparse_prefill.build_index(), "Selection arguments".
+
+    Returns:
+        out, or (out, lse) when return_lse is True.
+    """
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,

@@ -33,10 +33,18 @@ def topic(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: i
     """The "topic" workload: per KV head h and key block J a topic t[h, J] ~ N(0, I); K[i, h] = t[h, i // block] +
     N(0, I); V ~ N(0, I); query group p (block consecutive positions) of KV head h draws `targets` target blocks
     uniformly from [0, max(p, 1)) and Q[i, h*g + j] = sum of the targets' topics + N(0, I) for each head j of the
-    group. With the default selection its density falls with length (measured with this project's selection: 26 % at
-    8K, 1.9 % at 128K for the Llama-3.1-8B head shape).
+    group. The selected density falls with length (bench/results/sparse_h200.json records it per length, with the
+    selection it was measured at).
 
-    Returns (q, k, v) as float32 numpy arrays.
+    Args:
+        seqlen: sequence length L (a multiple of `block` keeps every topic block whole).
+        num_q_heads, num_kv_heads, head_dim: Hq, Hkv (dividing Hq), D.
+        seed: >= 0; the same seed gives the same arrays.
+        block: tokens per topic block (and per query group).
+        targets: target blocks drawn per query group.
+
+    Returns:
+        (q, k, v) as float32 numpy arrays: q [L, Hq, D], k and v [L, Hkv, D].
     """
     seed = _seed(seed)
     return _C.workload_topic(_as_int("seqlen", seqlen), _as_int("num_q_heads", num_q_heads),
@@ -55,7 +63,11 @@ def _knobs(knobs: dict) -> dict:
 
 
 def structured_defaults() -> dict:
-    """The default knobs of the structured workload (StructuredParams in include/sparse_prefill/workload.h)."""
+    """The default knobs of the structured workload (StructuredParams in include/sparse_prefill/workload.h).
+
+    Returns:
+        a dict knob name -> default value.
+    """
     return dict(_C.workload_structured_defaults())
 
 
@@ -66,7 +78,12 @@ def structured(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_d
     and docs/workload.md). Keyword arguments override its knobs by name (structured_defaults() lists them), e.g.
     structured(8192, needles=4, needle_logit=12.0).
 
-    Returns (q, k, v) as float32 numpy arrays.
+    Args:
+        seqlen, num_q_heads, num_kv_heads, head_dim, seed: as in topic().
+        **knobs: the workload's knobs by name (structured_defaults() lists them; an unknown name is a TypeError).
+
+    Returns:
+        (q, k, v) as float32 numpy arrays: q [L, Hq, D], k and v [L, Hkv, D].
     """
     seed = _seed(seed)
     return _C.workload_structured(_as_int("seqlen", seqlen), _as_int("num_q_heads", num_q_heads),
@@ -77,6 +94,9 @@ def structured(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_d
 def needle_positions(seqlen: int, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, seed: int = 0,
                      **knobs) -> List[dict]:
     """The retrieval needles structured(...) plants for the same arguments (cheap: no tensors are generated).
+
+    Args:
+        seqlen, num_q_heads, num_kv_heads, head_dim, seed, **knobs: as in structured().
 
     Each needle is a dict: kv_head, key_begin, key_end, query_begin, query_end (positions, key_end <= query_begin)
     and value (float32 [head_dim]): the queries [query_begin, query_end) of the query heads of kv_head match the keys

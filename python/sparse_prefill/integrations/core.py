@@ -51,8 +51,9 @@ _FALLBACK = ("sdpa", "raise")
 
 @dataclasses.dataclass
 class SparsePrefillConfig:
-    """What the adapters run. Selection fields default to the library's defaults (see library_selection_defaults);
-    the engine fields:
+    """What the adapters run. The selection fields (alpha, block_size, sink, window, last_n, correction, rule, union,
+    head_subgroups, mean_alpha, dense_fraction) mean what sparse_prefill.build_index()'s "Selection arguments" say and default to the
+    library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the engine fields:
 
     dense_layers: the first N layers always run dense attention (accuracy: early layers attend broadly).
     min_sparse_q_len: a call runs sparse only when its longest query row (chunk) has at least this many tokens;
@@ -101,7 +102,15 @@ class SparsePrefillConfig:
     # -- loading ------------------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, config_file: Optional[str] = None, environ: Optional[dict] = None, **kwargs) -> "SparsePrefillConfig":
-        """kwargs > SPARSE_PREFILL_* variables > JSON file (config_file or $SPARSE_PREFILL_CONFIG) > library defaults."""
+        """The adapters' settings, each from the first place that sets it: kwargs > SPARSE_PREFILL_<FIELD> variables
+        > JSON file (config_file or $SPARSE_PREFILL_CONFIG) > library defaults. Engines start the adapters in their
+        own processes, so their settings travel as variables or a file (docs/integrations.md).
+
+        Args:
+            config_file: a JSON object of settings (field -> value); default $SPARSE_PREFILL_CONFIG, if set.
+            environ: the variables to read (default os.environ).
+            **kwargs: settings by field name (the fields of SparsePrefillConfig); an unknown name is a TypeError.
+        """
         env = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict = {}

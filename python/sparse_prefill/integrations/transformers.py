@@ -38,7 +38,13 @@ _DISPATCH: Optional[VarlenDispatch] = None
 
 def register(name: str = "sparse_prefill", config: Optional[SparsePrefillConfig] = None, **kwargs) -> VarlenDispatch:
     """Register `name` with transformers (attention function and mask function) and return the dispatch it uses
-    (its `config`, `calls` and `last_path` are there to inspect). kwargs go to SparsePrefillConfig.load()."""
+    (its `config`, `calls` and `last_path` are there to inspect).
+
+    Args:
+        name: the attn_implementation name to register (default "sparse_prefill").
+        config: a SparsePrefillConfig; default SparsePrefillConfig.load(**kwargs).
+        **kwargs: settings for SparsePrefillConfig.load() (selection and engine fields) when config is None.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
     global _DISPATCH
