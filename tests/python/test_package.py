@@ -78,22 +78,58 @@ def test_versions_agree():
     assert py_version == cmake_version == sp.__version__
 
 
-def test_readme_python_example_runs(tmp_path):
-    """The README's Python example runs as written (CPU arrays: the exact reference backend, about 10 s)."""
-    readme = os.path.join(_REPO, "README.md")
-    if not os.path.exists(readme):
-        pytest.skip("no source tree beside the tests")
-    with open(readme) as f:
-        text = f.read()
-    section = text[text.index("### Python"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def _readme_section_code(text: str, heading: str) -> str:
+    """The ```python blocks of the README section under `heading` (up to the next heading of any level)."""
+    lines, fence = [], False
+    for line in text[text.index(heading + "\n") + len(heading):].splitlines(keepends=True):
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            break
+        lines.append(line)
+    blocks = re.findall(r"```python\n(.*?)```", "".join(lines), re.S)
+    assert blocks, f"no python block under {heading}"
+    return "".join(blocks)
+
+
+def _run_readme_code(code: str, tmp_path) -> str:
     env = dict(os.environ)   # the sparse_prefill under test, wherever it was imported from
     paths = [os.path.dirname(_PKG_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "paged == contiguous: True" in r.stdout, r.stdout
+    return r.stdout
+
+
+def _readme() -> str:
+    readme = os.path.join(_REPO, "README.md")
+    if not os.path.exists(readme):
+        pytest.skip("no source tree beside the tests")
+    with open(readme) as f:
+        return f.read()
+
+
+def test_readme_first_example_runs_and_prints_what_the_readme_says(tmp_path):
+    """The README's first example (CPU, the exact reference backend, ~15 s) runs as written, its selection is visibly
+    sparse, and it prints the line the README shows (that line was printed with this version's selection defaults:
+    a change of sp.SELECTION_DEFAULTS must update it)."""
+    text = _readme()
+    out = _run_readme_code(_readme_section_code(text, "### On a CPU"), tmp_path).strip()
+    shown = re.search(r"it prints\n\n```text\n(.*?)\n```", text, re.S).group(1).strip()
+    assert out == shown, (out, shown)
+    density = float(re.search(r"density ([0-9.]+)", out).group(1))
+    assert density < 0.5, out
+
+
+def test_readme_usage_by_layer_runs(tmp_path):
+    """The README's "Usage by layer" blocks (dense, block-sparse, chunked) run as one script, as written."""
+    text = _readme()
+    code = "".join(_readme_section_code(text, h) for h in
+                   ("### Dense attention", "### Block-sparse prefill", "### Chunked prefill"))
+    out = _run_readme_code(code, tmp_path)
+    assert "paged == contiguous: True" in out, out
+    assert re.search(r"density [0-9.]+, rel\. error", out) and "chunk rel. error" in out, out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

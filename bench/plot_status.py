@@ -1,0 +1,88 @@
+"""The README's speed figure: block-sparse prefill's speed-up over cuDNN by prompt length, ours against FlashPrefill V2.
+
+    python3 bench/plot_status.py [--sparse bench/results/sparse_h200.json] [--out bench/results/speed_vs_cudnn_h200.png]
+
+Reads, never measures (matplotlib only, no GPU):
+  - ours: `--sparse` (bench_sparse.py's results file): cudnn_ms / sparse_prefill_no_corr_ms per row (one
+    `sp.sparse_prefill` call without the mean correction, cuDNN timed in the same process), at the selection the file
+    records (its `selection` field names the rule and alpha; the legend shows them), the 1M row's speedup_vs_cudnn;
+  - FlashPrefill V2's own code on the H200, topic workload, total (index + sparse attention) against cuDNN in the same
+    run: the design brief's table (DESIGN.md, "The speed reference workload", measured 2026-11-29), copied below;
+  - FlashPrefill V2's paper: 27.2x-27.5x at 128K in BF16 (H20 GPUs, real models, against its own FA3/4-aligned dense
+    kernel; seeds/flashprefill_v2.txt, section "Main results"): a range at 128K, not the same workload or machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# DESIGN.md, "The speed reference workload": FP-V2 total vs cuDNN on the H200 (L -> x)
+FPV2_H200 = {8192: 1.0, 16384: 3.4, 32768: 7.2, 65536: 12.7, 131072: 21.7}
+FPV2_PAPER_128K = (27.2, 27.5)
+
+
+def ours(res: dict) -> list:
+    """(L, speed-up over cuDNN, density) per row of a bench_sparse.py results file."""
+    points = []
+    for r in res["rows"]:
+        if r.get("long"):
+            x = r.get("speedup_vs_cudnn")
+        elif r.get("cudnn_ms") and r.get("sparse_prefill_no_corr_ms"):
+            x = r["cudnn_ms"] / r["sparse_prefill_no_corr_ms"]
+        else:
+            x = None
+        if x:
+            points.append((r["L"], x, r["density"]))
+    return points
+
+
+def plot(res: dict, path: str, source: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sel = res.get("selection", {})
+    label = (f"SparsePrefill, one sparse_prefill call (rule {sel.get('rule')}, alpha {sel.get('alpha')}, "
+             f"no correction)")
+    pts = ours(res)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    for L, x, density in pts:
+        ax.annotate(f"{x:.1f}x\n{100 * density:.1f} %", (L, x), textcoords="offset points", xytext=(6, -18),
+                    fontsize=7)
+    ax.plot(list(FPV2_H200), list(FPV2_H200.values()), marker="s",
+            label="FlashPrefill V2's code, same workload, H200 (design brief)")
+    ax.errorbar([131072], [sum(FPV2_PAPER_128K) / 2], yerr=[[0.15], [0.15]], fmt="^", color="gray", capsize=4,
+                label="FlashPrefill V2 paper: 27.2-27.5x at 128K (H20, real models, vs its dense kernel)")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length L (tokens); labels: speed-up, selected density")
+    ax.set_ylabel("speed-up over cuDNN SDPA (causal, bf16)")
+    commit = str(res.get("commit", "?"))[:7]
+    ax.set_title(f"Topic workload, Hq 32 / Hkv 8 / D 128, batch 1, {res.get('device', '?')}\n"
+                 f"{os.path.relpath(source, os.path.dirname(HERE))} at {commit}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sparse", default=os.path.join(HERE, "results", "sparse_h200.json"),
+                    help="bench_sparse.py results file (default: bench/results/sparse_h200.json)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "speed_vs_cudnn_h200.png"),
+                    help="the PNG to write (default: bench/results/speed_vs_cudnn_h200.png)")
+    args = ap.parse_args()
+    with open(args.sparse) as f:
+        res = json.load(f)
+    for L, x, density in ours(res):
+        print(f"L={L:>8}  {x:6.1f}x cuDNN  density {density:.4f}")
+    plot(res, args.out, args.sparse)
+
+
+if __name__ == "__main__":
+    main()
