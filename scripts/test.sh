@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # The test command (CI: .ci/run). Every step runs against what a user gets from `pip install .`:
-#   1. dependencies (scripts/install_deps.sh);
-#   2. a fresh virtual environment build/venv, and `pip install .` into it from this tree. pip's CMake tree is kept
-#      in build/ci (scikit-build-core build-dir) and configured with the C++ tests and the demo, so that one compile
-#      serves both the wheel and ctest: the library with every CUDA source when nvcc is found (CUDA ON, so a
-#      missing CUTLASS fails instead of quietly building CPU only), the extension, the C++ tests, the demo;
-#   3. ctest in that tree (GoogleTest suites, the host-side block-iterator check, the demo's command line);
-#   4. the C++ package: `cmake --install build/ci --component dev` into build/ci-prefix, then the consumer project
+#   1. dependencies (scripts/install_deps.sh; it says what it installs, and where, before it does);
+#   2. the virtual environment build/venv with the test tools: pytest, and torch + transformers (pinned below) so that
+#      the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*, the transformers / vLLM / SGLang
+#      adapters' contract tests, the integration layer, the FP8 paths that take torch tensors. PyPI's torch for Linux
+#      x86_64 is the CUDA build: ~5.4 GB on disk with its nvidia-* wheels, ~2 min to fetch and unpack here (measured
+#      in README.md, "Tests"). The environment is made once and kept while its Python and pins stay the same (a
+#      clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch (those tests then skip);
+#   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
+#      build-dir) and configured with the C++ tests and the demo, so that one compile serves both the wheel and ctest:
+#      the library with every CUDA source when nvcc is found (CUDA ON, so a missing CUTLASS fails instead of quietly
+#      building CPU only), the extension, the C++ tests, the demo. Progress: the compile steps as they go;
+#   4. ctest in that tree (GoogleTest suites, the host-side block-iterator check, the demo's command line);
+#   5. the C++ package: `cmake --install build/ci --component dev` into build/ci-prefix, then the consumer project
 #      tests/cmake_consumer (find_package(SparsePrefill)) is configured against it, built and run;
-#   5. pytest tests/python with the venv's python against the INSTALLED package (SP_TEST_INSTALLED=1 makes the
-#      conftest assert that sparse_prefill does not resolve to python/ of this tree).
-# GPU tests skip themselves where there is no GPU. The venv sees the system site-packages only where the system
-# Python has torch (to run the torch and CUDA tests). Parallel jobs: $SP_JOBS (default: the number of cores).
+#   6. pytest tests/python and tests/fuzz with the venv's python against the INSTALLED package (SP_TEST_INSTALLED=1
+#      makes the conftest assert that sparse_prefill does not resolve to python/ of this tree); the run fails if a
+#      test skipped because torch or transformers could not be imported (unless SP_TEST_TORCH=0).
+# GPU tests skip themselves where there is no GPU. Parallel jobs: $SP_JOBS (default: the number of cores).
 # SPARSE_PREFILL_CUDA=OFF bash scripts/test.sh: a quick CPU-only run for development (CI compiles CUDA where nvcc is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,40 +26,67 @@ PY=${PYTHON:-python3}
 JOBS=${SP_JOBS:-$(nproc)}
 BUILD=build/ci
 VENV=build/venv
+WITH_TORCH=${SP_TEST_TORCH:-1}
+# The versions the GPU machine runs the adapters with (bench/results/e2e_h200.json: torch 2.11.0+cu130, transformers
+# 5.17.0), so that the CPU and GPU runs test the same engine code.
+TORCH_REQS=(torch==2.11.0 transformers==5.17.0)
 t_start=$SECONDS
 say() { echo "[test] $*"; }
 step() { say "$1 ($((SECONDS - t_start)) s so far)"; }
+# pip's own lines that tell what it fetches and installs (its download bars are not printed into a pipe)
+pip_progress() { { grep --line-buffered -E '^ *(Collecting|Downloading|Installing collected|Successfully installed)' || true; } |
+                 sed -u -E 's/^ */[test]   /; s/(.{160}).*/\1 .../'; }
 
 step "dependencies"
-bash scripts/install_deps.sh
+bash scripts/install_deps.sh | sed -u 's/^/[test]   /'
 
-# -- 2. venv + pip install . ------------------------------------------------------------------------------------------
+# -- 2. the virtual environment and the test tools --------------------------------------------------------------------
 mkdir -p build
+reqs=(pytest)
+[ "$WITH_TORCH" = 1 ] && reqs+=("${TORCH_REQS[@]}")
+stamp="$("$PY" -c 'import sys; print(sys.version.split()[0])') ${reqs[*]}"
+VPY=$ROOT/$VENV/bin/python
+if [ -x "$VPY" ] && [ "$(cat "$VENV/.sp-test-reqs" 2>/dev/null)" = "$stamp" ]; then
+  step "reusing $VENV (Python and test requirements unchanged: ${reqs[*]})"
+  "$VPY" -m pip uninstall -q -y sparse-prefill 2>/dev/null || true   # the package is installed anew below
+else
+  step "fresh virtual environment $VENV"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  if [ "$WITH_TORCH" = 1 ]; then
+    free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ "$free_gb" -lt 8 ]; then
+      say "torch and transformers need ~5.5 GB in $VENV, and $free_gb GB are free on its disk (8 needed with the build)."
+      say "SP_TEST_TORCH=0 bash scripts/test.sh runs without them (the torch-dependent tests then skip)."
+      exit 1
+    fi
+    step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5.4 GB, ~2 min; the tests use its CPU side)"
+  else
+    step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0: no torch, the torch-dependent tests skip)"
+  fi
+  "$VPY" -m pip install -v --disable-pip-version-check "${reqs[@]}" 2>&1 | pip_progress
+  echo "$stamp" > "$VENV/.sp-test-reqs"
+  du -sh "$VENV" | awk '{print "[test]   " $2 ": " $1 " on disk"}'
+fi
+
+# -- 3. pip install . -------------------------------------------------------------------------------------------------
 cs=--config-settings
 pip_args=($cs "build-dir=$BUILD" $cs cmake.define.SPARSE_PREFILL_TESTS=ON $cs cmake.define.SPARSE_PREFILL_EXAMPLES=ON)
 with_cuda=0
 if [ "${SPARSE_PREFILL_CUDA:-AUTO}" != OFF ] && command -v nvcc >/dev/null; then
   with_cuda=1
-  cutlass=$("$PY" -c "import cutlass_library as c, os; print(os.path.join(os.path.dirname(c.__file__), 'source'))")
-  pip_args+=($cs cmake.define.SPARSE_PREFILL_CUDA=ON $cs "cmake.define.SP_CUTLASS_ROOT=$cutlass")
-  say "nvcc found ($(nvcc --version | tail -1)): the CUDA backend is compiled (CUTLASS at $cutlass)"
+  pip_args+=($cs cmake.define.SPARSE_PREFILL_CUDA=ON)
+  say "nvcc found ($(nvcc --version | tail -1)): the CUDA backend is compiled"
 else
   pip_args+=($cs cmake.define.SPARSE_PREFILL_CUDA=OFF)
   say "CPU backend only ($(command -v nvcc >/dev/null && echo "SPARSE_PREFILL_CUDA=OFF" || echo "no nvcc"))"
 fi
-venv_args=()
-if "$PY" -c "import torch" 2>/dev/null; then
-  venv_args=(--system-site-packages)   # torch is not reinstalled into the venv: use the system's
-fi
-step "fresh virtual environment $VENV ${venv_args[*]}"
-rm -rf "$VENV"
-"$PY" -m venv "${venv_args[@]}" "$VENV"
-VPY=$ROOT/$VENV/bin/python
 log=build/ci-pip-install.log
-# Build isolation (pip's default: the build requirements of pyproject.toml in a throw-away environment) on CI, where
-# the clone is new anyway. Elsewhere the venv gets those requirements itself and pip builds with
-# --no-build-isolation: scikit-build-core clears the CMake tree whenever the isolated environment changes (every run),
-# which would recompile the CUDA kernels on every run of this script. SP_BUILD_ISOLATION=1/0 overrides.
+# Build isolation (pip's default: the build requirements in a throw-away environment, CUTLASS included where CUDA is
+# compiled, exactly as a user's `pip install .`) on CI, where the clone is new anyway. Elsewhere the venv gets the
+# build requirements itself and pip builds with --no-build-isolation and the CUTLASS headers of .deps/cutlass:
+# scikit-build-core clears the CMake tree whenever the isolated environment changes (every run), which would recompile
+# the CUDA kernels on every run of this script. SP_BUILD_ISOLATION=1/0 overrides.
 if [ "${SP_BUILD_ISOLATION:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}" = 0 ]; then
   mapfile -t build_reqs < <("$VPY" - <<'PYEOF'
 import re
@@ -62,14 +95,21 @@ print("\n".join(re.findall(r'"([^"]+)"', re.search(r"^requires = \[(.*?)\]", tex
 PYEOF
   )
   step "build requirements into $VENV: ${build_reqs[*]} (pip builds with --no-build-isolation)"
-  "$VPY" -m pip install -q "${build_reqs[@]}"
+  "$VPY" -m pip install -q --disable-pip-version-check "${build_reqs[@]}"
   pip_args+=(--no-build-isolation)
+  [ "$with_cuda" = 1 ] && pip_args+=($cs "cmake.define.SP_CUTLASS_ROOT=$ROOT/.deps/cutlass")
+else
+  say "pip builds with build isolation (its own environment with the build requirements, as a user's pip install .)"
 fi
 step "pip install '.[test]' into $VENV (builds $BUILD; first time with CUDA: about 11 minutes on 2 cores; log: $log)"
-if ! CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$VPY" -m pip install -v ".[test]" "${pip_args[@]}" > "$log" 2>&1; then
+# the compile steps as they go ([12/60] Building CUDA object ...), the build requirements pip fetches, the CMake
+# backend line; everything (ptxas reports included) goes to the log
+if ! CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$VPY" -m pip install -v --disable-pip-version-check ".[test]" "${pip_args[@]}" \
+      2>&1 | tee "$log" |
+      { grep --line-buffered -E '^ *(\[ *[0-9]+/[0-9]+\] |-- CUDA backend|Installing build dependencies|Collecting|Successfully installed)' ||
+        true; } | sed -u -E 's/^ *(-- )?/[test]   /; s/(.{160}).*/\1 .../'; then
   tail -60 "$log"; say "pip install failed (full log: $log)"; exit 1
 fi
-grep -E "CUDA backend (ON|OFF)" "$log" | sed 's/^/[test]   /' || true
 if [ "$with_cuda" = 1 ]; then   # every CUDA translation unit was compiled into the library
   n_src=$(find src/cuda -name '*.cu' | wc -l)
   n_obj=$(find "$BUILD" -name '*.cu.o' -path '*sparse_prefill.dir*' | wc -l)
@@ -77,11 +117,11 @@ if [ "$with_cuda" = 1 ]; then   # every CUDA translation unit was compiled into 
   [ "$n_obj" -eq "$n_src" ] || { say "expected one object per src/cuda/*.cu"; exit 1; }
 fi
 
-# -- 3. ctest -------------------------------------------------------------------------------------------------------
+# -- 4. ctest -------------------------------------------------------------------------------------------------------
 step "ctest ($BUILD)"
 ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS"
 
-# -- 4. the installed C++ package, used by a consumer project -------------------------------------------------------
+# -- 5. the installed C++ package, used by a consumer project -------------------------------------------------------
 step "C++ package: install to build/ci-prefix, build tests/cmake_consumer against it"
 rm -rf build/ci-prefix build/ci-consumer
 cmake --install "$BUILD" --prefix build/ci-prefix --component dev > build/ci-consumer.log
@@ -94,10 +134,22 @@ fi
 grep "SparsePrefill .* from" build/ci-consumer.log | sed 's/^/[test]   /'
 build/ci-consumer/consumer
 
-# -- 5. pytest against the installed package --------------------------------------------------------------------------
+# -- 6. pytest against the installed package --------------------------------------------------------------------------
 step "pytest tests/python with $VENV/bin/python"
-"$VPY" -c "import sparse_prefill as sp; print('[test]   sparse_prefill', sp.__version__, 'from', sp.__file__)"
-# two runs: each folder has its own conftest module (one pytest process would import only one of them as `conftest`)
-SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/python
-SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -p no:cacheprovider tests/fuzz
+"$VPY" - <<'PYEOF'
+import importlib.util
+import sparse_prefill as sp
+print(f"[test]   sparse_prefill {sp.__version__} from {sp.__file__} (CUDA backend: {sp.with_cuda})")
+for name in ("torch", "transformers"):
+    found = importlib.util.find_spec(name) is not None
+    version = __import__(name).__version__ if found else "not installed: its tests skip"
+    print(f"[test]   {name} {version}")
+PYEOF
+# two runs: each folder has its own conftest module (one pytest process would import only one of them as `conftest`);
+# -rs lists why tests skipped (no GPU here, cupy / jax / vLLM / SGLang not installed)
+SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/python 2>&1 | tee build/ci-pytest.log
+SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/fuzz 2>&1 | tee -a build/ci-pytest.log
+if [ "$WITH_TORCH" = 1 ] && grep -E "could not import '(torch|transformers)" build/ci-pytest.log; then
+  say "tests skipped for want of torch or transformers, which $VENV should hold"; exit 1
+fi
 step "done"
