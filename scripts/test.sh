@@ -4,7 +4,7 @@
 #   2. the virtual environment build/venv with the test tools: pytest, and torch + transformers (pinned below) so that
 #      the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*, the transformers / vLLM / SGLang
 #      adapters' contract tests, the integration layer, the FP8 paths that take torch tensors. PyPI's torch for Linux
-#      x86_64 is the CUDA build: ~5.4 GB on disk with its nvidia-* wheels, ~2 min to fetch and unpack here (measured
+#      x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to fetch and unpack here (measured
 #      in README.md, "Tests"). The environment is made once and kept while its Python and pins stay the same (a
 #      clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch (those tests then skip);
 #   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
@@ -56,11 +56,11 @@ else
   if [ "$WITH_TORCH" = 1 ]; then
     free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
     if [ "$free_gb" -lt 8 ]; then
-      say "torch and transformers need ~5.5 GB in $VENV, and $free_gb GB are free on its disk (8 needed with the build)."
+      say "torch and transformers need ~5 GB in $VENV, and $free_gb GB are free on its disk (8 needed with the build)."
       say "SP_TEST_TORCH=0 bash scripts/test.sh runs without them (the torch-dependent tests then skip)."
       exit 1
     fi
-    step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5.4 GB, ~2 min; the tests use its CPU side)"
+    step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5 GB, ~2 min; the tests use its CPU side)"
   else
     step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0: no torch, the torch-dependent tests skip)"
   fi
