@@ -52,8 +52,8 @@ _FALLBACK = ("sdpa", "raise")
 @dataclasses.dataclass
 class SparsePrefillConfig:
     """What the adapters run. The selection fields (alpha, block_size, sink, window, last_n, correction, rule, union,
-    head_subgroups, mean_alpha, dense_fraction) mean what sparse_prefill.build_index()'s "Selection arguments" say and default to the
-    library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the engine fields:
+    head_subgroups, mean_alpha, dense_fraction) mean what sparse_prefill.build_index()'s "Selection arguments" say and
+    default to the library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the engine fields:
 
     dense_layers: the first N layers always run dense attention (accuracy: early layers attend broadly).
     min_sparse_q_len: a call runs sparse only when its longest query row (chunk) has at least this many tokens;
