@@ -64,7 +64,8 @@ else
   else
     step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0: no torch, the torch-dependent tests skip)"
   fi
-  "$VPY" -m pip install -v --disable-pip-version-check "${reqs[@]}" 2>&1 | pip_progress
+  # --no-cache-dir: nothing of the ~3 GB download stays outside this folder (the environment itself is kept instead)
+  "$VPY" -m pip install -v --disable-pip-version-check --no-cache-dir "${reqs[@]}" 2>&1 | pip_progress
   echo "$stamp" > "$VENV/.sp-test-reqs"
   du -sh "$VENV" | awk '{print "[test]   " $2 ": " $1 " on disk"}'
 fi
