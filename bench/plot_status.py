@@ -1,11 +1,15 @@
 """The README's speed figure: block-sparse prefill's speed-up over cuDNN by prompt length, ours against FlashPrefill V2.
 
-    python3 bench/plot_status.py [--sparse bench/results/sparse_h200.json] [--out bench/results/speed_vs_cudnn_h200.png]
+    python3 bench/plot_status.py [--sparse bench/results/sparse_h200.json] [--selection bench/results/selection_h200.json]
+                                 [--out bench/results/speed_vs_cudnn_h200.png]
 
 Reads, never measures (matplotlib only, no GPU):
   - ours: `--sparse` (bench_sparse.py's results file): cudnn_ms / sparse_prefill_no_corr_ms per row (one
     `sp.sparse_prefill` call without the mean correction, cuDNN timed in the same process), at the selection the file
     records (its `selection` field names the rule and alpha; the legend shows them), the 1M row's speedup_vs_cudnn;
+  - ours at the library's default selection: `--selection` (bench_selection.py's results file): its `topic` rows of
+    config 'default' (speedup_vs_cudnn, one sparse_prefill call against cuDNN in the same process; the file records
+    the defaults it ran with);
   - FlashPrefill V2's own code on the H200, topic workload, total (index + sparse attention) against cuDNN in the same
     run: the design brief's table (DESIGN.md, "The speed reference workload", measured 2026-11-29), copied below;
   - FlashPrefill V2's paper: 27.2x-27.5x at 128K in BF16 (H20 GPUs, real models, against its own FA3/4-aligned dense
@@ -39,7 +43,13 @@ def ours(res: dict) -> list:
     return points
 
 
-def plot(res: dict, path: str, source: str) -> None:
+def defaults(sel_res: dict) -> list:
+    """(L, speed-up over cuDNN, density) of the default selection's rows of a bench_selection.py results file."""
+    return [(r["L"], r["speedup_vs_cudnn"], r["density"]) for r in sel_res.get("rows", [])
+            if r.get("kind") == "topic" and r.get("config") == "default" and r.get("speedup_vs_cudnn")]
+
+
+def plot(res: dict, path: str, source: str, sel_res: dict = None, sel_source: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -52,6 +62,15 @@ def plot(res: dict, path: str, source: str) -> None:
     for L, x, density in pts:
         ax.annotate(f"{x:.1f}x\n{100 * density:.1f} %", (L, x), textcoords="offset points", xytext=(6, -18),
                     fontsize=7)
+    if sel_res:
+        d = sel_res.get("selection_defaults", {})
+        pts_d = defaults(sel_res)
+        ax.plot([p[0] for p in pts_d], [p[1] for p in pts_d], marker="D",
+                label=f"SparsePrefill, default selection (rule {d.get('rule')}, alpha {d.get('alpha')}, head_subgroups "
+                      f"{d.get('head_subgroups')}): {os.path.basename(sel_source)} at {str(sel_res.get('commit', '?'))[:7]}")
+        for L, x, density in pts_d:
+            ax.annotate(f"{x:.1f}x\n{100 * density:.1f} %", (L, x), textcoords="offset points", xytext=(-34, -22),
+                        fontsize=7, color="C3")
     ax.plot(list(FPV2_H200), list(FPV2_H200.values()), marker="s",
             label="FlashPrefill V2's code, same workload, H200 (design brief)")
     ax.errorbar([131072], [sum(FPV2_PAPER_128K) / 2], yerr=[[0.15], [0.15]], fmt="^", color="gray", capsize=4,
@@ -64,7 +83,7 @@ def plot(res: dict, path: str, source: str) -> None:
     commit = str(res.get("commit", "?"))[:7]
     ax.set_title(f"Topic workload, Hq 32 / Hkv 8 / D 128, batch 1, {res.get('device', '?')}\n"
                  f"{os.path.relpath(source, os.path.dirname(HERE))} at {commit}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -74,6 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sparse", default=os.path.join(HERE, "results", "sparse_h200.json"),
                     help="bench_sparse.py results file (default: bench/results/sparse_h200.json)")
+    ap.add_argument("--selection", default=os.path.join(HERE, "results", "selection_h200.json"),
+                    help="bench_selection.py results file (default: bench/results/selection_h200.json); '' for none")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "speed_vs_cudnn_h200.png"),
                     help="the PNG to write (default: bench/results/speed_vs_cudnn_h200.png)")
     args = ap.parse_args()
@@ -81,7 +102,13 @@ def main() -> None:
         res = json.load(f)
     for L, x, density in ours(res):
         print(f"L={L:>8}  {x:6.1f}x cuDNN  density {density:.4f}")
-    plot(res, args.out, args.sparse)
+    sel_res = None
+    if args.selection:
+        with open(args.selection) as f:
+            sel_res = json.load(f)
+        for L, x, density in defaults(sel_res):
+            print(f"L={L:>8}  {x:6.1f}x cuDNN  density {density:.4f}  (default selection)")
+    plot(res, args.out, args.sparse, sel_res, args.selection)
 
 
 if __name__ == "__main__":

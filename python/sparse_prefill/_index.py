@@ -290,7 +290,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     *_workspace_bytes() functions, torch.ops.sparse_prefill.* and the engine adapters take the same ones. The
     defaults written here are sp.SELECTION_DEFAULTS, read from the C++ SelectionParams{} (tests/python/test_docs.py
     checks that the two agree).
-        alpha (default 0.03): the threshold of the rule, in [0, 1]; 0 keeps every visible block.
+        alpha (default 0.003): the threshold of the rule, in [0, 1]; 0 keeps every visible block.
         rule (default 'row_max'): how the scores are thresholded:
             'row_max': with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see J
                 of (s_rJ - m_r) >= ln(alpha), i.e. J scores within a factor alpha of the top block of at least one
