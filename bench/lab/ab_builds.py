@@ -1,7 +1,7 @@
 """A/B of two builds of the package on the same shapes, in one run: the device-side guards against the code before
 them (issue 19), a refactor against the code before it (issue 15: within 2 %).
 
-    python bench/ab_builds.py --base-site /tmp/ab-base-site --what "issue 19 guards" --out ab_guards_h200.json
+    python bench/lab/ab_builds.py --base-site /tmp/ab-base-site --what "issue 19 guards" --out ab_guards_h200.json
 
 `--base-site` holds the base build (e.g. main, `pip install --target`); the other variant is the package this Python
 imports (the installed one, this tree). Each variant runs in its own worker process (two packages of one name cannot
@@ -27,12 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, the benchmarks
 
 HQ, HKV, D = 32, 8, 128
 
 
 # Rows whose GPU work is shorter than a Python call's launches (split-KV decode: ~133 us of kernels in a 0.19 ms
-# call, ncu, bench/NOTES_sparse.md) also get a `<kind>_graph` row, timed as CUDA-graph replays, so that a kernel
+# call, ncu) also get a `<kind>_graph` row, timed as CUDA-graph replays, so that a kernel
 # change is gated on the kernels and host changes on the per-call row.
 GRAPHED = ("split_kv_decode", "chunked_last_1024")
 

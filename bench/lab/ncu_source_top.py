@@ -6,9 +6,9 @@ with the same nvcc and flags (-lineinfo is on in CMakeLists.txt). ncu's own CUDA
 to the kernel's entry line only, hence the join here; instructions are matched by their offset in the function,
 and the opcodes are compared (a mismatch means another build).
 
-Usage: python3 bench/ncu_source_top.py PAGE.csv [--top 40]
-       python3 bench/ncu_source_top.py PAGE.csv --sass OBJ.sass --function SUBSTRING [--depth 4] [--top 40]
-(bench/NOTES_sparse.md, "Issue 16 at 125efda", has the recipe and what it showed.)"""
+Usage: python3 bench/lab/ncu_source_top.py PAGE.csv [--top 40]
+       python3 bench/lab/ncu_source_top.py PAGE.csv --sass OBJ.sass --function SUBSTRING [--depth 4] [--top 40]
+(docs/design/sparse_kernel.md, "Where the time goes", has the recipe and what it showed.)"""
 import argparse
 import csv
 import re

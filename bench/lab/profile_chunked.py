@@ -4,12 +4,16 @@ One step: the last C queries of B L-token topic prompts over a paged cache with 
 blocks before the chunk (as the earlier steps leave it); final and mid-prompt (final_chunk False). Per step:
 select (sp.build_index into a caller workspace, with the mean cache), attn (sp.sparse_attention over the device
 index) and step (the one call sp.chunked_prefill with the mean cache and its workspace).
-Usage: python3 bench/profile_chunked.py [L] [C] [B] [--out file.json]     (default 131072 1024 1; ~20 s on the H200)"""
+Usage: python3 bench/lab/profile_chunked.py [L] [C] [B] [--out file.json]     (default 131072 1024 1; ~20 s on the H200)"""
 import argparse
 import json
+import os
+import sys
 from collections import defaultdict
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, the benchmarks
 
 from _common import (D, SEL, attention_workspace, emit, index_workspace, require_cuda, time_graph_ms, time_ms,
                      workspace, write_results)

@@ -5,10 +5,14 @@ last one). With C and B: the last C-query chunk of B L-token prompts over a page
 index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time); --order banded:
 the other tile order (LaunchOptions.sparse_order).
 Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \\
-         python3 bench/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
+         python3 bench/lab/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, the benchmarks
 
 from _common import SEL, index_workspace, require_cuda
 from _common import topic

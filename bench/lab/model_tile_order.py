@@ -1,9 +1,9 @@
 """A host model of the sparse kernel's dynamic scheduler, to tell load imbalance from memory effects when a tile order
-is slower (bench/NOTES_sparse.md, eleventh session). No GPU: every tile costs its steps + 1 (fill and drain), a step
+is slower (docs/design/sparse_kernel.md, "Work order"). No GPU: every tile costs its steps + 1 (fill and drain), a step
 is one 128-key block; the 132 SMs take the next tile of the work order (sparse_tile_coord's, rewritten here) when
 they finish one. A tile's steps: its sink (2 blocks) and window (~5 blocks) always, `density` of its other visible
 blocks, every visible block for the last 2 tiles (last_n). Prints each order's makespan over the ideal (all work / SMs).
-Usage: python3 bench/model_tile_order.py"""
+Usage: python3 bench/lab/model_tile_order.py"""
 import heapq
 
 

@@ -1,10 +1,14 @@
 """One chunked-prefill index build (sp.build_index with the pooled-means cache, into a caller workspace), repeated,
 for ncu / compute-sanitizer, through the installed package.
 Usage: ncu --clock-control none -k regex:score_select --launch-skip 2 --launch-count 1 \\
-         python3 bench/profile_select.py [L] [C] [B]            (default 131072 1024 1; a few seconds without ncu)"""
+         python3 bench/lab/profile_select.py [L] [C] [B]            (default 131072 1024 1; a few seconds without ncu)"""
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, the benchmarks
 
 from _common import SEL, index_workspace, require_cuda
 from bench_chunked import PAGE, Cache

@@ -13,11 +13,14 @@ unrounded P; m is the row's final max here, the kernel's running max differs onl
 the output's relative L2 error against the reference. 'package' rows run sp.attention on the CPU backend (the exact
 oracle on the dequantised values) for the head scheme, as a check of the emulation.
 Also: per head, outlier statistics of q, k, v (channel RMS max / median; token norm max / median; amax / RMS).
-Usage: python3 bench/fp8_floor_cpu.py [--lengths 2048,4096] [--hq 32 --hkv 8] [--out bench/results/fp8_floor_cpu.json]"""
+Usage: python3 bench/lab/fp8_floor_cpu.py [--lengths 2048,4096] [--hq 32 --hkv 8] [--out bench/results/fp8_floor_cpu.json]"""
 import argparse
 import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, the benchmarks
 
 from _common import D, HKV, HQ, RESULTS, emit, ints, rel_err, write_results
 
