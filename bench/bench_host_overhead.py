@@ -284,7 +284,6 @@ def main():
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join([os.path.basename(sys.executable)] + sys.argv), through_package=True,
                python_only=args.python_only, torch=torch.__version__,
-               sparse_workspace=spt.SPARSE_WORKSPACE,
                workload=f"topic (docs/workload.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, paged KV page "
                         f"{PAGE}, chunk [L - C, L) of every prompt, final_chunk=False, per-tile selection",
                target="op eager_over_graph <= 1.3 (issue 14)", rows=rows)

@@ -100,17 +100,6 @@ def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> O
     return torch.empty(((n + 3) // 4,), dtype=_I32, device=q.device)
 
 
-def _c_takes_workspace(fn: Any) -> bool:
-    """Whether an extension function has a `workspace` argument (its nanobind signature is the docstring's first
-    line): the sparse entry points gained theirs with issue 14."""
-    doc = getattr(fn, "__doc__", None) or ""
-    return "workspace" in doc.split(")", 1)[0]
-
-
-SPARSE_WORKSPACE = _c_takes_workspace(_C.sparse_prefill) and hasattr(_C, "sparse_prefill_workspace_bytes")
-"""True when the sparse operators pass a torch-allocated workspace on CUDA (else, with an older extension, the
-library's stream-ordered temporary, which a CUDA graph records as a memory node outside torch's pool)."""
-
 _sparse_ws_cache: dict = {}
 
 
@@ -231,7 +220,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
               *_LAUNCH_DEFAULTS, _dl(q_descale), _dl(k_descale), _dl(v_descale))
     lse_c = _to_dlpack(lse) if return_lse else None
-    if dev >= 0 and SPARSE_WORKSPACE:
+    if dev >= 0:
         ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,
                                max_seqlen_k, causal, softmax_scale, sel, dev)
         _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v), workspace=_to_dlpack(ws))

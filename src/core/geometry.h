@@ -110,14 +110,5 @@ SP_HOST_DEVICE int64_t mean_cache_slot(int64_t page, int64_t block, int64_t page
 // --- span (bottom-right causal) -----------------------------------------------------------------------------------
 // Offset of the keys against the queries: query position i sees keys 0 .. i + causal_offset (causal).
 SP_HOST_DEVICE int64_t causal_offset(int64_t q_len, int64_t k_len) { return k_len - q_len; }
-// Last key query position `pos` sees (causal; -1: none).
-SP_HOST_DEVICE int64_t last_visible_key(int64_t pos, int64_t q_len, int64_t k_len) {
-  const int64_t hi = pos + causal_offset(q_len, k_len);
-  return hi < k_len - 1 ? hi : k_len - 1;
-}
-// Blocks 0 .. n - 1 hold the keys 0 .. last_key (0 when last_key < 0).
-SP_HOST_DEVICE int64_t blocks_through(int64_t last_key, int64_t block_size) {
-  return last_key >= 0 ? last_key / block_size + 1 : 0;
-}
 
 }  // namespace sparse_prefill::geometry

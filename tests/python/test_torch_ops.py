@@ -455,15 +455,6 @@ def _cases():
 
 
 _CASES = _cases()
-_NO_SPARSE_WS = ("sp.sparse_prefill_workspace_bytes / a workspace= argument of _C.sparse_prefill are not in this "
-                 "build: the sparse operators still use the library's stream-ordered temporary")
-
-
-def _xfail_without_sparse_workspace(request, sparse_ws):
-    if sparse_ws and not spt.SPARSE_WORKSPACE:
-        request.applymarker(pytest.mark.xfail(reason=_NO_SPARSE_WS, strict=False))
-
-
 @pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and a CUDA build")
 @pytest.mark.parametrize("name,make", _CASES, ids=[c[0] for c in _CASES])
 def test_cuda_graph_replay_equals_eager(name, make):
@@ -490,12 +481,11 @@ def test_cuda_graph_replay_equals_eager(name, make):
 
 @pytest.mark.skipif(not _HAS_CUDA, reason="needs a GPU and a CUDA build")
 @pytest.mark.parametrize("name,make", _CASES, ids=[c[0] for c in _CASES])
-def test_cuda_ops_allocate_nothing_outside_torch(request, name, make):
+def test_cuda_ops_allocate_nothing_outside_torch(name, make):
     """Eager: the stream-ordered pool is not touched during the call. Captured: the graph has no memory-allocation
     node (a cudaMallocAsync inside the call would be recorded as one; the workspace comes from torch's graph pool)."""
     _native_allocator()
-    run_op, _, refill, sparse_ws = make("cuda")
-    _xfail_without_sparse_workspace(request, sparse_ws)
+    run_op, _, refill, _ = make("cuda")
     out = torch.empty_like(refill[0])
     run_op(out)
     with _PoolWatch() as w:

@@ -1,5 +1,5 @@
 // Index stage, step 3: score and select. One CTA per (tile, virtual KV head) scores the tile's packed Q rows against
-// the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kThreshold; per-row max:
+// the pooled keys on tensor cores and applies the keep rules (tile energy: SelectionRule::kTileEnergy; per-row max:
 // kRowMax, and the pooled-means half of kProbeRowMax / kProbeRowMass), bump-allocating the kept ids into the CSR.
 // FP8 inputs are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared
 // memory.
@@ -84,7 +84,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 }
 
 // One CTA per (tile, KV head), 2 warpgroups of 64 rows. Per chunk of 128 pooled blocks one wgmma, then:
-// Tile energy (SelectionRule::kThreshold): S^T = K_mean Q^T, each thread holding 2 blocks x 32 query rows. Per block
+// Tile energy (SelectionRule::kTileEnergy): S^T = K_mean Q^T, each thread holding 2 blocks x 32 query rows. Per block
 // J the quad of lanes that holds its 128 rows takes m_J = max over the rows that see J of s_rJ and
 // sum_J = sum_r exp2(scale_log2 (s_rJ - m_J)), and keeps log2 E_J = scale_log2 m_J + log2 sum_J in energy[]: the
 // energies relative to any common reference, so the keep test E_J >= alpha max E is log2 E_J >= log2 max E +
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   // operand), so the 256 threads copy them and the CTA syncs (sync_stage). The tile energy's S^T = K_mean Q^T reads
   // in each warpgroup only its own 64 rows (its A operand): each warpgroup copies its half and syncs alone on a
   // 128-thread named barrier, so the two drift apart instead of meeting every chunk (the CTA barrier was 1.26 of
-  // 7.4 stall cycles per issued instruction at 128K, bench/NOTES_index.md v6).
+  // 7.4 stall cycles per issued instruction at 128K, docs/design/index_stage.md).
   constexpr int kCopyThreads = kRowMax ? kScoreThreads : 128, kCopyRows = kRowMax ? kN : kN / 2;
   constexpr int kVec = D / 8, kRowsPerPass = kCopyThreads / kVec, kPasses = kCopyRows / kRowsPerPass;
   const int wg = threadIdx.x / 128;
