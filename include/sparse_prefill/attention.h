@@ -6,11 +6,11 @@
 namespace sparse_prefill {
 
 // Kernel choices the library otherwise makes from the shapes; benchmarks and tests pin them for A/B runs. The
-// defaults are the measured best (bench/NOTES.md, bench/NOTES_sparse.md).
+// defaults are the measured best (docs/design/dense_kernel.md, docs/design/sparse_kernel.md).
 struct LaunchOptions {
   enum class DensePath : int {
     kAuto = 0,         // the dense kernel, except short queries against long keys (decode, small chunks): PackGQA
-                       // tiles with split-KV, below half a wave of dense tiles (attention(), bench/NOTES.md)
+                       // tiles with split-KV, below half a wave of dense tiles (attention(), docs/design/dense_kernel.md)
     kDenseKernel = 1,  // always the dense kernel (one 128-row tile per query head)
     kSplitKV = 2,      // PackGQA tiles with split-KV wherever that path applies (head dim 128, no window, more keys
                        // than queries, pages of a multiple of 64); the dense kernel elsewhere
@@ -22,7 +22,7 @@ struct LaunchOptions {
   // Work order of the block-sparse kernel's tiles (the heaviest first either way). kHeadsFastest: KV heads fastest,
   // so the tiles in flight spread over every head. kBanded: bands of the persistent grid's size, KV heads in turn
   // within a band, so the tiles in flight share one or two heads' K / V in L2. Measured on the H200, banded against
-  // heads fastest (bench/NOTES_sparse.md): random blocks at 64K 20 % 0.91, 50 % 0.86; FlashPrefill V2's topic
+  // heads fastest (docs/design/sparse_kernel.md): random blocks at 64K 20 % 0.91, 50 % 0.86; FlashPrefill V2's topic
   // selection 8K 1.14, 32K 1.02, 128K 1.02. Neither changes a result bit: a tile's math does not depend on the order.
   enum class SparseOrder : int { kHeadsFastest = 0, kBanded = 1 };
   SparseOrder sparse_order = SparseOrder::kHeadsFastest;

@@ -76,7 +76,7 @@ def _as_window(window: Any) -> Tuple[int, int]:
 
 class LaunchOptions:
     """CUDA kernel choices the library otherwise makes from the shapes, for A/B benchmarks and tests (the defaults are
-    the measured best, bench/NOTES.md). Pass as `options=` to any compute function; ignored on the CPU.
+    the measured best, docs/design/dense_kernel.md). Pass as `options=` to any compute function; ignored on the CPU.
 
     Args:
     dense_path: 'auto' (the dense kernel, except short queries against long keys: PackGQA tiles with split-KV below
@@ -87,7 +87,7 @@ class LaunchOptions:
     sparse_order: the block-sparse kernel's tile order, 'heads_fastest' (default) or 'banded' (bands of the grid's
         size with the KV heads in turn, so the tiles in flight share K/V in L2). Measured on the H200, banded against
         heads_fastest: random blocks at 64K 20 % 0.91x, 50 % 0.86x the time; FlashPrefill V2's topic selection 8K
-        1.14x, 32K and 128K 1.02x (bench/NOTES_sparse.md). Results are bit-identical either way.
+        1.14x, 32K and 128K 1.02x (docs/design/sparse_kernel.md). Results are bit-identical either way.
     checked: debugging and tests (default False). CUDA calls copy the device-resident index values (cu_seqlens_q/k,
         seqused_k, block_table, and a caller's index arrays) to the host and validate them as CPU arrays are
         validated before the launch, and call check_errors() after it: a bad value raises at once, naming the

@@ -28,7 +28,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
         q: [total_q, Hq, D] queries (float32, float16, bfloat16 or float8_e4m3fn; see q_descale and qkv_dtype).
         k, v: contiguous [total_k, Hkv, D] or, with `block_table`, paged [num_pages, page_size, Hkv, D]
             (any page_size >= 1; on CUDA pages of a multiple of 64 tokens load by TMA, other sizes such as 16 or 1 by
-            a cp.async gather, see bench/NOTES.md). Query head h reads KV head h // (Hq // Hkv).
+            a cp.async gather, see docs/design/dense_kernel.md). Query head h reads KV head h // (Hq // Hkv).
         cu_seqlens_q: [B+1] int32 offsets of the sequences in q.
         cu_seqlens_k: [B+1] int32 offsets in k/v; must be None with paged KV.
         max_seqlen_q, max_seqlen_k: upper bounds of the per-sequence lengths (checked on the CPU). On CUDA they also

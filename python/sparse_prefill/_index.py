@@ -302,11 +302,11 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 (every 8th query of the sequence and its last one, all heads), plus the pooled-means 'row_max' test
                 at `mean_alpha` for the other rows (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one
                 strong key of a block that pooled means dilute 128x. On CUDA its probe pass costs ~1/8 of dense
-                attention's QK^T, twice, on tensor cores (bench/NOTES_index.md);
+                attention's QK^T, twice, on tensor cores (docs/design/index_stage.md);
             'probe_row_mass': 'probe_row_max' with the probe rows' test against the row's whole mass: J passes iff
                 it holds at least alpha of a probe row's softmax probability (alpha ~0.05), so a diffuse row keeps
                 none of its many equal blocks (SelectionRule::kProbeRowMass; accuracy and cost:
-                bench/accuracy/NOTES.md, bench/NOTES_index.md).
+                bench/accuracy/NOTES.md, docs/design/index_stage.md).
         mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
             by 'row_max' and 'tile_energy').
         block_size (default 128): key block size in tokens, a positive multiple of 64 (CUDA sparse attention:
@@ -320,7 +320,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             visible to the whole tile, one virtual key kmean_J with value vmean_J and weight |B_J|; only then does
             the index hold v_mean (else None: V is not pooled). It halves the error on the structured workload but
             changed nothing measurable on SmolLM2 (the mean logit underestimates a peaked block's mass) and costs
-            +30 % (32K) to +66 % (128K) of the sparse attention time on the H200 (bench/NOTES_sparse.md).
+            +30 % (32K) to +66 % (128K) of the sparse attention time on the H200 (docs/design/sparse_kernel.md).
         head_subgroups (default 0): S, dividing g = Hq // Hkv: splits each GQA group into S sub-groups of g // S
             query heads, each selected on its own, as if the model had Hkv * S KV heads (virtual KV head v holds
             query heads [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads,

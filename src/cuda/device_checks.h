@@ -1,4 +1,4 @@
-// Device-side argument checks (issue 19): what every kernel checks about the values that live on the device
+// Device-side argument checks: what every kernel checks about the values that live on the device
 // (cu_seqlens, seqused_k, block_table, index arrays) before it uses them to address memory, and the device error word
 // that records the first violation for check_errors() (sparse_prefill/attention.h).
 //

@@ -50,7 +50,7 @@ TEST(IndexLayout, CausalCapacityBoundsEveryBatch) {
 }
 
 TEST(IndexLayout, CausalCapacityIsAboutHalfTheFixedSlicesForOnePrompt) {
-  // 128K and 1M, Hq 32, Hkv 8 (g = 4), block 128: the figures of bench/NOTES_index.md.
+  // 128K and 1M, Hq 32, Hkv 8 (g = 4), block 128: the figures of docs/design/index_stage.md.
   for (int64_t L : {int64_t(131072), int64_t(1) << 20}) {
     const int64_t tiles = L * 4 / 128 + 1, nb = L / 128;
     const int64_t bound = causal_capacity(tiles, 1, L, 4, 128, 8);

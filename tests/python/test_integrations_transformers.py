@@ -216,7 +216,7 @@ def test_cuda_generate_32_greedy_steps_equal_sdpa(kind):
 @pytest.mark.cuda
 def test_cuda_sparse_16k_within_documented_error_of_dense():
     """16K prompt, the library's default selection, against our dense path: relative error of the last logits and of
-    the last layer's hidden state within 0.1 (bench/NOTES_sparse.md: 0.03-0.12 on the structured workload)."""
+    the last layer's hidden state within 0.1 (docs/design/sparse_kernel.md: 0.03-0.12 on the structured workload)."""
     d = sphf.register(min_sparse_kv_len=0)
     ref, ours = pair(tiny("llama"), torch.bfloat16, "cuda")
     ids, _ = batch(B=1, L=16384, pad=(0,), device="cuda")

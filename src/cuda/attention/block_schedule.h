@@ -49,7 +49,7 @@ SP_HOST_DEVICE SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int
 // heaviest first. band 1 (LaunchOptions::SparseOrder::kHeadsFastest, the default) is KV heads fastest: the tiles in
 // flight spread over every KV head. band = the persistent grid (kBanded) keeps them on one or two heads, whose K / V
 // blocks then stay in L2 (ncu, 64K, 50 % random blocks: L2 hit rate 30 % -> 96 %). Measured on the H200, banded
-// against heads fastest (bench/NOTES_sparse.md, eleventh session): random blocks at 64K 20 % 0.91, 50 % 0.86;
+// against heads fastest (docs/design/sparse_kernel.md, "Work order"): random blocks at 64K 20 % 0.91, 50 % 0.86;
 // FlashPrefill V2's selection 8K 1.14, 32K 1.02, 128K 1.02. Tiles beyond a shorter sequence's count are empty work
 // (skipped). For t < num_kv_heads * batch * max_tiles: the band holding t starts below batch * max_tiles, so
 // width >= 1.
@@ -72,7 +72,7 @@ SP_HOST_DEVICE SparseTileCoord sparse_tile_coord(int t, int num_kv_heads, int ba
 // The split-KV rule (split_kv.cu; sizes in SparseLaunchWorkspace, fwd_args.h): a tile with more planned steps than
 // cap = max(kMinCap, ceil(total / SMs)) runs as nsplit = min(32, ceil(steps / cap)) units. As steps > cap,
 // nsplit < 2 * steps / cap: all split units sum to < 2 * total / cap <= 2 * SMs, and the split tiles number < SMs.
-// Measured (H200, 128K, last chunk, bench/NOTES_sparse.md): one unit per SM beats 2 and 4 on every shape (chunk
+// Measured (H200, 128K, last chunk, docs/design/sparse_kernel.md): one unit per SM beats 2 and 4 on every shape (chunk
 // 1024 x batch 1 attention 0.68 / 0.77 / 1.10 ms): a tile no heavier than an SM's share needs no split, since the
 // heaviest-first order already runs it first, and every extra unit pays its partials and the combine.
 struct SplitRule {

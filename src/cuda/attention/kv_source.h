@@ -5,7 +5,7 @@
 //                    same byte count).
 //   KvCpAsyncGather: paged KV whose page_size is not a multiple of 64 (vLLM's 16, or 1). TMA boxes cannot follow pages
 //                    that small (boxes of 16 rows, one per page, measured 2.4-2.7x slower than contiguous KV, and
-//                    compiled into the TMA producer they cost every other path 1.5-5 %, bench/NOTES.md), so the whole
+//                    compiled into the TMA producer they cost every other path 1.5-5 %, docs/design/dense_kernel.md), so the whole
 //                    producer warpgroup gathers K/V rows with cp.async into the same swizzled stage layout TMA writes.
 // Both check block_table ids where they load them and poison the tile on a bad one (device_checks.h).
 #pragma once

@@ -115,7 +115,7 @@ struct KvTma {
     // Rows of the K/V row space for one key block: {block row} or {half 0 row, half 1 row} (paged: block_table
     // loads), computed at each K and at each V issue. Computing them once per block and one block ahead was
     // measured slower on the H200 at causal 128K (paged/contiguous 1.057 (page 64) and 1.073 (page 128) against
-    // 1.031 and 1.042) and removed (bench/NOTES.md).
+    // 1.031 and 1.042) and removed (docs/design/dense_kernel.md).
     struct BlockRows {
       int r0, r1;
     };

@@ -10,9 +10,8 @@
 // dim: exactly smem_vt columns 4c .. 4c + 3 of the key block in vt_key_of order) and one stmatrix.x4 (rows = dims).
 // Matrix rows hit 8 distinct 16-byte bank groups: the load rows are 8 consecutive keys; the store matrices take the
 // even dims of rows 0-3 and the odd dims of rows 4-7 (and the other way round), so that their dim % 8, which picks
-// the swizzled chunk, differs in every row. Against the first version (4 x 4 bytes per thread with 32-bit LDS / STS:
-// 4 x the shared-memory instructions and ~30 integer instructions per 512 bytes) this is 2 memory and ~10 other
-// instructions per 512 bytes.
+// the swizzled chunk, differs in every row. That is 2 memory and ~10 other instructions per 512 bytes, against 4 x
+// the shared-memory instructions and ~30 integer instructions for 4 x 4 bytes per thread with 32-bit LDS / STS.
 //
 // Paged V tail: the rows of the last page beyond seqused_k may hold anything (NaN bit patterns); 0 x NaN = NaN in
 // O = P V, so the transpose writes zeros for the keys of the tail block beyond k_len (the bf16 kernel's consumers

@@ -11,7 +11,7 @@
 // O += P(i-1) V(i-1), the softmax of block i waits only for S(i) (warpgroup_wait<1>), so the exp2 work of block i
 // overlaps the PV GEMM of block i-1. A pingpong between the two consumer warpgroups (named barriers ordering their
 // GEMM issue) was measured slower with this mainloop on the H200 (causal 32K: 580 vs 614 TFLOP/s, 128K: 593 vs 602)
-// and removed (bench/NOTES.md).
+// and removed (docs/design/dense_kernel.md).
 #pragma once
 
 #include <utility>
@@ -222,7 +222,8 @@ struct Mainloop {
     // it once per step, one step ahead, and hand it to the mask and the V-tail check: a listed block's id is a global
     // load, and reading it again at each use put its latency before the PV issue and before the softmax of every
     // step (ncu at 128K: 12.6 % of the sparse kernel's warp samples on those two lines; mostly hidden under the S
-    // GEMM in flight: with the epilogue's and the Work's changes of 275ed6f, 0-2.4 % faster, bench/NOTES_sparse.md).
+    // GEMM in flight: with the epilogue's loads and the published tile work, 0-2.4 % faster,
+    // docs/design/sparse_kernel.md).
     auto step_block = [&](int i) -> int {
       if (i >= n_count) return -1;
       if constexpr (Fusion::kSteps) {
@@ -317,7 +318,7 @@ struct Mainloop {
       // Pingpong (FA3's warp-scheduler barriers): without it the two consumer warpgroups wait on the same barriers
       // and run the same phase at the same time, both GEMMs then both softmaxes. Named barriers 3 + cwg hand the
       // tensor core from one warpgroup to the other: a turn is O += P(i) V(i) then S(i + 1) (S(0) alone first), so
-      // that one warpgroup's softmax runs under the other's two GEMMs. H200 A/B in one call (bench/NOTES_fp8.md):
+      // that one warpgroup's softmax runs under the other's two GEMMs. H200, same process (docs/design/fp8.md):
       // 16K / 32K / 128K causal 3.24 / 12.41 / 205.9 ms without, 3.37 / 13.01 / 219.6 with a turn of S(i) alone,
       // 3.18 / 12.20 / 193.1 with this one.
       // Warpgroup 1 pre-arrives for warpgroup 0's first turn and skips its last hand-over: per tile and barrier, as

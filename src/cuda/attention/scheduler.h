@@ -2,7 +2,7 @@
 //   SingleTileScheduler:        one tile per CTA (grid = tiles); the tile loop has a trip count of 1 and compiles to
 //                               straight-line code. A persistent dense kernel was measured (its tile loop costs
 //                               registers: at 240 per consumer thread ptxas spilled ~60 bytes) and removed
-//                               (bench/NOTES.md).
+//                               (docs/design/dense_kernel.md).
 //   DynamicPersistentScheduler: one CTA per SM; the producer thread takes tiles from an atomic counter and publishes
 //                               them in a two-slot mailbox the consumers read. Tile work varies by orders of magnitude
 //                               (a few listed blocks to hundreds), so a static stride leaves SMs idle (measured 128K:
@@ -91,7 +91,7 @@ struct PersistentScheduler {
   static Params to_params(int64_t coord_tiles, const SparseFwdArgs* s) {
     const SparseLaunchWorkspace& w = s->launch;
     // Persistent with the dynamic scheduler (it tied one CTA per tile on the H200, 128K: 6.64 vs 6.49 ms,
-    // NOTES_sparse.md, and is the base for the split-KV plan), so it needs the launch counters.
+    // docs/design/sparse_kernel.md, and is the base for the split-KV plan), so it needs the launch counters.
     if (w.counters == nullptr && coord_tiles > 0)  // (a launch without tiles returns before it runs)
       throw std::runtime_error("sparse_prefill cuda: a sparse launch needs its launch workspace (counters)");
     Params p;

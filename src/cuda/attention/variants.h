@@ -46,6 +46,6 @@ template <class Config>
 using SparseSplitKvFp8Fwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTmaTransposeV, CsrBlocks, MeanCorrectionFp8>,
                                       SplitKvPartials, PlannedScheduler>;
 // FP8 has no variant without the correction: built (Fp8Descale over CsrBlocks), its consumers spilled 224/288 bytes
-// against MeanCorrectionFp8's 40/32 with the correction off at run time (ptxas, 321c883).
+// against MeanCorrectionFp8's 40/32 with the correction off at run time (ptxas).
 
 }  // namespace sparse_prefill::cuda
