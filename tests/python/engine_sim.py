@@ -19,6 +19,7 @@ replay's device; the references always run on the CPU (the library's exact refer
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -274,6 +275,36 @@ class Engine:
 
 def next_token(req):
     return (sum(req.tokens[-7:]) * 31 + len(req.tokens)) % 61
+
+
+def layer_config(config, layer):
+    """The configuration one layer runs: its selection (config.selection(layer)) at the top level, no per-layer
+    entries; what the replays' references and direct calls use for that layer."""
+    return dataclasses.replace(config, layers=None, **config.selection(layer))
+
+
+class LibrarySpy:
+    """Stands in for the sparse_prefill module inside integrations.core (monkeypatch core.sp with it): records which
+    library function each adapter call reached and with which selection keywords, then makes the call."""
+
+    SPIED = ("attention", "sparse_prefill", "chunked_prefill")
+    SELECTION = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
+                 "mean_alpha", "dense_fraction")
+
+    def __init__(self, module=sp):
+        self._module = module
+        self.calls = []
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        if name not in self.SPIED:
+            return fn
+
+        @functools.wraps(fn)          # the signature stays the library's (core reads its defaults from it)
+        def spy(*args, **kwargs):
+            self.calls.append((name, {k: kwargs[k] for k in self.SELECTION if k in kwargs}))
+            return fn(*args, **kwargs)
+        return spy
 
 
 def reference_rows(tables, layer, req, start, n, config=None):

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
 from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
-                        check_selection_rows, next_token, on_cuda, reference_attention, reference_rows, same_bits)
+                        LibrarySpy, check_selection_rows, layer_config, next_token, on_cuda, reference_attention,
+                        reference_rows, same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import sglang as sps
@@ -319,7 +320,10 @@ def _check_layer(fp8, exact, config, backend, recorder, runner, layer, mode, q, 
         m = backend.meta
         if path == "by_length":   # the thresholds: short extends dense, the others sparse
             path = "sparse" if m.max_seqlen_q >= config.min_sparse_q_len else "dense"
+        if path == "sparse" and config.layer_dense(layer.layer_id):
+            path = "dense"
         assert backend.dispatch.last_path == path, backend.dispatch.last_reason
+    config = layer_config(config, layer.layer_id)     # per-layer settings: what this layer runs
     if mode != "decode" and path != "fa3" and (fp8 or exact):
         b = m.cu_seqlens_q.shape[0] - 1
         ds = {}
@@ -425,6 +429,22 @@ def test_sparse_selection_and_separate_decode_batches(device):
     assert checks["exact_calls"] == 2 * checks["extend_steps"] > 6 and checks["mean_blocks"] > 50
     assert checks["decode_steps"] > 10       # decode writes went through FA3 -> the pool -> the tracker
     assert not any(c[0] == "extend" for c in FakeFA3Backend.calls)
+
+
+def test_per_layer_settings_reach_each_layer(monkeypatch):
+    """Per-layer settings (`layers`; the layer index is layer.layer_id): layer 0's extend calls reach
+    sp.chunked_prefill with layer 0's own selection, layer 1's (dense in `layers`) run sp.attention; every call
+    equals the direct library call with that layer's settings bit for bit."""
+    spy = LibrarySpy()
+    monkeypatch.setattr(core, "sp", spy)
+    cfg = _config(layers={0: {"alpha": 0.5, "head_subgroups": 1, "dense_fraction": 1.0}, 1: {"dense": True}})
+    worst, eng, backend, checks = run(cfg, mixed=False, check_means=False, steps=30, exact=True)
+    check_selection_rows(checks, "cpu", sparse=True)
+    n = checks["extend_steps"]
+    assert n > 2 and [c[0] for c in spy.calls] == ["chunked_prefill", "attention"] * n
+    assert all(kw["alpha"] == 0.5 and kw["head_subgroups"] == 1 and kw["dense_fraction"] == 1.0
+               for name, kw in spy.calls if name == "chunked_prefill")
+    assert checks["exact_calls"] == 2 * n and backend.dispatch.calls == {"sparse": n, "dense": n}
 
 
 def test_page_table_from_req_to_token():

@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
 from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
-                        check_selection_rows, fp8_quant, next_token, on_cuda, reference_attention, reference_rows,
-                        same_bits)
+                        LibrarySpy, check_selection_rows, fp8_quant, layer_config, next_token, on_cuda,
+                        reference_attention, reference_rows, same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import vllm as spv
@@ -248,7 +248,7 @@ def _means_snapshot(state, kv_layer):
 
 def expected_path(config, plan, layer, path="sparse"):
     """What the dispatch must run for a step's prefill rows of `layer` (the thresholds these tests vary)."""
-    if path != "sparse" or layer < config.dense_layers or plan.max_seqlen_q < config.min_sparse_q_len:
+    if path != "sparse" or config.layer_dense(layer) or plan.max_seqlen_q < config.min_sparse_q_len:
         return "dense" if path == "sparse" else path
     return path
 
@@ -280,6 +280,7 @@ def _check_layer(fp8, exact, config, state, plan, layers, layer, q, kv_layer, sn
         kc, vc = kc.view(F8), vc.view(F8)
         qk = fp8_quant(q, lay._q_scale)
     path = expected_path(config, plan, layer, fp8.path if fp8 else "sparse")
+    config = layer_config(config, layer)      # per-layer settings: what this layer runs
     if plan.num_prefills:
         nt, na = plan.num_decode_tokens, plan.num_actual_tokens
         if path != "fa":
@@ -438,6 +439,23 @@ def test_dense_layers_and_short_chunks_run_dense_attention(device):
     calls = state.dispatch.calls
     assert checks["exact_calls"] == calls["sparse"] + calls["dense"] == 2 * checks["prefill_steps"]
     assert checks["prefill_steps"] < calls["dense"] < 2 * checks["prefill_steps"] and calls["sparse"] > 3
+
+
+def test_per_layer_settings_reach_each_layer(monkeypatch):
+    """Per-layer settings (`layers`, what sparse_prefill.calibrate writes; the layer index from layer.layer_name):
+    layer 0's prefill calls reach sp.chunked_prefill with layer 0's own selection, layer 1's (dense in `layers`) run
+    sp.attention; every call equals the direct library call with that layer's settings bit for bit."""
+    spy = LibrarySpy()
+    monkeypatch.setattr(core, "sp", spy)
+    cfg = _config(layers={"0": {"alpha": 0.5, "head_subgroups": 1, "dense_fraction": 1.0}, "1": {"dense": True}})
+    assert cfg.alpha != 0.5 and cfg.head_subgroups != 1          # the top level differs from layer 0's entry
+    worst, eng, state, checks = _run(cfg, exact=True, check_means=False)
+    check_selection_rows(checks, "cpu", sparse=True)
+    n = checks["prefill_steps"]
+    assert n > 5 and [c[0] for c in spy.calls] == ["chunked_prefill", "attention"] * n
+    assert all(kw["alpha"] == 0.5 and kw["head_subgroups"] == 1 and kw["dense_fraction"] == 1.0
+               for name, kw in spy.calls if name == "chunked_prefill")
+    assert checks["exact_calls"] == 2 * n and state.dispatch.calls == {"sparse": n, "dense": n}
 
 
 def test_decode_rows_go_to_flash_attention_prefill_rows_to_sparse_prefill():

@@ -10,7 +10,8 @@ Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIEL
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
 defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups,
 mean_alpha) are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when
-its defaults change; nothing here keeps a second copy of them.
+its defaults change; nothing here keeps a second copy of them. Per-layer settings (`layers`: a layer index -> selection
+overrides, or dense) come from the file or keyword arguments only; `python -m sparse_prefill.calibrate` writes them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
 SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
                     "mean_alpha", "dense_fraction")
+# What one entry of `layers` may set: the selection, except block_size (one per model: the mean cache and the
+# workspaces are sized by it), and `dense` (the layer always runs dense attention).
+LAYER_FIELDS = tuple(f for f in SELECTION_FIELDS if f != "block_size") + ("dense",)
 
 
 def library_selection_defaults() -> dict:
@@ -70,6 +74,13 @@ class SparsePrefillConfig:
     fallback: what the transformers adapter does with calls the kernels do not support (head dim other than 64/128,
         float32 on CUDA, dropout, softcap, attention sinks): 'sdpa' runs transformers' sdpa with a one-time warning,
         'raise' raises NotImplementedError.
+    layers: per-layer settings, {layer index: {selection field: value, ...}} (JSON: {"3": {"alpha": 0.01}}), or
+        {layer index: {"dense": true}} for a layer that always runs dense attention. An entry overrides the top-level
+        selection for that layer (alpha, sink, window, last_n, correction, rule, union, head_subgroups, mean_alpha,
+        dense_fraction; block_size is one value for the whole model); layers without an entry use the top level.
+        Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine does not
+        give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
+        SPARSE_PREFILL_* variables.
     """
 
     alpha: float = None
@@ -89,6 +100,7 @@ class SparsePrefillConfig:
     final_chunk: str = "always"
     mean_cache: str = "auto"
     fallback: str = "sdpa"
+    layers: Optional[dict] = None
 
     def __post_init__(self):
         lib = library_selection_defaults()
@@ -97,6 +109,7 @@ class SparsePrefillConfig:
                 setattr(self, name, lib[name])
         if self.correction is None:
             self.correction = lib["correction"]
+        self.layers = _layer_settings(self.layers)
         self._check()
 
     # -- loading ------------------------------------------------------------------------------------------------------
@@ -123,11 +136,13 @@ class SparsePrefillConfig:
             for key, value in data.items():
                 if key not in fields:
                     raise ValueError(f"{key}: unknown sparse_prefill setting in {path} (known: {', '.join(fields)})")
-                values[key] = _coerce(key, value, fields[key])
+                values[key] = value if key == "layers" else _coerce(key, value, key)
         for name, f in fields.items():
+            if name == "layers":
+                continue          # a mapping: from the file or keyword arguments only
             raw = env.get(_env_name(name))
             if raw is not None and raw != "":
-                values[name] = _coerce(_env_name(name), raw, f)
+                values[name] = _coerce(_env_name(name), raw, name)
         for key, value in kwargs.items():
             if key not in fields:
                 raise TypeError(f"{key}: unknown sparse_prefill setting (known: {', '.join(fields)})")
@@ -144,19 +159,55 @@ class SparsePrefillConfig:
         for name in ("dense_layers", "min_sparse_q_len", "min_sparse_kv_len"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in SELECTION_FIELDS:
+            _check_selection_value(name, name, getattr(self, name))
 
-    def selection(self) -> dict:
-        """The selection keywords for sp.sparse_prefill / sp.chunked_prefill."""
-        return {name: getattr(self, name) for name in SELECTION_FIELDS}
+    def layer_dense(self, layer_idx: Optional[int]) -> bool:
+        """Whether layer `layer_idx` always runs dense attention (below dense_layers, or `"dense": true` in layers)."""
+        if layer_idx is None:
+            return False
+        return layer_idx < self.dense_layers or bool(self.layers.get(layer_idx, {}).get("dense", False))
+
+    def selection(self, layer_idx: Optional[int] = None) -> dict:
+        """The selection keywords for sp.sparse_prefill / sp.chunked_prefill: the top level, with the entry of
+        `layers` for layer_idx applied (None: the top level alone)."""
+        sel = {name: getattr(self, name) for name in SELECTION_FIELDS}
+        if layer_idx is not None:
+            sel.update((k, v) for k, v in self.layers.get(layer_idx, {}).items() if k != "dense")
+        return sel
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def file_dict(self) -> dict:
+        """The settings that differ from a default configuration, as the JSON object `SPARSE_PREFILL_CONFIG` reads
+        (layer indices as strings)."""
+        default = type(self)()
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "layers":
+                if value:
+                    out["layers"] = {str(i): dict(value[i]) for i in sorted(value)}
+            elif value != getattr(default, f.name):
+                out[f.name] = value
+        return out
 
-def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
-    kind = {"alpha": float, "mean_alpha": float, "dense_fraction": float, "correction": bool, "union": bool}.get(f.name)
-    if kind is None:
-        kind = str if f.name in ("rule", "final_chunk", "mean_cache", "fallback") else int
+    def save(self, path: str) -> None:
+        """Write file_dict() as JSON to `path` (what `config_file=` / SPARSE_PREFILL_CONFIG load)."""
+        with open(path, "w") as f:
+            json.dump(self.file_dict(), f, indent=1)
+            f.write("\n")
+
+
+_KINDS = {"alpha": float, "mean_alpha": float, "dense_fraction": float, "correction": bool, "union": bool,
+          "dense": bool, "rule": str, "final_chunk": str, "mean_cache": str, "fallback": str}
+
+
+def _coerce(name: str, value: Any, field: str) -> Any:
+    """`value` as the type of setting `field`; errors name `name` (the setting, its variable or its place in
+    layers)."""
+    kind = _KINDS.get(field, int)
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -172,6 +223,52 @@ def _coerce(name: str, value: Any, f: dataclasses.Field) -> Any:
         return kind(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _check_selection_value(name: str, field: str, value: Any) -> None:
+    """The ranges of the selection settings that the library would otherwise refuse only at the first sparse call."""
+    if field in ("alpha", "mean_alpha") and not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
+        raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+    if field == "dense_fraction" and not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
+        raise ValueError(f"{name}: must be in (0, 1] (1 turns the dense rule off), got {value!r}")
+    if field in ("sink", "window", "last_n", "head_subgroups") and not (isinstance(value, int) and value >= 0):
+        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    if field == "block_size" and not (isinstance(value, int) and value > 0 and value % 64 == 0):
+        raise ValueError(f"{name}: must be a positive multiple of 64, got {value!r}")
+    if field == "rule":
+        from sparse_prefill._index import _RULES
+        if value not in _RULES:
+            raise ValueError(f"{name}: must be one of {', '.join(map(repr, _RULES))}, got {value!r}")
+
+
+def _layer_settings(layers: Any) -> dict:
+    """`layers` as {int layer index: {field: value}}, validated; errors name the entry (layers.3.alpha)."""
+    if layers is None:
+        return {}
+    if not isinstance(layers, dict):
+        raise ValueError(f"layers: expected a mapping from layer index to settings, got {type(layers).__name__}")
+    out = {}
+    for key, entry in layers.items():
+        i = int(key) if isinstance(key, int) or (isinstance(key, str) and key.strip().isdigit()) else None
+        if i is None or isinstance(key, bool) or i < 0:
+            raise ValueError(f"layers: key {key!r} is not a layer index (an integer >= 0)")
+        if i in out:
+            raise ValueError(f"layers: layer {i} is given twice")
+        if not isinstance(entry, dict):
+            raise ValueError(f"layers.{i}: expected an object of selection settings or {{\"dense\": true}}, got "
+                             f"{entry!r}")
+        settings = {}
+        for field, value in entry.items():
+            name = f"layers.{i}.{field}"
+            if field == "block_size":
+                raise ValueError(f"{name}: block_size is one value for the whole model (the mean cache and the "
+                                 "workspaces are sized by it); set it at the top level")
+            if field not in LAYER_FIELDS:
+                raise ValueError(f"{name}: unknown per-layer setting (known: {', '.join(LAYER_FIELDS)})")
+            settings[field] = _coerce(name, value, field)
+            _check_selection_value(name, field, settings[field])
+        out[i] = settings
+    return out
 
 
 def layer_index(name: Any) -> Optional[int]:
@@ -278,9 +375,12 @@ class VarlenDispatch:
     """One attention call of an engine: picks sparse or dense, writes `out` in place, uses preallocated workspaces,
     never synchronises the host (the lengths it needs come as host ints: max_seqlen_q / max_seqlen_k).
 
-    Sparse runs when: layer_idx >= dense_layers, max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len,
-    causal, no sliding window and no softcap, and (CUDA) head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0,
-    pages of a multiple of 64 tokens. Everything else runs dense `sp.attention` (any page size, windows, decode rows).
+    Sparse runs when: the layer is not dense (layer_idx >= dense_layers and no `"dense": true` in `layers`),
+    max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len, causal, no sliding window and no softcap, and
+    (CUDA) head dim 128 (or below 128 for contiguous 16-bit inputs, zero-padded to 128: the transformers adapter's
+    calls), bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens. Everything else runs
+    dense `sp.attention` (any page size, windows, decode rows). A sparse call's selection is
+    `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied.
 
     FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
     passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through
@@ -313,8 +413,12 @@ class VarlenDispatch:
         if layer_idx is None:
             if c.dense_layers:
                 return "unknown layer index with dense_layers set"
+            if c.layers:
+                return "unknown layer index with per-layer settings (layers)"
         elif layer_idx < c.dense_layers:
             return f"layer {layer_idx} < dense_layers {c.dense_layers}"
+        elif c.layer_dense(layer_idx):
+            return f"layer {layer_idx} is dense in layers"
         if max_seqlen_q < max(c.min_sparse_q_len, 1):
             return f"max_seqlen_q {max_seqlen_q} < min_sparse_q_len {c.min_sparse_q_len}"
         if max_seqlen_k < c.min_sparse_kv_len:
@@ -327,7 +431,7 @@ class VarlenDispatch:
             import torch
             # the CUDA backend's check_sparse_supported (and, for FP8, check_fp8_supported: the same head dim and
             # page constraints), so that a call the dispatch sends to sparse never raises there
-            if q.shape[-1] != 128:
+            if q.shape[-1] != 128 and (paged or q.dtype == torch.float8_e4m3fn or q.shape[-1] > 128):
                 return f"head dim {q.shape[-1]} (the sparse CUDA kernels take 128)"
             if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
                 return f"dtype {q.dtype}"
@@ -350,20 +454,15 @@ class VarlenDispatch:
             self._dense_ws[key] = ws
         return ws
 
-    def _sparse_workspace(self, q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_k):
+    def _sparse_workspace(self, q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_k, selection):
         if not q.is_cuda:
             return None
         key = (tuple(q.shape), tuple(k.shape), q.dtype, tuple(cu_q.shape), max_q, max_k,
-               None if block_table is None else tuple(block_table.shape))
+               None if block_table is None else tuple(block_table.shape), tuple(sorted(selection.items())))
         nbytes = self._ws_bytes.get(key)
         if nbytes is None:
-            c = self.config
             nbytes = int(sp.sparse_prefill_workspace_bytes(
-                q, k, v, cu_q, cu_k, max_q, max_k, block_size=c.block_size, block_table=block_table,
-                seqused_k=seqused_k, union=c.union, head_subgroups=c.head_subgroups, **{
-                    n: getattr(c, n)
-                    for n in ("alpha", "sink", "window", "last_n", "correction", "rule", "mean_alpha",
-                              "dense_fraction")}))
+                q, k, v, cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, **selection))
             if len(self._ws_bytes) > 256:
                 self._ws_bytes.clear()
             self._ws_bytes[key] = nbytes
@@ -414,16 +513,29 @@ class VarlenDispatch:
             self.last_path = "sparse"
             self.calls["sparse"] += 1
             c = self.config
+            sel = c.selection(layer_idx)
             if final_chunk is None:
                 final_chunk = c.final_chunk == "always"
-            ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k)
+            d = q.shape[-1]
+            if _on_cuda(q) and d < 128:
+                # contiguous 16-bit inputs of head dim < 128 (sparse_reason lets no other through): zero-padded to
+                # the kernels' 128, which adds 0 to every q.k and to the pooled means (the same selection, exact
+                # outputs), at the cost of padded copies of q, k, v; the scale stays the model's
+                pad = (0, 128 - d)
+                q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
+                softmax_scale = d ** -0.5 if softmax_scale is None else softmax_scale
+                out = torch.empty(q.shape, dtype=out.dtype, device=out.device)
+            ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k,
+                                        sel)
             if paged:
                 sp.chunked_prefill(q, k, v, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
                                    final_chunk=final_chunk, softmax_scale=softmax_scale, out=out,
-                                   mean_cache=mean_cache, workspace=ws, **c.selection(), **descales)
+                                   mean_cache=mean_cache, workspace=ws, **sel, **descales)
             else:
                 sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=softmax_scale,
-                                  out=out, workspace=ws, final_chunk=final_chunk, **c.selection(), **descales)
+                                  out=out, workspace=ws, final_chunk=final_chunk, **sel, **descales)
+            if out.shape[-1] != d:
+                out = out[..., :d]
         if target is not out:
             target.copy_(out)
         return target

@@ -1,0 +1,263 @@
+"""The command line of `python -m sparse_prefill.calibrate` (see the package docstring) and `run()`, its body."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from typing import List, Optional
+
+from . import report
+from . import route as R
+from . import search as S
+from . import tasks as T
+from .tasks import UsageError
+
+CANDIDATES = "alpha=0.1,alpha=0.03,alpha=0.01,default,alpha=0.001"
+
+
+def _arg(name, convert):
+    """An argparse type: convert(text), whose errors name the argument."""
+    def parse(text):
+        try:
+            return convert(text)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise argparse.ArgumentTypeError(msg if msg.startswith(name) else f"{name}: {msg}") from None
+    parse.__name__ = name
+    return parse
+
+
+def _lengths(text):
+    out = [int(x) for x in text.split(",") if x.strip()]
+    if not out or min(out) < 512:
+        raise ValueError(f"expected comma-separated prompt lengths >= 512, got {text!r}")
+    return sorted(set(out))
+
+
+def _fractions(text):
+    out = [float(x) for x in text.split(",") if x.strip()]
+    if any(not 0.0 < f <= 1.0 for f in out):
+        raise ValueError(f"mass fractions must be in (0, 1], got {text!r}")
+    return out
+
+
+def _at_least(lo, kind=float):
+    def convert(text):
+        x = kind(text)
+        if x < lo:
+            raise ValueError(f"must be >= {lo}, got {text}")
+        return x
+    return convert
+
+
+def _choices(allowed):
+    def convert(text):
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in allowed]
+        if bad or not out:
+            raise ValueError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
+        return out
+    return convert
+
+
+def _candidates(text):
+    out = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        settings = S.parse_settings(item, "--candidates")
+        if "block_size" in settings:
+            raise ValueError("--candidates: block_size is one value for the whole model; give it in --base")
+        out[S.settings_name(settings)] = settings
+    if not out:
+        raise ValueError("--candidates: no setting given")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sparse_prefill.calibrate", description=(
+        "Measure what sparse prefill costs a model in accuracy and density, and write the settings the engine "
+        "adapters load (DIR/sparse_prefill.json) with a report (DIR/report.md)."))
+    ap.add_argument("model", metavar="MODEL", help="a local transformers model folder or GGUF file (no downloads)")
+    ap.add_argument("--lengths", type=_arg("--lengths", _lengths), default=[8192, 32768],
+                    help="prompt lengths, comma-separated (default 8192,32768)")
+    ap.add_argument("--text", nargs="+", action="extend", metavar="FILE", default=[],
+                    help="your text: filler of the recall prompts and the NLL task (default: a built-in text)")
+    ap.add_argument("--out", default="sparse_prefill_calibration", metavar="DIR", help="output folder")
+    ap.add_argument("--max-drop", type=_arg("--max-drop", _at_least(0.0)), default=1.0,
+                    help="largest top-1 accuracy drop allowed on any task and length, in points (default 1.0)")
+    ap.add_argument("--max-nll", type=_arg("--max-nll", _at_least(0.0)), default=0.5,
+                    help="largest NLL increase allowed, in %% of dense (default 0.5)")
+    ap.add_argument("--strict", action="store_true",
+                    help="require the 95 %% intervals, not just the estimates, to stay within the tolerance")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="default: cuda where torch sees a GPU and the library has its CUDA backend, else cpu")
+    ap.add_argument("--candidates", type=_arg("--candidates", _candidates), default=_candidates(CANDIDATES),
+                    help=f"selection settings to try, comma-separated, each 'k=v;k=v' or 'default' "
+                         f"(default {CANDIDATES})")
+    ap.add_argument("--base", type=_arg("--base", lambda t: S.parse_settings(t, "--base")), default={},
+                    help="selection settings common to every candidate, 'k=v;k=v' (e.g. block_size=256)")
+    ap.add_argument("--oracle", type=_arg("--oracle", _fractions), default=[0.5, 0.7, 0.9],
+                    help="mass fractions of the exact oracle's curve (default 0.5,0.7,0.9; '' for none)")
+    ap.add_argument("--oracle-mem-gb", type=_arg("--oracle-mem-gb", _at_least(0.01)), default=2.0,
+                    help="working memory of the oracle's chunks, GB (default 2)")
+    ap.add_argument("--tasks", type=_arg("--tasks", _choices(T.TASKS)), default=list(T.TASKS))
+    ap.add_argument("--layouts", type=_arg("--layouts", _choices(T.LAYOUTS)), default=list(T.LAYOUTS))
+    ap.add_argument("--formats", type=_arg("--formats", _choices(T.FORMATS)), default=["code"])
+    ap.add_argument("--min-scored", type=_arg("--min-scored", _at_least(1, int)), default=1000,
+                    help="scored tokens per task and length, at least (default 1000)")
+    ap.add_argument("--seed", type=_arg("--seed", _at_least(0, int)), default=0, help="prompt seed")
+    ap.add_argument("--n-boot", type=_arg("--n-boot", _at_least(100, int)), default=1000, help="bootstrap replicates")
+    ap.add_argument("--max-evals", type=_arg("--max-evals", _at_least(0, int)), default=6,
+                    help="measurements of per-layer plans, at most (default 6; 0: uniform settings only)")
+    ap.add_argument("--tokenizer", default=None, metavar="PATH|bytes",
+                    help="default: MODEL's; 'bytes' for a random-weight model saved without a tokenizer")
+    ap.add_argument("--check", default=None, metavar="FILE",
+                    help="measure this sparse_prefill.json instead of searching (and through the transformers adapter)")
+    ap.add_argument("--threads", type=_arg("--threads", _at_least(1, int)), default=None, help="CPU threads of torch")
+    return ap
+
+
+def _validate(args) -> None:
+    import torch
+    import sparse_prefill as sp
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() and sp.with_cuda else "cpu"
+    if args.device == "cuda" and not (torch.cuda.is_available() and sp.with_cuda):
+        raise UsageError("--device: cuda needs a GPU visible to torch and sparse_prefill built with its CUDA backend "
+                         f"(torch sees {torch.cuda.device_count()} GPUs, sp.with_cuda={sp.with_cuda})")
+    for f in args.text:
+        if not os.path.isfile(f):
+            raise UsageError(f"--text: {f} is not a file")
+    if args.check and not os.path.isfile(args.check):
+        raise UsageError(f"--check: {args.check} is not a file")
+    if "kv" not in args.tasks and "copy" not in args.tasks and "nll" not in args.tasks:
+        raise UsageError("--tasks: nothing to measure")
+
+
+def run(args, log=print) -> dict:
+    """The calibration (or, with args.check, the check) described by parsed arguments; returns the results
+    document that is also written to DIR/calibration.json."""
+    import torch
+    import sparse_prefill as sp
+    from ..integrations.core import SparsePrefillConfig, VarlenDispatch
+    _validate(args)
+    t0 = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        base_config = SparsePrefillConfig(**args.base)
+    except ValueError as e:
+        raise UsageError(f"--base: {e}") from None
+    model, tok = R.load(args.model, args.device, args.tokenizer, log)
+    n_layers = int(model.config.num_hidden_layers)
+    log(f"loaded in {time.time() - t0:.1f} s: {n_layers} layers, {model.config.num_attention_heads} query heads, "
+        f"{getattr(model.config, 'num_key_value_heads', None)} KV heads")
+    texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.text]
+    filler = T.Filler(tok, texts, min_tokens=2 * max(args.lengths))
+    variants = T.variants(args.tasks, args.layouts, args.formats)
+    sets, counts = {}, {}
+    for L in args.lengths:
+        sets[L] = {}
+        for v in variants:
+            ps = T.prompt_set(tok, filler, L, v, args.seed, args.min_scored)
+            sets[L][ps[0]["variant"]] = ps
+        counts[str(L)] = {v: dict(prompts=len(ps), tokens=int(sum(len(p["pos"]) for p in ps)))
+                          for v, ps in sets[L].items()}
+        log(f"L={L}: " + ", ".join(f"{v} {c['prompts']} prompts / {c['tokens']} tokens" for v, c in counts[str(L)].items()))
+    cal = S.Calibration(model, sets, n_boot=args.n_boot, seed=args.seed, max_drop=args.max_drop,
+                        max_nll=args.max_nll, strict=args.strict, log=log)
+    evals = 1 + (2 if args.check else len(args.candidates) + len(args.oracle) + 1 + args.max_evals)
+    log(f"dense attention (sp.attention), the reference [1/{evals} measurements, at most]")
+    cal.measure_dense()
+    log(f"  {cal.dense_seconds:.1f} s per measurement of every prompt; ~{cal.dense_seconds * evals * 1.3:.0f} s "
+        "in all, guessed")
+    results: List[dict] = []
+    configs = {}
+    plan_of = {}
+    probe = None
+    if args.check:
+        cfg = SparsePrefillConfig.load(config_file=args.check, environ={})
+        log(f"checking {args.check}: as measured by the calibration")
+        results.append(cal.evaluate("file", "file", R.Route("config", config=cfg), cfg))
+        via = SparsePrefillConfig.load(config_file=args.check, environ={}, min_sparse_q_len=1, min_sparse_kv_len=0)
+        log("... and through the transformers adapter (min_sparse_q_len 1, min_sparse_kv_len 0: sparse at every "
+            "length measured)")
+        results.append(cal.evaluate("file via the transformers adapter", "adapter",
+                                    R.Route("adapter", dispatch=VarlenDispatch(via))))
+        chosen, out_config = None, None
+    else:
+        geometry = {k: getattr(base_config, k) for k in ("block_size", "sink", "window", "last_n")}
+        for i, (name, settings) in enumerate(args.candidates.items()):
+            cfg = SparsePrefillConfig(**{**args.base, **settings})
+            configs[name] = cfg
+            log(f"{name} in every layer [{2 + i}/{evals}]")
+            r = cal.evaluate(name, "uniform", R.Route("config", config=cfg), cfg)
+            plan_of[name] = {str(i): name for i in range(n_layers)}
+            results.append(r)
+        for frac in args.oracle:
+            log(f"the exact oracle at F={frac} (per query head, in chunks)")
+            results.append(cal.evaluate(f"oracle F={frac}", "oracle", R.Route(
+                "oracle", frac=frac, oracle_geometry=geometry, mem_bytes=args.oracle_mem_gb * 2**30)))
+        if args.max_evals:
+            log("probe: every candidate beside dense attention in every layer, on one prompt per task and length")
+            probe = cal.probe([(n, configs[n]) for n in args.candidates])
+            levels = S.plans(probe, list(args.candidates), n_layers)
+
+            def measure(plan, i):
+                name = f"per-layer plan {i + 1}"
+                same = set(plan.values())
+                if len(same) == 1 and None not in same:       # one candidate everywhere: measured above
+                    uniform = next(r for r in results if r["name"] == next(iter(same)))
+                    log(f"  = {uniform['name']} in every layer, measured above")
+                    return dict(uniform, name=f"{name} (= {uniform['name']})", kind="per-layer", seconds=0.0,
+                                plan=plan_of[uniform["name"]])
+                cfg = S.plan_config(plan, args.candidates, args.base)
+                configs[name] = cfg
+                plan_of[name] = {str(layer): n or "dense" for layer, n in plan.items()}
+                r = cal.evaluate(name, "per-layer", R.Route("config", config=cfg), cfg)
+                r["plan"] = plan_of[name]
+                return r
+
+            log(f"{len(levels)} per-layer plans (error budgets); binary search, at most {args.max_evals} measured")
+            results += S.search(levels, measure, args.max_evals, log)
+        chosen = S.choose(results)
+        out_config = configs[chosen["name"]] if chosen else SparsePrefillConfig(**args.base, dense_layers=n_layers)
+    doc = dict(mode="check" if args.check else "calibrate", model=args.model, version=sp.__version__,
+               device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               date=datetime.datetime.now().isoformat(timespec="seconds"),
+               command=" ".join(["python -m sparse_prefill.calibrate"] + sys.argv[1:]) if args.argv is None else
+               " ".join(["python -m sparse_prefill.calibrate"] + list(args.argv)),
+               lengths=list(args.lengths), filler=filler.source, prompts=counts, seed=args.seed,
+               tolerance=dict(max_drop=args.max_drop, max_nll=args.max_nll, strict=args.strict),
+               selection_defaults=dict(sp.SELECTION_DEFAULTS), base=args.base,
+               candidates={n: s for n, s in args.candidates.items()}, results=results,
+               recommended=chosen["name"] if chosen else None,
+               plan=plan_of.get(chosen["name"]) if chosen else ({str(i): "dense" for i in range(n_layers)}
+                                                                if not args.check else None),
+               config=out_config.file_dict() if out_config else None, probe=probe, check=args.check)
+    doc["seconds"] = round(time.time() - t0, 1)
+    paths = report.write(doc, args.out, out_config)
+    if args.check:
+        log(f"check done in {doc['seconds']:.0f} s: {paths['report']}")
+    elif chosen:
+        log(f"recommended: {chosen['name']} (density {chosen['cost']:.3f} at L={max(args.lengths)}) -> "
+            f"{paths['config']}; report {paths['report']} ({doc['seconds']:.0f} s)")
+    else:
+        log(f"no setting within the tolerance: {paths['config']} runs every layer dense; report {paths['report']}")
+    return doc
+
+
+def main(argv: Optional[List[str]] = None, log=None) -> dict:
+    """Parse argv (default sys.argv[1:]) and run; bad values exit with status 2 and a message naming the argument."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    log = log or (lambda *a: print(*a, flush=True))
+    try:
+        return run(args, log)
+    except UsageError as e:
+        parser.error(str(e))

@@ -1,0 +1,250 @@
+"""Measuring settings on the prompts, and the search for the cheapest one within tolerance.
+
+A setting is a SparsePrefillConfig (what the adapters load): a uniform candidate (the same selection in every
+layer), a per-layer plan (a selection or dense per layer), or the all-dense fallback. Its cost is its density at the
+longest length: the mean over layers of kept / visible key blocks (a dense layer counts 1), which is what the sparse
+kernels' time follows.
+
+The search:
+  1. every uniform candidate and every oracle fraction is measured on all prompts (accuracy, NLL, density per layer);
+  2. a probe pass (dense forwards on one prompt per task and length) runs every candidate beside dense attention in
+     every layer on the same inputs and records each layer's relative output error and density per candidate;
+  3. plans: for a per-layer error budget e, each layer takes its cheapest candidate whose error is <= e, or dense
+     when none is; a larger e gives a cheaper plan. A binary search over the budgets (at most --max-evals
+     measurements, the cheapest plan first) finds the cheapest plan that passes;
+  4. the recommendation is the cheapest passing setting, uniform or per-layer (all dense if none passes).
+Pass: on every length, every recall task's top-1 accuracy within --max-drop points of dense and the NLL within
+--max-nll % of dense (point estimates; --strict: the 95 % intervals' far ends).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..integrations.core import SELECTION_FIELDS, SparsePrefillConfig, _check_selection_value, _coerce
+from . import route as R
+from .stats import paired_bootstrap
+from .tasks import UsageError
+
+
+def parse_settings(text: str, arg: str) -> dict:
+    """'k=v;k=v' (selection keywords of sp.sparse_prefill) or 'default' -> dict; errors name `arg`."""
+    out: dict = {}
+    if text.strip() in ("", "default"):
+        return out
+    for item in text.split(";"):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise UsageError(f"{arg}: {item!r} is not key=value")
+        key, value = (x.strip() for x in item.split("=", 1))
+        if key not in SELECTION_FIELDS:
+            raise UsageError(f"{arg}: unknown selection setting {key!r} (known: {', '.join(SELECTION_FIELDS)})")
+        try:
+            out[key] = _coerce(key, value, key)
+            _check_selection_value(key, key, out[key])
+        except ValueError as e:
+            raise UsageError(f"{arg}: {e}") from None
+    return out
+
+
+def settings_name(settings: dict) -> str:
+    return ";".join(f"{k}={v}" for k, v in settings.items()) or "default"
+
+
+def outcomes(prompt: dict, logits) -> np.ndarray:
+    """Per scored token: 1.0 / 0.0 (top-1 hit) or the NLL, from the logits at pos - 1."""
+    import torch
+    tgt = torch.as_tensor(prompt["tgt"], device=logits.device)
+    if prompt["kind"] == "nll":
+        out = -torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0]
+    else:
+        out = (logits.argmax(-1) == tgt).float()
+    return out.double().cpu().numpy()
+
+
+class Calibration:
+    """The model, its prompts per length and variant, and dense attention's outcomes on them."""
+
+    def __init__(self, model, sets: Dict[int, Dict[str, List[dict]]], n_boot: int = 1000, seed: int = 0,
+                 max_drop: float = 1.0, max_nll: float = 0.5, strict: bool = False, log=print):
+        self.model, self.sets, self.log = model, sets, log
+        self.n_boot, self.seed, self.max_drop, self.max_nll, self.strict = n_boot, seed, max_drop, max_nll, strict
+        self.lengths = sorted(sets)
+        self.n_layers = int(model.config.num_hidden_layers)
+        self.dense = None
+        self.dense_seconds = 0.0
+
+    # -- forwards ---------------------------------------------------------------------------------------------------
+    def _run(self, route, L: int, prompts_of=None):
+        R.ROUTE = route
+        route.blocks = {}
+        if route.dispatch is not None:
+            route.dispatch.calls = {"sparse": 0, "dense": 0}
+        outs = {}
+        for variant, prompts in self.sets[L].items():
+            chosen = prompts if prompts_of is None else prompts[:prompts_of]
+            outs[variant] = [outcomes(p, R.logits_at(self.model, p["ids"], p["pos"] - 1)) for p in chosen]
+        return outs, route.layer_density()
+
+    def measure_dense(self) -> dict:
+        t0 = time.time()
+        self.dense = {}
+        for L in self.lengths:
+            t1 = time.time()
+            self.dense[L], _ = self._run(R.Route("dense"), L)
+            parts = ", ".join(f"{v} {np.concatenate(o).mean():.4f}" for v, o in self.dense[L].items())
+            self.log(f"  dense L={L}: {parts} ({time.time() - t1:.1f} s)")
+        self.dense_seconds = time.time() - t0
+        return self.dense
+
+    def evaluate(self, name: str, kind: str, route, config: Optional[SparsePrefillConfig] = None) -> dict:
+        """Accuracy, NLL (with paired bootstrap intervals) and density per layer of `route` on every prompt."""
+        t0 = time.time()
+        res = dict(name=name, kind=kind, lengths={})
+        if config is not None:
+            res["config"] = config.file_dict()
+        for L in self.lengths:
+            t1 = time.time()
+            outs, dens = self._run(route, L)
+            tasks = {}
+            for variant, o in outs.items():
+                clusters = [p["clusters"] for p in self.sets[L][variant]]
+                diff, lo, hi = paired_bootstrap(self.dense[L][variant], o, clusters, self.n_boot, self.seed)
+                ref = float(np.concatenate(self.dense[L][variant]).mean())
+                nll = self.sets[L][variant][0]["kind"] == "nll"
+                scale = 100.0 / ref if nll else 100.0      # NLL: % of dense; top-1: points
+                tasks[variant] = dict(metric=float(np.concatenate(o).mean()), dense=ref, diff=scale * diff,
+                                      low=scale * lo, high=scale * hi, unit="%" if nll else "points",
+                                      n_tokens=int(sum(len(x) for x in o)))
+            layer_density = [dens.get(i, 1.0) for i in range(self.n_layers)] if dens else None
+            res["lengths"][L] = dict(tasks=tasks, layer_density=layer_density,
+                                     density=float(np.mean(layer_density)) if layer_density else None)
+            if route.dispatch is not None:
+                res["lengths"][L]["adapter_calls"] = dict(route.dispatch.calls)
+            self.log(f"  {name} L={L}: {summary_line(res['lengths'][L])} ({time.time() - t1:.1f} s)")
+        self._verdict(res)
+        res["seconds"] = round(time.time() - t0, 2)
+        self.log(f"  -> {name}: {verdict_line(res, self.max_drop, self.max_nll)}")
+        return res
+
+    def _verdict(self, res: dict) -> None:
+        drop = nll = None
+        ok = ok_ci = True
+        for L, r in res["lengths"].items():
+            for variant, t in r["tasks"].items():
+                if t["unit"] == "points":
+                    if drop is None or t["diff"] < drop["diff"]:
+                        drop = dict(t, L=L, task=variant)
+                    ok &= t["diff"] >= -self.max_drop
+                    ok_ci &= t["low"] >= -self.max_drop
+                else:
+                    if nll is None or t["diff"] > nll["diff"]:
+                        nll = dict(t, L=L, task=variant)
+                    ok &= t["diff"] <= self.max_nll
+                    ok_ci &= t["high"] <= self.max_nll
+        longest = res["lengths"][max(res["lengths"])]
+        res.update(worst_drop=drop, worst_nll=nll, passes_point=bool(ok), passes_ci=bool(ok_ci),
+                   passes=bool(ok_ci if self.strict else ok), cost=longest["density"])
+
+    # -- the probe pass ---------------------------------------------------------------------------------------------
+    def probe(self, candidates: Sequence[tuple]) -> Dict[int, Dict[str, dict]]:
+        """{layer: {candidate: {err, density}}}: each candidate beside dense attention on the same inputs, on the first
+        prompt of every variant; err = max over lengths of ||o - o_dense|| / ||o_dense||, density at the longest."""
+        table: Dict[int, Dict[str, dict]] = {}
+        for L in self.lengths:
+            t1 = time.time()
+            route = R.Route("probe", candidates=list(candidates))
+            self._run(route, L, prompts_of=1)
+            for layer, per in route.probe.items():
+                for name, (e2, r2, kept, vis) in per.items():
+                    cell = table.setdefault(layer, {}).setdefault(name, dict(err=0.0, density=1.0))
+                    cell["err"] = max(cell["err"], float(np.sqrt(e2 / r2)) if r2 > 0 else 0.0)
+                    cell["density"] = kept / vis if vis else 1.0    # the longest length's, as lengths ascend
+            self.log(f"  probe L={L}: {len(candidates)} candidates x {len(route.probe)} layers "
+                     f"({time.time() - t1:.1f} s)")
+        return table
+
+
+def summary_line(r: dict) -> str:
+    parts = [f"{v} {t['diff']:+.2f} {'pt' if t['unit'] == 'points' else '%'}" for v, t in r["tasks"].items()]
+    dens = f"density {r['density']:.3f}" if r.get("density") is not None else ""
+    return ", ".join(parts) + (f"; {dens}" if dens else "")
+
+
+def verdict_line(res: dict, max_drop: float, max_nll: float) -> str:
+    out = []
+    d, n = res.get("worst_drop"), res.get("worst_nll")
+    if d:
+        out.append(f"worst top-1 {d['diff']:+.2f} pt [{d['low']:+.2f}, {d['high']:+.2f}] ({d['task']} L={d['L']})")
+    if n:
+        out.append(f"NLL {n['diff']:+.2f} % [{n['low']:+.2f}, {n['high']:+.2f}] (L={n['L']})")
+    if res.get("cost") is not None:
+        out.append(f"density {res['cost']:.3f}")
+    out.append("PASS" if res["passes"] else f"fails (--max-drop {max_drop}, --max-nll {max_nll})")
+    return "; ".join(out)
+
+
+# -- plans ------------------------------------------------------------------------------------------------------------
+
+def plans(probe: Dict[int, Dict[str, dict]], names: Sequence[str], n_layers: int, max_levels: int = 16) -> List[dict]:
+    """Per-layer plans {layer: candidate name or None (dense)} for increasing error budgets, cheapest last; a
+    layer takes its cheapest candidate (probe density; the earlier name on ties) within the budget."""
+    errors = sorted({c["err"] for per in probe.values() for c in per.values()})
+    if len(errors) > max_levels:
+        errors = [errors[int(round(i * (len(errors) - 1) / (max_levels - 1)))] for i in range(max_levels)]
+    out: List[dict] = []
+    for budget in errors:
+        plan = {}
+        for layer in range(n_layers):
+            per = probe.get(layer, {})
+            ok = [(per[n]["density"], i, n) for i, n in enumerate(names) if n in per and per[n]["err"] <= budget]
+            plan[layer] = min(ok)[2] if ok else None
+        if not out or plan != out[-1]:
+            out.append(plan)
+    return [p for p in out if any(v is not None for v in p.values())]
+
+
+def plan_config(plan: Dict[int, Optional[str]], candidates: Dict[str, dict], base: dict) -> SparsePrefillConfig:
+    """The configuration of a per-layer plan: the most common candidate at the top level (over `base`), the other
+    layers' differences from it in `layers`, dense layers as {"dense": true}."""
+    used = Counter(n for n in plan.values() if n is not None)
+    top = SparsePrefillConfig(**{**base, **(candidates[used.most_common(1)[0][0]] if used else {})})
+    top_sel = top.selection()
+    layers = {}
+    for layer, name in sorted(plan.items()):
+        if name is None:
+            layers[layer] = {"dense": True}
+            continue
+        sel = SparsePrefillConfig(**{**base, **candidates[name]}).selection()
+        diff = {k: v for k, v in sel.items() if v != top_sel[k]}
+        if diff:
+            layers[layer] = diff
+    fields = {k: v for k, v in top.file_dict().items() if k != "layers"}
+    return SparsePrefillConfig(**fields, layers=layers)
+
+
+def search(levels: List[dict], measure, max_evals: int, log=print) -> List[dict]:
+    """Binary search for the cheapest passing plan (levels: cheapest last): measure(plan) -> result with 'passes';
+    the cheapest level first, at most max_evals measurements. Returns the results in the order measured."""
+    lo, hi, done = -1, len(levels), []
+    i = len(levels) - 1
+    while levels and len(done) < max_evals and hi - lo > 1:
+        log(f"per-layer plan {i + 1}/{len(levels)}: {sum(v is None for v in levels[i].values())} dense layers")
+        r = measure(levels[i], i)
+        done.append(r)
+        lo, hi = (i, hi) if r["passes"] else (lo, i)
+        i = (lo + hi + 1) // 2 if hi - lo > 1 else i
+    return done
+
+
+def choose(results: Sequence[dict]) -> Optional[dict]:
+    """The cheapest passing result (uniform before per-layer on ties), or None."""
+    ok = [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer")]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: (round(r["cost"], 6), r["kind"] != "uniform"))

@@ -1,0 +1,279 @@
+"""`python -m sparse_prefill.calibrate` on the CPU: the command end to end on a tiny random-weight Llama saved with
+save_pretrained (L = 1024, the CPU reference), the files it writes (sparse_prefill.json in the adapters' format,
+calibration.json, report.md, the figure), the adapters loading what it wrote, the check mode (the file measured as
+the calibration runs it and through the transformers adapter, on other prompts), errors naming the argument, and the
+pieces: prompts, the chunked oracle, the paired bootstrap, per-layer plans and the search."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import sparse_prefill as sp  # noqa: E402
+from sparse_prefill.calibrate import main  # noqa: E402
+from sparse_prefill.calibrate import search as S  # noqa: E402
+from sparse_prefill.calibrate import tasks as T  # noqa: E402
+from sparse_prefill.calibrate.oracle import oracle_attention  # noqa: E402
+from sparse_prefill.calibrate.stats import paired_bootstrap  # noqa: E402
+from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
+
+BASE = "block_size=64;sink=64;window=64;last_n=1"
+BASE_SETTINGS = dict(block_size=64, sink=64, window=64, last_n=1)
+
+
+def tiny_llama(path, D=64):
+    """3 layers; layers 0 and 2 attend to the digit tokens (queries a constant bias, keys a digit detector, in the
+    RoPE dimensions that barely rotate), so their selections keep few blocks; layer 1 keeps random weights (diffuse:
+    the library keeps every block there)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=D, attention_bias=True,
+                                   rope_theta=1e12, max_position_embeddings=4096)
+    model = transformers.LlamaForCausalLM(cfg)
+    tok = T.ByteTokenizer()
+    digits = torch.tensor([tok.encode(str(d))[0] for d in range(10)])
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight[digits].mean(0)
+        e /= e.norm()
+        u = torch.zeros(D)
+        u[D // 4:D // 2] = 1.0
+        u[3 * D // 4:] = 1.0
+        for i in (0, 2):
+            a = model.model.layers[i].self_attn
+            a.q_proj.weight.zero_()
+            a.q_proj.bias.copy_(u.repeat(4) * 3.0)
+            a.k_proj.weight.copy_(torch.outer(u.repeat(2), e) * 3.0)
+            a.k_proj.bias.zero_()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def calibrated(model_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("calib"))
+    lines = []
+    doc = main([model_dir, "--lengths", "1024", "--tokenizer", "bytes", "--out", out, "--device", "cpu",
+                "--base", BASE, "--candidates", "alpha=0.9,alpha=0.01;head_subgroups=1", "--oracle", "0.5",
+                "--min-scored", "30", "--layouts", "spread,depth", "--max-evals", "2", "--n-boot", "200"],
+               log=lines.append)
+    return doc, out, lines
+
+
+def test_end_to_end_files_and_rows(calibrated):
+    doc, out, lines = calibrated
+    for name in ("sparse_prefill.json", "calibration.json", "report.md"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    try:
+        import matplotlib  # noqa: F401
+        assert os.path.isfile(os.path.join(out, "calibration.png"))
+    except ImportError:
+        pass
+    saved = json.load(open(os.path.join(out, "calibration.json")))
+    assert saved["recommended"] == doc["recommended"] and saved["config"] == doc["config"]
+    text = "\n".join(lines)
+    for what in ("loading", "L=1024", "dense attention", "alpha=0.9 in every layer",
+                 "alpha=0.01;head_subgroups=1 in every layer", "oracle at F=0.5", "probe", "recommended"):
+        assert what in text, what
+    kinds = [r["kind"] for r in doc["results"]]
+    assert kinds[:3] == ["uniform", "uniform", "oracle"] and 1 <= kinds.count("per-layer") <= 2
+    variants = {"kv/spread", "kv/depth", "copy", "nll"}
+    for r in doc["results"]:
+        row = r["lengths"][1024]
+        assert set(row["tasks"]) == variants
+        for t in row["tasks"].values():
+            assert t["low"] - 1e-9 <= t["diff"] <= t["high"] + 1e-9 and t["n_tokens"] >= 30
+            assert t["unit"] == ("%" if t is row["tasks"]["nll"] else "points")
+        ld = row["layer_density"]
+        assert len(ld) == 3 and all(0 < d <= 1 for d in ld) and row["density"] == pytest.approx(np.mean(ld))
+        assert r["cost"] == row["density"]
+        if r["kind"] == "uniform":
+            assert ld[1] == 1.0 and min(ld[0], ld[2]) < 0.8      # the diffuse layer dense, the others sparse
+        if r["kind"] == "per-layer":
+            for layer, name in r["plan"].items():
+                assert name == "dense" or name in doc["candidates"]
+                if name == "dense":
+                    assert ld[int(layer)] == 1.0
+    # the recommendation: the cheapest setting within the tolerance
+    ok = [r for r in doc["results"] if r["passes"] and r["kind"] != "oracle"]
+    rec = next(r for r in doc["results"] if r["name"] == doc["recommended"])
+    assert rec["passes"] and rec["cost"] == min(r["cost"] for r in ok)
+    report = open(os.path.join(out, "report.md")).read()
+    assert "## Recommendation" in report and doc["recommended"] in report and "## Per layer" in report
+
+
+def test_written_file_is_what_the_adapters_load(calibrated):
+    doc, out, _ = calibrated
+    path = os.path.join(out, "sparse_prefill.json")
+    cfg = SparsePrefillConfig.load(config_file=path, environ={})
+    assert json.load(open(path)) == cfg.file_dict() == doc["config"]
+    for layer, name in doc["plan"].items():
+        layer = int(layer)
+        if name == "dense":
+            assert cfg.layer_dense(layer)
+        else:
+            want = SparsePrefillConfig(**{**BASE_SETTINGS, **doc["candidates"][name]}).selection()
+            assert not cfg.layer_dense(layer) and cfg.selection(layer) == want
+
+
+def test_plan_config_writes_layers_that_round_trip(tmp_path):
+    cands = {"alpha=0.9": {"alpha": 0.9}, "alpha=0.01;head_subgroups=1": {"alpha": 0.01, "head_subgroups": 1}}
+    plan = {0: "alpha=0.9", 1: None, 2: "alpha=0.01;head_subgroups=1", 3: "alpha=0.9"}
+    cfg = S.plan_config(plan, cands, BASE_SETTINGS)
+    assert cfg.file_dict() == {**BASE_SETTINGS, "alpha": 0.9, "layers": {
+        "1": {"dense": True}, "2": {"alpha": 0.01, "head_subgroups": 1}}}
+    cfg.save(str(tmp_path / "c.json"))
+    back = SparsePrefillConfig.load(config_file=str(tmp_path / "c.json"), environ={})
+    for layer, name in plan.items():
+        assert back.layer_dense(layer) == (name is None)
+        if name:
+            assert back.selection(layer) == SparsePrefillConfig(**{**BASE_SETTINGS, **cands[name]}).selection()
+
+
+def test_check_mode_reproduces_through_the_transformers_adapter(model_dir, tmp_path):
+    """A per-layer file measured on prompts it was not calibrated on (another seed and layout): as the calibration
+    runs it and through the transformers adapter, with the same outcomes; the adapter ran the dense layer dense."""
+    path = tmp_path / "sparse_prefill.json"
+    path.write_text(json.dumps({**BASE_SETTINGS, "alpha": 0.9, "layers": {"1": {"dense": True},
+                                                                      "2": {"alpha": 0.01, "head_subgroups": 1}}}))
+    doc = main([model_dir, "--check", str(path), "--lengths", "1024", "--tokenizer", "bytes", "--out",
+                str(tmp_path / "out"), "--device", "cpu", "--seed", "1", "--layouts", "together", "--tasks", "kv,nll",
+                "--min-scored", "30", "--n-boot", "200"], log=lambda *a: None)
+    assert doc["mode"] == "check" and doc["config"] is None and not os.path.exists(tmp_path / "out" /
+                                                                                     "sparse_prefill.json")
+    file_row, adapter_row = doc["results"]
+    assert file_row["kind"] == "file" and adapter_row["kind"] == "adapter"
+    ld = file_row["lengths"][1024]["layer_density"]
+    assert ld[1] == 1.0 and ld[0] < 1.0 and ld[2] < 1.0
+    prompts = sum(c["prompts"] for c in doc["prompts"]["1024"].values())
+    assert adapter_row["lengths"][1024]["adapter_calls"] == {"sparse": 2 * prompts, "dense": prompts}
+    for v, t in file_row["lengths"][1024]["tasks"].items():
+        assert adapter_row["lengths"][1024]["tasks"][v]["metric"] == pytest.approx(t["metric"], rel=1e-6, abs=1e-9)
+    assert "## Check" in open(tmp_path / "out" / "report.md").read()
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["--lengths", "100"], "--lengths"), (["--lengths", "4k"], "--lengths"), (["--max-drop", "-1"], "--max-drop"),
+    (["--max-nll", "x"], "--max-nll"), (["--candidates", "alpah=0.1"], "--candidates"),
+    (["--candidates", "alpha=0.1;block_size=256"], "--candidates"), (["--candidates", "rule=best"], "--candidates"),
+    (["--base", "sink=-1"], "--base"), (["--oracle", "1.5"], "--oracle"), (["--tasks", "kv,qa"], "--tasks"),
+    (["--layouts", "zigzag"], "--layouts"), (["--min-scored", "0"], "--min-scored"), (["--device", "tpu"], "--device"),
+    (["--text", "/nonexistent/notes.txt"], "--text"), (["--check", "/nonexistent/sp.json"], "--check"),
+    (["--tokenizer", "/nonexistent/tok"], "--tokenizer"),
+])
+def test_bad_values_name_the_argument(model_dir, argv, name, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main([model_dir, "--out", str(tmp_path), "--device", "cpu", *argv] if "--device" not in argv else
+             [model_dir, "--out", str(tmp_path), *argv], log=lambda *a: None)
+    assert e.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_bad_model_and_short_text_name_the_argument(tmp_path, capsys, model_dir):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing"), "--device", "cpu", "--out", str(tmp_path)], log=lambda *a: None)
+    assert "MODEL" in capsys.readouterr().err
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words here.")
+    with pytest.raises(SystemExit):
+        main([model_dir, "--device", "cpu", "--tokenizer", "bytes", "--lengths", "1024", "--text", str(text),
+              "--out", str(tmp_path)], log=lambda *a: None)
+    assert "--text" in capsys.readouterr().err
+    if not (torch.cuda.is_available() and sp.with_cuda):
+        with pytest.raises(SystemExit):
+            main([model_dir, "--device", "cuda", "--out", str(tmp_path)], log=lambda *a: None)
+        assert "--device" in capsys.readouterr().err
+
+
+# -- the pieces ---------------------------------------------------------------------------------------------------
+
+def test_prompts_recall_what_they_stated_and_score_nothing_in_the_tail():
+    tok = T.ByteTokenizer()
+    filler = T.Filler(tok, None, min_tokens=8192)
+    for layout in T.LAYOUTS:
+        for fmt in T.FORMATS:
+            p = T.kv_prompt(tok, filler, 2048, 0, layout, fmt)
+            ids, pos = np.asarray(p["ids"]), p["pos"]
+            assert len(ids) == 2048 and pos.max() < 2048 - T.tail(2048) and pos.min() >= 1
+            for c in np.unique(p["clusters"]):                 # each answer appeared earlier, token for token
+                answer = ids[pos[p["clusters"] == c]]
+                first = pos[p["clusters"] == c][0]
+                seen = ids[:first]
+                assert any((seen[i:i + len(answer)] == answer).all() for i in range(first - len(answer)))
+            assert p["ids"] == T.kv_prompt(tok, filler, 2048, 0, layout, fmt)["ids"]      # deterministic
+            assert p["ids"] != T.kv_prompt(tok, filler, 2048, 1, layout, fmt)["ids"]
+    c = T.copy_prompt(tok, filler, 2048, 0)
+    half = (2048 - T.tail(2048)) // 2
+    assert c["ids"][:half] == c["ids"][half:2 * half] and c["pos"][0] == half
+    n = T.nll_prompt(tok, filler, 2048, 0)
+    assert n["kind"] == "nll" and n["pos"][-1] == 2048 - T.tail(2048) - 1
+
+
+def test_user_text_is_the_filler():
+    tok = T.ByteTokenizer()
+    text = "zqx " * 3000
+    f = T.Filler(tok, [text])
+    p = T.kv_prompt(tok, f, 2048, 0, "spread")
+    assert T.encode(tok, "zqx ")[0] in p["ids"] and f.source == "user text"
+    n = T.nll_prompt(tok, f, 2048, 0)
+    assert set(n["ids"]) <= set(T.encode(tok, "zqx "))
+    with pytest.raises(T.UsageError, match="--text"):
+        T.Filler(tok, ["tiny"]).window(100, __import__("random").Random(0))
+
+
+def test_oracle_chunks_and_full_mass():
+    q, k, v = (torch.from_numpy(x) for x in sp.workload.topic(1500, 4, 2, 64, seed=1, block=64))
+    geo = dict(block_size=64, sink=64, window=128, last_n=1)
+    big, kept, vis = oracle_attention(q, k, v, 0.125, 0.5, mem_bytes=2 << 30, **geo)
+    small, kept2, vis2 = oracle_attention(q, k, v, 0.125, 0.5, mem_bytes=256 * 1600 * 16, **geo)   # 256-row chunks
+    assert (kept, vis) == (kept2, vis2) and kept < vis
+    torch.testing.assert_close(big, small, atol=1e-5, rtol=1e-5)
+    _, kept9, _ = oracle_attention(q, k, v, 0.125, 0.9, **geo)
+    assert kept < kept9                                        # more mass, more blocks
+    full, kept1, vis1 = oracle_attention(q, k, v, 0.125, 1.0, **geo)
+    cu = torch.tensor([0, 1500], dtype=torch.int32)
+    dense = sp.attention(q, k, v, cu, cu, 1500, 1500, softmax_scale=0.125, return_lse=False)
+    assert kept1 <= vis1
+    torch.testing.assert_close(full, dense, atol=2e-5, rtol=1e-4)
+
+
+def test_paired_bootstrap():
+    rng = np.random.default_rng(0)
+    dense = [rng.integers(0, 2, 300).astype(float) for _ in range(3)]
+    clusters = [np.arange(300) // 6 for _ in range(3)]
+    assert paired_bootstrap(dense, dense, clusters) == (0.0, 0.0, 0.0)
+    worse = [d.copy() for d in dense]
+    for w in worse:
+        w[:60] = 0.0                                            # ten answers lost in each prompt
+    diff, lo, hi = paired_bootstrap(dense, worse, clusters, n_boot=500)
+    lost = sum(d[:60].sum() for d in dense) / 900
+    assert diff == pytest.approx(-lost) and lo < diff < hi < 0
+    assert paired_bootstrap(dense, worse, clusters, n_boot=500) == (diff, lo, hi)    # seeded
+
+
+def test_plans_search_and_choice():
+    probe = {0: {"a": dict(err=0.1, density=0.6), "b": dict(err=0.5, density=0.3)},
+             1: {"a": dict(err=0.9, density=0.7), "b": dict(err=0.95, density=0.4)}}
+    levels = S.plans(probe, ["a", "b"], 2)
+    assert levels == [{0: "a", 1: None}, {0: "b", 1: None}, {0: "b", 1: "a"}, {0: "b", 1: "b"}]
+    measured = []
+
+    def measure(plan, i):
+        measured.append(i)
+        return dict(passes=i <= 1, kind="per-layer", cost=1.0 - 0.1 * i, name=f"p{i}")
+
+    results = S.search(levels, measure, max_evals=5, log=lambda *a: None)
+    assert measured == [3, 1, 2]                                # the cheapest first, then bisection
+    assert S.choose(results)["name"] == "p1"
+    assert S.search(levels, measure, max_evals=1, log=lambda *a: None)[0]["name"] == "p3"
+    uniform = dict(passes=True, kind="uniform", cost=0.9, name="u")
+    assert S.choose(results + [uniform])["name"] == "u"        # cost 0.9 = p1's: the uniform setting wins the tie
+    assert S.choose([dict(passes=False, kind="uniform", cost=0.2, name="x")]) is None
+    assert S.choose([dict(passes=True, kind="oracle", cost=0.1, name="o")]) is None     # the oracle is no setting

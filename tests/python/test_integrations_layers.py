@@ -1,0 +1,168 @@
+"""Per-layer settings in the adapters' configuration (`layers`, what `python -m sparse_prefill.calibrate` writes):
+validation with errors naming the entry, the file round trip, the dispatch applying each layer's selection or dense
+attention, the transformers adapter passing module.layer_idx through (spied library calls), and the zero-padding of
+head dim 64 for CUDA sparse calls (replayed on the CPU). The vLLM and SGLang replays with per-layer settings are in
+their own test files (test_per_layer_settings_reach_each_layer)."""
+
+import functools
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import sparse_prefill as sp  # noqa: E402
+from engine_sim import LibrarySpy  # noqa: E402
+from sparse_prefill.integrations import SparsePrefillConfig, VarlenDispatch  # noqa: E402
+from sparse_prefill.integrations import core  # noqa: E402
+
+LAYERS = {"0": {"alpha": 0.5, "head_subgroups": 1}, "2": {"dense": True}, "3": {"rule": "tile_energy",
+                                                                                 "correction": True}}
+
+
+def test_layers_select_per_layer_and_dense():
+    c = SparsePrefillConfig.load(environ={}, alpha=0.05, layers=LAYERS)
+    assert c.layers == {0: {"alpha": 0.5, "head_subgroups": 1}, 2: {"dense": True},
+                        3: {"rule": "tile_energy", "correction": True}}
+    assert c.selection(0)["alpha"] == 0.5 and c.selection(0)["head_subgroups"] == 1
+    assert c.selection(1) == c.selection() and c.selection(1)["alpha"] == 0.05     # no entry: the top level
+    assert c.selection(3)["rule"] == "tile_energy" and c.selection(3)["alpha"] == 0.05
+    assert [c.layer_dense(i) for i in range(4)] == [False, False, True, False]
+    assert "dense" not in c.selection(2)
+    c2 = SparsePrefillConfig.load(environ={}, dense_layers=2, layers={"1": {"alpha": 0.2}})
+    assert c2.layer_dense(1) and not c2.layer_dense(2)        # dense_layers comes first
+
+
+def test_file_round_trip_and_no_environment_variable(tmp_path):
+    c = SparsePrefillConfig.load(environ={}, alpha=0.05, block_size=256, layers=LAYERS)
+    path = tmp_path / "sparse_prefill.json"
+    c.save(str(path))
+    data = json.loads(path.read_text())
+    assert data == {"alpha": 0.05, "block_size": 256, "layers": {"0": {"alpha": 0.5, "head_subgroups": 1},
+                                                                 "2": {"dense": True},
+                                                                 "3": {"rule": "tile_energy", "correction": True}}}
+    back = SparsePrefillConfig.load(config_file=str(path), environ={})
+    assert back == c
+    # layers come from the file or keyword arguments only: a SPARSE_PREFILL_LAYERS variable changes nothing
+    env = {"SPARSE_PREFILL_CONFIG": str(path), "SPARSE_PREFILL_LAYERS": '{"0": {"dense": true}}'}
+    assert SparsePrefillConfig.load(environ=env).layers == c.layers
+    assert SparsePrefillConfig.load(environ={}).file_dict() == {}
+
+
+@pytest.mark.parametrize("layers,err", [
+    ({"0": {"alpha": "lots"}}, "layers.0.alpha: expected float"),
+    ({"1": {"alpha": -0.1}}, "layers.1.alpha: must be a finite number >= 0"),
+    ({"1": {"dense_fraction": 1.5}}, r"layers.1.dense_fraction: must be in \(0, 1\]"),
+    ({"4": {"rule": "best"}}, "layers.4.rule: must be one of"),
+    ({"4": {"head_subgroups": -1}}, "layers.4.head_subgroups: must be an integer >= 0"),
+    ({"2": {"block_size": 256}}, "layers.2.block_size: block_size is one value for the whole model"),
+    ({"2": {"alpah": 0.1}}, "layers.2.alpah: unknown per-layer setting"),
+    ({"2": {"dense": "maybe"}}, "layers.2.dense: expected a boolean"),
+    ({"first": {"alpha": 0.1}}, "layers: key 'first' is not a layer index"),
+    ({"-1": {"alpha": 0.1}}, "layers: key '-1' is not a layer index"),
+    ({"0": 0.1}, "layers.0: expected an object of selection settings"),
+    ([{"alpha": 0.1}], "layers: expected a mapping from layer index to settings"),
+])
+def test_bad_layers_name_the_entry(tmp_path, layers, err):
+    with pytest.raises(ValueError, match=err):
+        SparsePrefillConfig.load(environ={}, layers=layers)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"layers": layers}))
+    with pytest.raises(ValueError, match=err):
+        SparsePrefillConfig.load(config_file=str(path), environ={})
+
+
+@pytest.mark.parametrize("field,value,err", [("alpha", -1.0, "alpha: must be a finite number"),
+                                             ("dense_fraction", 0.0, "dense_fraction: must be in"),
+                                             ("block_size", 96, "block_size: must be a positive multiple of 64"),
+                                             ("rule", "rowmax", "rule: must be one of")])
+def test_bad_top_level_selection_names_the_field(field, value, err):
+    with pytest.raises(ValueError, match=err):
+        SparsePrefillConfig.load(environ={}, **{field: value})
+
+
+def _qkv(L=640, hq=4, hkv=2, d=64, dtype=torch.float32, seed=3):
+    q, k, v = (torch.from_numpy(x).to(dtype) for x in sp.workload.topic(L, hq, hkv, d, seed=seed, block=64))
+    return q, k, v, torch.tensor([0, L], dtype=torch.int32)
+
+
+def test_dispatch_applies_each_layers_selection(monkeypatch):
+    spy = LibrarySpy()
+    monkeypatch.setattr(core, "sp", spy)
+    cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=64, sink=64,
+                                   window=64, dense_fraction=1.0,
+                                   layers={"1": {"alpha": 0.5, "head_subgroups": 1}, "2": {"dense": True}})
+    disp = VarlenDispatch(cfg)
+    q, k, v, cu = _qkv()
+    L = q.shape[0]
+    outs = []
+    for layer in (0, 1, 2):
+        out = torch.full_like(q, float("nan"))
+        disp(q, k, v, cu, cu, L, L, out=out, layer_idx=layer)
+        outs.append(out)
+    assert [c[0] for c in spy.calls] == ["sparse_prefill", "sparse_prefill", "attention"]
+    assert spy.calls[0][1]["alpha"] == cfg.alpha and spy.calls[1][1]["alpha"] == 0.5
+    assert spy.calls[1][1]["head_subgroups"] == 1 and spy.calls[0][1]["head_subgroups"] == cfg.head_subgroups
+    assert disp.sparse_reason(q, k, L, L, layer_idx=2) == "layer 2 is dense in layers"
+    for layer in (0, 1):
+        ref = sp.sparse_prefill(q, k, v, cu, cu, L, L, **cfg.selection(layer))
+        torch.testing.assert_close(outs[layer], ref, atol=1e-6, rtol=1e-6)
+    assert (outs[0] - outs[1]).abs().max() > 1e-4             # the two selections differ on this input
+    torch.testing.assert_close(outs[2], sp.attention(q, k, v, cu, cu, L, L, return_lse=False), atol=1e-6,
+                               rtol=1e-6)
+    # a call without a layer index runs dense when per-layer settings exist (as with dense_layers)
+    assert "unknown layer index" in disp.sparse_reason(q, k, L, L, layer_idx=None)
+
+
+def test_cuda_head_dim_64_is_padded_to_128(monkeypatch):
+    """On CUDA the sparse kernels take head dim 128: contiguous 16-bit calls of head dim 64 (the transformers adapter)
+    run zero-padded, with the model's softmax scale, and give the head-dim-64 result. Replayed on the CPU by replacing
+    core._on_cuda; paged and FP8 calls of head dim 64 still run dense (no padding of an engine's cache)."""
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    seen = []
+    real = sp.sparse_prefill
+
+    @functools.wraps(real)     # core reads the selection defaults from the signature
+    def spy(q, *args, **kwargs):
+        seen.append((q.shape[-1], kwargs.get("softmax_scale")))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(sp, "sparse_prefill", spy)
+    cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128, sink=128,
+                                   window=128, dense_fraction=1.0, alpha=0.3)
+    q, k, v, cu = _qkv(L=1024, dtype=torch.bfloat16)
+    L = q.shape[0]
+    disp = VarlenDispatch(cfg)
+    assert disp.sparse_reason(q, k, L, L) is None
+    out = torch.full_like(q, float("nan"))
+    disp(q, k, v, cu, cu, L, L, out=out)
+    assert disp.last_path == "sparse" and seen == [(128, 64 ** -0.5)]
+    ref = real(q, k, v, cu, cu, L, L, **cfg.selection())
+    dense = sp.attention(q, k, v, cu, cu, L, L, return_lse=False)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    assert (out.float() - dense.float()).abs().max() > 0.05   # sparse really ran (topic data)
+    paged = k[:1024].reshape(16, 64, 2, 64)
+    assert "head dim 64" in disp.sparse_reason(q, paged, L, L, paged=True)
+
+
+def test_transformers_adapter_passes_the_layer_index(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from sparse_prefill.integrations import transformers as sphf
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model.save_pretrained(str(tmp_path / "m"))
+    path = tmp_path / "sparse_prefill.json"
+    path.write_text(json.dumps({"block_size": 64, "sink": 64, "window": 64, "alpha": 0.9,
+                                "layers": {"1": {"dense": True}, "2": {"alpha": 0.01, "head_subgroups": 1}}}))
+    dispatch = sphf.register("sp_layers_test", config_file=str(path), environ={}, min_sparse_kv_len=0)
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), attn_implementation="sp_layers_test")
+    spy = LibrarySpy()
+    monkeypatch.setattr(core, "sp", spy)
+    with torch.no_grad():
+        m(input_ids=torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(1)), use_cache=False)
+    assert [c[0] for c in spy.calls] == ["sparse_prefill", "attention", "sparse_prefill"]
+    assert spy.calls[0][1]["alpha"] == 0.9 and spy.calls[0][1]["head_subgroups"] == dispatch.config.head_subgroups
+    assert spy.calls[2][1]["alpha"] == 0.01 and spy.calls[2][1]["head_subgroups"] == 1
+    assert dispatch.calls == {"sparse": 2, "dense": 1}
