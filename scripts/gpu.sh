@@ -41,6 +41,10 @@
 #             accuracy_frontier_h200.png / .md / .json. Rows stop ~540 s after the script starts (saved as they come;
 #             a cut run: SP_ACCURACY_LENGTHS=8192 in a second call, then report.py on both files). Expected ~5-6 min
 #             (model load ~30 s, index timing ~30 s, 4K ~1.5 min, 8K ~2.5 min: the plan line in accuracy.log guesses)
+#   calibrate python -m sparse_prefill.calibrate measured (bench/bench_calibrate.py -> OUT/calibrate_h200.json, the
+#             reports as OUT/calibrate_<part>_report.md): SP_CALIBRATE_PARTS, default smollm2,heldout (SmolLM2 at 4K
+#             and 8K end to end, then --check of its file on another seed and fact format; needs the model phase),
+#             or llama8b (a random-weight Llama-3.1-8B shape at 32K: time and memory; its own call)
 #   retrieval issue 37's second subject: trains the retrieval model (bench/accuracy/retrieval.py: 4 layers, d 512,
 #             Hq 8, Hkv 2, D 128, smeared keys, 256 -> 8K curriculum, PoSE to 32K) with training seed
 #             SP_RETRIEVAL_SEED (default 1) for SP_RETRIEVAL_MINUTES (default 3, cut so that the call ends within
@@ -301,6 +305,21 @@ PYEOF
       (cd bench && timeout 30 "$PY" -m accuracy.report "$OUT/accuracy_h200.json" --png "$OUT/accuracy_frontier_h200.png" \
          --summary "$OUT/accuracy_frontier_h200.md" --summary-json "") >> "$OUT/accuracy.log" 2>&1 || echo "report failed (accuracy.log)"
       [[ -f "$OUT/accuracy_frontier_h200.md" ]] && cat "$OUT/accuracy_frontier_h200.md"
+      ;;
+    calibrate)
+      # bench/bench_calibrate.py: SmolLM2 end to end (target <= 3 min) and the held-out check of what it wrote (needs
+      # the model phase), or with SP_CALIBRATE_PARTS=llama8b the random-weight Llama-3.1-8B shape at 32K (target
+      # <= 10 min: a call of its own). The calibrations' folders stay in /tmp/calibrate; their reports come back.
+      parts="${SP_CALIBRATE_PARTS:-smollm2,heldout}"
+      step "calibrate: $parts"
+      [[ $parts == *smollm2* && ! -d /tmp/acc-site ]] && { echo "run the model phase first"; rc=1; continue; }
+      (export PYTHONPATH="/tmp/acc-site" && timeout $(( 580 - SECONDS )) "$PY" bench/bench_calibrate.py --parts "$parts" \
+         --out-dir /tmp/calibrate --out "$OUT/calibrate_h200.json") > "$OUT/calibrate.log" 2>&1
+      r=$?; (( r == 0 )) || rc=$r
+      tail -8 "$OUT/calibrate.log"
+      for d in smollm2 heldout llama8b; do
+        [[ -f /tmp/calibrate/$d/report.md ]] && cp /tmp/calibrate/$d/report.md "$OUT/calibrate_${d}_report.md"
+      done
       ;;
     retrieval)
       seed="${SP_RETRIEVAL_SEED:-1}"

@@ -203,8 +203,9 @@ def test_prompts_recall_what_they_stated_and_score_nothing_in_the_tail():
             ids, pos = np.asarray(p["ids"]), p["pos"]
             assert len(ids) == 2048 and pos.max() < 2048 - T.tail(2048) and pos.min() >= 1
             for c in np.unique(p["clusters"]):                 # each answer appeared earlier, token for token
-                answer = ids[pos[p["clusters"] == c]]
-                first = pos[p["clusters"] == c][0]
+                scored = pos[p["clusters"] == c]                # (its span: unscored '-' of a record value inside)
+                first = scored[0]
+                answer = ids[first:scored[-1] + 1]
                 seen = ids[:first]
                 assert any((seen[i:i + len(answer)] == answer).all() for i in range(first - len(answer)))
             assert p["ids"] == T.kv_prompt(tok, filler, 2048, 0, layout, fmt)["ids"]      # deterministic

