@@ -1,17 +1,15 @@
-// The public entry points: validate once, then dispatch by device (CPU reference or CUDA backend).
-#include <algorithm>
-#include <stdexcept>
+// The public entry points: validate once, ask the backend whether it supports the call, then dispatch by device (CPU
+// reference or CUDA backend; a build without CUDA links src/no_cuda/, whose entry points say so).
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
-#include "api/problem.h"
 #include "api/validate.h"
+#include "core/problem.h"
+#include "cuda/cuda_backend.h"
 #include "reference/reference.h"
 #include "sparse_prefill/sparse.h"
-
-#ifdef SPARSE_PREFILL_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#include "cuda/index/index_stage.h"
-#endif
 
 namespace sparse_prefill {
 namespace {
@@ -27,7 +25,6 @@ Problem validate_host(const AttentionInputs& in, const AttentionOutputs* outs, c
   return p;
 }
 
-#ifdef SPARSE_PREFILL_WITH_CUDA
 // Checked mode (LaunchOptions::checked), before a CUDA launch: the device-resident index values copied to the host
 // and validated as CPU arrays are (synchronises in.stream); with `view`, the caller's index arrays too. Returns the
 // host-resolved problem (p.seqs filled) for the index check.
@@ -62,47 +59,31 @@ void checked_before(const AttentionInputs& in, const Problem& p, const BlockInde
 void checked_after(const AttentionInputs& in, const Problem& p) {
   if (in.options.checked && p.device != Device::kCPU) check_errors(in.stream);
 }
-#endif
 
 }  // namespace
 
 void check_errors(void* stream) {
-#ifdef SPARSE_PREFILL_WITH_CUDA
   if (std::optional<ArgumentError> e = cuda::take_device_error(stream)) throw *e;
-#else
-  (void)stream;
-#endif
 }
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
   const Problem p = validate_inputs(in, &outs);
   if (p.device == Device::kCPU) return reference::attention(in, outs, p);
-#ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
+  cuda::check_attention_supported(in, outs, p);
   cuda::attention(in, outs, p);
   checked_after(in, p);
-#else
-  throw NotImplementedError("attention: this build has no CUDA backend (nvcc was not found when it was configured)");
-#endif
 }
 
 LaunchOptions::DensePath attention_path(const AttentionInputs& in) {
   const Problem p = validate_inputs(in, nullptr);
-#ifdef SPARSE_PREFILL_WITH_CUDA
   if (p.device != Device::kCPU && cuda::dense_uses_full_list(in, p)) return LaunchOptions::DensePath::kSplitKV;
-#endif
-  (void)p;
   return LaunchOptions::DensePath::kDenseKernel;
 }
 
 int64_t attention_workspace_bytes(int head_dim) {
   check_head_dim(head_dim, "head_dim");
-#ifdef SPARSE_PREFILL_WITH_CUDA
   return cuda::attention_workspace_bytes(head_dim);
-#else
-  (void)head_dim;
-  return 0;
-#endif
 }
 
 void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
@@ -163,15 +144,15 @@ DeviceBlockIndex as_built(const DeviceBlockIndex& index) {
 
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& requested) {
   const auto [p, params] = validate_selection(in, requested, nullptr);
-#ifdef SPARSE_PREFILL_WITH_CUDA
-  checked_before(in, p);
-  BlockIndex index = p.device == Device::kCPU ? reference::build_index(in, p, params)
-                                              : cuda::build_index_to_host(in, p, params);
-  checked_after(in, p);
-#else
-  if (p.device != Device::kCPU) not_on_cuda("build_index");
-  BlockIndex index = reference::build_index(in, p, params);
-#endif
+  BlockIndex index;
+  if (p.device == Device::kCPU) {
+    index = reference::build_index(in, p, params);
+  } else {
+    checked_before(in, p);
+    cuda::check_index_supported(in, p);
+    index = cuda::build_index_to_host(in, p, params);
+    checked_after(in, p);
+  }
   index.binding = bind_index(in, p, params);
   return index;
 }
@@ -182,34 +163,24 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   check_binding(index.binding, in, p, reuse_index);
   validate_index(p, index);
   if (p.device == Device::kCPU) return reference::sparse_attention(in, index, outs, p);
-#ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p, &index);
+  cuda::check_sparse_supported(in, p, index.block_size);
+  cuda::check_attention_supported(in, outs, p);
+  cuda::check_index_view_supported(index);
   cuda::sparse_attention(in, index, outs, p);
   checked_after(in, p);
-#else
-  not_on_cuda("sparse_attention");
-#endif
 }
 
 int64_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index) {
   const Problem p = validate_inputs(in, nullptr);
   if (p.device == Device::kCPU) return 0;
-#ifdef SPARSE_PREFILL_WITH_CUDA
   return int64_t(cuda::sparse_attention_workspace_bytes(in, index, p));
-#else
-  (void)index;
-  not_on_cuda("sparse_attention");
-#endif
 }
 
 int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& requested) {
   const auto [p, params] = validate_selection(in, requested, nullptr);
   if (p.device == Device::kCPU) return 0;
-#ifdef SPARSE_PREFILL_WITH_CUDA
   return int64_t(cuda::index_workspace_bytes(in, p, params));
-#else
-  not_on_cuda("build_index");
-#endif
 }
 
 int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const SelectionParams& params) {
@@ -220,16 +191,12 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& r
                              const TensorView& workspace, const MeanCache* mean_cache) {
   const auto [p, params] = validate_selection(in, requested, nullptr, mean_cache);
   if (p.device == Device::kCPU) device_index_on_cpu();
-#ifdef SPARSE_PREFILL_WITH_CUDA
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
   checked_before(in, p);
+  cuda::check_index_supported(in, p);
   cuda::build_index(in, p, params, workspace, mean_cache);
   checked_after(in, p);
   return index;
-#else
-  (void)workspace;
-  not_on_cuda("build_index");
-#endif
 }
 
 void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, const AttentionOutputs& outs,
@@ -248,13 +215,11 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, 
                                      dtype_name(p.dtype) + " inputs (build the index on these arrays, or with "
                                      "correction=False)");
   }
-#ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
+  cuda::check_sparse_supported(in, p, index.params.block_size);
+  cuda::check_attention_supported(in, outs, p);
   cuda::sparse_attention(in, outs, p, index);
   checked_after(in, p);
-#else
-  not_on_cuda("sparse_attention");
-#endif
 }
 
 std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* stream) {
@@ -263,53 +228,15 @@ std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* st
 }
 
 IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
-#ifdef SPARSE_PREFILL_WITH_CUDA
   return cuda::index_stats(as_built(index), stream);
-#else
-  (void)index, (void)stream;
-  not_on_cuda("index_stats");
-#endif
 }
 
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
-#ifdef SPARSE_PREFILL_WITH_CUDA
   check_device_v_means(index);
   return cuda::to_host(as_built(index), stream);
-#else
-  (void)index, (void)stream;
-  not_on_cuda("to_host");
-#endif
 }
 
 namespace {
-
-// CPU backend of the pooled-means cache: the reference pools every block; the complete ones are stored in their
-// slots (MeanCache, sparse.h), as the CUDA index stage stores the blocks a chunk completes. The cache holds the real
-// KV heads: with head sub-groups (S), real head h is the index's virtual head h * S (all S copies are equal).
-void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIndex& index, const MeanCache& cache) {
-  const int B = index.block_size, S = index.head_subgroups, D = p.head_dim;
-  const int64_t row = int64_t(p.num_kv_heads) * D;  // one slot of the cache; the index's rows hold row * S floats
-  const int32_t* bt = in.block_table->ptr<const int32_t>();
-  const int64_t bt0 = in.block_table->stride[0], bt1 = in.block_table->stride[1];
-  if (index.v_mean.size() != index.k_mean.size())  // built with v_means (sparse_prefill_impl)
-    throw std::logic_error("sparse_prefill: internal: the index for the mean cache has no V means");
-  float* kc = cache.k_mean.ptr<float>();
-  float* vc = cache.v_mean.ptr<float>();
-  for (int b = 0; b < p.batch; ++b) {
-    const int64_t k_len = p.seqs[b].k_len;
-    for (int64_t J = 0; (J + 1) * B <= k_len; ++J) {
-      const int64_t j = (J + 1) * B - 1;
-      const int64_t page = bt[b * bt0 + geometry::page_column(j, p.page_size) * bt1];
-      const int64_t slot = geometry::mean_cache_slot(page, J, p.page_size, B);
-      for (int h = 0; h < p.num_kv_heads; ++h) {
-        const int64_t src = ((int64_t(index.cu_blocks[b]) + J) * p.num_kv_heads * S + int64_t(h) * S) * D;
-        const int64_t dst = slot * row + int64_t(h) * D;
-        std::copy(index.k_mean.begin() + src, index.k_mean.begin() + src + D, kc + dst);
-        std::copy(index.v_mean.begin() + src, index.v_mean.begin() + src + D, vc + dst);
-      }
-    }
-  }
-}
 
 void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& requested, const AttentionOutputs& outs,
                          const MeanCache* cache) {
@@ -317,16 +244,16 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& reque
   if (p.device == Device::kCPU) {
     // The cache keeps V means for later steps (which may use the correction) even when this one does not.
     BlockIndex index = reference::build_index(in, p, params, /*v_means=*/cache != nullptr);
-    if (cache) write_mean_cache(p, in, index, *cache);
+    if (cache) reference::write_mean_cache(p, in, index, *cache);
     return reference::sparse_attention(in, view_of(index), outs, p);
   }
-#ifdef SPARSE_PREFILL_WITH_CUDA
   checked_before(in, p);
+  // the kernel's checks before the index stage's: nothing launches for a call the kernel cannot run
+  cuda::check_sparse_supported(in, p, params.block_size);
+  cuda::check_attention_supported(in, outs, p);
+  cuda::check_index_supported(in, p);
   cuda::sparse_prefill(in, params, outs, p, cache);
   checked_after(in, p);
-#else
-  not_on_cuda("sparse_prefill");
-#endif
 }
 
 }  // namespace

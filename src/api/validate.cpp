@@ -2,49 +2,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <sstream>
 #include <string>
 
 namespace sparse_prefill {
-
-std::string shape_string(const TensorView& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << "]";
-  return s.str();
-}
-
-void check_rank(const TensorView& t, int ndim, const char* name) {
-  if (t.ndim != ndim) {
-    throw ArgumentError(name, "expected a " + std::to_string(ndim) + "-dimensional array, got shape " +
-                                  shape_string(t));
-  }
-  for (int i = 0; i < t.ndim; ++i) {
-    if (t.shape[i] < 0) throw ArgumentError(name, "negative extent in shape " + shape_string(t));
-  }
-  if (t.data == nullptr && t.numel() > 0) throw ArgumentError(name, "null data pointer");
-}
-
-void check_dtype(const TensorView& t, DType dtype, const char* name) {
-  if (t.dtype != dtype) {
-    throw ArgumentError(name, std::string("expected dtype ") + dtype_name(dtype) + ", got " + dtype_name(t.dtype),
-                        /*type_error=*/true);
-  }
-}
-
-void check_last_dim_contiguous(const TensorView& t, const char* name) {
-  if (t.ndim > 0 && t.numel() > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
-    throw ArgumentError(name, "the last dimension must be contiguous (stride 1), got stride " +
-                                  std::to_string(t.stride[t.ndim - 1]));
-  }
-}
-
-void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name) {
-  if (t.device != ref.device || (t.device == Device::kCUDA && t.device_id != ref.device_id)) {
-    throw ArgumentError(name, std::string("must be on the same device as ") + ref_name, /*type_error=*/true);
-  }
-}
 
 void check_selection_params(const SelectionParams& params) {
   if (params.block_size <= 0 || params.block_size % 64 != 0) {
@@ -358,19 +318,6 @@ void validate_values(const AttentionInputs& in, const TensorView& cu_seqlens_q, 
   }
   p.seqs.resize(p.batch);
   for (int b = 0; b < p.batch; ++b) p.seqs[b] = {q_starts[b], q_lens[b], k_starts[b], k_lens[b]};
-}
-
-void check_workspace(const TensorView& w, const TensorView& q, int64_t need, const std::string& sized_by) {
-  check_rank(w, 1, "workspace");
-  check_same_device(w, q, "workspace", "q");
-  if (w.shape[0] > 1 && w.stride[0] != 1) throw ArgumentError("workspace", "must be contiguous");
-  const int64_t have = w.numel() * dtype_bytes(w.dtype);
-  if (have < need) {
-    throw ArgumentError("workspace", "needs at least " + sized_by + " = " + std::to_string(need) + " bytes, got " +
-                                         std::to_string(have));
-  }
-  if (need > 0 && (reinterpret_cast<uintptr_t>(w.data) & 255) != 0)
-    throw ArgumentError("workspace", "must be 256-byte aligned");
 }
 
 }  // namespace sparse_prefill

@@ -1,19 +1,23 @@
-// Argument checks shared by every entry point. Each throws ArgumentError naming the argument.
+// The API layer's argument checks (the checks the backends share too live in core/contract.h). Each throws
+// ArgumentError naming the argument.
 #pragma once
 
-#include <string>
-
-#include "api/problem.h"
-#include "core/geometry.h"
+#include "core/contract.h"
+#include "core/problem.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill {
 
-std::string shape_string(const TensorView& t);
-void check_rank(const TensorView& t, int ndim, const char* name);
-void check_dtype(const TensorView& t, DType dtype, const char* name);
-void check_last_dim_contiguous(const TensorView& t, const char* name);
-void check_same_device(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name);
+// Validates every argument of `in` (and `outs` when given) and resolves the problem. Throws ArgumentError naming
+// the argument. Host-readable index tensors are checked element by element (monotone cu_seqlens matching the totals,
+// lengths within max_seqlen, page ids in range, seqused_k within the pages given).
+Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs);
+
+// The element checks of validate_inputs on host copies of the index tensors (in's own for CPU inputs; checked mode
+// passes copies of device arrays): fills p.seqs. cu_seqlens_k is null with paged KV, block_table / seqused_k without.
+void validate_values(const AttentionInputs& in, const TensorView& cu_seqlens_q, const TensorView* cu_seqlens_k,
+                     const TensorView* block_table, const TensorView* seqused_k, Problem& p);
+
 void check_selection_params(const SelectionParams& params);
 // The head dims every backend is built for (64, 128); `name` is the argument that carries it (q, head_dim).
 void check_head_dim(int64_t head_dim, const char* name);
@@ -26,32 +30,10 @@ void check_head_subgroups(int subgroups, int group_size, const char* name);
 // SelectionParams::head_subgroups as the index uses it: 0 (one selection per query head) is the group size g.
 int resolve_head_subgroups(int subgroups, int group_size);
 
-// Number of selection tiles of a sequence with `q_len` queries and group size g; key blocks of k_len keys
-// (core/geometry.h).
-inline int64_t num_tiles(int64_t q_len, int group_size) { return geometry::num_tiles(q_len, group_size); }
-inline int64_t num_blocks(int64_t k_len, int block_size) { return geometry::num_blocks(k_len, block_size); }
-static_assert(geometry::kTileRows == kTileRows, "one tile height (sparse.h, core/geometry.h)");
-
-// An array not given (a default TensorView: BlockIndexView::v_mean of an index without the correction).
-inline bool is_absent(const TensorView& t) { return t.data == nullptr && t.ndim == 0; }
-
-// Element i of a host int32 vector (already checked by the caller).
-inline int32_t at1(const TensorView& t, int64_t i) { return t.ptr<const int32_t>()[i * t.stride[0]]; }
-
-// validate_index.cpp: the index, its binding to a call and the mean cache.
+// validate_index.cpp: the index and the mean cache.
 // Checks an index view against a resolved (host-readable) problem: head sub-groups, segment count, ranges, ascending
 // block ids within each sequence's block count, pooled-mean shapes (segments and means over Hkv * S virtual heads).
 void validate_index(const Problem& p, const BlockIndexView& index);
-
-// A caller workspace: 1-D, contiguous, on q's device, at least `need` bytes (`sized_by` names the size function for
-// the message) and, when need > 0, 256-byte aligned.
-void check_workspace(const TensorView& w, const TensorView& q, int64_t need, const std::string& sized_by);
-
-// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h).
-IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
-// Throws ArgumentError naming the first argument of the call that differs from what the index was built for (the
-// data addresses only when !reuse_index). An unset binding passes.
-void check_binding(const IndexBinding& b, const AttentionInputs& in, const Problem& p, bool reuse_index);
 
 // Checks a pooled-means cache against a resolved problem (paged KV, float32 [slots, Hkv, D] contiguous on q's
 // device, page size and block size dividing one another).

@@ -1,8 +1,7 @@
-// Checks of a block index against a call (values, shapes, the binding to the call it was built for) and of the
-// pooled-means cache (validate.h).
+// Checks of a block index against a call (values, shapes; its binding: core/contract.cpp) and of the pooled-means
+// cache (validate.h).
 #include <cstdint>
 #include <string>
-#include <tuple>
 
 #include "api/validate.h"
 
@@ -102,90 +101,6 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
         }
         prev = id;
       }
-    }
-  }
-}
-
-IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
-  IndexBinding b;
-  b.set = true;
-  b.causal = in.causal;
-  b.window_left = in.window_left;
-  b.window_right = in.window_right;
-  b.softmax_scale = p.softmax_scale;
-  b.block_size = params.block_size;
-  b.head_subgroups = params.head_subgroups;
-  b.dense_fraction = params.dense_fraction;
-  b.union_lists = params.union_lists;
-  b.v_means = params.correction;
-  b.split_kv = in.options.split_kv;
-  b.batch = p.batch;
-  b.num_q_heads = p.num_q_heads;
-  b.num_kv_heads = p.num_kv_heads;
-  b.head_dim = p.head_dim;
-  b.total_q = p.total_q;
-  b.total_k = p.total_k;
-  b.max_seqlen_q = in.max_seqlen_q;
-  b.max_seqlen_k = in.max_seqlen_k;
-  b.paged = p.paged;
-  b.page_size = p.page_size;
-  b.dtype = p.dtype;
-  b.device = p.device;
-  b.device_id = in.q.device_id;
-  b.q = in.q.data;
-  b.k = in.k.data;
-  b.v = in.v.data;
-  b.cu_seqlens_q = in.cu_seqlens_q.data;
-  b.cu_seqlens_k = in.cu_seqlens_k ? in.cu_seqlens_k->data : nullptr;
-  b.block_table = in.block_table ? in.block_table->data : nullptr;
-  b.seqused_k = in.seqused_k ? in.seqused_k->data : nullptr;
-  return b;
-}
-
-void check_binding(const IndexBinding& b, const AttentionInputs& in, const Problem& p, bool reuse_index) {
-  if (!b.set) return;
-  const std::string built = " the index was built for ";
-  auto differs = [&](const char* name, const std::string& now, const std::string& then) {
-    throw ArgumentError(name, "is " + now + " but" + built + then + " (build an index for this call)");
-  };
-  auto num = [](auto x) { return std::to_string(x); };
-  if (b.causal != in.causal) differs("causal", in.causal ? "True" : "False", b.causal ? "True" : "False");
-  if (b.window_left != in.window_left || b.window_right != in.window_right) {
-    differs("window", "(" + num(in.window_left) + ", " + num(in.window_right) + ")",
-            "(" + num(b.window_left) + ", " + num(b.window_right) + ")");
-  }
-  if (b.softmax_scale != p.softmax_scale) differs("softmax_scale", num(p.softmax_scale), num(b.softmax_scale));
-  if (b.num_q_heads != p.num_q_heads || b.num_kv_heads != p.num_kv_heads || b.head_dim != p.head_dim) {
-    differs("q", num(p.num_q_heads) + " query heads, " + num(p.num_kv_heads) + " KV heads and head dim " +
-                     num(p.head_dim),
-            num(b.num_q_heads) + ", " + num(b.num_kv_heads) + " and " + num(b.head_dim));
-  }
-  if (b.batch != p.batch) differs("cu_seqlens_q", num(p.batch) + " sequences", num(b.batch));
-  if (b.total_q != p.total_q) differs("q", num(p.total_q) + " rows", num(b.total_q));
-  if (b.paged != p.paged) differs("k", p.paged ? "a paged cache" : "contiguous", b.paged ? "a paged cache" : "contiguous KV");
-  if (b.total_k != p.total_k || b.page_size != p.page_size) {
-    differs("k", num(p.total_k) + " rows (page size " + num(p.page_size) + ")",
-            num(b.total_k) + " (page size " + num(b.page_size) + ")");
-  }
-  if (b.max_seqlen_q != in.max_seqlen_q) differs("max_seqlen_q", num(in.max_seqlen_q), num(b.max_seqlen_q));
-  if (b.max_seqlen_k != in.max_seqlen_k) differs("max_seqlen_k", num(in.max_seqlen_k), num(b.max_seqlen_k));
-  if (reuse_index) return;  // the data: where it lives, its dtype, the arrays themselves
-  if (b.device != p.device || b.device_id != in.q.device_id) {
-    throw ArgumentError("q", "is on another device than the arrays the index was built from (pass reuse_index=True "
-                             "to apply this selection there)", true);
-  }
-  if (b.dtype != p.dtype) differs("q", dtype_name(p.dtype), dtype_name(b.dtype));
-  const void* cu_k = in.cu_seqlens_k ? in.cu_seqlens_k->data : nullptr;
-  const void* bt = in.block_table ? in.block_table->data : nullptr;
-  const void* used = in.seqused_k ? in.seqused_k->data : nullptr;
-  using Pair = std::tuple<const void*, const void*, const char*>;
-  for (const auto& [now, then, name] :
-       {Pair{in.q.data, b.q, "q"}, Pair{in.k.data, b.k, "k"}, Pair{in.v.data, b.v, "v"},
-        Pair{in.cu_seqlens_q.data, b.cu_seqlens_q, "cu_seqlens_q"}, Pair{cu_k, b.cu_seqlens_k, "cu_seqlens_k"},
-        Pair{bt, b.block_table, "block_table"}, Pair{used, b.seqused_k, "seqused_k"}}) {
-    if (now != then) {
-      throw ArgumentError(name, std::string("is not the array the index was built from (pass reuse_index=True to "
-                                            "apply this selection to other data of the same problem)"));
     }
   }
 }

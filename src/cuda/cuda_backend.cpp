@@ -1,4 +1,5 @@
-// Dispatch of sparse_prefill::cuda::attention to the per-(dtype, head dim) forward kernels.
+// The CUDA backend's entry points (cuda_backend.h): launch arguments, workspace carving, the per-(dtype, head dim)
+// forward kernels.
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -9,45 +10,16 @@
 
 #include <cuda_runtime.h>
 
-#include "api/validate.h"
+#include "core/contract.h"
 #include "core/geometry.h"
+#include "cuda/attention/fwd_args.h"
 #include "cuda/common/check.h"
 #include "cuda/common/workspace.h"
-#include "cuda/fwd_args.h"
 #include "cuda/index/index_stage.h"
+#include "cuda/split_kv/split_kv.h"
 
 namespace sparse_prefill::cuda {
 namespace {
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
-// TMA and the 16-byte epilogue stores need 16-byte aligned bases and strides (8 elements of 16 bits, 16 of FP8).
-void require_aligned(const TensorView& t, const char* name, int first_dim, int last_dim) {
-  const int per16 = t.dtype == DType::kFloat8E4M3 ? 16 : 8;
-  bool ok = aligned16(t.data);
-  for (int i = first_dim; i <= last_dim; ++i) ok = ok && (t.stride[i] % per16 == 0);
-  if (!ok)
-    throw NotImplementedError(std::string("CUDA attention: ") + name +
-                              " needs a 16-byte aligned base and strides that are multiples of " +
-                              std::to_string(per16) + " elements");
-}
-
-// Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
-bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
-
-bool fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
-
-// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: head dim 128, contiguous KV
-// or paged KV with page_size % 64 == 0 (TMA loads).
-void check_fp8_supported(const Problem& p) {
-  if (p.head_dim != 128)
-    throw NotImplementedError("CUDA FP8 attention is built for head dim 128 only, got head dim " +
-                              std::to_string(p.head_dim) + " (FP8 runs on the CPU reference for any head dim)");
-  if (gathered_pages(p))
-    throw NotImplementedError("CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async "
-                              "gather of other page sizes is not built for FP8); got page_size " +
-                              std::to_string(p.page_size));
-}
 
 // The descale's pointer and (batch, KV head) strides (absent: null = 1).
 void set_descale(const std::optional<TensorView>& t, const float*& ptr, int64_t (&stride)[2]) {
@@ -58,13 +30,9 @@ void set_descale(const std::optional<TensorView>& t, const float*& ptr, int64_t 
 }
 
 FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !fp8(p))
-    throw NotImplementedError(std::string("q: CUDA attention supports bfloat16, float16 and float8_e4m3fn inputs "
-                                          "only, got ") + dtype_name(p.dtype));
-  if (fp8(p)) check_fp8_supported(p);
-  // The head dim (64 or 128) and a mean cache's paged KV are checked once, by validate_inputs / validate_mean_cache.
-  if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
-    throw NotImplementedError("CUDA attention: more than 2^31 - 1 rows");
+  // What the kernels support was checked by the API layer (check_attention_supported, support.cpp).
+  internal_check(p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16 || is_fp8(p), "q",
+                 "a dtype the attention kernels are not built for");
 
   FwdArgs a;
   a.q = in.q.data;
@@ -80,20 +48,7 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.lse_head_stride = outs.lse->stride[0];
     a.lse_row_stride = outs.lse->stride[1];
   }
-  require_aligned(in.q, "q", 0, 1);
-  require_aligned(outs.out, "out", 0, 1);
   if (p.paged) {
-    // TMA: one 128-row box per key block (page_size % 128 == 0) or two 64-row boxes, one per page
-    // (page_size % 128 == 64); any other page size: the cp.async gather producer (DensePagedGatherFwd,
-    // attention/variants.h).
-    for (const TensorView* t : {&in.k, &in.v}) {
-      if (t->stride[0] != p.page_size * t->stride[1])
-        throw NotImplementedError("CUDA attention: paged k/v pages must be dense along page_size");
-      if (gathered_pages(p) && t->stride[1] >= (int64_t(1) << 31))  // the gather's 32-bit row byte stride
-        throw NotImplementedError("CUDA attention: paged k/v token stride must be below 2^31 elements");
-    }
-    require_aligned(in.k, "k_cache", 1, 2);
-    require_aligned(in.v, "v_cache", 1, 2);
     a.k_row_stride = in.k.stride[1];
     a.k_head_stride = in.k.stride[2];
     a.v_row_stride = in.v.stride[1];
@@ -105,8 +60,6 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
     a.total_k_rows = int(p.num_pages * p.page_size);
     a.num_pages = int(p.num_pages);
   } else {
-    require_aligned(in.k, "k", 0, 1);
-    require_aligned(in.v, "v", 0, 1);
     a.k_row_stride = in.k.stride[0];
     a.k_head_stride = in.k.stride[1];
     a.v_row_stride = in.v.stride[0];
@@ -142,31 +95,12 @@ FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, c
 }
 
 void run(const FwdArgs& a, const Problem& p, const SparseFwdArgs* sparse) {
-  if (fp8(p)) return run_fwd_e4m3_hdim128(a, sparse);
+  if (is_fp8(p)) return run_fwd_e4m3_hdim128(a, sparse);
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (p.head_dim == 64)
     bf16 ? run_fwd_bf16_hdim64(a, sparse) : run_fwd_fp16_hdim64(a, sparse);
   else
     bf16 ? run_fwd_bf16_hdim128(a, sparse) : run_fwd_fp16_hdim128(a, sparse);
-}
-
-void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
-  if (p.head_dim != 128)
-    throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
-  if (gathered_pages(p))
-    throw NotImplementedError("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size " +
-                              std::to_string(p.page_size));
-  if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
-    throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
-  if (block_size % 128 != 0)
-    throw NotImplementedError("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key "
-                              "kernel steps); got block_size " + std::to_string(block_size));
-}
-
-const int32_t* int_ptr(const TensorView& t, const char* name) {
-  if (t.ndim != 1 || (t.shape[0] > 1 && t.stride[0] != 1))
-    throw NotImplementedError(std::string("CUDA sparse attention: ") + name + " must be contiguous");
-  return t.ptr<const int32_t>();
 }
 
 // The caller's workspace (validated: size, alignment) or, without one, a stream-ordered temporary.
@@ -183,15 +117,15 @@ struct Scratch {
   }
 };
 
-// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv.cu). `plan`: the
-// launch runs the split-KV plan (split_planned for indexes; always for the dense full-list path), when its workspace
-// has the split arrays. The work order's band comes from in.options.sparse_order.
+// Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv/plan_combine.cu).
+// `plan`: the launch runs the split-KV plan (split_planned for indexes; always for the dense full-list path), when its
+// workspace has the split arrays. The work order's band comes from in.options.sparse_order.
 void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
   s.launch.plan = plan && s.launch.max_split_units > 0;
   s.order_band = in.options.sparse_order == LaunchOptions::SparseOrder::kBanded ? num_sms() : 1;
   run_split_plan(a, s);
   run(a, p, &s);
-  run_split_combine(a, s, p.dtype == DType::kBFloat16 || fp8(p));  // FP8 writes bfloat16
+  run_split_combine(a, s, p.dtype == DType::kBFloat16 || is_fp8(p));  // FP8 writes bfloat16
 }
 bool planned(const AttentionInputs& in) {
   return split_planned(in.options.split_kv, in.max_seqlen_q, in.max_seqlen_k);
@@ -247,7 +181,7 @@ struct ViewLayout {
 };
 ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, const Problem& p, void* base) {
   const int64_t rows = index.correction ? index.k_mean.shape[0] : 0;
-  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * (fp8(p) ? 1 : 2);
+  const size_t mean_bytes = size_t(rows) * p.num_kv_heads * p.head_dim * (is_fp8(p) ? 1 : 2);
   WorkspaceCarver ws(base);
   ViewLayout l;
   l.cu_tiles = ws.take_array<int32_t>(size_t(p.batch) + 1);
@@ -266,7 +200,7 @@ ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, c
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   using Path = LaunchOptions::DensePath;
   if (in.options.dense_path == Path::kDenseKernel || p.head_dim != 128) return false;  // sparse kernel: D = 128
-  if (fp8(p)) return false;  // FP8: the dense kernel only (DenseFp8Fwd)
+  if (is_fp8(p)) return false;  // FP8: the dense kernel only (DenseFp8Fwd)
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (in.max_seqlen_k <= in.max_seqlen_q) return false;  // only chunk and decode shapes
   if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
@@ -305,7 +239,6 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
                       const DeviceBlockIndex& index) {
-  check_sparse_supported(in, p, index.params.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
   const DeviceIndex d = carve_index(index.binding, index.params, index.workspace.data);  // pointers only: no access
   check_workspace(index.workspace, in.q, int64_t(d.workspace_bytes), "index_workspace_bytes(...)");
@@ -318,20 +251,18 @@ size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIn
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
-  check_sparse_supported(in, p, index.block_size);
   const FwdArgs a = make_fwd_args(in, outs, p);
   const Scratch ws(in, outs.workspace, view_layout(in, index, p, nullptr).bytes,
                    "sparse_attention_workspace_bytes(...)");
   const ViewLayout l = view_layout(in, index, p, ws.ptr);
   SparseFwdArgs s;
-  s.segment_start = int_ptr(index.segment_start, "index.segment_start");
-  s.segment_end = int_ptr(index.segment_end, "index.segment_end");
-  s.block_ids = int_ptr(index.block_ids, "index.block_ids");
+  // Contiguous int32 arrays of fewer than 2^31 entries (check_index_view_supported, support.cpp).
+  s.segment_start = index.segment_start.ptr<const int32_t>();
+  s.segment_end = index.segment_end.ptr<const int32_t>();
+  s.block_ids = index.block_ids.ptr<const int32_t>();
   s.cu_tiles = l.cu_tiles;
-  s.cu_blocks = int_ptr(index.cu_blocks, "index.cu_blocks");  // contiguous: prepare_index_view reads it too
+  s.cu_blocks = index.cu_blocks.ptr<const int32_t>();
   prepare_index_view(in, p, index, l.cu_tiles, l.k_mean, l.v_mean);
-  if (index.segment_start.shape[0] > INT32_MAX || index.block_ids.shape[0] > INT32_MAX)
-    throw NotImplementedError("CUDA sparse attention: more than 2^31 - 1 segments or block ids");
   s.num_segments = int(std::min(index.segment_start.shape[0], index.segment_end.shape[0]));
   s.num_block_ids = int(index.block_ids.shape[0]);
   s.k_mean = l.k_mean;
@@ -346,8 +277,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const Problem& p, const MeanCache* cache) {
-  check_sparse_supported(in, p, params.block_size);
-  const FwdArgs a = make_fwd_args(in, outs, p);  // also the kernel's checks, before the index stage launches
+  const FwdArgs a = make_fwd_args(in, outs, p);
   const size_t bytes = index_workspace_bytes(in, p, params);
   const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
   run_sparse_index(in, a, p, build_index(in, p, params, ws.ptr, bytes, cache), params.dense_fraction);

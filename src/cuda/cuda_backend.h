@@ -1,26 +1,50 @@
-// The CUDA backend (sm_90a): entry point called by the API layer for CUDA tensors.
+// The CUDA backend (sm_90a): what the API layer calls for CUDA tensors. Plain C++ (no CUDA headers): a build
+// without the CUDA backend links src/no_cuda/ instead, whose every entry point says so.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
-#include "api/problem.h"
+#include "core/problem.h"
 #include "sparse_prefill/attention.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill::cuda {
 
+// --- What the backend supports (support.cpp) ---------------------------------------------------------------------
+// Declared once; the API layer asks before it dispatches a CUDA call and the entry points below assume it. Each
+// throws NotImplementedError naming what is not built.
+// Every attention kernel: bfloat16 / float16 / float8_e4m3fn (FP8: head dim 128, TMA pages), rows below 2^31,
+// 16-byte aligned q / out / k / v, pages dense along page_size.
+void check_attention_supported(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
+// The block-sparse kernel: head dim 128, TMA pages (page_size % 64 == 0), causal without a window,
+// block_size % 128 == 0.
+void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size);
+// A caller's index view read by the sparse kernel: contiguous int32 arrays of fewer than 2^31 entries.
+void check_index_view_supported(const BlockIndexView& index);
+// The index stage: causal without a window, bfloat16 / float16 / float8_e4m3fn (FP8: head dim 128), 16-bit q with
+// even strides and a 4-byte aligned base.
+void check_index_supported(const AttentionInputs& in, const Problem& p);
+
+// Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
+inline bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
+inline bool is_fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
+// q as the 16-bit scorer's 4-byte cp.async reads it.
+inline bool q_cp_async_aligned(const AttentionInputs& in) {
+  return !((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4);
+}
+
+// --- Entry points -------------------------------------------------------------------------------------------------
 // Dense forward attention. Launches on in.stream; never synchronises (CUDA-graph capturable). Two paths:
 //  - the dense kernel (one 128-row tile per query head), no allocation;
 //  - short queries against long keys (dense_uses_full_list): the sparse kernel over PackGQA tiles (one tile holds
 //    the g query heads of a KV head) with every visible key block listed implicitly, split-KV planned on the device
 //    and combined after; its float32 partials live in outs.workspace when given, else in a stream-ordered
 //    temporary (cudaMallocAsync, ~35 MB).
-// Arguments are validated by the API layer; dims come from `p` (p.seqs is not filled for device index tensors).
-// Paged KV of any page size: TMA boxes for page_size % 64 == 0, the cp.async gather producer otherwise (always on
-// the dense kernel: the split path loads by TMA only).
-// Throws NotImplementedError for combinations not built yet (fp32 inputs, head dims other than 64 and 128, fp8 inputs
-// other than dense head dim 128 with TMA-loadable KV or the index stage at head dim 128, misaligned strides).
+// Arguments are validated by the API layer, support by check_attention_supported; dims come from `p` (p.seqs is not
+// filled for device index tensors). Paged KV of any page size: TMA boxes for page_size % 64 == 0, the cp.async gather
+// producer otherwise (always on the dense kernel: the split path loads by TMA only).
 // As with flash_attn_varlen_func, in.max_seqlen_q / max_seqlen_k must bound every sequence's query / key length:
 // they size the grid and pick the path (the device-side cu_seqlens are never read on the host).
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
@@ -53,6 +77,12 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 // The device index in a caller workspace (validated here: size, alignment), and its host views.
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                  const TensorView& workspace, const MeanCache* cache);
+// Workspace bytes of the index stage for one call with these shapes (shape-only bound: no host read of lengths).
+size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+// Behind sparse_prefill::build_index for CUDA inputs: the index stage in a temporary workspace, synchronised, the
+// index returned compacted on the host (what the CPU reference returns, with the pooled means). It allocates and
+// synchronises: engines use build_index() with their own workspace instead (index/host_copy.cpp).
+BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 IndexStats index_stats(const DeviceBlockIndex& index, void* stream);
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 

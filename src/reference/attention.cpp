@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "api/validate.h"
+#include "core/contract.h"
 #include "core/dtype_convert.h"
 #include "reference/parallel.h"
 #include "reference/reference.h"

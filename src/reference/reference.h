@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "api/problem.h"
+#include "core/problem.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill::reference {
@@ -82,6 +82,8 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
                        bool v_means = false);
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p);
+// The complete blocks' pooled means of `index` (built with V means) stored in their slots of `cache` (mean_cache.cpp).
+void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIndex& index, const MeanCache& cache);
 // dense_fraction: the dense rule applied to the union (SelectionParams::dense_fraction; 1: the union as it is).
 BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index, float dense_fraction);
 

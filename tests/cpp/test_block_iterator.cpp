@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "cuda/attention/block_schedule.h"
+#include "cuda/split_kv/rule.h"
 
 namespace {
 

@@ -16,7 +16,7 @@
 
 #include "cuda/attention/block_schedule.h"
 #include "cuda/attention/problem.h"
-#include "cuda/fwd_args.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 

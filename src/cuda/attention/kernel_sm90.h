@@ -16,8 +16,8 @@
 #include "cuda/attention/epilogue.h"
 #include "cuda/attention/mainloop_sm90.h"
 #include "cuda/attention/scheduler.h"
-#include "cuda/device_checks.h"
-#include "cuda/softmax.h"
+#include "cuda/common/device_checks.h"
+#include "cuda/attention/softmax.h"
 
 namespace sparse_prefill::cuda {
 

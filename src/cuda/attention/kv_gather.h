@@ -13,8 +13,8 @@
 
 #include "cuda/attention/block_schedule.h"
 #include "cuda/attention/problem.h"
-#include "cuda/device_checks.h"
-#include "cuda/fwd_args.h"
+#include "cuda/common/device_checks.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "cuda/attention/variants.h"
-#include "cuda/fwd_args.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 
@@ -41,7 +41,8 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
   // Paged KV: page_size % 64 == 0 the TMA KV source (whole or half boxes), other page sizes the cp.async gather.
   const bool gather = a.page_size > 0 && a.page_size % Config::kHalfN != 0;
   if (gather && sparse != nullptr)
-    throw std::runtime_error("sparse_prefill cuda: the block-sparse kernel needs page_size % 64 == 0");
+    throw std::logic_error("sparse_prefill internal error: page_size: not a multiple of 64 reached the block-sparse "
+                           "kernel (check_sparse_supported refuses it)");
   if constexpr (kWithSparse) {
     if (sparse != nullptr) {
       const SparseLaunchWorkspace& w = sparse->launch;
@@ -58,13 +59,14 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
 }
 
 // FP8 attention (float8_e4m3fn q, k, v; bfloat16 out), dense (sparse == nullptr) or block-sparse: contiguous KV or
-// paged KV with page_size % 64 == 0 (cuda_backend.cpp refuses the rest with NotImplementedError before this point).
+// paged KV with page_size % 64 == 0 (check_attention_supported, cuda/support.cpp, refuses the rest before this point).
 template <int kHeadDim>
 void run_fwd_fp8(const FwdArgs& a, const SparseFwdArgs* sparse) {
   using Config = FwdConfigFp8<kHeadDim>;
   if (a.total_q == 0 || a.batch == 0) return;
   if (a.page_size > 0 && a.page_size % Config::kHalfN != 0)
-    throw std::runtime_error("sparse_prefill cuda: the FP8 kernel needs page_size % 64 == 0");
+    throw std::logic_error("sparse_prefill internal error: page_size: not a multiple of 64 reached the FP8 kernel "
+                           "(check_attention_supported refuses it)");
   if (sparse != nullptr) {
     const SparseLaunchWorkspace& w = sparse->launch;
     if (w.counters != nullptr && w.plan) return launch_fwd<SparseSplitKvFp8Fwd<Config>>(a, sparse);

@@ -28,8 +28,8 @@
 #include "cuda/attention/problem.h"
 #include "cuda/attention/q_load.h"
 #include "cuda/attention/tile_work.h"
-#include "cuda/softmax.h"
-#include "cuda/wgmma.h"
+#include "cuda/attention/softmax.h"
+#include "cuda/common/wgmma.h"
 
 namespace sparse_prefill::cuda {
 

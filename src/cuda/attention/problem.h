@@ -7,8 +7,8 @@
 #include <cstdint>
 
 #include "core/geometry.h"
-#include "cuda/device_checks.h"
-#include "cuda/fwd_args.h"
+#include "cuda/common/device_checks.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 

@@ -9,7 +9,7 @@
 #include <cutlass/arch/memory.h>
 
 #include "cuda/attention/problem.h"
-#include "cuda/fwd_args.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 

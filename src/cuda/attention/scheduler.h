@@ -7,7 +7,7 @@
 //                               them in a two-slot mailbox the consumers read. Tile work varies by orders of magnitude
 //                               (a few listed blocks to hundreds), so a static stride leaves SMs idle (measured 128K:
 //                               7.85 ms vs 6.79 ms one CTA per tile).
-//   PlannedScheduler:           the dynamic scheduler over the split-KV plan's units (split_kv.cu): units
+//   PlannedScheduler:           the dynamic scheduler over the split-KV plan's units (split_kv/plan_combine.cu): units
 //                               [0, n_split_units) are the parts of the split tiles (unit u = partial slot u), then
 //                               unit n_split_units + t is tile t of the work order, unless that tile is split.
 // A separate instantiation for the plan: its branch costs the consumers ~3 registers and with them 3 spill reloads per
@@ -21,7 +21,8 @@
 #include <cutlass/arch/barrier.h>
 
 #include "cuda/attention/block_schedule.h"
-#include "cuda/fwd_args.h"
+#include "cuda/attention/fwd_args.h"
+#include "cuda/split_kv/rule.h"
 
 namespace sparse_prefill::cuda {
 
@@ -83,7 +84,7 @@ struct PersistentScheduler {
     int num_tiles;        // bound of the work units: num_coord_tiles (+ max_split_units when planned)
     int num_coord_tiles;  // tiles of the work order
     int* tile_counter;    // zero at launch (SparseLaunchWorkspace::kTileCounter)
-    // Planned: the real unit count is plan[kSplitUnits] + num_coord_tiles (SparseLaunchWorkspace, fwd_args.h).
+    // Planned: the real unit count is plan[kSplitUnits] + num_coord_tiles (SparseLaunchWorkspace, split_kv/split_kv.h).
     const int* plan;
     const int32_t* split_tiles;  // [.][4] {tile, nsplit, 0, 0}
     const int32_t* slot_tile;    // unit -> entry | split << 16

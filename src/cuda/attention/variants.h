@@ -4,6 +4,7 @@
 #include "cuda/attention/config_fp8.h"
 #include "cuda/attention/kernel_sm90.h"
 #include "cuda/attention/kv_tma_vt.h"
+#include "cuda/split_kv/partials.h"
 
 namespace sparse_prefill::cuda {
 
@@ -23,7 +24,7 @@ using DenseFp8Fwd =
 template <class Config>
 using SparseFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>, DirectStore,
                             DynamicPersistentScheduler>;
-// The same over the split-KV plan's units (chunk shapes, split_kv.cu): split parts write float32 partials.
+// The same over the split-KV plan's units (chunk shapes, split_kv/plan_combine.cu): split parts write float32 partials.
 template <class Config>
 using SparseSplitKvFwd = FwdKernel<Mainloop<Config, QPackGqaGather, KvTma, CsrBlocks, MeanCorrection>,
                                    SplitKvPartials, PlannedScheduler>;

@@ -3,7 +3,7 @@
 
 #include <stdexcept>
 
-#include "cuda/fwd_args.h"
+#include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {
 

@@ -1,15 +1,16 @@
-// The index stage's entry (index_stage.h): checks what the CUDA index stage supports, carves the workspace, and
-// launches the roles in order: plan (plan.cu) -> mean cache and pooling (mean_cache.cu, pool.cu) -> probe rows,
-// score and select (probe.cu, score_select.cu) -> union (union.cu) -> the dense rule (dense_rule.cu). FP8 inputs are read raw and dequantised with the
-// call's descales by every kernel that reads them (pooling, scorer, probe): no host synchronisation, no copy.
+// The index stage's entry (index_stage.h): carves the workspace and launches the roles in order: plan (plan.cu) ->
+// mean cache and pooling (mean_cache.cu, pool.cu) -> probe rows, score and select (probe.cu, score_select.cu) ->
+// union (union.cu) -> the dense rule (dense_rule.cu). FP8 inputs are read raw and dequantised with the call's
+// descales by every kernel that reads them (pooling, scorer, probe): no host synchronisation, no copy.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
-#include "api/validate.h"
+#include "core/contract.h"
 #include "cuda/common/math.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda {
@@ -18,22 +19,12 @@ using namespace index_stage;
 
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
                         size_t workspace_bytes, const MeanCache* mean_cache) {
-  if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
-    throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
-  }
-  const bool fp8 = p.dtype == DType::kFloat8E4M3;
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !fp8) {
-    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16, float16 and float8_e4m3fn inputs, "
-                                          "got ") + dtype_name(p.dtype));
-  }
-  if (fp8 && p.head_dim != 128) {  // what the sparse FP8 kernel is built for; one scorer instantiation
-    throw NotImplementedError("build_index on CUDA: float8_e4m3fn inputs need head dim 128, got head dim " +
-                              std::to_string(p.head_dim));
-  }
-  // The 16-bit scorer copies q with 4-byte cp.async at least; the FP8 one falls back to byte loads.
-  if (!fp8 && ((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4)) {
-    throw NotImplementedError("build_index on CUDA needs even q strides and a 4-byte aligned q");
-  }
+  // What the index stage supports was checked by the API layer (check_index_supported, support.cpp); the scorer's
+  // cp.async of q relies on it.
+  const bool fp8 = is_fp8(p);
+  internal_check(p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16 || fp8, "q",
+                 "a dtype the index stage is not built for");
+  internal_check(fp8 || q_cp_async_aligned(in), "q", "odd strides or a base not 4-byte aligned");
   const VirtualHeads heads = virtual_heads(p, params.head_subgroups);
   const IndexBinding binding = bind_index(in, p, params);
   const Bounds bd = bounds_of(binding, params);  // capacity < 2^31: int32 ids and offsets (checked there)

@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #include "core/geometry.h"
-#include "cuda/device_checks.h"
+#include "cuda/common/device_checks.h"
 #include "cuda/index/index_stage.h"
 #include "cuda/index/layout.h"
 

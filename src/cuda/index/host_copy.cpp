@@ -6,8 +6,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "api/validate.h"
+#include "core/contract.h"
 #include "cuda/common/check.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/index/index_stage.h"
 #include "cuda/index/layout.h"
 

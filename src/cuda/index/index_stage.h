@@ -26,8 +26,8 @@
 #include <cstdint>
 #include <utility>
 
-#include "api/problem.h"
-#include "cuda/fwd_args.h"
+#include "core/problem.h"
+#include "cuda/attention/fwd_args.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill::cuda {
@@ -70,17 +70,17 @@ struct DeviceIndex {
   float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
-  // (SparseLaunchWorkspace, fwd_args.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so
+  // (SparseLaunchWorkspace, split_kv/split_kv.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so
   // launches that share it must be ordered on one stream.
   SparseLaunchWorkspace launch;
 };
 
-// Workspace bytes for one call with these shapes (shape-only bound: no host read of lengths).
-size_t index_workspace_bytes(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
+// index_workspace_bytes and build_index_to_host, which the API layer calls, are declared in cuda/cuda_backend.h.
 
-// Builds the index on in.stream (params.union_lists: union mode, params.final_chunk: last_n only when set).
-// Supports causal attention without an attention window, bf16/fp16 with D in {64, 128} or FP8 (e4m3, with the
-// call's descales) with D = 128, contiguous or paged KV; other combinations throw NotImplementedError.
+// Builds the index on in.stream (params.union_lists: union mode, params.final_chunk: last_n only when set). What it
+// supports (check_index_supported, cuda_backend.h) was checked by the API layer: causal attention without an
+// attention window, bf16/fp16 with D in {64, 128} or FP8 (e4m3, with the call's descales) with D = 128, contiguous or
+// paged KV.
 // mean_cache (paged KV, validated by the caller: validate_mean_cache): the blocks that end before each sequence's
 // chunk are read from it, the blocks the chunk completes are pooled and written to it (MeanCache, sparse.h).
 DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
@@ -91,11 +91,6 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
 // or e4m3 in raw units of in's descales for FP8) on in.stream (view.cu).
 void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
                         void* k_kernel, void* v_kernel);
-
-// Convenience path behind sparse_prefill::build_index for CUDA inputs: runs the index stage above in a temporary
-// workspace, synchronises, and returns the index compacted on the host (what the CPU reference returns, with the
-// pooled means). It allocates and synchronises: engines use build_index() with their own workspace instead.
-BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 
 // The pointers of a device index in `workspace`: a function of its binding and parameters alone (the layout
 // build_index wrote).

@@ -3,9 +3,10 @@
 
 #include <algorithm>
 
-#include "api/validate.h"
+#include "core/contract.h"
+#include "cuda/attention/fwd_args.h"
 #include "cuda/common/workspace.h"
-#include "cuda/fwd_args.h"
+#include "cuda/cuda_backend.h"
 
 namespace sparse_prefill::cuda {
 namespace index_stage {

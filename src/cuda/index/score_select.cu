@@ -12,8 +12,8 @@
 #include "cuda/attention/config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/index/device_args.cuh"
 #include "cuda/index/q_gather.cuh"
-#include "cuda/softmax.h"     // acc_rowcol, fast_exp2
-#include "cuda/wgmma.h"
+#include "cuda/attention/softmax.h"  // acc_rowcol, fast_exp2
+#include "cuda/common/wgmma.h"
 
 namespace sparse_prefill::cuda::index_stage {
 namespace {

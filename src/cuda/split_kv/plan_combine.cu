@@ -1,7 +1,7 @@
 // Split-KV for the block-sparse kernel, all on the device (no host synchronisation, graph-capturable):
 //   plan (before the launch): total planned steps of all tiles, then cap = max(kMinCap, ceil(total / SMs))
 //     (SplitRule); every tile with more planned steps than cap becomes nsplit = ceil(steps / cap) units (at most 32), each a
-//     contiguous share of the tile's steps writing float32 partials (SparseLaunchWorkspace, fwd_args.h). Why: one
+//     contiguous share of the tile's steps writing float32 partials (SparseLaunchWorkspace, split_kv.h). Why: one
 //     heavy tile (the final chunk's dense last_n tiles see every block: 1032 steps at 128K against ~15 for the
 //     others) otherwise runs alone on one SM long after the rest finished. Tiles no heavier than cap keep one unit
 //     and write out directly, so balanced shapes pay nothing for the split.
@@ -20,9 +20,11 @@
 
 #include "core/geometry.h"
 #include "cuda/attention/block_schedule.h"
+#include "cuda/attention/fwd_args.h"
 #include "cuda/common/check.h"
 #include "cuda/common/workspace.h"
-#include "cuda/fwd_args.h"
+#include "cuda/split_kv/rule.h"
+#include "cuda/split_kv/split_kv.h"
 
 namespace sparse_prefill::cuda {
 namespace {

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "api/problem.h"
+#include "core/problem.h"
 #include "cuda/attention/block_schedule.h"
 
 namespace sparse_prefill::cuda {

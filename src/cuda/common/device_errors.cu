@@ -4,8 +4,8 @@
 #include <string>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_checks.h"
 #include "cuda/cuda_backend.h"
-#include "cuda/device_checks.h"
 
 namespace sparse_prefill::cuda {
 namespace {

@@ -4,7 +4,8 @@
 
 #include <cstdint>
 
-#include "cuda/device_checks.h"
+#include "cuda/common/device_checks.h"
+#include "cuda/split_kv/split_kv.h"
 
 namespace sparse_prefill::cuda {
 
@@ -51,30 +52,6 @@ struct FwdArgs {
   LaunchGate gate;
 };
 
-// Per-launch device state of the sparse kernel, carved from caller memory (sparse_launch_workspace_bytes):
-//   counters [kCounters]: the persistent scheduler's tile counter and the split-KV plan (zeroed before each launch);
-//   split_tiles [max_split_tiles]: {tile, nsplit, 0, 0} of every tile run as nsplit > 1 units, sorted by nsplit
-//     (descending) then tile;
-//   slot_tile [max_split_units]: unit u (= its partial slot) -> entry | split << 16. Units are ordered split-major
-//     (split 0 of every split tile, then split 1, ...): split s of entry e is unit counters[kSplitBase + s] + e, so
-//     the tiles that read the same key range at the same time (the g-head tiles of one KV head) share it in L2;
-//   o_partial [max_split_units, 128, D] / lse_partial [max_split_units, 128]: float32 partials, one slot per unit.
-// Split plan (SplitRule, attention/block_schedule.h): fewer than SMs split tiles and twice as many split units, always.
-struct SparseLaunchWorkspace {
-  enum : int {
-    kTileCounter = 0, kSplitTiles = 1, kSplitUnits = 2, kCap = 3, kTotalLo = 4, kTotalHi = 5, kSplitBase = 8,
-    kCounters = 8 + 32
-  };
-  int* counters = nullptr;
-  int32_t* split_tiles = nullptr;       // [max_split_tiles][4]
-  int32_t* slot_tile = nullptr;
-  float* o_partial = nullptr;
-  float* lse_partial = nullptr;
-  int num_sms = 0;
-  int max_split_tiles = 0, max_split_units = 0;  // 0: carved without the split arrays (counters only)
-  bool plan = true;                      // set per launch by run_sparse (split_planned and room for it)
-};
-
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
 // H * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile, H = Hkv * head_subgroups (virtual KV heads).
 struct SparseFwdArgs {
@@ -104,7 +81,8 @@ struct SparseFwdArgs {
   // The work order's band (sparse_tile_coord, block_schedule.h), set by run_sparse from LaunchOptions::sparse_order:
   // 1 (KV heads fastest) or the persistent grid (banded). The kernel and the split plan read this one value.
   int order_band = 1;
-  // Scheduler counter and split-KV plan (split_kv.cu); launch.counters == nullptr: one CTA per tile, no split.
+  // Scheduler counter and split-KV plan (split_kv/plan_combine.cu); launch.counters == nullptr: one CTA per tile, no
+  // split.
   SparseLaunchWorkspace launch;
 };
 
@@ -113,28 +91,9 @@ inline bool sparse_correction_on(const SparseFwdArgs& s) {
   return s.correction && s.k_mean != nullptr && s.mean_rows > 0;
 }
 
-// with_split = false: the counters only (launches that are never planned: split_planned() is false).
-size_t sparse_launch_workspace_bytes(int num_sms, int head_dim, bool with_split);
-SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int head_dim, bool with_split);
-
-// Whether a sparse launch with these bounds runs the split-KV plan: chunk shapes (max_seqlen_k > max_seqlen_q) unless
-// LaunchOptions::split_kv is off. Sizes the launch workspace and gates the plan. Only chunk shapes are planned: there
-// a few tiles (the final chunk's dense last_n tiles) can each outweigh an SM's share of the work. In one-shot prefill
-// (Lq = Lk) the heaviest tile is far below that share (128K: 1032 steps against ~3500 per SM) and the heaviest-first
-// order balances the SMs; the plan and combine launches would only add ~20 us (8K: 0.548 -> 0.567 ms,
-// docs/design/sparse_kernel.md).
-inline bool split_planned(bool split_kv, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  return split_kv && max_seqlen_k > max_seqlen_q;
-}
-
 // Multiprocessor count of the current device (host attribute query, no synchronisation), cached per device
 // (cuda_backend.cpp).
 int num_sms();
-
-// Split-KV around a sparse launch (split_kv.cu): zero the counters and build the plan before it, combine the
-// partials into out / lse after it. All stream-ordered, no host synchronisation.
-void run_split_plan(const FwdArgs& args, const SparseFwdArgs& sparse);
-void run_split_combine(const FwdArgs& args, const SparseFwdArgs& sparse, bool bf16);
 
 // One entry point per translation unit (dtype x head dim); sparse == nullptr runs the dense kernel.
 void run_fwd_bf16_hdim128(const FwdArgs& args, const SparseFwdArgs* sparse = nullptr);

@@ -35,14 +35,4 @@ struct Problem {
   std::vector<SequenceInfo> seqs;
 };
 
-// Validates every argument of `in` (and `outs` when given) and resolves the problem. Throws ArgumentError naming
-// the argument. Host-readable index tensors are checked element by element (monotone cu_seqlens matching the totals,
-// lengths within max_seqlen, page ids in range, seqused_k within the pages given).
-Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs);
-
-// The element checks of validate_inputs on host copies of the index tensors (in's own for CPU inputs; checked mode
-// passes copies of device arrays): fills p.seqs. cu_seqlens_k is null with paged KV, block_table / seqused_k without.
-void validate_values(const AttentionInputs& in, const TensorView& cu_seqlens_q, const TensorView* cu_seqlens_k,
-                     const TensorView* block_table, const TensorView* seqused_k, Problem& p);
-
 }  // namespace sparse_prefill
