@@ -112,6 +112,25 @@ def try_plot(plot, res, path):
         print("plot skipped:", repr(e)[:200], flush=True)
 
 
+def add_plot_only(ap):
+    """The --plot-only RESULTS_JSON option every benchmark has: redraw the plot of a results file (committed
+    measurements included) without running anything; see plot_only()."""
+    ap.add_argument("--plot-only", metavar="RESULTS_JSON", default=None,
+                    help="read RESULTS_JSON (a results file this script wrote) and write its plot beside it "
+                         "(same name, .png), then exit: no measurement, no GPU")
+
+
+def plot_only(plot, path):
+    """plot(res, path's .png) for the results file at `path`; touches neither the GPU nor the package. Unlike
+    try_plot, a failure raises: the plot is all this call is for. Returns the PNG's path."""
+    with open(path) as f:
+        res = json.load(f)
+    png = os.path.splitext(path)[0] + ".png"
+    plot(res, png)
+    print("wrote", png, flush=True)
+    return png
+
+
 def emit(row):
     print(json.dumps(row), flush=True)
 

@@ -28,7 +28,8 @@ Per (L, chunk, batch) row, the prompt's last chunk (final_chunk=True) on the top
 Whole-prompt rows (--prompt): every chunk of an L-token prompt, batch 1, summed: dense vs union vs per-tile.
 --quick: contexts 32K and 128K, chunk 1024, batches 1 and 8, no whole-prompt rows.
 Writes bench/results/chunked_h200.json and, with matplotlib, chunked_h200.png.
-Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8] [--quick]"""
+Usage: python3 bench/bench_chunked.py [--contexts 32768,131072] [--chunks 1024,8192] [--batches 1,8] [--quick]
+       python3 bench/bench_chunked.py --plot-only bench/results/chunked_h200.json   (redraw its PNG, no GPU)"""
 import argparse
 import os
 
@@ -36,6 +37,7 @@ import torch
 
 from _common import (D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace, ints,
                      require_cuda, time_graph_ms, time_ms, try_plot, workspace, write_results)
+from _common import add_plot_only, plot_only
 from _common import topic
 
 PAGE = 64
@@ -175,6 +177,7 @@ def measure_step(sp, cache, c0, c1, final, modes=("tile", "union"), means=None, 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(RESULTS, "chunked_h200.json"))
+    add_plot_only(ap)
     ap.add_argument("--quick", action="store_true", help="short run (see above): about a minute on the H200")
     ap.add_argument("--contexts", default=None, help=f"prompt lengths L (default {FULL['contexts']}; --quick "
                                                      f"{QUICK['contexts']})")
@@ -208,6 +211,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     sp = require_cuda()
     rows, prompts = [], []
     meta = dict(workload=f"topic (docs/workload.md), Hq={HQ} Hkv={HKV} D={D} bf16, paged KV page {PAGE}, causal",

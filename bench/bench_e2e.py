@@ -18,7 +18,8 @@ The trained model of the accuracy issue does not exist yet: its row is not measu
 out as transformers lays them out) against the direct sp.sparse_prefill / sp.attention call, 20 calls back to back
 between events, topic workload at --overhead-L (target <= 1.02).
 Writes --out (default bench/results/e2e_h200.json) and a plot beside it (.png).
-Usage: python3 bench/bench_e2e.py [--lengths 8192,32768,131072] [--reps 2] [--out PATH] [--budget-s 330]"""
+Usage: python3 bench/bench_e2e.py [--lengths 8192,32768,131072] [--reps 2] [--out PATH] [--budget-s 330]
+       python3 bench/bench_e2e.py --plot-only bench/results/e2e_h200.json   (redraw its PNG, no GPU)"""
 import argparse
 import copy
 import os
@@ -26,7 +27,8 @@ import time
 
 import torch
 
-from _common import RESULTS, emit, ints, require_cuda, topic, try_plot, workspace, write_results
+from _common import (RESULTS, add_plot_only, emit, ints, plot_only, require_cuda, topic, try_plot, workspace,
+                     write_results)
 
 HQ, HKV, D, LAYERS = 32, 8, 128, 32
 
@@ -42,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=330.0, help="skip the remaining lengths past this wall time")
     p.add_argument("--out", default=os.path.join(RESULTS, "e2e_h200.json"))
     p.add_argument("--quick", action="store_true", help="accepted for scripts/gpu.sh symmetry (same as default)")
+    add_plot_only(p)
     return p.parse_args(argv)
 
 
@@ -207,6 +210,8 @@ def plot(res, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     sp = require_cuda()
     import transformers
     from sparse_prefill.integrations import transformers as sphf

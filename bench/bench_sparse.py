@@ -35,7 +35,8 @@ Long rows (--long-lengths, e.g. 1048576; issue 16): one prompt past what the rep
 --quick: lengths 8K, 32K, 128K; peers and accuracy on; no FlexAttention (torch.compile), no sweep.
 Writes bench/results/sparse_h200.json (keys of the design brief) and, with matplotlib, bench/results/sparse_h200.png.
 Usage: python3 bench/bench_sparse.py [--lengths 8192,131072] [--no-flex] [--no-sweep] [--no-accuracy] [--quick]
-       [--long-lengths 1048576 [--max-kept-blocks N] [--long-repeats 2]]"""
+       [--long-lengths 1048576 [--max-kept-blocks N] [--long-repeats 2]]
+       python3 bench/bench_sparse.py --plot-only bench/results/sparse_h200.json   (redraw its PNG, no GPU)"""
 import argparse
 import os
 
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from _common import (BLOCK, D, HKV, HQ, RESULTS, SEL, apply_profile, attention_workspace, emit, index_workspace,
                      ints, floats, rel_err, require_cuda, sdpa_layout, time_few_ms, time_graph_ms, time_ms,
                      time_sdpa_peers, try_plot, workspace, write_results)
+from _common import add_plot_only, plot_only
 from _common import commit, topic  # noqa: F401  (re-exported: other scripts import them from here)
 
 FULL = dict(lengths="4096,8192,16384,32768,65536,131072", sweep_lengths="65536,131072", flex=True, sweep=True)
@@ -211,6 +213,7 @@ def accuracy(sp, L, dev="cuda"):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(RESULTS, "sparse_h200.json"))
+    add_plot_only(ap)
     ap.add_argument("--lengths", default=None, help=f"default {FULL['lengths']}; --quick {QUICK['lengths']}")
     ap.add_argument("--quick", action="store_true", help="short run (see above): one to two minutes on the H200")
     ap.add_argument("--sweep-lengths", default=None, help=f"lengths of the random-mask sweep (default "
@@ -242,6 +245,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     SEL.update(rule=args.rule, alpha=args.alpha, head_subgroups=args.head_subgroups)   # every build below uses it
     if args.mean_alpha is not None:
         SEL.update(mean_alpha=args.mean_alpha)
