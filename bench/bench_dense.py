@@ -2,9 +2,11 @@
 flash (FA2) and optionally FlexAttention, measured in the same process.
 Llama-3.1-8B head shape: Hq=32, Hkv=8, D=128, bf16, batch 1, causal. FLOPs = 4*L*L*D*Hq/2. Ours writes out and lse
 into caller buffers and gets a caller workspace (the engine path: nothing allocated by the library per call).
-Writes a JSON with the header of bench/_common.py (through_package, device, commit, date, command) and
-rows[{L, ours_ms, cudnn_ms, fa2_ms, ours_tflops, ...}].
-Extra rows (on by default, --no-extra to skip; written to dense_h200_paged_varlen.json beside --out or --extra-out):
+Writes one JSON (--out) with the header of bench/_common.py (through_package, device, commit, date, command) and
+rows: kind "dense" {L, ours_ms, cudnn_ms, fa2_ms, ours_tflops, ...}, then the extra rows below (their own kinds), and
+with matplotlib its plot beside it (.png). Earlier runs wrote the extra rows to a second file,
+dense_h200_paged_varlen.json (the committed one stays: docs/design/dense_kernel.md cites it).
+Extra rows (on by default, --no-extra to skip):
   * varlen: one causal varlen call over 8 sequences of fixed mixed lengths (VARLEN_MIX, 1K..8K, sum 32K) vs the same
     sequences run one call each (sum of their medians). Target: varlen within 5 % of the separate calls.
   * paged: causal L = --paged-lengths, KV scattered into randomly permuted pages of --page-sizes tokens vs the same
@@ -12,16 +14,14 @@ Extra rows (on by default, --no-extra to skip; written to dense_h200_paged_varle
     Target: paged within 5 % of contiguous.
 --quick: lengths 8K, 32K, 128K; paged rows at 32K only (pages 64 and 128); no FlexAttention.
 Usage: python3 bench/bench_dense.py --out bench/results/dense_h200.json [--lengths 4096,8192] [--flex] [--no-extra]
-       python3 bench/bench_dense.py --plot bench/results/dense_h200.json     (re-draw the PNG of a results file)"""
+       python3 bench/bench_dense.py --plot-only bench/results/dense_h200.json   (redraw its PNG, no GPU)"""
 import argparse
-import json
 import os
-import sys
 
 import torch
 
-from _common import (D, HKV, HQ, RESULTS, apply_profile, attention_workspace, emit, ints, median, require_cuda,
-                     sdpa_layout, time_ms, time_sdpa_peers, try_plot, write_results)
+from _common import (D, HKV, HQ, RESULTS, add_plot_only, apply_profile, attention_workspace, emit, ints, median,
+                     plot_only, require_cuda, sdpa_layout, time_ms, time_sdpa_peers, try_plot, write_results)
 from _common import commit, time_graph_ms  # noqa: F401  (re-exported: other scripts import them from here)
 
 VARLEN_MIX = [1024, 8192, 2048, 6144, 3072, 5120, 4096, 3072]  # sum 32768; fixed so runs compare
@@ -138,8 +138,7 @@ def parse_args(argv=None):
     ap.add_argument("--paged-lengths", default=None, help="lengths of the paged-vs-contiguous rows ('' to skip)")
     ap.add_argument("--no-varlen", dest="varlen", action="store_false", help="skip the varlen-vs-separate row")
     ap.add_argument("--page-sizes", default=None, help="page sizes of the paged-vs-contiguous rows (any size >= 1)")
-    ap.add_argument("--extra-out", default=None,
-                    help="JSON for the extra rows (default: dense_h200_paged_varlen.json beside --out)")
+    add_plot_only(ap)
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
     ints(args.lengths), ints(args.paged_lengths), ints(args.page_sizes)  # fail on bad lists before the GPU work
     if args.hq % args.hkv:
@@ -149,6 +148,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     sp = require_cuda()
     page_sizes = ints(args.page_sizes)
     hq, hkv, d = args.hq, args.hkv, D
@@ -162,6 +163,9 @@ def main(argv=None):
         flex = torch.compile(flex_attention)
     shape = dict(hq=hq, hkv=hkv, d=d, dtype="bfloat16", batch=1, causal=True)
     meta = dict(shape=shape, label=args.label, call="sp.attention(out=, return_lse=True, workspace=)")
+    if args.extra:  # the extra rows' settings (the varlen row has 8 sequences: shape's batch is the dense rows')
+        meta.update(varlen_mix=VARLEN_MIX if args.varlen else None, paged_lengths=ints(args.paged_lengths),
+                    page_sizes=page_sizes, paged_rounds=PAGED_ROUNDS)
     for L in ints(args.lengths):
         torch.manual_seed(0)
         q = torch.randn(L, hq, d, device=dev, dtype=torch.bfloat16)
@@ -170,7 +174,7 @@ def main(argv=None):
         cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
         out = torch.empty_like(q)
         flops = 4 * L * L * d * hq / 2
-        row = dict(L=L, path=sp.attention_path(q, k, v, cu, cu, L, L))
+        row = dict(kind="dense", L=L, path=sp.attention_path(q, k, v, cu, cu, L, L))
         row["ours_ms"] = time_ms(lambda: ours(q, k, v, cu, cu, L, L, out))
         qt, kt, vt = sdpa_layout(q, k, v, g)
         time_sdpa_peers(row, qt, kt, vt, is_causal=True)
@@ -194,48 +198,70 @@ def main(argv=None):
                 row[key + "_tflops"] = flops / (row[key + "_ms"] * 1e-3) / 1e12
         emit(row)
         rows.append(row)
-        res = write_results(args.out, rows, **meta)
+        write_results(args.out, rows, **meta)
         del q, k, v, qt, kt, vt, out
         torch.cuda.empty_cache()
+    if args.extra:  # rows of the same file, after the dense rows (written after each group)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        if args.varlen:
+            rows += varlen_rows(ours, hq, hkv, d, dev, gen)
+            write_results(args.out, rows, **meta)
+        rows += paged_rows(ours, hq, hkv, d, dev, gen, ints(args.paged_lengths), page_sizes)
     res = write_results(args.out, rows, **meta)
     try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
-    if args.extra:
-        paged_lengths = ints(args.paged_lengths)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        extra = varlen_rows(ours, hq, hkv, d, dev, gen) if args.varlen else []
-        extra += paged_rows(ours, hq, hkv, d, dev, gen, paged_lengths, page_sizes)
-        path = args.extra_out or os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                              "dense_h200_paged_varlen.json")
-        write_results(path, extra, shape=dict(shape, batch=None), label=args.label,
-                      varlen_mix=VARLEN_MIX if args.varlen else None, paged_lengths=paged_lengths,
-                      page_sizes=page_sizes, paged_rounds=PAGED_ROUNDS)
 
 
 def plot(res, path):
-    """TFLOP/s against length for every peer of a dense_h200.json (also: python3 bench/bench_dense.py --plot FILE)."""
+    """TFLOP/s against length for every peer (the kind "dense" rows; files from before the kinds have none: every
+    row without one is a dense row) and, when the file holds them, the extra rows: paged / contiguous and varlen /
+    separate time against the 5 % targets (a file holding only those, as dense_h200_paged_varlen.json, gets that
+    panel alone)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    rows = res["rows"]
-    for key, label in (("ours", "ours (sm90a, through the package)"), ("cudnn", "torch SDPA cuDNN"),
-                       ("fa2", "torch SDPA flash (FA2)"), ("flex", "FlexAttention")):
-        pts = [(r["L"], r[f"{key}_tflops"]) for r in rows if r.get(f"{key}_tflops")]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length L (causal, batch 1, Hq 32, Hkv 8, D 128, bf16)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"dense prefill on the {res.get('device', 'GPU')} ({res.get('commit', '')[:7]})")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    dense = [r for r in res["rows"] if r.get("kind", "dense") == "dense"]
+    paged = [r for r in res["rows"] if r.get("kind") == "paged_vs_contiguous"]
+    varlen = [r for r in res["rows"] if r.get("kind") == "varlen_vs_separate"]
+    panels = (["dense"] if dense else []) + (["extra"] if paged or varlen else [])
+    if not panels:
+        raise ValueError("no dense, paged or varlen rows to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.2), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    if "dense" in axes:
+        ax = axes["dense"]
+        for key, label in (("ours", "ours (sm90a, through the package)"), ("cudnn", "torch SDPA cuDNN"),
+                           ("fa2", "torch SDPA flash (FA2)"), ("flex", "FlexAttention")):
+            pts = [(r["L"], r[f"{key}_tflops"]) for r in dense if r.get(f"{key}_tflops")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L (causal, batch 1, Hq 32, Hkv 8, D 128, bf16)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"dense prefill on the {res.get('device', 'GPU')} ({res.get('commit', '')[:7]})")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if "extra" in axes:
+        ax = axes["extra"]
+        labels = [f"paged {r['page_size']}\nL {r['L'] // 1024}K" for r in paged]
+        values = [r["paged_over_contiguous"] for r in paged]
+        if varlen:
+            mix = varlen[0].get("lengths") or res.get("varlen_mix") or []
+            labels.append(f"varlen {len(mix) or '?'} seqs\n{varlen[0]['total_tokens'] // 1024}K tokens")
+            values.append(varlen[0]["varlen_over_separate"])
+        bars = ax.bar(range(len(values)), values, color=["C0"] * len(paged) + ["C1"] * len(varlen))
+        for b, y in zip(bars, values):
+            ax.annotate(f"{y:.3f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(values)), labels, fontsize=8)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.axhline(1.05, color="grey", ls="--", label="target: within 5 %")
+        ax.set_ylim(0, max(values + [1.05]) * 1.15)
+        ax.set_ylabel("paged / contiguous, varlen / separate calls (time)")
+        ax.set_title(f"paged KV and varlen ({res.get('commit', '')[:7]}; {res.get('paged_rounds', '?')} "
+                     "interleaved rounds)")
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--plot":
-        with open(sys.argv[2]) as f:
-            plot(json.load(f), os.path.splitext(sys.argv[2])[0] + ".png")
-    else:
-        main()
+    main()
