@@ -6,15 +6,20 @@ is_causal is top-left aligned): for Lq <= 128 against Lk >= 32K the two differ i
 Every row reports per-call event time and CUDA-graph replay time (_common.time_graph_ms; ours with a caller
 workspace), and the KV bytes read per second (K and V once: 2 * B * Lk * Hkv * D * 2 bytes), the bound of these
 memory-bound shapes (H200: 4.8 TB/s).
+Writes --out and, with matplotlib, its plot beside it (.png): per shape the CUDA-graph times of the four and the
+speed-up over the dense kernel, and the KV bytes per second against the H200's 4.8 TB/s.
 --quick: shapes 1:131072:1, 16:131072:1, 128:131072:1, 512:131072:1.
-Usage: python3 bench/bench_decode.py --out bench/results/dense_decode_h200.json [--shapes Lq:Lk:B,...] [--quick]"""
+Usage: python3 bench/bench_decode.py --out bench/results/dense_decode_h200.json [--shapes Lq:Lk:B,...] [--quick]
+       python3 bench/bench_decode.py --plot-only bench/results/dense_decode_h200.json   (redraw its PNG, no GPU)"""
 import argparse
 import os
 
 import torch
 
-from _common import (D, HKV, HQ, RESULTS, attention_workspace, emit, require_cuda, time_graph_ms, time_ms,
-                     time_sdpa_peers, write_results)
+from _common import (D, HKV, HQ, RESULTS, add_plot_only, attention_workspace, emit, plot_only, require_cuda,
+                     time_graph_ms, time_ms, time_sdpa_peers, try_plot, write_results)
+
+HBM_TB_S = 4.8  # the H200's memory bandwidth, the bound of these shapes
 
 # (Lq, Lk, batch)
 SHAPES = [(1, 131072, 1), (1, 32768, 8), (1, 8192, 32), (16, 131072, 1), (64, 65536, 4), (128, 131072, 1),
@@ -38,6 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", type=parse_shapes, default=None,
                     help="Lq:Lk:B,... (default: " + ",".join(":".join(map(str, s)) for s in SHAPES) + ")")
     ap.add_argument("--quick", action="store_true", help="four 128K shapes: about 30 s on the H200")
+    add_plot_only(ap)
     args = ap.parse_args(argv)
     if args.shapes is None:
         args.shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -46,6 +52,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     sp = require_cuda()
     hq, hkv, d = HQ, HKV, D
     g = hq // hkv
@@ -98,7 +106,48 @@ def main(argv=None):
         write_results(args.out, rows, **meta)
         del q, k, v, qt, kt, vt, out, split_out
         torch.cuda.empty_cache()
-    write_results(args.out, rows, **meta)
+    res = write_results(args.out, rows, **meta)
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
+
+
+PEERS = (("ours", "ours (sp.attention as dispatched)"), ("dense_kernel", "our dense kernel (dense_path='dense')"),
+         ("cudnn", "torch SDPA cuDNN"), ("fa2", "torch SDPA flash (FA2)"))
+
+
+def plot(res, path):
+    """Per shape (Lq:Lk:B, ours' path): left, the time of ours, our dense kernel, cuDNN and FA2 (CUDA-graph replay,
+    per-call event time where a graph time is missing), with ours' speed-up over the dense kernel (the row's
+    speedup_vs_dense_kernel) above each group; right, the KV bytes read per second against the H200's bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    labels = [f"Lq {r['Lq']}\nLk {r['Lk'] // 1024}K, B {r['batch']}\n{r.get('path', '')}" for r in rows]
+    x = range(len(rows))
+    w = 0.8 / len(PEERS)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(min(20, max(12, 3 * len(rows))), 4.8))
+    for i, (key, label) in enumerate(PEERS):
+        ts = [r.get(key + "_graph_ms") or r.get(key + "_ms") or 0 for r in rows]
+        a.bar([j + (i - 1.5) * w for j in x], ts, w, label=label, color=f"C{i}")
+        tb = [r.get(key + "_kv_tb_per_s") or 0 for r in rows]
+        b.bar([j + (i - 1.5) * w for j in x], tb, w, label=label, color=f"C{i}")
+    top = max((r.get(k + "_graph_ms") or r.get(k + "_ms") or 0) for r in rows for k, _ in PEERS)
+    for j, r in zip(x, rows):
+        if r.get("speedup_vs_dense_kernel"):
+            a.annotate(f"{r['speedup_vs_dense_kernel']:.2f}x\nvs dense kernel", (j, top * 1.04), ha="center",
+                       va="bottom", fontsize=7)
+    a.set_ylim(0, top * 1.3)
+    a.set_ylabel("ms per call (CUDA-graph replay)")
+    a.set_title(f"short queries against long keys, Hq 32 Hkv 8 D 128 bf16 ({res.get('commit', '')[:7]})",
+                fontsize=10)
+    b.axhline(HBM_TB_S, color="grey", ls="--", label=f"H200 HBM {HBM_TB_S} TB/s")
+    b.set_ylabel("KV bytes read per second (TB/s)")
+    b.set_title("K and V read once: 2 B Lk Hkv D 2 bytes / time", fontsize=10)
+    for ax in (a, b):
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
