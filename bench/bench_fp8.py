@@ -17,16 +17,21 @@ the same cache in e4m3 (per KV head, q per step), descales passed; the dense pag
 output's error against the dense bf16 step. A configuration the library refuses is recorded ("fp8": "unsupported:
 ...") and the row goes on without it.
 Targets (issue 17): fp8 >= 1.35x bf16 at 16K-128K; sparse FP8 (correction on) >= 1.25x bf16 sparse at 128K.
+One results file per invocation (--out; the options pick the experiment: the committed ones are fp8_h200.json,
+fp8_sparse_h200.json, fp8_sparse_structured_h200.json, fp8_chunked_h200.json) and, with matplotlib, its plot beside
+it (.png), one panel per kind of row it holds.
 Usage: python3 bench/bench_fp8.py --out bench/results/fp8_h200.json [--lengths 16384,32768] [--paged 128]
        [--sparse-lengths 32768,131072] [--fp8-index] [--structured] [--chunked 131072 [--chunked-steps 1024x1]]
-       (--lengths '' skips the dense rows, e.g. to run the chunked rows alone)"""
+       (--lengths '' skips the dense rows, e.g. to run the chunked rows alone)
+       python3 bench/bench_fp8.py --plot-only bench/results/fp8_h200.json   (redraw its PNG, no GPU)"""
 import argparse
 import os
 
 import torch
 
-from _common import (D, HKV, HQ, SEL, attention_workspace, emit, index_workspace, ints, median, rel_err, require_cuda,
-                     sdpa_layout, time_graph_ms, time_ms, time_sdpa_peers, topic, workspace, write_results)
+from _common import (D, HKV, HQ, SEL, add_plot_only, attention_workspace, emit, index_workspace, ints, median,
+                     plot_only, rel_err, require_cuda, sdpa_layout, time_graph_ms, time_ms, time_sdpa_peers, topic,
+                     try_plot, workspace, write_results)
 from bench_chunked import PAGE, Cache
 
 ROUNDS = 3
@@ -82,7 +87,7 @@ def reference(qt, kt, vt, chunk=4096):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="the results file to write (required unless --plot-only)")
     ap.add_argument("--lengths", default="16384,32768,65536,131072")
     ap.add_argument("--paged", type=int, default=0, help="also time FP8 with the KV in shuffled pages of this size")
     ap.add_argument("--error-max-len", type=int, default=32768, help="float32 reference only up to this length")
@@ -93,7 +98,12 @@ def main(argv=None):
                     help="sparse rows: also the errors on the structured workload (needs --fp8-index)")
     ap.add_argument("--chunked", default="", help="chunked rows at these prompt lengths (e.g. 131072)")
     ap.add_argument("--chunked-steps", default=CHUNKED_STEPS, help="CHUNKxBATCH steps of the chunked rows")
+    add_plot_only(ap)
     args = ap.parse_args(argv)
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
+    if not args.out:
+        ap.error("--out is required (or --plot-only RESULTS_JSON)")
     if args.structured and not args.fp8_index:
         ap.error("--structured needs --fp8-index (its FP8 sparse output is sparse_prefill's, with the FP8 index)")
     try:
@@ -204,7 +214,8 @@ def main(argv=None):
             rows.append(row)
             write_results(args.out, rows, **meta)
         torch.cuda.empty_cache()
-    write_results(args.out, rows, **meta)
+    res = write_results(args.out, rows, **meta)
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
 
 
 def sparse_row(sp, L, hkv, ws, fp8_index, structured):
@@ -363,6 +374,137 @@ def chunked_row(sp, cache, kv8, C, final, means, means8):
         e_bf = row["bf16_rel_err_vs_dense_bf16"]
         row["fp8_over_bf16_error"] = row["fp8_rel_err_vs_dense_bf16"] / e_bf if e_bf > 0 else None
     return row
+
+
+
+def plot(res, path):
+    """One panel per kind of row in the file: dense rows (no kind): FP8's speed-up over our bf16 (and paged FP8's,
+    FP8's over cuDNN) by length against issue 17's 1.35x, FP8 TFLOP/s beside the points, and the errors; "sparse"
+    rows: bf16 / FP8 block-sparse times (attention without correction, one-call totals) with FP8 / bf16 total against
+    the 1.25x target, and with --structured the structured workload's errors against the 1.5x error target;
+    "chunked" rows: FP8 / bf16 per step by events, as CUDA graphs and for the dense paged step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    dense = [r for r in rows if "kind" not in r]
+    sparse = [r for r in rows if r.get("kind") == "sparse"]
+    structured = [r for r in sparse if r.get("structured_fp8_rel_err_vs_dense_bf16") is not None]
+    chunked = [r for r in rows if r.get("kind") == "chunked"]
+    panels = [name for name, rs in (("dense_speed", dense), ("dense_error", dense), ("sparse", sparse),
+                                    ("structured", structured), ("chunked", chunked)) if rs]
+    if not panels:
+        raise ValueError("no dense, sparse or chunked rows to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    ax = dict(zip(panels, axes[0]))
+    tag = f"{res.get('device', 'GPU')}, {str(res.get('commit', ''))[:7]}"
+    k_label = lambda L: f"{L // 1024}K"  # noqa: E731
+
+    if dense:
+        a = ax["dense_speed"]
+        Ls = [r["L"] for r in dense]
+        a.plot(Ls, [r["fp8_over_bf16_speedup"] for r in dense], marker="o", label="FP8 / our bf16")
+        if any(r.get("fp8_paged_ms") for r in dense):
+            pts = [(r["L"], r["bf16_ms"] / r["fp8_paged_ms"]) for r in dense if r.get("fp8_paged_ms")]
+            page = next(r.get("page_size") for r in dense if r.get("fp8_paged_ms"))
+            a.plot(*zip(*pts), marker="s", ls="--", label=f"FP8 paged (page {page}) / our bf16")
+        pts = [(r["L"], r["fp8_over_cudnn_speedup"]) for r in dense if r.get("fp8_over_cudnn_speedup")]
+        if pts:
+            a.plot(*zip(*pts), marker="^", ls=":", label="FP8 / cuDNN bf16")
+        for r in dense:
+            a.annotate(f"{r['fp8_tflops']:.0f} TFLOP/s", (r["L"], r["fp8_over_bf16_speedup"]), fontsize=7,
+                       textcoords="offset points", xytext=(0, -14), ha="center")
+        a.axhline(1.35, color="grey", ls="--", label="target 1.35x (issue 17)")
+        a.axhline(1.0, color="grey", lw=0.5)
+        a.set_xscale("log", base=2)
+        a.set_xticks(Ls, [k_label(L) for L in Ls])
+        ys = [y for line in a.get_lines() for y in line.get_ydata()]
+        a.set_ylim(min(0.9, min(ys) - 0.05), max(1.45, max(ys) + 0.05))
+        a.set_xlabel("L (causal, batch 1, Hq 32, Hkv 8, D 128)")
+        a.set_ylabel("speed-up (time ratio, median of rounds)")
+        a.set_title(f"dense FP8 (e4m3) against bf16 ({tag})", fontsize=10)
+        a.legend(fontsize=7, loc="upper left")
+        e = ax["dense_error"]
+        for key, label, m in (("fp8_rel_l2_vs_bf16_kernel_dequantised", "FP8 vs our bf16 kernel, dequantised inputs",
+                               "o"),
+                              ("fp8_rel_l2_vs_fp32_dequantised", "FP8 vs float32, dequantised inputs", "s"),
+                              ("fp8_rel_l2_vs_fp32_bf16_inputs", "FP8 vs float32 on the bf16 inputs", "^"),
+                              ("bf16_rel_l2_vs_fp32", "our bf16 vs float32", "v")):
+            pts = [(r["L"], r[key]) for r in dense if r.get(key) is not None]
+            if pts:
+                e.plot(*zip(*pts), marker=m, label=label)
+        e.set_xscale("log", base=2)
+        e.set_yscale("log")
+        e.set_xticks(Ls, [k_label(L) for L in Ls])
+        e.set_xlabel("L")
+        e.set_ylabel("relative L2 error of the output")
+        e.set_title("dense FP8 error (float32 reference up to --error-max-len)", fontsize=10)
+        e.legend(fontsize=7)
+
+    if sparse:
+        a = ax["sparse"]
+        keys = (("bf16_attn_no_corr_ms", "bf16 attn, no corr"), ("fp8_attn_no_corr_ms", "FP8 attn, no corr"),
+                ("bf16_total_ms", "bf16 one call (correction on)"), ("fp8_total_ms", "FP8 one call (correction on)"))
+        w = 0.8 / len(keys)
+        for i, (key, label) in enumerate(keys):
+            a.bar([j + (i - 1.5) * w for j in range(len(sparse))], [r.get(key) or 0 for r in sparse], w,
+                  label=label, color=f"C{i}")
+        top = max((r.get(k) or 0) for r in sparse for k, _ in keys)
+        for j, r in enumerate(sparse):
+            text = f"density {r['density']:.3f}"
+            if r.get("fp8_over_bf16_sparse_speedup"):
+                text += f"\nFP8/bf16 total {r['fp8_over_bf16_sparse_speedup']:.2f}x"
+            a.annotate(text, (j, top * 1.03), ha="center", va="bottom", fontsize=7)
+        a.set_ylim(0, top * 1.3)
+        a.set_xticks(range(len(sparse)), [k_label(r["L"]) for r in sparse])
+        a.set_xlabel("L (topic workload)")
+        a.set_ylabel("ms (median of rounds)")
+        a.set_title(f"block-sparse FP8 vs bf16, target 1.25x total at 128K ({tag})", fontsize=10)
+        a.legend(fontsize=7, loc="center left")
+
+    if structured:
+        a = ax["structured"]
+        keys = (("structured_bf16_rel_err_vs_dense_bf16", "sparse bf16 vs dense bf16"),
+                ("structured_fp8_rel_err_vs_dense_bf16", "sparse FP8 vs dense bf16"),
+                ("structured_fp8_dense_rel_err_vs_dense_bf16", "dense FP8 vs dense bf16 (the floor)"))
+        keys = [(k, label) for k, label in keys if any(r.get(k) is not None for r in structured)]
+        w = 0.8 / len(keys)
+        for i, (key, label) in enumerate(keys):
+            a.bar([j + (i - (len(keys) - 1) / 2) * w for j in range(len(structured))],
+                  [r.get(key) or 0 for r in structured], w, label=label, color=f"C{i}")
+        for j, r in enumerate(structured):
+            lim = 1.5 * r["structured_bf16_rel_err_vs_dense_bf16"]
+            a.plot([j - 0.45, j + 0.45], [lim, lim], color="k", ls="--",
+                   label="target: 1.5 x sparse bf16's error" if j == 0 else None)
+            if r.get("structured_fp8_over_bf16_error"):
+                a.annotate(f"{r['structured_fp8_over_bf16_error']:.2f}x", (j, max(lim, r.get(keys[1][0]) or 0)),
+                           ha="center", va="bottom", fontsize=8, textcoords="offset points", xytext=(0, 3))
+        a.set_ylim(0, 1.5 * max(max((r.get(k) or 0) for k, _ in keys) for r in structured))
+        a.set_xticks(range(len(structured)), [k_label(r["L"]) for r in structured])
+        a.set_xlabel("L (structured workload, seed 1)")
+        a.set_ylabel("relative L2 error against dense bf16")
+        a.set_title("structured workload: FP8 error / bf16 error (above the bars)", fontsize=10)
+        a.legend(fontsize=7, loc="upper left")
+
+    if chunked:
+        a = ax["chunked"]
+        keys = (("fp8_over_bf16_speedup", "step, per call (events)"), ("fp8_over_bf16_graph_speedup",
+                                                                        "step, CUDA graph"),
+                ("fp8_over_bf16_dense_speedup", "dense paged step"))
+        w = 0.8 / len(keys)
+        for i, (key, label) in enumerate(keys):
+            a.bar([j + (i - 1) * w for j in range(len(chunked))], [r.get(key) or 0 for r in chunked], w,
+                  label=label, color=f"C{i}")
+        a.axhline(1.0, color="grey", lw=0.8)
+        a.set_xticks(range(len(chunked)),
+                     [f"{r['chunk']} x {r['batch']}\n{r['mode']}\ndensity {r.get('bf16_density', 0):.3f}"
+                      for r in chunked], fontsize=7)
+        a.set_ylim(0, max(1.5, 1.1 * max((r.get(k) or 0) for r in chunked for k, _ in keys)))
+        a.set_ylabel("FP8 / bf16 speed-up (time ratio)")
+        a.set_title(f"chunk steps at {k_label(chunked[0]['L'])}, paged, mean cache ({tag})", fontsize=10)
+        a.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
