@@ -16,7 +16,12 @@ Rows (bench/results/selection_h200.json), every time a CUDA-graph replay median,
                 pooled-means cache: the default selection's index_ms (sp.build_index, final_chunk=False) and the
                 chunked_prefill step, against the dense step (sp.attention on the same cache).
 
+Writes --out and, with matplotlib, its plot beside it (.png): the topic rows' speed-up over cuDNN and times per
+config, the dense rule's ratios, the gate and chunk rows in words. (`bench/plot_status.py` also reads this file: the
+README's speed figure.)
+
     python bench/bench_selection.py --lengths 8192,32768,131072
+    python bench/bench_selection.py --plot-only bench/results/selection_h200.json   (redraw its PNG, no GPU)
 """
 import argparse
 import os
@@ -25,8 +30,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (HKV, HQ, D, RESULTS, emit, ints, require_cuda, sdpa_layout, time_graph_ms,  # noqa: E402
-                     time_sdpa_peers, topic, workspace, write_results)
+from _common import (HKV, HQ, D, RESULTS, add_plot_only, emit, ints, plot_only, require_cuda,  # noqa: E402
+                     sdpa_layout, time_graph_ms, time_sdpa_peers, topic, try_plot, workspace, write_results)
 
 CONFIGS = {
     "default": {},
@@ -144,7 +149,10 @@ def main():
     ap.add_argument("--chunk", default="131072:1024", help="L:C of the chunk-step rows ('' to skip)")
     ap.add_argument("--no-peers", dest="peers", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "selection_h200.json"))
+    add_plot_only(ap)
     args = ap.parse_args()
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
     sp = require_cuda()
     rows = []
     configs = [c for c in args.configs.split(",") if c]
@@ -157,7 +165,93 @@ def main():
     for item in [x for x in args.chunk.split(",") if x]:
         L, C = (int(x) for x in item.split(":"))
         chunk_rows(sp, L, C, rows, args.out)
-    write_results(args.out, rows, selection_defaults=dict(sp.SELECTION_DEFAULTS))
+    res = write_results(args.out, rows, selection_defaults=dict(sp.SELECTION_DEFAULTS))
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
+
+
+LABELS = {"default": "default", "previous": "previous default (row max 0.1 per KV group)",
+          "fpv2": "FlashPrefill V2's rule (tile energy 0.1)"}
+
+
+def plot(res, path):
+    """Left: one sparse_prefill call's speed-up over cuDNN per config by L (kind 'topic'), density beside each
+    point. Middle: the one call's time (solid) and the index stage's (dashed) per config, with our dense and cuDNN.
+    Right: the dense rule (kind 'dense_selection'): sparse_prefill / attention with the rule (the defaults) and
+    without (dense_fraction=1) against the 1.02 target; the gate and chunk rows written underneath."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+    rows = res["rows"]
+    topic_rows = [r for r in rows if r.get("kind") == "topic"]
+    dense_sel = [r for r in rows if r.get("kind") == "dense_selection"]
+    configs = list(dict.fromkeys(r["config"] for r in topic_rows))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5))
+    k_label = lambda L: f"{L // 1024}K"  # noqa: E731
+    for i, name in enumerate(configs):
+        rs = [r for r in topic_rows if r["config"] == name]
+        pts = [(r["L"], r["speedup_vs_cudnn"], r["density"]) for r in rs if r.get("speedup_vs_cudnn")]
+        if pts:
+            dens = " / ".join(f"{100 * p[2]:.1f}" for p in pts)
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}",
+                   label=f"{LABELS.get(name, name)}\n  density {dens} %")
+            if name == "default":  # the series the README cites: its values beside the points
+                last = max(p[0] for p in pts)
+                for L, y, d in pts:
+                    a.annotate(f"{y:.1f}x ({100 * d:.1f} %)", (L, y), fontsize=7, textcoords="offset points",
+                               xytext=(-5 if L == last else 5, -11), ha="right" if L == last else "left",
+                               color=f"C{i}")
+        b.plot([r["L"] for r in rs], [r["total_ms"] for r in rs], marker="o", color=f"C{i}",
+               label=f"{name}: one call")
+        b.plot([r["L"] for r in rs], [r["index_ms"] for r in rs], marker=".", ls="--", color=f"C{i}",
+               label=f"{name}: index stage")
+    Ls = sorted({r["L"] for r in topic_rows})
+    for key, label, color in (("dense_ms", "our dense (sp.attention)", "k"), ("cudnn_ms", "cuDNN", "grey")):
+        pts = [(L, next(r[key] for r in topic_rows if r["L"] == L)) for L in Ls
+               if any(r.get(key) for r in topic_rows if r["L"] == L)]
+        if pts:
+            b.plot(*zip(*pts), marker="s", color=color, ls=":", label=label)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(Ls, [k_label(L) for L in Ls])
+        ax.set_xlabel("L (topic workload, Hq 32 Hkv 8 D 128 bf16)")
+        ax.legend(fontsize=7, loc="upper left")
+    a.set_yscale("log")
+    a.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    a.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    a.set_ylabel("cuDNN time / one sparse_prefill call")
+    a.set_title(f"the selection's price, CUDA-graph times ({str(res.get('commit', ''))[:7]})", fontsize=10)
+    b.set_yscale("log")
+    b.set_ylabel("ms (CUDA-graph replay)")
+    b.set_title("one call and its index stage", fontsize=10)
+    if dense_sel:
+        x = range(len(dense_sel))
+        c.bar([j - 0.2 for j in x], [r["default_over_attention"] for r in dense_sel], 0.4, color="C0",
+              label="defaults (the rule fires: dense launch)")
+        c.bar([j + 0.2 for j in x], [r["rule_off_over_attention"] for r in dense_sel], 0.4, color="C3",
+              label="dense_fraction=1 (rule off: sparse kernel, every block)")
+        for j, r in zip(x, dense_sel):
+            for dx, key in ((-0.2, "default_over_attention"), (0.2, "rule_off_over_attention")):
+                c.annotate(f"{r[key]:.3f}", (j + dx, r[key]), ha="center", va="bottom", fontsize=7)
+        c.axhline(1.02, color="grey", ls="--", label="target 1.02")
+        c.set_xticks(list(x), [k_label(r["L"]) for r in dense_sel])
+        c.set_ylim(0.8, 1.1 * max(r["rule_off_over_attention"] for r in dense_sel))
+        c.set_xlabel("L (Gaussian q, k: every block kept)")
+        c.set_ylabel("sparse_prefill / attention (time)")
+        c.legend(fontsize=7, loc="upper left")
+    c.set_title("the dense rule: never slower than dense", fontsize=10)
+    notes = [f"gate, {k_label(r['L'])}: rule on {r['rule_on_ms']:.3f} ms vs off {r['rule_off_ms']:.3f} ms "
+             f"({r['gate_cost_ms']:+.3f} ms)" for r in rows if r.get("kind") == "gate"]
+    notes += [f"chunk {r['chunk']} at {k_label(r['L'])}: index {r['index_ms']:.3f} ms, step {r['step_ms']:.3f} ms vs "
+              f"dense step {r['dense_step_ms']:.2f} ms ({r['speedup_vs_dense_step']:.1f}x), density "
+              f"{r['density']:.3f}" for r in rows if r.get("kind") == "chunk" and r.get("step_ms")]
+    if notes:
+        fig.text(0.68, 0.01, "\n".join(notes), fontsize=7, va="bottom")
+        fig.tight_layout(rect=(0, 0.03 + 0.025 * len(notes), 1, 1))
+    else:
+        fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
