@@ -24,28 +24,30 @@ the same without the mean cache.
 path (argument handling, allocation, DLPack export), measurable on a CPU-only machine (--device cpu, tiny shapes).
 --profile adds the top functions of a cProfile run of each variant.
 
+Writes --out (one file per invocation: --custom-op runs go to their own, host_overhead_custom_op_h200.json) and, with
+matplotlib, its plot beside it (.png): per variant the host time per call against the GPU time of the step, and the
+eager loop over the graph replay against issue 14's 1.3.
+
 Usage (H200): python3 bench/bench_host_overhead.py --out bench/results/host_overhead_h200.json
 CPU (Python side only): python3 bench/bench_host_overhead.py --device cpu --python-only --context 256 --chunk 64 \
     --heads 4,2 --out /tmp/host_cpu.json
+Redraw a file's PNG (no GPU, no package): python3 bench/bench_host_overhead.py --plot-only RESULTS_JSON
 """
 import argparse
 import cProfile
-import datetime
 import io
 import json
 import os
 import pstats
 import statistics
-import sys
 import time
 from typing import Optional, Tuple
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import sparse_prefill as sp  # noqa: E402
-import sparse_prefill.torch_ops as spt  # noqa: E402
-from _common import commit, topic  # noqa: E402
+from _common import RESULTS, add_plot_only, plot_only, topic, try_plot, write_results
+
+sp = spt = None  # sparse_prefill and sparse_prefill.torch_ops, imported by main() (--help, --plot-only: not needed)
 
 PAGE, BLOCK = 64, 128
 
@@ -224,7 +226,7 @@ class _NoCompute:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_overhead_h200.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "host_overhead_h200.json"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=1024)
@@ -242,7 +244,13 @@ def main():
     ap.add_argument("--custom-op", action="store_true",
                     help="also the same kernel registered through torch.library.custom_op (variant custom_op)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (scripts/gpu.sh bench phase)")
+    add_plot_only(ap)
     args = ap.parse_args()
+    if args.plot_only:
+        return plot_only(plot, args.plot_only)
+    global sp, spt
+    import sparse_prefill as sp
+    import sparse_prefill.torch_ops as spt
     if args.quick:
         args.batches, args.loop = min(args.batches, 40), min(args.loop, 200)
     dev = args.device
@@ -280,16 +288,61 @@ def main():
             row["profile"] = profile_top(fn, 2000)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         rows.append(row)
-    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu", commit=commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join([os.path.basename(sys.executable)] + sys.argv), through_package=True,
-               python_only=args.python_only, torch=torch.__version__,
-               workload=f"topic (docs/workload.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, paged KV page "
-                        f"{PAGE}, chunk [L - C, L) of every prompt, final_chunk=False, per-tile selection",
-               target="op eager_over_graph <= 1.3 (issue 14)", rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    res = write_results(args.out, rows, device=torch.cuda.get_device_name() if cuda else "cpu",
+                        python_only=args.python_only,
+                        workload=f"topic (docs/workload.md), Hq={hq} Hkv={hkv} D={args.head_dim} {str(dtype)[6:]}, "
+                                 f"paged KV page {PAGE}, chunk [L - C, L) of every prompt, final_chunk=False, "
+                                 "per-tile selection",
+                        target="op eager_over_graph <= 1.3 (issue 14)")
+    try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
+
+
+def plot(res, path):
+    """Left: per variant the host time per call (bar: median over bursts; tick: minimum) against the step's GPU
+    time (graph_gpu_us, the median over variants: the same kernels); right: eager loop / graph replay per variant
+    against issue 14's 1.3 (absent from --python-only / CPU files, which have no graph times)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    names = [r["variant"] for r in rows]
+    y = range(len(rows))
+    graphs = [r for r in rows if r.get("eager_over_graph")]
+    fig, axes = plt.subplots(1, 2 if graphs else 1, figsize=(13 if graphs else 7, 0.45 * len(rows) + 2.6),
+                             squeeze=False)
+    a = axes[0][0]
+    a.barh(list(y), [r["host_us"] for r in rows], color="C0", label="host time per call (median of bursts)")
+    a.scatter([r["host_min_us"] for r in rows], list(y), marker="|", s=200, color="k", label="minimum", zorder=3)
+    for j, r in zip(y, rows):
+        a.annotate(f"{r['host_us']:.0f} us (min {r['host_min_us']:.0f})", (r["host_us"], j),
+                   textcoords="offset points", xytext=(3, -3), fontsize=7)
+    gpu = sorted(r["graph_gpu_us"] for r in rows if r.get("graph_gpu_us"))
+    if gpu:
+        a.axvline(gpu[len(gpu) // 2], color="C3", ls="--", label=f"GPU time of the step ({gpu[len(gpu) // 2]:.0f} us)")
+    a.set_yticks(list(y), names, fontsize=8)
+    a.invert_yaxis()
+    a.set_xlabel("us")
+    r0 = rows[0]
+    a.set_title(f"host time of one chunked step: chunk {r0['chunk']} x {r0['batch']} at {r0['L'] // 1024}K "
+                f"({res.get('device', '')}, {str(res.get('commit', ''))[:7]})", fontsize=9)
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
+    if graphs:
+        b = axes[0][1]
+        yy = [names.index(r["variant"]) for r in graphs]
+        b.barh(yy, [r["eager_over_graph"] for r in graphs], color="C1")
+        for j, r in zip(yy, graphs):
+            b.annotate(f"{r['eager_over_graph']:.3f}", (r["eager_over_graph"], j), textcoords="offset points",
+                       xytext=(3, -3), fontsize=7)
+        b.axvline(1.3, color="grey", ls="--", label="target <= 1.3 (issue 14, the torch op)")
+        b.axvline(1.0, color="grey", lw=0.5)
+        b.set_yticks(list(y), names, fontsize=8)
+        b.set_ylim(a.get_ylim())
+        b.set_xlim(0, max(1.45, 1.1 * max(r["eager_over_graph"] for r in graphs)))
+        b.set_xlabel("eager loop / CUDA-graph replay (time per call)")
+        b.set_title("what an engine that enqueues ahead pays over a graph", fontsize=9)
+        b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
