@@ -64,7 +64,6 @@ class Index:
         self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]), int(d["overflow_segments"]))
         self.host = {name: d[name] for name in self._ARRAYS}  # v_mean None without the correction
         self._cache = {}
-        self._views = {}
         for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
             setattr(self, name, _from_numpy(lib, self.host[name]))
 
@@ -199,16 +198,11 @@ class Index:
         return self._cache[key]
 
     def _arrays(self, lib: ArrayLib) -> Any:
-        """The extension's IndexArrays of this host index for a call in `lib` (made once per placement)."""
-        key = (lib.compute, lib.cuda, lib.device_id if lib.cuda else 0,
-               str(getattr(lib.ref, "device", "")) if lib.compute == "torch" else "")
-        view = self._views.get(key)
-        if view is None:
-            arrays = dict(zip(self._ARRAYS, self._arrays_for(lib)))
-            view = _C.IndexArrays(block_size=self.block_size, correction=self.correction,
-                                  head_subgroups=self.head_subgroups, binding=self.binding, **arrays)
-            self._views[key] = view
-        return view
+        """The extension's IndexArrays of this host index for a call in `lib` (made per call: the attributes are
+        the caller's to change; the device copies of the arrays are cached)."""
+        arrays = dict(zip(self._ARRAYS, self._arrays_for(lib)))
+        return _C.IndexArrays(block_size=self.block_size, correction=self.correction,
+                              head_subgroups=self.head_subgroups, binding=self.binding, **arrays)
 
     def _host_index(self) -> Any:
         """The extension's HostIndex of this host index (union_index's input)."""
