@@ -10,6 +10,7 @@ chunked-prefill block union — for numpy, torch, cupy and jax arrays.
                                   # help(sp.build_index), "Selection arguments"; their defaults: sp.SELECTION_DEFAULTS
     out = sp.sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)   # both in one call
+    sel = sp.Selection(alpha=0.01, block_size=128)      # the selection as one validated value: selection=sel
     out = sp.chunked_prefill(q_chunk, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_chunk,
                              max_cache, final_chunk=False)                              # one chunked-prefill step
     means = sp.mean_cache(k_cache, block_size=128)      # pooled-means cache: pass mean_cache=means to every step
@@ -52,7 +53,7 @@ def _load_extension():
 
 _C = _load_extension()
 del _load_extension
-from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, MeanCache, attention, attention_path,
+from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, MeanCache, Selection, attention, attention_path,
                    attention_workspace_bytes, build_index, check_errors, chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
                    sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
                    union_index)
@@ -66,6 +67,6 @@ __version__ = "0.1.0"
 
 __all__ = ["quantize_fp8", "attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "chunked_prefill",
-           "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "LaunchOptions",
+           "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "Selection", "LaunchOptions",
            "check_errors",
            "workload", "with_cuda", "__version__", "SELECTION_DEFAULTS"]

@@ -26,10 +26,11 @@ The package's internal namespace. The code lives in modules by role, and every n
 (sparse_prefill/__init__.py, torch_ops.py, workload.py, the tests and benchmarks) is imported here, so
 `sparse_prefill._api.<name>` and `from ._api import ...` keep working:
     _call.py    argument coercion (_as_int, _as_int32, _as_bool, _as_float, _as_window), LaunchOptions,
-                check_errors, _Call (one call's arrays), _kv_arrays, _mean_cache_arrays
+                check_errors, _Call (one call's arrays and its _C.Inputs), _kv_arrays, _mean_cache_arrays
+    _selection.py  Selection, SELECTION_DEFAULTS, and _selection._selection (a call's selection= or its keywords
+                as one Selection)
     _dense.py   attention, attention_path, attention_workspace_bytes
-    _index.py   Index, the selection arguments (SELECTION_DEFAULTS, _selection_args, _as_rule), build_index, the
-                index workspace sizes, union_index, pool_kv
+    _index.py   Index, build_index, the index workspace sizes, union_index, pool_kv
     _sparse.py  sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, MeanCache / mean_cache,
                 chunked_prefill
 Each module looks the extension up as its own global `_C`: code that replaces `_C` (bench/bench_host_overhead.py
@@ -38,21 +39,22 @@ Each module looks the extension up as its own global `_C`: code that replaces `_
 
 from __future__ import annotations
 
-from . import _call, _dense, _index, _sparse
-from ._call import (_DEFAULT_CODES, _DESCALES, _FP8, LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int32,
-                    _as_window, _kv_arrays, _mean_cache_arrays, _option_codes, check_errors)
+from . import _call, _dense, _index, _selection, _sparse
+from ._call import (_DESCALES, _FP8, LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int32, _as_window,
+                    _kv_arrays, _launch_options, _mean_cache_arrays, check_errors)
 from ._dense import attention, attention_path, attention_workspace_bytes
-from ._index import (_C_DEFAULTS, _D, _RULES, SELECTION_DEFAULTS, Index, _as_head_subgroups, _as_rule,
-                     _selection_args, build_index, chunked_prefill_workspace_bytes, index_workspace_bytes, pool_kv,
+from ._index import (Index, build_index, chunked_prefill_workspace_bytes, index_workspace_bytes, pool_kv,
                      sparse_prefill_workspace_bytes, union_index)
+from ._selection import (_C_DEFAULTS, _D, _RULE_NAMES, _RULES, SELECTION_DEFAULTS, Selection, _as_head_subgroups,
+                         _as_rule)
 from ._sparse import (MeanCache, _check_index, chunked_prefill, mean_cache, sparse_attention,
                       sparse_attention_workspace_bytes, sparse_prefill)
 
-_MODULES = (_call, _dense, _index, _sparse)
+_MODULES = (_call, _dense, _index, _selection, _sparse)
 """The modules whose functions call the extension (each through its own global `_C`)."""
 
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
-           "MeanCache", "check_errors",
+           "MeanCache", "Selection", "SELECTION_DEFAULTS", "check_errors",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
            "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
 

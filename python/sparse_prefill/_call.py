@@ -1,7 +1,7 @@
 """One call's arguments: the Python-side checks and conversions every public function shares (see sparse_prefill._api
 for the shapes and conventions): the scalar coercions (_as_int, _as_int32, _as_bool, _as_float, _as_window),
-LaunchOptions, check_errors, _Call (one call's arrays, checked and converted for the extension; qkv_dtype= bit
-patterns, _as_qkv_dtype), _kv_arrays and the mean-cache argument (_mean_cache_arrays)."""
+LaunchOptions, check_errors, _Call (one call's arrays, checked and converted for the extension into one _C.Inputs;
+qkv_dtype= bit patterns, _as_qkv_dtype), _kv_arrays and the mean-cache argument (_mean_cache_arrays)."""
 
 from __future__ import annotations
 
@@ -110,15 +110,14 @@ class LaunchOptions:
         self.checked = _as_bool("checked", checked)
         self.sparse_order = sparse_order
 
-    def _codes(self) -> tuple:
-        return (self._PATHS[self.dense_path], self.split_kv, self.checked, self._ORDERS[self.sparse_order])
+    def _native(self):
+        """The extension's LaunchOptions (made per call: the attributes may have changed since construction)."""
+        return _C.LaunchOptions(dense_path=self._PATHS[self.dense_path], split_kv=self.split_kv, checked=self.checked,
+                                sparse_order=self._ORDERS[self.sparse_order])
 
     def __repr__(self) -> str:
         return (f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv}, checked={self.checked}, "
                 f"sparse_order={self.sparse_order!r})")
-
-
-_DEFAULT_CODES = (0, True, False, 0)
 
 
 def check_errors(stream=None) -> None:
@@ -149,12 +148,13 @@ def check_errors(stream=None) -> None:
     _C.check_errors(handle)
 
 
-def _option_codes(options: Any) -> tuple:
+def _launch_options(options: Any) -> Any:
+    """The extension's LaunchOptions of `options`; None: the library's defaults."""
     if options is None:
-        return _DEFAULT_CODES
+        return None
     if not isinstance(options, LaunchOptions):
         raise TypeError(f"options: expected a sparse_prefill.LaunchOptions, got {type(options).__name__}")
-    return options._codes()
+    return options._native()
 
 
 def _type_error(name: str, message: str) -> TypeError:
@@ -272,7 +272,8 @@ class _Call:
         return x
 
     def inputs(self, max_seqlen_q: Any, max_seqlen_k: Any, causal: Any, softmax_scale: Any,
-               window: Any = (-1, -1), stream: Any = None, options: Any = None) -> tuple:
+               window: Any = (-1, -1), stream: Any = None, options: Any = None) -> Any:
+        """The call's _C.Inputs: made once, it holds the arrays, so every extension call of this call shares it."""
         a = self.arrays
         max_q = _as_int("max_seqlen_q", max_seqlen_q)
         max_k = _as_int("max_seqlen_k", max_seqlen_k)
@@ -286,9 +287,12 @@ class _Call:
         left, right = _as_window(window)
         c = self.c
         d = self._data
-        return (d("q", a["q"]), d("k", a["k"]), d("v", a["v"]), c(a["cu_seqlens_q"]), c(a.get("cu_seqlens_k")),
-                c(a.get("block_table")), c(a.get("seqused_k")), max_q, max_k, _as_bool("causal", causal), scale, left, right,
-                resolve_stream(stream, self.lib)) + _option_codes(options) + tuple(c(a.get(n)) for n in _DESCALES)
+        return _C.Inputs(d("q", a["q"]), d("k", a["k"]), d("v", a["v"]), c(a["cu_seqlens_q"]), max_q, max_k,
+                         cu_seqlens_k=c(a.get("cu_seqlens_k")), block_table=c(a.get("block_table")),
+                         seqused_k=c(a.get("seqused_k")), causal=_as_bool("causal", causal), softmax_scale=scale,
+                         window_left=left, window_right=right, stream=resolve_stream(stream, self.lib),
+                         options=_launch_options(options), q_descale=c(a.get("q_descale")),
+                         k_descale=c(a.get("k_descale")), v_descale=c(a.get("v_descale")))
 
     def c(self, x: Any) -> Any:
         """An array as handed to the extension: torch tensors as DLPack capsules made by torch's C++ exporter

@@ -74,7 +74,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, stream, options)
     return_lse = _as_bool("return_lse", return_lse)
     out_c, lse, out_ret = call.outputs(out, return_lse)
-    _C.attention(inputs, call.c_out(out_c), call.c(lse), call.c(call.workspace(workspace)))
+    _C.attention(inputs, call.c_out(out_c), call.c(lse), workspace=call.c(call.workspace(workspace)))
     return call.result(out_c, lse, out_ret, return_lse)
 
 

@@ -1,5 +1,5 @@
-"""The block index: Index, the selection arguments (SELECTION_DEFAULTS, _selection_args, _as_rule), build_index(),
-the workspace sizes of the index-building calls, union_index(), pool_kv() (conventions: sparse_prefill._api)."""
+"""The block index: Index, build_index(), the workspace sizes of the index-building calls, union_index(), pool_kv()
+(conventions: sparse_prefill._api; the selection's parameters: _selection.py)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,10 @@ import numpy as np
 
 from . import _C
 from ._arrays import ArrayLib, to_numpy
-from ._call import (LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int32, _kv_arrays,
-                    _mean_cache_arrays)
+from ._call import LaunchOptions, _Call, _as_int, _as_int32, _kv_arrays, _mean_cache_arrays
+from ._selection import _D, _KEYWORD_NAMES, Selection, _selection
 
-# Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
-_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3}
-_C_DEFAULTS = dict(_C.selection_defaults())
-SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
-                          mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
-                          dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
-                          rule={v: k for k, v in _RULES.items()}[_C_DEFAULTS["rule"]])
-"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
-rule, block_size, sink, window, last_n, correction, head_subgroups. Every function's keyword defaults are these; what
-each argument means: build_index(), "Selection arguments"."""
-_D = SELECTION_DEFAULTS
+_SELECTION_KEYWORDS = set(_KEYWORD_NAMES)
 
 
 class Index:
@@ -91,14 +81,16 @@ class Index:
         self._tiles = None
 
     @classmethod
-    def _device(cls, workspace: Any, selection: tuple, binding, lib: ArrayLib, stream: int, cu_seqlens_q: Any,
-                mode: str) -> "Index":
+    def _device(cls, device_index: Any, workspace: Any, lib: ArrayLib, cu_seqlens_q: Any, mode: str) -> "Index":
+        """A device index from the extension's DeviceIndex (which holds the workspace, selection, binding and
+        stream of the build); `workspace` is the same array in q's library."""
         self = cls.__new__(cls)
-        self._init_common(binding, lib, cu_seqlens_q, mode, selection[1], selection[5], binding.head_subgroups)
+        sel = device_index.selection
+        self._init_common(device_index.binding, lib, cu_seqlens_q, mode, sel.block_size, sel.correction,
+                          device_index.binding.head_subgroups)
         self.on_device = True
         self.workspace = workspace
-        self._selection = selection
-        self._stream = stream
+        self._dev = device_index
         self._counts = None
         return self
 
@@ -112,14 +104,13 @@ class Index:
         """A host copy of this index (numpy arrays). Synchronises the stream the index was built on."""
         if not self.on_device:
             return self
-        d = _C.device_index_to_host(self.workspace, self._selection, self.binding, self._stream)
-        return Index(d, ArrayLib("numpy", np.zeros(0)), self._cu_seqlens_q, self.mode)
+        return Index(self._dev.to_host(), ArrayLib("numpy", np.zeros(0)), self._cu_seqlens_q, self.mode)
 
     # -- geometry ---------------------------------------------------------------------------------------------------
     def _read_counts(self) -> tuple:
         if self._counts is None:
-            self._counts = tuple(int(c) for c in _C.device_index_counts(self.workspace, self._selection, self.binding,
-                                                                          self._stream))
+            s = self._dev.stats()
+            self._counts = (int(s.kept_blocks), int(s.visible_blocks), int(s.overflow_segments))
         return self._counts
 
     @property
@@ -206,56 +197,24 @@ class Index:
             self._cache[key] = tuple(_from_numpy(lib, self.host[n]) for n in self._ARRAYS)
         return self._cache[key]
 
-    def _view_tuple(self, lib: ArrayLib) -> tuple:
-        return (self.block_size, self.correction, self.head_subgroups) + self._arrays_for(lib) + (self.binding,)
+    def _arrays(self, lib: ArrayLib) -> Any:
+        """The extension's IndexArrays of this host index for a call in `lib` (made per call: the attributes are
+        the caller's to change; the device copies of the arrays are cached)."""
+        arrays = dict(zip(self._ARRAYS, self._arrays_for(lib)))
+        return _C.IndexArrays(block_size=self.block_size, correction=self.correction,
+                              head_subgroups=self.head_subgroups, binding=self.binding, **arrays)
 
-    def _host_tuple(self) -> tuple:
-        h = self.host
-        return (self.block_size, self.group_size, self.num_kv_heads, self.correction, h["segment_start"],
-                h["segment_end"], h["block_ids"], h["cu_blocks"], h["k_mean"], h["v_mean"], self.kept_blocks,
-                self.visible_blocks, self.head_subgroups, self.binding)
+    def _host_index(self) -> Any:
+        """The extension's HostIndex of this host index (union_index's input)."""
+        return _C.HostIndex(block_size=self.block_size, group_size=self.group_size, num_kv_heads=self.num_kv_heads,
+                            head_subgroups=self.head_subgroups, correction=self.correction,
+                            kept_blocks=self.kept_blocks, visible_blocks=self.visible_blocks, binding=self.binding,
+                            **self.host)
 
 
 def _from_numpy(lib: ArrayLib, a: Optional[np.ndarray]) -> Any:
     """lib.from_numpy, passing None (an absent v_mean) through."""
     return None if a is None else lib.from_numpy(a)
-
-
-def _as_head_subgroups(value: Any) -> int:
-    s = _as_int32("head_subgroups", value)
-    if s < 0:
-        raise ValueError(f"head_subgroups: must be 0 (one selection per query head) or >= 1 dividing Hq // Hkv, "
-                         f"got {s}")
-    return s
-
-
-def _as_rule(value: Any) -> int:
-    if not isinstance(value, str) or value not in _RULES:
-        raise ValueError(f"rule: must be one of {', '.join(repr(r) for r in _RULES)}, got {value!r}")
-    return _RULES[value]
-
-
-def _as_max_kept_blocks(value: Any) -> int:
-    """None -> -1 (the causal bound, SelectionParams::max_kept_blocks); else a budget in [0, 2^31 - 1]."""
-    if value is None:
-        return -1
-    n = _as_int("max_kept_blocks", value)
-    if not 0 <= n <= 2**31 - 1:
-        raise ValueError(f"max_kept_blocks: must be None (the causal bound) or a budget in [0, 2^31 - 1] block ids "
-                         f"(int32 offsets), got {n}")
-    return n
-
-
-def _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk=True, union=False,
-                    head_subgroups=_D["head_subgroups"], rule=_D["rule"], max_kept_blocks=None,
-                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]) -> tuple:
-    """The selection tuple of the extension; whether head_subgroups divides Hq // Hkv is checked in C++ (it knows
-    the shapes)."""
-    return (_as_float("alpha", alpha), _as_int32("block_size", block_size), _as_int32("sink", sink),
-            _as_int32("window", window), _as_int32("last_n", last_n), _as_bool("correction", correction),
-            _as_bool("final_chunk", final_chunk), _as_bool("union", union), _as_head_subgroups(head_subgroups),
-            _as_rule(rule), _as_max_kept_blocks(max_kept_blocks), _as_float("mean_alpha", mean_alpha),
-            _as_float("dense_fraction", dense_fraction))
 
 
 def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
@@ -266,7 +225,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
                 rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                 max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
-                dense_fraction: float = _D["dense_fraction"]) -> Index:
+                dense_fraction: float = _D["dense_fraction"], selection: Optional[Selection] = None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -353,81 +312,81 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule, max_kept_blocks, mean_alpha, dense_fraction)
-    mode = "union" if sel[7] else "tile"
+    sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
+                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
+    mode = "union" if sel.union else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
         if mean_cache is not None:
             raise ValueError("mean_cache: build_index() takes a mean cache on CUDA only (the CPU reference pools "
                              "every block)")
-        return Index(_C.build_index(inputs, sel), call.lib, call.arrays["cu_seqlens_q"], mode)
+        return Index(_C.build_index(inputs, sel._params), call.lib, call.arrays["cu_seqlens_q"], mode)
     ws = call.workspace(workspace)
     if ws is None:
-        ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel)), 1),), "uint8")
-        # torch arrays travel as DLPack capsules, which the extension consumes once: fresh ones for the build
-        inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
-    binding = _C.build_index_device(inputs, sel, call.c(ws), call.c(mean_k), call.c(mean_v), mean_bs)
-    return Index._device(ws, sel, binding, call.lib, inputs[13], call.arrays["cu_seqlens_q"], mode)
+        ws = call.lib.empty((max(int(_C.index_workspace_bytes(inputs, sel._params)), 1),), "uint8")
+    dev = _C.build_index_device(inputs, sel._params, call.c(ws), mean_k=call.c(mean_k), mean_v=call.c(mean_v),
+                                mean_block_size=mean_bs)
+    return Index._device(dev, ws, call.lib, call.arrays["cu_seqlens_q"], mode)
 
 
 def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                           block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                           head_subgroups: int = _D["head_subgroups"], causal: bool = True, softmax_scale: Optional[float] = None,
-                          options: Optional[LaunchOptions] = None, qkv_dtype=None, **selection) -> int:
+                          options: Optional[LaunchOptions] = None, qkv_dtype=None,
+                          selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
     0 for CPU arrays.
 
     Args:
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
             softmax_scale, options, qkv_dtype: as in build_index() (shapes are read, not values).
-        block_size, union, head_subgroups, **selection: the selection arguments of the build (build_index(),
-            "Selection arguments"); those that do not change the size may be left out, max_kept_blocks does (pass
-            the build's own).
+        selection, block_size, union, head_subgroups, **keywords: the selection of the build: a Selection, or the
+            selection arguments (build_index(), "Selection arguments"); those that do not change the size may be left
+            out, max_kept_blocks does (pass the build's own).
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
-    sel = _selection_args(selection.get("alpha", _D["alpha"]), block_size, selection.get("sink", _D["sink"]),
-                          selection.get("window", _D["window"]), selection.get("last_n", _D["last_n"]),
-                          selection.get("correction", _D["correction"]), selection.get("final_chunk", True), union,
-                          head_subgroups, selection.get("rule", _D["rule"]), selection.get("max_kept_blocks"),
-                          selection.get("mean_alpha", _D["mean_alpha"]),
-                          selection.get("dense_fraction", _D["dense_fraction"]))
-    return int(_C.index_workspace_bytes(inputs, sel))
+    unknown = set(keywords) - _SELECTION_KEYWORDS
+    if unknown:
+        name = sorted(unknown)[0]
+        raise TypeError(f"{name}: not a selection argument (build_index(), \"Selection arguments\")")
+    sel = _selection(selection, block_size=block_size, union=union, head_subgroups=head_subgroups, **keywords)
+    return int(_C.index_workspace_bytes(inputs, sel._params))
 
 
 def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                                    block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
                                    head_subgroups: int = _D["head_subgroups"], causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
-                                   qkv_dtype=None, **selection) -> int:
+                                   qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays.
 
     Args:
-        as index_workspace_bytes(): sparse_prefill()'s arrays and selection arguments (build_index(), "Selection
-        arguments"); q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, block_table,
-        seqused_k, union, head_subgroups, causal, softmax_scale, options, qkv_dtype, **selection.
+        as index_workspace_bytes(): sparse_prefill()'s arrays and selection (build_index(), "Selection arguments");
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, block_table, seqused_k, union,
+        head_subgroups, causal, softmax_scale, options, qkv_dtype, selection, **keywords.
     """
     return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
                                  head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
-                                 options=options, qkv_dtype=qkv_dtype, **selection)
+                                 options=options, qkv_dtype=qkv_dtype, selection=selection, **keywords)
 
 
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
                                     max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
                                     head_subgroups: int = _D["head_subgroups"], options: Optional[LaunchOptions] = None,
-                                    qkv_dtype=None, **selection) -> int:
+                                    qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays.
 
     Args:
         as index_workspace_bytes() with chunked_prefill()'s arrays: q, k_cache, v_cache, cu_seqlens_q, block_table,
-        seqused_k, max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, options, qkv_dtype, **selection
-        (build_index(), "Selection arguments").
+        seqused_k, max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, options, qkv_dtype, selection,
+        **keywords (build_index(), "Selection arguments").
     """
     return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
                                  block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
-                                 head_subgroups=head_subgroups, options=options, qkv_dtype=qkv_dtype, **selection)
+                                 head_subgroups=head_subgroups, options=options, qkv_dtype=qkv_dtype,
+                                 selection=selection, **keywords)
 
 
 
@@ -453,7 +412,7 @@ def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     index = index.to_host()
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream)
-    d = _C.union_index(inputs, index._host_tuple())
+    d = _C.union_index(inputs, index._host_index())
     return Index(d, call.lib, call.arrays["cu_seqlens_q"], "union")
 
 

@@ -10,7 +10,8 @@ import numpy as np
 from . import _C
 from ._arrays import ArrayLib, library_of, to_numpy
 from ._call import LaunchOptions, _Call, _as_bool, _as_int, _kv_arrays, _mean_cache_arrays
-from ._index import _D, Index, _selection_args, build_index
+from ._index import Index, build_index
+from ._selection import _D, Selection, _selection
 
 
 def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -29,7 +30,7 @@ def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seq
     if index.on_device or not call.lib.cuda:
         return 0
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
-    return int(_C.sparse_attention_workspace_bytes(inputs, index._view_tuple(call.lib)))
+    return int(_C.sparse_attention_workspace_bytes(inputs, index._arrays(call.lib)))
 
 
 def _check_index(index: Any) -> None:
@@ -77,11 +78,10 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
         if lib_ws != call.lib.compute or not call.lib.cuda:
             raise TypeError(f"index: lives on the device in a {lib_ws} array; pass {lib_ws} CUDA arrays (or use "
                             "index.to_host())")
-        _C.sparse_attention_device(inputs, call.c(index.workspace), index._selection, index.binding, call.c_out(out_c),
-                                   call.c(lse), reuse_index)
+        _C.sparse_attention_device(inputs, index._dev, call.c_out(out_c), call.c(lse), reuse_index=reuse_index)
     else:
-        _C.sparse_attention(inputs, index._view_tuple(call.lib), call.c_out(out_c), call.c(lse),
-                            call.c(call.workspace(workspace)), reuse_index)
+        _C.sparse_attention(inputs, index._arrays(call.lib), call.c_out(out_c), call.c(lse),
+                            workspace=call.c(call.workspace(workspace)), reuse_index=reuse_index)
     return call.result(out_c, lse, out_ret, return_lse)
 
 
@@ -93,7 +93,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    head_subgroups: int = _D["head_subgroups"], workspace=None, options: Optional[LaunchOptions] = None,
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                    max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
-                   dense_fraction: float = _D["dense_fraction"]):
+                   dense_fraction: float = _D["dense_fraction"], selection: Optional[Selection] = None):
     """Block-sparse prefill in one call: build_index() + sparse_attention(). On CUDA the index never leaves the
     device and no host synchronisation happens.
 
@@ -101,9 +101,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
             block_table, seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention()
             (no sliding-window mask here).
+        selection: a Selection (sp.Selection(...)), the one way to pass the selection whole; default: the one the
+            keywords below build.
         alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union, max_kept_blocks: the selection; see build_index(), "Selection arguments" (with a
-            max_kept_blocks budget, pass the same value to sparse_prefill_workspace_bytes()).
+            final_chunk, union, max_kept_blocks: the selection as keywords (a shorthand for selection=; with
+            selection= they must be left out); see build_index(), "Selection arguments" (with a max_kept_blocks
+            budget, pass the same value to sparse_prefill_workspace_bytes()).
         mean_cache: the pooled-means cache of a paged KV cache (mean_cache(); see chunked_prefill()), read for the
             blocks before each chunk and written for the blocks the chunk completes.
         workspace: CUDA: at least sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned, holding the index and
@@ -114,8 +117,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     Returns:
         out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
-    sel = _selection_args(alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                          rule, max_kept_blocks, mean_alpha, dense_fraction)
+    sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
+                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                                 (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
@@ -123,21 +126,18 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
         return_lse = _as_bool("return_lse", return_lse)
         out_c, lse, out_ret = call.outputs(out, return_lse)
-        _C.sparse_prefill(inputs, sel, call.c_out(out_c), call.c(lse), call.c(mean_k), call.c(mean_v),
-                          call.c(call.workspace(workspace)), mean_bs)
+        _C.sparse_prefill(inputs, sel._params, call.c_out(out_c), call.c(lse), mean_k=call.c(mean_k),
+                          mean_v=call.c(mean_v), workspace=call.c(call.workspace(workspace)), mean_block_size=mean_bs)
         return call.result(out_c, lse, out_ret, return_lse)
     if mean_cache is not None and library_of(q) is not None and not _Call(
             _kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                        (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype).lib.cuda:
         raise ValueError("mean_cache: not supported with return_index=True on the CPU (that path builds the index "
                          "with the reference, which pools every block)")
-    index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=alpha,
-                        block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
-                        causal=causal, softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k,
-                        stream=stream, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
-                        workspace=workspace, mean_cache=mean_cache, options=options, rule=rule,
-                        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qkv_dtype=qkv_dtype,
-                        max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha, dense_fraction=dense_fraction)
+    index = build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                        softmax_scale=softmax_scale, block_table=block_table, seqused_k=seqused_k, stream=stream,
+                        workspace=workspace, mean_cache=mean_cache, options=options, q_descale=q_descale,
+                        k_descale=k_descale, v_descale=v_descale, qkv_dtype=qkv_dtype, selection=sel)
     res = sparse_attention(q, k, v, index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                            softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
                            seqused_k=seqused_k, stream=stream, options=options, q_descale=q_descale,
@@ -204,7 +204,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     mean_cache=None, head_subgroups: int = _D["head_subgroups"], workspace=None,
                     options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
                     k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = None,
-                    mean_alpha: float = _D["mean_alpha"], dense_fraction: float = _D["dense_fraction"]):
+                    mean_alpha: float = _D["mean_alpha"], dense_fraction: float = _D["dense_fraction"],
+                    selection: Optional[Selection] = None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -216,12 +217,15 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         block_table, seqused_k: [B, max_pages] page ids and [B] cache lengths (the chunk included), as in attention().
         max_seqlen_q, max_seqlen_k: bounds on the chunk and cache lengths.
         final_chunk (required): whether these chunks end their prompts. Only then do the last `last_n` query tiles
-            run dense (they serve the prompt's final queries); mid-prompt chunks skip that tail.
+            run dense (they serve the prompt's final queries); mid-prompt chunks skip that tail. It overrides the
+            final_chunk of a `selection`.
         union: one block list per (sequence, KV head), the union of its tiles' lists (CompactAttention), else
             per-tile lists (FlashPrefill V2; faster on all 36 measured steps of bench/results/chunked_h200.json,
             hence the default).
+        selection: a Selection (sp.Selection(...)), the selection whole; default: the one the keywords build.
         alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            max_kept_blocks: the selection; see build_index(), "Selection arguments". With head_subgroups > 1 the union is per (sequence,
+            max_kept_blocks: the selection as keywords (a shorthand for selection=; with selection= they must be left
+            out); see build_index(), "Selection arguments". With head_subgroups > 1 the union is per (sequence,
             sub-group) (CompactAttention's option for large groups; on the topic workload at 128K it lowered the
             union density by a few % only, bench/results/chunked_subgroups_h200.json).
         mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
@@ -241,7 +245,12 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         out, or (out, lse) when return_lse is True.
     """
     final_chunk = _as_bool("final_chunk", final_chunk)
-    union = _as_bool("union", union)
+    if selection is None:
+        sel = _selection(None, alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
+                         rule, max_kept_blocks, mean_alpha, dense_fraction)
+    else:  # final_chunk is the step's, whatever the Selection says
+        sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, True, union, head_subgroups,
+                         rule, max_kept_blocks, mean_alpha, dense_fraction)._with_final_chunk(final_chunk)
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
     call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,
@@ -259,12 +268,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
             if used.size and int(used.max()) > _as_int("max_seqlen_k", max_seqlen_k):
                 raise ValueError(f"max_seqlen_k: {int(max_seqlen_k)} is below the longest cache "
                                  f"(seqused_k has {int(used.max())})")
-    return sparse_prefill(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha=alpha,
-                          block_size=block_size, sink=sink, window=window, last_n=last_n, correction=correction,
-                          causal=True, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
-                          block_table=block_table, seqused_k=seqused_k, stream=stream, final_chunk=final_chunk,
-                          union=union, mean_cache=mean_cache, head_subgroups=head_subgroups, workspace=workspace,
-                          options=options, rule=rule, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                          qkv_dtype=qkv_dtype, max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha,
-                          dense_fraction=dense_fraction)
-
+    return sparse_prefill(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, causal=True,
+                          softmax_scale=softmax_scale, out=out, return_lse=return_lse, block_table=block_table,
+                          seqused_k=seqused_k, stream=stream, mean_cache=mean_cache, workspace=workspace,
+                          options=options, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          qkv_dtype=qkv_dtype, selection=sel)

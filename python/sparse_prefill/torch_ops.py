@@ -55,9 +55,6 @@ _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
-# The extension's launch-option codes of sparse_prefill.LaunchOptions() (dense_path 'auto', split_kv on, not
-# checked, sparse_order 'heads_fastest'): the operators always run the measured defaults.
-_LAUNCH_DEFAULTS = _api._DEFAULT_CODES
 # The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
 # wrappers below take theirs from here.
 _D = _api.SELECTION_DEFAULTS
@@ -103,25 +100,46 @@ def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> O
 _sparse_ws_cache: dict = {}
 
 
-def _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale, sel, device_index) -> torch.Tensor:
+def _sparse_workspace(inputs, sel, sel_key, q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, device_index) -> torch.Tensor:
     # The size depends on shapes and parameters only, never on values: cached per shape (an engine's steps repeat
     # their shapes, up to the lengths bounds).
     key = (q.shape, k.shape, q.dtype, k.dtype, cu_seqlens_q.shape,
            None if cu_seqlens_k is None else cu_seqlens_k.shape, None if block_table is None else block_table.shape,
-           max_seqlen_q, max_seqlen_k, causal, softmax_scale, sel, device_index)
+           max_seqlen_q, max_seqlen_k, causal, softmax_scale, sel_key, device_index)
     n = _sparse_ws_cache.get(key)
     if n is None:
-        # fresh capsules: the call's own are consumed by the extension
-        inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
-                  _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, 0,
-                  *_LAUNCH_DEFAULTS, None, None, None)
         with torch.cuda.device(device_index):
-            n = int(_C.sparse_prefill_workspace_bytes(inputs, sel))
+            n = int(_C.sparse_prefill_workspace_bytes(inputs, sel._params))
         if len(_sparse_ws_cache) >= 4096:  # engines step through many lengths: keep the cache bounded
             _sparse_ws_cache.clear()
         _sparse_ws_cache[key] = n
     return torch.empty(((n + 3) // 4 or 1,), dtype=_I32, device=q.device)
+
+
+_selections: dict = {}
+
+
+def _selection_of(key: tuple) -> Any:
+    """The Selection of an operator's selection arguments (alpha, block_size, sink, window, last_n, correction,
+    final_chunk, union, head_subgroups, rule, mean_alpha, dense_fraction), made and validated once per distinct
+    value (the schema fixes their types, so equal keys are equal selections)."""
+    sel = _selections.get(key)
+    if sel is None:
+        (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, mean_alpha,
+         dense_fraction) = key
+        name = _api._RULE_NAMES.get(rule)
+        if name is None:
+            raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max') or 3 "
+                             f"('probe_row_mass'), got {rule}")
+        sel = _api.Selection(alpha=alpha, block_size=block_size, sink=sink, window=window, last_n=last_n,
+                             correction=correction, final_chunk=final_chunk, union=union,
+                             head_subgroups=head_subgroups, rule=name, mean_alpha=mean_alpha,
+                             dense_fraction=dense_fraction)
+        if len(_selections) >= 1024:
+            _selections.clear()
+        _selections[key] = sel
+    return sel
 
 
 def _check_int32(name: str, value: int) -> None:
@@ -171,10 +189,12 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     else:
         stream, ws = 0, None
     lse = _lse_for(q, return_lse)
-    inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
-              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right, stream,
-              *_LAUNCH_DEFAULTS, _dl(q_descale), _dl(k_descale), _dl(v_descale))
-    _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, _dl(ws))
+    inputs = _C.Inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
+                       max_seqlen_k, cu_seqlens_k=_dl(cu_seqlens_k), block_table=_dl(block_table),
+                       seqused_k=_dl(seqused_k), causal=causal, softmax_scale=softmax_scale, window_left=left,
+                       window_right=right, stream=stream, q_descale=_dl(q_descale), k_descale=_dl(k_descale),
+                       v_descale=_dl(v_descale))
+    _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, workspace=_dl(ws))
     return lse
 
 
@@ -199,33 +219,23 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
                 mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
                 dense_fraction) -> torch.Tensor:
-    if not (_INT32_MIN <= block_size <= _INT32_MAX and _INT32_MIN <= sink <= _INT32_MAX and
-            _INT32_MIN <= window <= _INT32_MAX and _INT32_MIN <= last_n <= _INT32_MAX and
-            0 <= head_subgroups <= _INT32_MAX):
-        for name, x in (("block_size", block_size), ("sink", sink), ("window", window), ("last_n", last_n),
-                        ("head_subgroups", head_subgroups)):
-            _check_int32(name, x)
-        raise ValueError(f"head_subgroups: must be 0 (one selection per query head) or >= 1 dividing Hq // Hkv, "
-                         f"got {head_subgroups}")
+    sel_key = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
+               mean_alpha, dense_fraction)
+    sel = _selection_of(sel_key)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
-    if rule not in (0, 1, 2, 3):
-        raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max') or 3 "
-                         f"('probe_row_mass'), got {rule}")
-    # max_kept_blocks -1: the operators size the device index for the causal bound (no budget in their schemas)
-    sel = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, -1,
-           mean_alpha, dense_fraction)
-    stream = _raw_stream(dev) if dev >= 0 else 0
-    inputs = (_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), _dl(cu_seqlens_k),
-              _dl(block_table), _dl(seqused_k), max_seqlen_q, max_seqlen_k, causal, softmax_scale, -1, -1, stream,
-              *_LAUNCH_DEFAULTS, _dl(q_descale), _dl(k_descale), _dl(v_descale))
+    inputs = _C.Inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
+                       max_seqlen_k, cu_seqlens_k=_dl(cu_seqlens_k), block_table=_dl(block_table),
+                       seqused_k=_dl(seqused_k), causal=causal, softmax_scale=softmax_scale,
+                       stream=_raw_stream(dev) if dev >= 0 else 0, q_descale=_dl(q_descale),
+                       k_descale=_dl(k_descale), v_descale=_dl(v_descale))
     lse_c = _to_dlpack(lse) if return_lse else None
+    ws = None
     if dev >= 0:
-        ws = _sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, max_seqlen_q,
-                               max_seqlen_k, causal, softmax_scale, sel, dev)
-        _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v), workspace=_to_dlpack(ws))
-    else:
-        _C.sparse_prefill(inputs, sel, _to_dlpack(out), lse_c, _dl(mean_k), _dl(mean_v))
+        ws = _dl(_sparse_workspace(inputs, sel, sel_key, q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale, dev))
+    _C.sparse_prefill(inputs, sel._params, _to_dlpack(out), lse_c, mean_k=_dl(mean_k), mean_v=_dl(mean_v),
+                      workspace=ws)
     if mean_k is not None:
         _increment_version(mean_k)
         _increment_version(mean_v)

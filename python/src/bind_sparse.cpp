@@ -1,5 +1,6 @@
-// _C: the block-sparse path of sparse_prefill/sparse.h: IndexBinding, the selection defaults, build_index (host and
-// device index), sparse_attention, sparse_prefill, their workspace sizes, the mean cache, union_index, pool_kv.
+// _C: the block-sparse path of sparse_prefill/sparse.h: IndexBinding, SelectionParams, the index structures
+// (IndexArrays, HostIndex, DeviceIndex, IndexStats), build_index (host and device index), sparse_attention,
+// sparse_prefill, their workspace sizes, the mean cache, union_index, pool_kv.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/validate.h"  // check_selection_params: the shape-free checks, run when a Selection is made
 #include "sparse_prefill/sparse.h"
 #include "sparse_prefill/tensor.h"
 #include "views.h"
@@ -38,6 +40,25 @@ std::vector<T> host_vector(nb::handle obj, const char* name, sp::DType want) {
   std::vector<T> v(static_cast<size_t>(n));
   if (n) std::memcpy(v.data(), t.data, size_t(n) * sizeof(T));
   return v;
+}
+
+std::optional<sp::MeanCache> mean_cache_of(nb::handle mean_k, nb::handle mean_v, int block_size, Held& held) {
+  if (mean_k.is_none() != mean_v.is_none())
+    throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
+  if (mean_k.is_none()) return std::nullopt;
+  return sp::MeanCache{to_writable_view(mean_k, "mean_cache.k_mean", held),
+                       to_writable_view(mean_v, "mean_cache.v_mean", held), block_size};
+}
+
+std::string selection_repr(const sp::SelectionParams& p) {
+  return "SelectionParams(alpha=" + std::to_string(p.alpha) + ", mean_alpha=" + std::to_string(p.mean_alpha) +
+         ", rule=" + std::to_string(int(p.rule)) + ", block_size=" + std::to_string(p.block_size) +
+         ", sink=" + std::to_string(p.sink) + ", window=" + std::to_string(p.window) +
+         ", last_n=" + std::to_string(p.last_n) + ", correction=" + (p.correction ? "True" : "False") +
+         ", final_chunk=" + (p.final_chunk ? "True" : "False") + ", union_lists=" +
+         (p.union_lists ? "True" : "False") + ", head_subgroups=" + std::to_string(p.head_subgroups) +
+         ", dense_fraction=" + std::to_string(p.dense_fraction) +
+         ", max_kept_blocks=" + std::to_string(p.max_kept_blocks) + ")";
 }
 
 }  // namespace
@@ -73,195 +94,263 @@ void bind_sparse(nb::module_& m) {
                std::to_string(b.block_size) + ")";
       });
 
-  // The device index (CUDA): built into a caller workspace, read in place (sparse.h).
-  m.def("selection_defaults", [] {  // SelectionParams{}: the one source of the Python defaults
+  // The selection parameters themselves; the keyword defaults are SelectionParams{} (the one place they are set).
+  // sparse_prefill.Selection builds one, checked once (check()), and passes it to every call.
+  const sp::SelectionParams d;
+  nb::class_<sp::SelectionParams>(m, "SelectionParams")
+      .def(
+          "__init__",
+          [](sp::SelectionParams* self, float alpha, float mean_alpha, int rule, int block_size, int sink, int window,
+             int last_n, bool correction, bool final_chunk, bool union_lists, int head_subgroups, float dense_fraction,
+             int64_t max_kept_blocks) {
+            sp::SelectionParams p;
+            p.alpha = alpha;
+            p.mean_alpha = mean_alpha;
+            p.rule = static_cast<sp::SelectionRule>(rule);
+            p.block_size = block_size;
+            p.sink = sink;
+            p.window = window;
+            p.last_n = last_n;
+            p.correction = correction;
+            p.final_chunk = final_chunk;
+            p.union_lists = union_lists;
+            p.head_subgroups = head_subgroups;
+            p.dense_fraction = dense_fraction;
+            p.max_kept_blocks = max_kept_blocks;
+            new (self) sp::SelectionParams(p);
+          },
+          nb::kw_only(), nb::arg("alpha") = d.alpha, nb::arg("mean_alpha") = d.mean_alpha,
+          nb::arg("rule") = int(d.rule), nb::arg("block_size") = d.block_size, nb::arg("sink") = d.sink,
+          nb::arg("window") = d.window, nb::arg("last_n") = d.last_n, nb::arg("correction") = d.correction,
+          nb::arg("final_chunk") = d.final_chunk, nb::arg("union_lists") = d.union_lists,
+          nb::arg("head_subgroups") = d.head_subgroups, nb::arg("dense_fraction") = d.dense_fraction,
+          nb::arg("max_kept_blocks") = d.max_kept_blocks)
+      .def_rw("alpha", &sp::SelectionParams::alpha)
+      .def_rw("mean_alpha", &sp::SelectionParams::mean_alpha)
+      .def_prop_rw(
+          "rule", [](const sp::SelectionParams& p) { return int(p.rule); },
+          [](sp::SelectionParams& p, int r) { p.rule = static_cast<sp::SelectionRule>(r); })
+      .def_rw("block_size", &sp::SelectionParams::block_size)
+      .def_rw("sink", &sp::SelectionParams::sink)
+      .def_rw("window", &sp::SelectionParams::window)
+      .def_rw("last_n", &sp::SelectionParams::last_n)
+      .def_rw("correction", &sp::SelectionParams::correction)
+      .def_rw("final_chunk", &sp::SelectionParams::final_chunk)
+      .def_rw("union_lists", &sp::SelectionParams::union_lists)
+      .def_rw("head_subgroups", &sp::SelectionParams::head_subgroups)
+      .def_rw("dense_fraction", &sp::SelectionParams::dense_fraction)
+      .def_rw("max_kept_blocks", &sp::SelectionParams::max_kept_blocks)
+      // The checks that need no shapes (ValueError naming the field); a call adds those that do (head_subgroups
+      // dividing Hq / Hkv).
+      .def("check", [](const sp::SelectionParams& p) { sp::check_selection_params(p); })
+      .def("__repr__", &selection_repr);
+
+  m.def("selection_defaults", [] {  // SelectionParams{} as a dict: the library's defaults for the Python keywords
     sp::SelectionParams p;
-    nb::dict d;
-    d["alpha"] = p.alpha;
-    d["mean_alpha"] = p.mean_alpha;
-    d["rule"] = int(p.rule);
-    d["block_size"] = p.block_size;
-    d["sink"] = p.sink;
-    d["window"] = p.window;
-    d["last_n"] = p.last_n;
-    d["correction"] = p.correction;
-    d["head_subgroups"] = p.head_subgroups;
-    d["dense_fraction"] = p.dense_fraction;
-    return d;
+    nb::dict r;
+    r["alpha"] = p.alpha;
+    r["mean_alpha"] = p.mean_alpha;
+    r["rule"] = int(p.rule);
+    r["block_size"] = p.block_size;
+    r["sink"] = p.sink;
+    r["window"] = p.window;
+    r["last_n"] = p.last_n;
+    r["correction"] = p.correction;
+    r["head_subgroups"] = p.head_subgroups;
+    r["dense_fraction"] = p.dense_fraction;
+    return r;
   });
+
+  // A host index's arrays (host, or copied to q's device) as sparse_attention reads them (sp::BlockIndexView).
+  nb::class_<IndexArrays>(m, "IndexArrays")
+      .def(
+          "__init__",
+          [](IndexArrays* self, int block_size, bool correction, int head_subgroups, nb::handle segment_start,
+             nb::handle segment_end, nb::handle block_ids, nb::handle cu_blocks, nb::handle k_mean,
+             nb::handle v_mean, std::optional<sp::IndexBinding> binding) {
+            IndexArrays x;
+            sp::BlockIndexView& v = x.view;
+            if (binding) v.binding = *binding;
+            v.block_size = block_size;
+            v.correction = correction;
+            v.head_subgroups = head_subgroups;
+            v.segment_start = to_view(segment_start, "index.segment_start", x.held);
+            v.segment_end = to_view(segment_end, "index.segment_end", x.held);
+            v.block_ids = to_view(block_ids, "index.block_ids", x.held);
+            v.cu_blocks = to_view(cu_blocks, "index.cu_blocks", x.held);
+            v.k_mean = to_view(k_mean, "index.k_mean", x.held);
+            if (!v_mean.is_none()) v.v_mean = to_view(v_mean, "index.v_mean", x.held);  // absent: validate_index
+            new (self) IndexArrays(std::move(x));
+          },
+          nb::kw_only(), nb::arg("block_size"), nb::arg("correction"), nb::arg("head_subgroups"),
+          nb::arg("segment_start"), nb::arg("segment_end"), nb::arg("block_ids"), nb::arg("cu_blocks"),
+          nb::arg("k_mean"), nb::arg("v_mean").none() = nb::none(), nb::arg("binding").none() = nb::none());
+
+  // A host index as the library's BlockIndex (copied from host arrays): union_index's input.
+  nb::class_<sp::BlockIndex>(m, "HostIndex")
+      .def(
+          "__init__",
+          [](sp::BlockIndex* self, int block_size, int group_size, int num_kv_heads, int head_subgroups,
+             bool correction, nb::handle segment_start, nb::handle segment_end, nb::handle block_ids,
+             nb::handle cu_blocks, nb::handle k_mean, nb::handle v_mean, int64_t kept_blocks,
+             int64_t visible_blocks, std::optional<sp::IndexBinding> binding) {
+            sp::BlockIndex idx;
+            if (binding) idx.binding = *binding;
+            idx.block_size = block_size;
+            idx.group_size = group_size;
+            idx.num_kv_heads = num_kv_heads;
+            idx.head_subgroups = head_subgroups;
+            idx.correction = correction;
+            idx.segment_start = host_vector<int32_t>(segment_start, "index.segment_start", sp::DType::kInt32);
+            idx.segment_end = host_vector<int32_t>(segment_end, "index.segment_end", sp::DType::kInt32);
+            idx.block_ids = host_vector<int32_t>(block_ids, "index.block_ids", sp::DType::kInt32);
+            idx.cu_blocks = host_vector<int32_t>(cu_blocks, "index.cu_blocks", sp::DType::kInt32);
+            idx.k_mean = host_vector<float>(k_mean, "index.k_mean", sp::DType::kFloat32);
+            if (!v_mean.is_none()) idx.v_mean = host_vector<float>(v_mean, "index.v_mean", sp::DType::kFloat32);
+            idx.kept_blocks = kept_blocks;
+            idx.visible_blocks = visible_blocks;
+            new (self) sp::BlockIndex(std::move(idx));
+          },
+          nb::kw_only(), nb::arg("block_size"), nb::arg("group_size"), nb::arg("num_kv_heads"),
+          nb::arg("head_subgroups"), nb::arg("correction"), nb::arg("segment_start"),
+          nb::arg("segment_end"), nb::arg("block_ids"), nb::arg("cu_blocks"), nb::arg("k_mean"),
+          nb::arg("v_mean").none() = nb::none(), nb::arg("kept_blocks") = 0, nb::arg("visible_blocks") = 0,
+          nb::arg("binding").none() = nb::none())
+      .def_ro("block_size", &sp::BlockIndex::block_size)
+      .def_ro("group_size", &sp::BlockIndex::group_size)
+      .def_ro("num_kv_heads", &sp::BlockIndex::num_kv_heads)
+      .def_ro("head_subgroups", &sp::BlockIndex::head_subgroups)
+      .def_ro("correction", &sp::BlockIndex::correction)
+      .def_ro("kept_blocks", &sp::BlockIndex::kept_blocks)
+      .def_ro("visible_blocks", &sp::BlockIndex::visible_blocks);
+
+  nb::class_<sp::IndexStats>(m, "IndexStats")
+      .def_ro("kept_blocks", &sp::IndexStats::kept_blocks)
+      .def_ro("visible_blocks", &sp::IndexStats::visible_blocks)
+      .def_ro("overflow_segments", &sp::IndexStats::overflow_segments);
+
+  // The device index (CUDA): built into a caller workspace, read in place (sparse.h). The object holds the
+  // workspace array, the selection and binding of its build and that build's stream; Python passes it back whole.
+  nb::class_<DeviceIndex>(m, "DeviceIndex")
+      .def_prop_ro("binding", [](const DeviceIndex& x) { return x.index.binding; })
+      .def_prop_rw(
+          "selection", [](const DeviceIndex& x) { return x.index.params; },
+          [](DeviceIndex& x, const sp::SelectionParams& p) { x.index.params = p; })  // tests edit it
+      .def_ro("stream", &DeviceIndex::stream)
+      .def("stats",  // kept, visible, overflow_segments; synchronises the build's stream
+           [](const DeviceIndex& x) {
+             nb::gil_scoped_release release;
+             return sp::index_stats(x.index, reinterpret_cast<void*>(x.stream));
+           })
+      .def("to_host", [](const DeviceIndex& x) {
+        sp::BlockIndex idx;
+        {
+          nb::gil_scoped_release release;
+          idx = sp::to_host(x.index, reinterpret_cast<void*>(x.stream));
+        }
+        return index_to_dict(std::move(idx));
+      });
+
   m.def("index_workspace_bytes",
-        [](nb::tuple inputs, nb::tuple selection) {
-          Held held;
-          const sp::AttentionInputs in = make_inputs(inputs, held);
-          return sp::index_workspace_bytes(in, selection_params(selection));
+        [](const Inputs& inputs, const sp::SelectionParams& selection) {
+          return sp::index_workspace_bytes(inputs.in, selection);
         },
         nb::arg("inputs"), nb::arg("selection"));
   m.def("build_index_device",
-        [](nb::tuple inputs, nb::tuple selection, nb::handle workspace, nb::handle mean_k, nb::handle mean_v,
-           int mean_block_size) {
-          Held held;
-          const sp::AttentionInputs in = make_inputs(inputs, held);
-          const sp::SelectionParams p = selection_params(selection);
-          const sp::TensorView ws = to_writable_view(workspace, "workspace", held);
-          if (mean_k.is_none() != mean_v.is_none())
-            throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
-          std::optional<sp::MeanCache> cache;
-          if (!mean_k.is_none())
-            cache = sp::MeanCache{to_writable_view(mean_k, "mean_cache.k_mean", held),
-                                  to_writable_view(mean_v, "mean_cache.v_mean", held), mean_block_size};
-          nb::gil_scoped_release release;
-          return sp::build_index(in, p, ws, cache ? &*cache : nullptr).binding;
+        [](const Inputs& inputs, const sp::SelectionParams& selection, nb::handle workspace, nb::handle mean_k,
+           nb::handle mean_v, int mean_block_size) {
+          DeviceIndex x;
+          const sp::TensorView ws = to_writable_view(workspace, "workspace", x.held);
+          Held cache_held;
+          const std::optional<sp::MeanCache> cache = mean_cache_of(mean_k, mean_v, mean_block_size, cache_held);
+          x.stream = reinterpret_cast<uintptr_t>(inputs.in.stream);
+          {
+            nb::gil_scoped_release release;
+            x.index = sp::build_index(inputs.in, selection, ws, cache ? &*cache : nullptr);
+          }
+          return x;
         },
-        nb::arg("inputs"), nb::arg("selection"), nb::arg("workspace"), nb::arg("mean_k").none(),
-        nb::arg("mean_v").none(), nb::arg("mean_block_size") = 0);
+        nb::arg("inputs"), nb::arg("selection"), nb::arg("workspace"), nb::kw_only(),
+        nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none(), nb::arg("mean_block_size") = 0);
   m.def("sparse_attention_device",
-        [](nb::tuple inputs, nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding,
-           nb::handle out, nb::handle lse, bool reuse_index) {
+        [](const Inputs& inputs, const DeviceIndex& index, nb::handle out, nb::handle lse, bool reuse_index) {
           Held held;
-          const sp::AttentionInputs in = make_inputs(inputs, held);
-          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
-                                           selection_params(selection), binding};
           const sp::AttentionOutputs outs = make_outputs(out, lse, held);
           nb::gil_scoped_release release;
-          sp::sparse_attention(in, index, outs, reuse_index);
+          sp::sparse_attention(inputs.in, index.index, outs, reuse_index);
         },
-        nb::arg("inputs"), nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("reuse_index"));
-  m.def("device_index_counts",  // (kept, visible, overflow_segments)
-        [](nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding, uintptr_t stream) {
-          Held held;
-          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
-                                           selection_params(selection), binding};
-          sp::IndexStats s;
-          {
-            nb::gil_scoped_release release;
-            s = sp::index_stats(index, reinterpret_cast<void*>(stream));
-          }
-          return nb::make_tuple(s.kept_blocks, s.visible_blocks, s.overflow_segments);
-        },
-        nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("stream"));
-  m.def("device_index_to_host",
-        [](nb::handle workspace, nb::tuple selection, const sp::IndexBinding& binding, uintptr_t stream) {
-          Held held;
-          const sp::DeviceBlockIndex index{to_writable_view(workspace, "index.workspace", held),
-                                           selection_params(selection), binding};
-          sp::BlockIndex idx;
-          {
-            nb::gil_scoped_release release;
-            idx = sp::to_host(index, reinterpret_cast<void*>(stream));
-          }
-          return index_to_dict(std::move(idx));
-        },
-        nb::arg("workspace"), nb::arg("selection"), nb::arg("binding"), nb::arg("stream"));
+        nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none(), nb::kw_only(),
+        nb::arg("reuse_index") = false);
   m.def("sparse_attention_workspace_bytes",
-        [](nb::tuple inputs, nb::tuple index) {
-          Held held;
-          const sp::AttentionInputs in = make_inputs(inputs, held);
-          return sp::sparse_attention_workspace_bytes(in, make_index_view(index, held));
+        [](const Inputs& inputs, const IndexArrays& index) {
+          return sp::sparse_attention_workspace_bytes(inputs.in, index.view);
         },
         nb::arg("inputs"), nb::arg("index"));
   m.def("sparse_prefill_workspace_bytes",
-        [](nb::tuple inputs, nb::tuple selection) {
-          Held held;
-          const sp::AttentionInputs in = make_inputs(inputs, held);
-          return sp::sparse_prefill_workspace_bytes(in, selection_params(selection));
+        [](const Inputs& inputs, const sp::SelectionParams& selection) {
+          return sp::sparse_prefill_workspace_bytes(inputs.in, selection);
         },
         nb::arg("inputs"), nb::arg("selection"));
 
   m.def("build_index",
-        [](nb::tuple inputs, nb::tuple selection) {
-          Held held;
-          sp::AttentionInputs in = make_inputs(inputs, held);
-          const sp::SelectionParams p = selection_params(selection);
+        [](const Inputs& inputs, const sp::SelectionParams& selection) {
           sp::BlockIndex idx;
           {
             nb::gil_scoped_release release;
-            idx = sp::build_index(in, p);
+            idx = sp::build_index(inputs.in, selection);
           }
           return index_to_dict(std::move(idx));
         },
         nb::arg("inputs"), nb::arg("selection"));
 
   m.def("sparse_attention",
-        [](nb::tuple inputs, nb::tuple index, nb::handle out, nb::handle lse, nb::handle workspace,
+        [](const Inputs& inputs, const IndexArrays& index, nb::handle out, nb::handle lse, nb::handle workspace,
            bool reuse_index) {
           Held held;
-          sp::AttentionInputs in = make_inputs(inputs, held);
-          sp::BlockIndexView iv = make_index_view(index, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
           if (!workspace.is_none()) outs.workspace = to_writable_view(workspace, "workspace", held);
           nb::gil_scoped_release release;
-          sp::sparse_attention(in, iv, outs, reuse_index);
+          sp::sparse_attention(inputs.in, index.view, outs, reuse_index);
         },
-        nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("inputs"), nb::arg("index"), nb::arg("out"), nb::arg("lse").none(), nb::kw_only(),
         nb::arg("workspace").none() = nb::none(), nb::arg("reuse_index") = false);
 
   // mean_k / mean_v: the pooled-means cache (both or neither); mean_block_size: the block size it was made for (0:
   // not recorded; MeanCache::block_size, checked by the library).
   m.def("sparse_prefill",
-        [](nb::tuple inputs, nb::tuple selection, nb::handle out, nb::handle lse, nb::handle mean_k,
-           nb::handle mean_v, nb::handle workspace, int mean_block_size) {
+        [](const Inputs& inputs, const sp::SelectionParams& selection, nb::handle out, nb::handle lse,
+           nb::handle mean_k, nb::handle mean_v, nb::handle workspace, int mean_block_size) {
           Held held;
-          sp::AttentionInputs in = make_inputs(inputs, held);
           sp::AttentionOutputs outs = make_outputs(out, lse, held);
           if (!workspace.is_none()) outs.workspace = to_writable_view(workspace, "workspace", held);
-          const sp::SelectionParams p = selection_params(selection);
-          if (mean_k.is_none() != mean_v.is_none())
-            throw sp::ArgumentError("mean_cache", "pass both k_mean and v_mean, or neither");
-          if (mean_k.is_none()) {
-            nb::gil_scoped_release release;
-            sp::sparse_prefill(in, p, outs);
-            return;
-          }
-          sp::MeanCache cache{to_writable_view(mean_k, "mean_cache.k_mean", held),
-                              to_writable_view(mean_v, "mean_cache.v_mean", held), mean_block_size};
+          const std::optional<sp::MeanCache> cache = mean_cache_of(mean_k, mean_v, mean_block_size, held);
           nb::gil_scoped_release release;
-          sp::sparse_prefill(in, p, outs, cache);
+          if (cache) sp::sparse_prefill(inputs.in, selection, outs, *cache);
+          else sp::sparse_prefill(inputs.in, selection, outs);
         },
-        nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("inputs"), nb::arg("selection"), nb::arg("out"), nb::arg("lse").none(), nb::kw_only(),
         nb::arg("mean_k").none() = nb::none(), nb::arg("mean_v").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("mean_block_size") = 0);
 
   m.def("mean_cache_slots", &sp::mean_cache_slots, nb::arg("num_pages"), nb::arg("page_size"),
         nb::arg("block_size"));
 
-  // index: (block_size, group_size, num_kv_heads, correction, segment_start, segment_end, block_ids, cu_blocks,
-  //         k_mean, v_mean | None, kept_blocks, visible_blocks, head_subgroups, binding | None), arrays as host
-  //         numpy arrays.
   m.def("union_index",
-        [](nb::tuple inputs, nb::tuple index) {
-          if (nb::len(index) != 14) throw nb::value_error("internal: index tuple must have 14 entries");
-          Held held;
-          sp::AttentionInputs in = make_inputs(inputs, held);
-          sp::BlockIndex idx;
-          idx.block_size = nb::cast<int>(index[0]);
-          idx.group_size = nb::cast<int>(index[1]);
-          idx.num_kv_heads = nb::cast<int>(index[2]);
-          idx.correction = nb::cast<bool>(index[3]);
-          idx.head_dim = int(in.q.ndim == 3 ? in.q.shape[2] : 0);
-          idx.segment_start = host_vector<int32_t>(index[4], "index.segment_start", sp::DType::kInt32);
-          idx.segment_end = host_vector<int32_t>(index[5], "index.segment_end", sp::DType::kInt32);
-          idx.block_ids = host_vector<int32_t>(index[6], "index.block_ids", sp::DType::kInt32);
-          idx.cu_blocks = host_vector<int32_t>(index[7], "index.cu_blocks", sp::DType::kInt32);
-          idx.k_mean = host_vector<float>(index[8], "index.k_mean", sp::DType::kFloat32);
-          if (!index[9].is_none()) idx.v_mean = host_vector<float>(index[9], "index.v_mean", sp::DType::kFloat32);
-          idx.kept_blocks = nb::cast<int64_t>(index[10]);
-          idx.visible_blocks = nb::cast<int64_t>(index[11]);
-          idx.head_subgroups = nb::cast<int>(index[12]);
-          if (!index[13].is_none()) idx.binding = nb::cast<sp::IndexBinding>(index[13]);
+        [](const Inputs& inputs, const sp::BlockIndex& index) {
+          sp::BlockIndex idx = index;  // the pooled means' row length is q's head dim, as the call's
+          idx.head_dim = int(inputs.in.q.ndim == 3 ? inputs.in.q.shape[2] : 0);
           sp::BlockIndex u;
           {
             nb::gil_scoped_release release;
-            u = sp::union_index(in, idx);
+            u = sp::union_index(inputs.in, idx);
           }
           return index_to_dict(std::move(u));
         },
         nb::arg("inputs"), nb::arg("index"));
 
   m.def("pool_kv",
-        [](nb::tuple inputs, int block_size) {
-          Held held;
-          sp::AttentionInputs in = make_inputs(inputs, held);
+        [](const Inputs& inputs, int block_size) {
+          const sp::AttentionInputs& in = inputs.in;
           std::vector<int32_t> cu_blocks;
           std::vector<float> k_mean, v_mean;
           {
@@ -270,12 +359,12 @@ void bind_sparse(nb::module_& m) {
           }
           const size_t total_blocks = cu_blocks.empty() ? 0 : size_t(cu_blocks.back());
           const size_t hkv = size_t(in.k.ndim >= 2 ? in.k.shape[in.k.ndim - 2] : 0);
-          const size_t d = size_t(in.k.ndim >= 1 ? in.k.shape[in.k.ndim - 1] : 0);
+          const size_t dim = size_t(in.k.ndim >= 1 ? in.k.shape[in.k.ndim - 1] : 0);
           const size_t c = cu_blocks.size();
           nb::dict r;
           r["cu_blocks"] = numpy_owning(std::move(cu_blocks), {c});
-          r["k_mean"] = numpy_owning(std::move(k_mean), {total_blocks, hkv, d});
-          r["v_mean"] = numpy_owning(std::move(v_mean), {total_blocks, hkv, d});
+          r["k_mean"] = numpy_owning(std::move(k_mean), {total_blocks, hkv, dim});
+          r["v_mean"] = numpy_owning(std::move(v_mean), {total_blocks, hkv, dim});
           return r;
         },
         nb::arg("inputs"), nb::arg("block_size"));

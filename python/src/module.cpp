@@ -8,15 +8,16 @@
 //     `argument` attribute naming the offending argument), NotImplementedError -> NotImplementedError;
 //   * hands BlockIndex vectors back as numpy arrays that own their memory (no copy).
 // Output allocation in the caller's array library, defaults and the user-facing signatures live in Python
-// (sparse_prefill/_call.py, _dense.py, _index.py, _sparse.py); every function here takes its arrays positionally.
+// (sparse_prefill/_call.py, _dense.py, _index.py, _selection.py, _sparse.py, torch_ops.py). A call's arguments cross
+// as named structures (views.h): Inputs, SelectionParams, IndexArrays / HostIndex / DeviceIndex; no positional tuple.
 //
 // The module by role:
-//   views.{h,cpp}       DLPack <-> TensorView (Held, to_view, ...), the argument tuples (make_inputs, make_outputs,
-//                       selection_params, make_index_view) and index_to_dict; the order of the attention inputs
-//                       tuple is documented in views.h
-//   bind_attention.cpp  check_errors, attention, attention_workspace_bytes, attention_path
-//   bind_sparse.cpp     IndexBinding, selection_defaults, build_index (host and device), sparse_attention,
-//                       sparse_prefill, the workspace sizes, mean_cache_slots, union_index, pool_kv
+//   views.{h,cpp}       DLPack <-> TensorView (Held, to_view, ...), the structures Inputs, IndexArrays, DeviceIndex,
+//                       make_outputs and index_to_dict
+//   bind_attention.cpp  LaunchOptions, Inputs, check_errors, attention, attention_workspace_bytes, attention_path
+//   bind_sparse.cpp     IndexBinding, SelectionParams, selection_defaults, IndexArrays, HostIndex, IndexStats,
+//                       DeviceIndex, build_index (host and device), sparse_attention, sparse_prefill, the workspace
+//                       sizes, mean_cache_slots, union_index, pool_kv
 //   bind_workload.cpp   the synthetic workloads (workload_topic, workload_structured, workload_needles)
 //   module.cpp          NB_MODULE: the error translation, with_cuda, tile_rows, the geometry submodule, bit_view,
 //                       bind_*(m)

@@ -1,4 +1,4 @@
-// DLPack <-> TensorView conversions and the argument tuples of the _C module (views.h).
+// DLPack <-> TensorView conversions of the _C module and index_to_dict (views.h).
 #include "views.h"
 
 #include <algorithm>
@@ -155,59 +155,11 @@ nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, con
   return writable ? reinterpret(cast_array<RWArray>(obj, name)) : reinterpret(cast_array<ROArray>(obj, name));
 }
 
-sp::AttentionInputs make_inputs(nb::tuple t, Held& held) {
-  // Entries 14-17: LaunchOptions (dense_path code, split_kv, checked, sparse_order code), LaunchOptions._codes();
-  // the library's validation range-checks the two codes (validate_inputs).
-  if (nb::len(t) != 21) throw nb::value_error("internal: attention inputs tuple must have 21 entries");
-  sp::AttentionInputs in;
-  in.q = to_view(t[0], "q", held);
-  in.k = to_view(t[1], "k", held);
-  in.v = to_view(t[2], "v", held);
-  in.cu_seqlens_q = to_view(t[3], "cu_seqlens_q", held);
-  in.cu_seqlens_k = to_opt_view(t[4], "cu_seqlens_k", held);
-  in.block_table = to_opt_view(t[5], "block_table", held);
-  in.seqused_k = to_opt_view(t[6], "seqused_k", held);
-  in.max_seqlen_q = nb::cast<int64_t>(t[7]);
-  in.max_seqlen_k = nb::cast<int64_t>(t[8]);
-  in.causal = nb::cast<bool>(t[9]);
-  if (!t[10].is_none()) in.softmax_scale = float(nb::cast<double>(t[10]));
-  in.window_left = nb::cast<int>(t[11]);
-  in.window_right = nb::cast<int>(t[12]);
-  in.stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[13]));
-  in.options.dense_path = static_cast<sp::LaunchOptions::DensePath>(nb::cast<int>(t[14]));
-  in.options.split_kv = nb::cast<bool>(t[15]);
-  in.options.checked = nb::cast<bool>(t[16]);
-  in.options.sparse_order = static_cast<sp::LaunchOptions::SparseOrder>(nb::cast<int>(t[17]));
-  in.q_descale = to_opt_view(t[18], "q_descale", held);
-  in.k_descale = to_opt_view(t[19], "k_descale", held);
-  in.v_descale = to_opt_view(t[20], "v_descale", held);
-  return in;
-}
-
 sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held) {
   sp::AttentionOutputs o;
   o.out = to_writable_view(out, "out", held);
   if (!lse.is_none()) o.lse = to_writable_view(lse, "lse", held);
   return o;
-}
-
-sp::SelectionParams selection_params(nb::tuple t) {
-  if (nb::len(t) != 13) throw nb::value_error("internal: the selection tuple must have 13 entries");
-  sp::SelectionParams p;
-  p.alpha = nb::cast<float>(t[0]);
-  p.block_size = nb::cast<int>(t[1]);
-  p.sink = nb::cast<int>(t[2]);
-  p.window = nb::cast<int>(t[3]);
-  p.last_n = nb::cast<int>(t[4]);
-  p.correction = nb::cast<bool>(t[5]);
-  p.final_chunk = nb::cast<bool>(t[6]);
-  p.union_lists = nb::cast<bool>(t[7]);
-  p.head_subgroups = nb::cast<int>(t[8]);
-  p.rule = static_cast<sp::SelectionRule>(nb::cast<int>(t[9]));
-  p.max_kept_blocks = nb::cast<int64_t>(t[10]);
-  p.mean_alpha = nb::cast<float>(t[11]);
-  p.dense_fraction = nb::cast<float>(t[12]);
-  return p;
 }
 
 nb::dict index_to_dict(sp::BlockIndex&& idx) {
@@ -235,22 +187,6 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   if (!idx.correction && idx.v_mean.empty()) d["v_mean"] = nb::none();
   else d["v_mean"] = numpy_owning(std::move(idx.v_mean), {total_blocks, hkv, size_t(head_dim)});
   return d;
-}
-
-sp::BlockIndexView make_index_view(nb::tuple t, Held& held) {
-  if (nb::len(t) != 10) throw nb::value_error("internal: index tuple must have 10 entries");
-  sp::BlockIndexView v;
-  if (!t[9].is_none()) v.binding = nb::cast<sp::IndexBinding>(t[9]);
-  v.block_size = nb::cast<int>(t[0]);
-  v.correction = nb::cast<bool>(t[1]);
-  v.head_subgroups = nb::cast<int>(t[2]);
-  v.segment_start = to_view(t[3], "index.segment_start", held);
-  v.segment_end = to_view(t[4], "index.segment_end", held);
-  v.block_ids = to_view(t[5], "index.block_ids", held);
-  v.cu_blocks = to_view(t[6], "index.cu_blocks", held);
-  v.k_mean = to_view(t[7], "index.k_mean", held);
-  if (!t[8].is_none()) v.v_mean = to_view(t[8], "index.v_mean", held);  // None: absent (validate_index decides)
-  return v;
 }
 
 }  // namespace sparse_prefill::bindings

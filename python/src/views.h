@@ -1,16 +1,20 @@
-// The DLPack <-> sparse_prefill::TensorView conversions of the _C module (module.cpp) and the tuples that carry a
-// call's arguments from Python (sparse_prefill/_call.py, _index.py): shared by the bind_*.cpp files.
+// The DLPack <-> sparse_prefill::TensorView conversions of the _C module (module.cpp) and the named structures that
+// carry a call's arguments from Python: shared by the bind_*.cpp files.
 //
-// The attention inputs travel as one tuple, in this order (see _call.py `_Call.inputs`):
-//   (q, k, v, cu_seqlens_q, cu_seqlens_k | None, block_table | None, seqused_k | None,
-//    max_seqlen_q, max_seqlen_k, causal, softmax_scale | None, window_left, window_right, stream, dense_path,
-//    split_kv, checked, sparse_order, q_descale | None, k_descale | None, v_descale | None)
-//   (dense_path, sparse_order: LaunchOptions::DensePath / SparseOrder as int; the descales: FP8 inputs only)
+// What crosses the binding, each built once per call by keyword (sparse_prefill/_call.py, _index.py, torch_ops.py):
+//   Inputs         sp::AttentionInputs: the arrays as views, the scalars, the stream, the LaunchOptions; it holds the
+//                  imported arrays, so one Inputs serves several calls (a workspace size, then the build)
+//   SelectionParams  sp::SelectionParams itself (defaults: SelectionParams{}); sparse_prefill.Selection owns one
+//   IndexArrays    sp::BlockIndexView of a host index's arrays (on the host or copied to q's device)
+//   HostIndex      sp::BlockIndex from a host index's arrays (union_index's input)
+//   DeviceIndex    sp::DeviceBlockIndex: the workspace it lives in (held), its selection and binding, the stream
+//                  of its build; returned by build_index_device, passed back whole
 #pragma once
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -47,8 +51,26 @@ std::optional<sp::TensorView> to_opt_view(nb::handle obj, const char* name, Held
 // qkv_dtype= (sparse_prefill/_call.py) reads bit patterns through it for array libraries without these dtypes.
 nb::object bit_view(nb::handle obj, const std::string& dtype, bool writable, const char* name);
 
-// The attention inputs tuple (order above) and the outputs (lse may be None).
-sp::AttentionInputs make_inputs(nb::tuple t, Held& held);
+// One call's attention inputs, and the arrays their views point into.
+struct Inputs {
+  sp::AttentionInputs in;
+  Held held;
+};
+
+// A host index's arrays as the library reads them (sparse_attention over a caller's index).
+struct IndexArrays {
+  sp::BlockIndexView view;
+  Held held;
+};
+
+// A device index: the library's DeviceBlockIndex, the workspace array it lives in (kept alive as long as this
+// object), the stream it was built on (to_host and the counts synchronise it).
+struct DeviceIndex {
+  sp::DeviceBlockIndex index;
+  Held held;
+  uintptr_t stream = 0;
+};
+
 sp::AttentionOutputs make_outputs(nb::handle out, nb::handle lse, Held& held);
 
 // A numpy array that owns `v` (moved to the heap, freed by the capsule).
@@ -59,18 +81,9 @@ nb::object numpy_owning(std::vector<T>&& v, std::initializer_list<size_t> shape)
   return nb::cast(nb::ndarray<nb::numpy, T>(heap->data(), shape, owner));
 }
 
-// (alpha, block_size, sink, window, last_n, correction, final_chunk, union_lists, head_subgroups, rule,
-// max_kept_blocks, mean_alpha), checked
-// by _api._selection_args (rule: the int of sp::SelectionRule, range-checked by the library's validation).
-sp::SelectionParams selection_params(nb::tuple t);
-
 // A host BlockIndex as the dict sparse_prefill.Index is built from (its vectors moved into owning numpy arrays;
 // v_mean None for an index without the correction).
 nb::dict index_to_dict(sp::BlockIndex&& idx);
-
-// Index arrays passed back in: (block_size, correction, head_subgroups, segment_start, segment_end, block_ids,
-// cu_blocks, k_mean, v_mean | None, binding | None); v_mean None: absent (an index without the correction).
-sp::BlockIndexView make_index_view(nb::tuple t, Held& held);
 
 // The parts of the module, by role (bind_attention.cpp, bind_sparse.cpp, bind_workload.cpp), called by NB_MODULE.
 void bind_attention(nb::module_& m);

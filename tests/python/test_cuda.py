@@ -211,8 +211,9 @@ def test_device_index_without_correction_has_no_v_means():
     dev = sp.build_index(*gpu, mq, mk, alpha=0.2, dense_fraction=1.0)
     assert not dev.correction and dev.to_host().v_mean is None
     sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk)  # fine without the correction
-    sel = dev._selection
-    dev._selection = sel[:5] + (True,) + sel[6:]
+    sel = dev._dev.selection  # a copy of the device index's SelectionParams
+    sel.correction = True
+    dev._dev.selection = sel
     with pytest.raises(ValueError, match="^index.v_mean: is missing"):
         sp.sparse_attention(*gpu[:3], dev, *gpu[3:], mq, mk)
     with pytest.raises(ValueError, match="^index.v_mean: is missing"):

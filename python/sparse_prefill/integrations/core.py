@@ -236,7 +236,7 @@ def _check_selection_value(name: str, field: str, value: Any) -> None:
     if field == "block_size" and not (isinstance(value, int) and value > 0 and value % 64 == 0):
         raise ValueError(f"{name}: must be a positive multiple of 64, got {value!r}")
     if field == "rule":
-        from sparse_prefill._index import _RULES
+        from sparse_prefill._api import _RULES
         if value not in _RULES:
             raise ValueError(f"{name}: must be one of {', '.join(map(repr, _RULES))}, got {value!r}")
 

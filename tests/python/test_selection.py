@@ -1,0 +1,169 @@
+"""sp.Selection: the selection as one immutable value, validated once, with the library's defaults; the functions'
+selection keywords are a shorthand for it. Also the named structures that cross the binding (_C.Inputs,
+_C.SelectionParams, _C.IndexArrays, _C.HostIndex) on the CPU."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+import sparse_prefill as sp
+from sparse_prefill import _C
+from conftest import make_varlen
+
+Q_LENS, K_LENS = [300, 129], [300, 500]
+SEL = dict(block_size=64, sink=64, window=64, last_n=1, alpha=0.3)
+
+
+@pytest.fixture
+def call(rng):
+    q, k, v, cu_q, cu_k = make_varlen(rng, Q_LENS, K_LENS, hq=4, hkv=2, d=64)
+    return q, k, v, cu_q, cu_k, max(Q_LENS), max(K_LENS)
+
+
+def test_defaults_are_the_librarys():
+    s = sp.Selection()
+    for name, value in sp.SELECTION_DEFAULTS.items():
+        assert getattr(s, name) == value, name
+    assert (s.final_chunk, s.union, s.max_kept_blocks) == (True, False, None)
+    c = _C.SelectionParams()  # SelectionParams{} through the binding
+    for name in ("block_size", "sink", "window", "last_n", "correction", "head_subgroups", "final_chunk"):
+        assert getattr(c, name) == getattr(s, name), name
+    for name in ("alpha", "mean_alpha", "dense_fraction"):
+        assert abs(getattr(c, name) - getattr(s, name)) < 1e-7, name
+    assert c.rule == sp._api._RULES[s.rule] and c.union_lists == s.union and c.max_kept_blocks == -1
+    p = s._params  # what crosses the binding
+    assert (p.block_size, p.rule, p.max_kept_blocks) == (c.block_size, c.rule, -1)
+
+
+@pytest.mark.parametrize("fields,exc,name", [
+    (dict(alpha=-0.1), ValueError, "alpha"),
+    (dict(alpha=1.5), ValueError, "alpha"),
+    (dict(alpha="0.1"), TypeError, "alpha"),
+    (dict(block_size=96), ValueError, "block_size"),
+    (dict(block_size=64.0), TypeError, "block_size"),
+    (dict(block_size=2**40), ValueError, "block_size"),
+    (dict(mean_alpha=2.0), ValueError, "mean_alpha"),
+    (dict(dense_fraction=0.0), ValueError, "dense_fraction"),
+    (dict(sink=-1), ValueError, "sink"),
+    (dict(window=-1), ValueError, "window"),
+    (dict(last_n=-2), ValueError, "last_n"),
+    (dict(rule="max"), ValueError, "rule"),
+    (dict(head_subgroups=-1), ValueError, "head_subgroups"),
+    (dict(correction="yes"), TypeError, "correction"),
+    (dict(union=2), TypeError, "union"),
+    (dict(max_kept_blocks=-5), ValueError, "max_kept_blocks"),
+    (dict(max_kept_blocks=1.5), TypeError, "max_kept_blocks"),
+])
+def test_validated_at_construction_naming_the_field(fields, exc, name):
+    with pytest.raises(exc, match=f"^{name}: "):
+        sp.Selection(**fields)
+
+
+def test_immutable_and_a_value():
+    s = sp.Selection(alpha=0.01)
+    with pytest.raises(AttributeError, match="^alpha: a Selection is immutable"):
+        s.alpha = 0.5
+    with pytest.raises(AttributeError):
+        del s.block_size
+    with pytest.raises(AttributeError):
+        s.other = 1
+    assert s == sp.Selection(alpha=0.01) and hash(s) == hash(sp.Selection(alpha=0.01))
+    assert s != sp.Selection() and "alpha=0.01" in repr(s)
+    t = s.replace(block_size=256)
+    assert (t.block_size, t.alpha, s.block_size) == (256, 0.01, 128)
+    with pytest.raises(ValueError, match="^block_size: "):
+        s.replace(block_size=100)
+    with pytest.raises(TypeError, match="^blocksize: not a field"):
+        s.replace(blocksize=256)
+    assert pickle.loads(pickle.dumps(s)) == s
+    with pytest.raises(TypeError):
+        sp.Selection(0.01)  # keywords only
+
+
+def test_keywords_and_selection_are_the_same_call(call):
+    want, lse_want = sp.sparse_prefill(*call, **SEL, return_lse=True)
+    got, lse_got = sp.sparse_prefill(*call, selection=sp.Selection(**SEL), return_lse=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse_got, lse_want)
+    a = sp.build_index(*call, **SEL)
+    b = sp.build_index(*call, selection=sp.Selection(**SEL))
+    for name in a._ARRAYS[:-1]:
+        np.testing.assert_array_equal(a.host[name], b.host[name])
+    assert sp.index_workspace_bytes(*call, **SEL) == sp.index_workspace_bytes(*call, selection=sp.Selection(**SEL))
+
+
+def test_chunked_prefill_takes_a_selection_and_its_final_chunk_wins(rng):
+    hq, hkv, d, page, L, C = 4, 2, 64, 64, 512, 128
+    k_cache = rng.standard_normal((L // page, page, hkv, d)).astype(np.float32)
+    v_cache = rng.standard_normal((L // page, page, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((C, hq, d)).astype(np.float32)
+    args = (q, k_cache, v_cache, np.array([0, C], np.int32), np.arange(L // page, dtype=np.int32)[None],
+            np.array([L], np.int32), C, L)
+    sel = sp.Selection(**SEL, final_chunk=True)
+    for final in (False, True):
+        want = sp.chunked_prefill(*args, final_chunk=final, **SEL)
+        got = sp.chunked_prefill(*args, final_chunk=final, selection=sel)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_keyword_beside_selection_is_an_error(call):
+    sel = sp.Selection(alpha=0.2)
+    with pytest.raises(ValueError, match=r"^alpha: given both as a keyword \(0.5\) and through selection= \(0.2\)"):
+        sp.sparse_prefill(*call, selection=sel, alpha=0.5)
+    with pytest.raises(ValueError, match="^block_size: given both"):
+        sp.build_index(*call, selection=sel, block_size=64)
+    with pytest.raises(ValueError, match="^union: given both"):
+        sp.index_workspace_bytes(*call, selection=sel, union=True)
+    with pytest.raises(TypeError, match="^selection: expected a sparse_prefill.Selection, got dict"):
+        sp.sparse_prefill(*call, selection=dict(alpha=0.2))
+    # a keyword at its default is no conflict
+    sp.sparse_prefill(*call, selection=sel.replace(**SEL), alpha=sp.SELECTION_DEFAULTS["alpha"])
+
+
+def test_keyword_errors_still_name_the_keyword(call):
+    with pytest.raises(ValueError, match="^alpha: "):
+        sp.sparse_prefill(*call, alpha=2.0)
+    with pytest.raises(TypeError, match="^block_size: "):
+        sp.sparse_prefill(*call, block_size=64.0)
+    with pytest.raises(TypeError, match="^window: "):  # not the cached Selection of window=64
+        sp.sparse_prefill(*call, **dict(SEL, window=64.0))
+
+
+def test_named_structures_at_the_binding(call):
+    q, k, v, cu_q, cu_k, mq, mk = call
+    inputs = _C.Inputs(q, k, v, cu_q, mq, mk, cu_seqlens_k=cu_k, window_left=3, window_right=-1)
+    assert (inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.causal, inputs.window, inputs.stream) == \
+        (mq, mk, True, (3, -1), 0)
+    assert not inputs.paged and inputs.softmax_scale is None
+    with pytest.raises(TypeError):
+        _C.Inputs(q, k, v, cu_q, mq, mk, cu_k)  # the optional fields are keywords
+    with pytest.raises(TypeError, match="^q: expected an array"):
+        _C.Inputs("q", k, v, cu_q, mq, mk)
+    opts = _C.LaunchOptions(checked=True)
+    assert (opts.dense_path, opts.split_kv, opts.checked) == (0, True, True)
+    # one Inputs serves several calls (it holds its arrays)
+    index = sp.build_index(*call, **SEL)
+    inputs = _C.Inputs(q, k, v, cu_q, mq, mk, cu_seqlens_k=cu_k)
+    out1, out2 = np.empty_like(q), np.empty_like(q)
+    view = index._arrays(index._lib)
+    _C.sparse_attention(inputs, view, out1, None)
+    _C.sparse_attention(inputs, view, out2, None)
+    np.testing.assert_array_equal(out1, out2)
+    host = index._host_index()
+    assert (host.block_size, host.group_size, host.num_kv_heads, host.kept_blocks) == \
+        (index.block_size, index.group_size, index.num_kv_heads, index.kept_blocks)
+    u = sp.union_index(index, *call)
+    assert u.mode == "union"
+
+
+def test_selection_reaches_the_torch_operators(call):
+    torch = pytest.importorskip("torch")
+    import sparse_prefill.torch_ops as spt
+    t = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in call]
+    want = spt.sparse_prefill(*t, **SEL)
+    np.testing.assert_array_equal(want.numpy(), sp.sparse_prefill(*call, selection=sp.Selection(**SEL)))
+    with pytest.raises(ValueError, match="^rule: must be 0"):
+        torch.ops.sparse_prefill.sparse_prefill(*t, rule=7)
+    with pytest.raises(ValueError, match="^alpha: must lie in"):
+        spt.sparse_prefill(*t, alpha=3.0)
