@@ -19,13 +19,6 @@ struct LaunchOptions {
   // Sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q): split tiles heavier than an SM's share into
   // split-KV units, planned on the device. false: one unit per tile.
   bool split_kv = true;
-  // Work order of the block-sparse kernel's tiles (the heaviest first either way). kHeadsFastest: KV heads fastest,
-  // so the tiles in flight spread over every head. kBanded: bands of the persistent grid's size, KV heads in turn
-  // within a band, so the tiles in flight share one or two heads' K / V in L2. Measured on the H200, banded against
-  // heads fastest (docs/design/sparse_kernel.md): random blocks at 64K 20 % 0.91, 50 % 0.86; FlashPrefill V2's topic
-  // selection 8K 1.14, 32K 1.02, 128K 1.02. Neither changes a result bit: a tile's math does not depend on the order.
-  enum class SparseOrder : int { kHeadsFastest = 0, kBanded = 1 };
-  SparseOrder sparse_order = SparseOrder::kHeadsFastest;
   // Checked mode, for debugging and tests: before the launch, copy the device-resident index values (cu_seqlens_q/k,
   // seqused_k, block_table and, for sparse_attention over a caller's index view, its arrays) to the host and validate
   // them as CPU arrays are validated; after the launch, check_errors(stream). It synchronises the stream twice and

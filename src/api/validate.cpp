@@ -112,11 +112,9 @@ void check_head_dim(int64_t head_dim, const char* name) {
 Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs) {
   Problem p;
   // options: enums from C++ callers may hold any int
-  const int path = static_cast<int>(in.options.dense_path), order = static_cast<int>(in.options.sparse_order);
+  const int path = static_cast<int>(in.options.dense_path);
   if (path < 0 || path > static_cast<int>(LaunchOptions::DensePath::kSplitKV))
     throw ArgumentError("options.dense_path", "unknown kernel path " + std::to_string(path));
-  if (order < 0 || order > static_cast<int>(LaunchOptions::SparseOrder::kBanded))
-    throw ArgumentError("options.sparse_order", "unknown work order " + std::to_string(order));
   // q
   check_rank(in.q, 3, "q");
   if (!is_float_input(in.q.dtype)) {

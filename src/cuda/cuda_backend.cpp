@@ -119,10 +119,9 @@ struct Scratch {
 
 // Runs the sparse kernel between the split plan and the combine of its float32 partials (split_kv/plan_combine.cu).
 // `plan`: the launch runs the split-KV plan (split_planned for indexes; always for the dense full-list path), when its
-// workspace has the split arrays. The work order's band comes from in.options.sparse_order.
-void run_sparse(const AttentionInputs& in, const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
+// workspace has the split arrays.
+void run_sparse(const FwdArgs& a, const Problem& p, SparseFwdArgs s, bool plan) {
   s.launch.plan = plan && s.launch.max_split_units > 0;
-  s.order_band = in.options.sparse_order == LaunchOptions::SparseOrder::kBanded ? num_sms() : 1;
   run_split_plan(a, s);
   run(a, p, &s);
   run_split_combine(a, s, p.dtype == DType::kBFloat16 || is_fp8(p));  // FP8 writes bfloat16
@@ -166,7 +165,7 @@ void run_sparse_index(const AttentionInputs& in, FwdArgs a, const Problem& p, co
     run(dense, p, nullptr);
     a.gate = {d.counters + kDense, 0};
   }
-  run_sparse(in, a, p, sparse_args_of(d), plan);
+  run_sparse(a, p, sparse_args_of(d), plan);
 }
 
 // The host-index path's prepared copies in one workspace: tiles per sequence, the kernel's pooled means (q's dtype;
@@ -234,7 +233,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   s.block_size = 128;
   s.correction = false;
   s.launch = carve_sparse_launch_workspace(ws.ptr, num_sms(), p.head_dim, true);
-  run_sparse(in, a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)
+  run_sparse(a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)
 }
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
@@ -272,7 +271,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.block_size = index.block_size;
   s.correction = index.correction && s.mean_rows > 0;
   s.head_subgroups = index.head_subgroups;
-  run_sparse(in, a, p, s, planned(in));
+  run_sparse(a, p, s, planned(in));
 }
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,

@@ -51,17 +51,14 @@ TEST_F(Errors, ValidInputsDoNotThrow) {
 // Launch options are enums a C++ caller may fill with any int: checked at the boundary, on every entry point.
 TEST_F(Errors, LaunchOptionCodes) {
   AttentionInputs in = C->in;
-  in.options.sparse_order = static_cast<LaunchOptions::SparseOrder>(2);
-  EXPECT_ARG_ERROR(attention(in, co), "options.sparse_order");
-  BlockIndex ic = index_for(*C);
-  EXPECT_ARG_ERROR(sparse_attention(in, view_of(ic), co), "options.sparse_order");
-  in.options.sparse_order = static_cast<LaunchOptions::SparseOrder>(-1);
-  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "options.sparse_order");
-  in = C->in;
   in.options.dense_path = static_cast<LaunchOptions::DensePath>(3);
   EXPECT_ARG_ERROR(attention(in, co), "options.dense_path");
+  BlockIndex ic = index_for(*C);
+  EXPECT_ARG_ERROR(sparse_attention(in, view_of(ic), co), "options.dense_path");
+  in.options.dense_path = static_cast<LaunchOptions::DensePath>(-1);
+  EXPECT_ARG_ERROR(build_index(in, SelectionParams{}), "options.dense_path");
   in = C->in;
-  in.options.sparse_order = LaunchOptions::SparseOrder::kBanded;  // valid; the CPU reference has no work order
+  in.options.dense_path = LaunchOptions::DensePath::kSplitKV;  // valid; the CPU reference has one path
   EXPECT_NO_THROW(attention(in, co));
 }
 

@@ -46,8 +46,8 @@ SP_HOST_DEVICE SeqSpan load_seq_span(const int* cu_q, const int* cu_k, const int
 // Block-sparse work order: index t -> (KV head, sequence, tile). The (sequence, tile) pairs r = sequence + batch *
 // (max_tiles - 1 - tile), tiles from the last (most blocks visible under causal, and the dense last_n tiles) to the
 // first, are cut into bands of `band` pairs; within a band KV heads are slowest, across bands the order stays
-// heaviest first. band 1 (LaunchOptions::SparseOrder::kHeadsFastest, the default) is KV heads fastest: the tiles in
-// flight spread over every KV head. band = the persistent grid (kBanded) keeps them on one or two heads, whose K / V
+// heaviest first. band 1 (what launches use, SparseFwdArgs::order_band) is KV heads fastest: the tiles in
+// flight spread over every KV head. band = the persistent grid keeps them on one or two heads, whose K / V
 // blocks then stay in L2 (ncu, 64K, 50 % random blocks: L2 hit rate 30 % -> 96 %). Measured on the H200, banded
 // against heads fastest (docs/design/sparse_kernel.md, "Work order"): random blocks at 64K 20 % 0.91, 50 % 0.86;
 // FlashPrefill V2's selection 8K 1.14, 32K 1.02, 128K 1.02. Tiles beyond a shorter sequence's count are empty work

@@ -78,8 +78,10 @@ struct SparseFwdArgs {
   bool full_list = false;
   // A device index (sparse_args_of): a segment whose start is kOverflowStart runs its full list (device_checks.h).
   bool overflow_marks = false;
-  // The work order's band (sparse_tile_coord, block_schedule.h), set by run_sparse from LaunchOptions::sparse_order:
-  // 1 (KV heads fastest) or the persistent grid (banded). The kernel and the split plan read this one value.
+  // The work order's band (sparse_tile_coord, block_schedule.h): 1, KV heads fastest. Bands of the persistent grid's
+  // size kept the tiles in flight on one or two heads' K / V in L2 (random blocks at 64K: 0.86-0.91 of the time; the
+  // topic selection at 8K 1.14, docs/design/sparse_kernel.md, "Work order"); no rule picks between them yet, so the
+  // kernel and the split plan read this one value, fixed here.
   int order_band = 1;
   // Scheduler counter and split-KV plan (split_kv/plan_combine.cu); launch.counters == nullptr: one CTA per tile, no
   // split.
