@@ -12,15 +12,14 @@ parameters (alpha 0.1, block 128, sink 256, window 512, last_n 2, correction on)
   index_graph_ms (the index stage's GPU time without the host's enqueue time: build_index captured in a CUDA
   graph; index_ms counts it per call), sparse_prefill_ms (the one-call sp.sparse_prefill with its workspace),
   dense_ms (ours), cudnn_ms, fa2_ms,
-  flex_same_mask_ms (correction off: FlexAttention has no mean correction, so compare it with attn_no_corr_ms),
-  attn_no_corr_banded_ms (attn_no_corr_ms with LaunchOptions(sparse_order='banded'), the other tile order, in the
-  same process; banded_vs_default = its ratio to attn_no_corr_ms).
+  flex_same_mask_ms (correction off: FlexAttention has no mean correction, so compare it with attn_no_corr_ms).
+  (Files before the banded tile order left the API also hold attn_no_corr_banded_ms / banded_vs_default.)
 Accuracy columns (same rows): rel_err / rel_err_no_correction = ||O_sparse - O_dense||_F / ||O_dense||_F on the
   structured workload at the same L (our dense kernel as full attention), and needle_ratio_min = the smallest, over
   the workload's retrieval needles, of cos(O_sparse, v_needle) / cos(O_dense, v_needle) averaged over the needle's
   query rows (1.0: the needle dominates the output as in dense).
 Sweep rows (--sweep-lengths): random block masks of fixed density (diagonal block always kept), correction off:
-  attn_ms against density * dense_ms, and attn_banded_ms / banded_ratio_to_ideal (the banded tile order); mask
+  attn_ms against density * dense_ms (earlier files: attn_banded_ms / banded_ratio_to_ideal, the banded order); mask
   "query_block" draws per (KV head, 128 query positions) as a 128x128 block mask does, mask "tile" independently per
   32-position PackGQA tile (no reuse of K/V between tiles: DRAM-bound at high density). These run a host index (made
   from the random CSR) with a caller workspace.
@@ -251,7 +250,6 @@ def main(argv=None):
     if args.mean_alpha is not None:
         SEL.update(mean_alpha=args.mean_alpha)
     sp = require_cuda()
-    banded = sp.LaunchOptions(sparse_order="banded")  # the other tile order, timed beside the default
     dev, g = "cuda", HQ // HKV
     flex = None
     if args.flex:
@@ -285,9 +283,6 @@ def main(argv=None):
         row["index_no_corr_ms"] = time_ms(lambda: sp.build_index(q, k, v, cu, cu, L, L, workspace=ws_nc_timed, **nc))
         row["attn_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out))
         row["attn_no_corr_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L, out=out))
-        row["attn_no_corr_banded_ms"] = time_ms(lambda: sp.sparse_attention(q, k, v, idx_nc, cu, cu, L, L, out=out,
-                                                                            options=banded))
-        row["banded_vs_default"] = row["attn_no_corr_banded_ms"] / row["attn_no_corr_ms"]
         row["total_ms"] = row["index_ms"] + row["attn_ms"]
         row["total_no_corr_ms"] = row["index_no_corr_ms"] + row["attn_no_corr_ms"]
         row["index_graph_ms"] = time_graph_ms(build)
@@ -334,12 +329,9 @@ def main(argv=None):
                     if wsv is None:  # its size does not depend on the CSR (correction off)
                         wsv = workspace(sp.sparse_attention_workspace_bytes(q, k, v, ridx, cu, cu, L, L), dev)
                     ms = time_ms(lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=wsv))
-                    ms_b = time_ms(lambda: sp.sparse_attention(q, k, v, ridx, cu, cu, L, L, out=out, workspace=wsv,
-                                                               options=banded))
                     srow = dict(L=L, mask=mask, target_density=dens, density=actual, attn_ms=ms,
                                 dense_ms=row["dense_ms"], ideal_ms=actual * row["dense_ms"],
-                                ratio_to_ideal=ms / (actual * row["dense_ms"]), attn_banded_ms=ms_b,
-                                banded_ratio_to_ideal=ms_b / (actual * row["dense_ms"]))
+                                ratio_to_ideal=ms / (actual * row["dense_ms"]))
                     emit(srow)
                     sweep.append(srow)
                     del ridx

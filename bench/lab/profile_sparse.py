@@ -2,8 +2,7 @@
 package (the index is built into a caller workspace and the kernel warmed up first; the launch to profile is the
 last one). With C and B: the last C-query chunk of B L-token prompts over a paged cache (chunked prefill). With
 --density: a random block mask of that density (bench_sparse.py's sweep, --mask its granularity) instead of the topic
-index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time); --order banded:
-the other tile order (LaunchOptions.sparse_order).
+index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time).
 Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \\
          python3 bench/lab/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
 import argparse
@@ -30,8 +29,6 @@ def parse_args(argv=None):
     ap.add_argument("--mask", choices=("query_block", "tile"), default="query_block",
                     help="the random mask's granularity (bench_sparse.py's sweep; default query_block)")
     ap.add_argument("--dense", action="store_true", help="profile the dense kernel on the same inputs instead")
-    ap.add_argument("--order", choices=("heads_fastest", "banded"), default="heads_fastest",
-                    help="the sparse kernel's tile order (LaunchOptions.sparse_order; default heads_fastest)")
     a = ap.parse_args(argv)
     if a.L <= 0 or a.L % 128:
         ap.error(f"L: must be a positive multiple of 128, got {a.L}")
@@ -73,11 +70,11 @@ def main(argv=None):
         from bench_sparse import random_index
         idx, density = random_index(sp, idx.to_host(), a.L, a.density, args[0].shape[1] // args[1].shape[1],
                                     per_query_block=a.mask == "query_block")
-    opts = sp.LaunchOptions(sparse_order=a.order)
+    opts = sp.LaunchOptions()
     for _ in range(a.repeats):
         sp.sparse_attention(args[0], args[1], args[2], idx, *args[3:], out=out, options=opts, **kw)
     torch.cuda.synchronize()
-    print("density", density, "order", a.order)
+    print("density", density)
 
 
 if __name__ == "__main__":

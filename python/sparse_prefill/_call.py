@@ -84,10 +84,6 @@ class LaunchOptions:
         wherever that path applies: head dim 128, no window, more keys than queries, pages of a multiple of 64).
     split_kv: sparse launches of chunk shapes (max_seqlen_k > max_seqlen_q) split tiles heavier than an SM's share
         into split-KV units (default True); False runs one unit per tile.
-    sparse_order: the block-sparse kernel's tile order, 'heads_fastest' (default) or 'banded' (bands of the grid's
-        size with the KV heads in turn, so the tiles in flight share K/V in L2). Measured on the H200, banded against
-        heads_fastest: random blocks at 64K 20 % 0.91x, 50 % 0.86x the time; FlashPrefill V2's topic selection 8K
-        1.14x, 32K and 128K 1.02x (docs/design/sparse_kernel.md). Results are bit-identical either way.
     checked: debugging and tests (default False). CUDA calls copy the device-resident index values (cu_seqlens_q/k,
         seqused_k, block_table, and a caller's index arrays) to the host and validate them as CPU arrays are
         validated before the launch, and call check_errors() after it: a bad value raises at once, naming the
@@ -96,28 +92,21 @@ class LaunchOptions:
     """
 
     _PATHS = {"auto": 0, "dense": 1, "split_kv": 2}
-    _ORDERS = {"heads_fastest": 0, "banded": 1}
-    __slots__ = ("dense_path", "split_kv", "checked", "sparse_order")
+    __slots__ = ("dense_path", "split_kv", "checked")
 
-    def __init__(self, dense_path: str = "auto", split_kv: bool = True, checked: bool = False,
-                 sparse_order: str = "heads_fastest"):
+    def __init__(self, dense_path: str = "auto", split_kv: bool = True, checked: bool = False):
         if not isinstance(dense_path, str) or dense_path not in self._PATHS:
             raise ValueError(f"dense_path: expected one of {sorted(self._PATHS)}, got {dense_path!r}")
-        if not isinstance(sparse_order, str) or sparse_order not in self._ORDERS:
-            raise ValueError(f"sparse_order: expected one of {sorted(self._ORDERS)}, got {sparse_order!r}")
         self.dense_path = dense_path
         self.split_kv = _as_bool("split_kv", split_kv)
         self.checked = _as_bool("checked", checked)
-        self.sparse_order = sparse_order
 
     def _native(self):
         """The extension's LaunchOptions (made per call: the attributes may have changed since construction)."""
-        return _C.LaunchOptions(dense_path=self._PATHS[self.dense_path], split_kv=self.split_kv, checked=self.checked,
-                                sparse_order=self._ORDERS[self.sparse_order])
+        return _C.LaunchOptions(dense_path=self._PATHS[self.dense_path], split_kv=self.split_kv, checked=self.checked)
 
     def __repr__(self) -> str:
-        return (f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv}, checked={self.checked}, "
-                f"sparse_order={self.sparse_order!r})")
+        return f"LaunchOptions(dense_path={self.dense_path!r}, split_kv={self.split_kv}, checked={self.checked})"
 
 
 def check_errors(stream=None) -> None:

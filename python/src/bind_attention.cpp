@@ -20,21 +20,18 @@ void bind_attention(nb::module_& m) {
   nb::class_<sp::LaunchOptions>(m, "LaunchOptions")
       .def(
           "__init__",
-          [](sp::LaunchOptions* self, int dense_path, bool split_kv, bool checked, int sparse_order) {
+          [](sp::LaunchOptions* self, int dense_path, bool split_kv, bool checked) {
             sp::LaunchOptions o;
             o.dense_path = static_cast<sp::LaunchOptions::DensePath>(dense_path);
             o.split_kv = split_kv;
             o.checked = checked;
-            o.sparse_order = static_cast<sp::LaunchOptions::SparseOrder>(sparse_order);
             new (self) sp::LaunchOptions(o);
           },
           nb::kw_only(), nb::arg("dense_path") = int(sp::LaunchOptions{}.dense_path),
-          nb::arg("split_kv") = sp::LaunchOptions{}.split_kv, nb::arg("checked") = sp::LaunchOptions{}.checked,
-          nb::arg("sparse_order") = int(sp::LaunchOptions{}.sparse_order))
+          nb::arg("split_kv") = sp::LaunchOptions{}.split_kv, nb::arg("checked") = sp::LaunchOptions{}.checked)
       .def_prop_ro("dense_path", [](const sp::LaunchOptions& o) { return int(o.dense_path); })
       .def_ro("split_kv", &sp::LaunchOptions::split_kv)
-      .def_ro("checked", &sp::LaunchOptions::checked)
-      .def_prop_ro("sparse_order", [](const sp::LaunchOptions& o) { return int(o.sparse_order); });
+      .def_ro("checked", &sp::LaunchOptions::checked);
 
   // One call's inputs (sp::AttentionInputs), converted once: the arrays (any DLPack producer or capsule) are imported
   // here and held by the object, so one Inputs serves every _C call of a public call.

@@ -364,41 +364,6 @@ def test_sparse_split_heavy_tiles_matches_cpu_reference(correction):
     _check_close(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("head_subgroups", [1, 2])
-def test_sparse_order_banded_is_bit_identical(head_subgroups):
-    """LaunchOptions(sparse_order='banded') reorders the tiles (bands of the grid's size, KV heads in turn) and must not
-    change a bit: one-shot sparse_prefill with and without correction (varlen, more (sequence, tile) pairs than SMs,
-    so two bands), the split-KV planned path of final chunks, and dense decode through the full-list split path.
-    Poisoned outputs, LSE."""
-    rng = np.random.default_rng()
-
-    def both(fn):  # fn(order) -> (out, lse), for each order
-        (a, la), (b, lb) = (fn(order) for order in ("heads_fastest", "banded"))
-        torch.cuda.synchronize()
-        assert not torch.isnan(a).any() and not torch.isnan(b).any()
-        assert torch.equal(a, b) and torch.equal(la, lb)
-
-    _, gpu, mq, mk = _structured_varlen(rng, [4100, 300, 1763], [4100, 300, 1763], 8, 2)
-    for correction in (False, True):
-        both(lambda o: sp.sparse_prefill(*gpu, mq, mk, alpha=0.2, correction=correction, return_lse=True,
-                                         head_subgroups=head_subgroups, options=sp.LaunchOptions(sparse_order=o),
-                                         out=torch.full_like(gpu[0], float("nan")), dense_fraction=1.0))
-    cpu, gpu, mq, mk = _structured_varlen(rng, [600, 37], [12000, 3000], 8, 2)  # split units (see above)
-    index = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=head_subgroups, dense_fraction=1.0)
-    both(lambda o: sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk, return_lse=True, reuse_index=True,
-                                       options=sp.LaunchOptions(sparse_order=o),
-                                       out=torch.full_like(gpu[0], float("nan"))))
-    qg, kc, vc, bt, _, _ = _paged_prompt(rng, 5000)
-    qd = qg[-16:].contiguous()
-    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
-    used = torch.tensor([5000], dtype=torch.int32, device="cuda")
-    split = lambda o: sp.LaunchOptions(dense_path="split_kv", sparse_order=o)
-    assert sp.attention_path(qd, kc, vc, cu, None, 16, 5000, block_table=bt, seqused_k=used,
-                             options=split("banded")) == "split_kv"
-    both(lambda o: sp.attention(qd, kc, vc, cu, None, 16, 5000, block_table=bt, seqused_k=used, return_lse=True,
-                                out=torch.full_like(qd, float("nan")), options=split(o)))
-
-
 def test_sparse_unsupported_on_cuda_is_a_clear_error():
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [256], [256], 4, 2)

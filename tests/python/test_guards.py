@@ -107,21 +107,6 @@ def test_launch_options_checked(rng):
     assert _arg(e) == "cu_seqlens_q"
 
 
-def test_launch_options_sparse_order(rng):
-    o = sp.LaunchOptions(sparse_order="banded")
-    assert o.sparse_order == "banded" and "sparse_order='banded'" in repr(o)
-    assert sp.LaunchOptions().sparse_order == "heads_fastest"
-    for bad in ("rows", "", 1, None):
-        with pytest.raises(ValueError) as e:
-            sp.LaunchOptions(sparse_order=bad)
-        assert _arg(e) == "sparse_order"
-    q, k, v, cu_q, cu_k = make_varlen(rng, [300], [300], d=64)
-    idx = sp.build_index(q, k, v, cu_q, cu_k, 300, 300, block_size=64)
-    a = sp.sparse_attention(q, k, v, idx, cu_q, cu_k, 300, 300, options=o)
-    b = sp.sparse_attention(q, k, v, idx, cu_q, cu_k, 300, 300)
-    assert np.array_equal(a, b)  # the CPU reference takes the option and has no order
-
-
 def test_check_errors_without_device_errors():
     sp.check_errors()  # CPU-only build or no kernel flagged anything: returns None
     sp.check_errors(stream=0)
