@@ -48,8 +48,8 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   }
   if (p.paged) {
     kv.block_table = in.block_table->ptr<const int32_t>();
-    kv.bt_stride0 = in.block_table->stride[0];
-    kv.bt_stride1 = in.block_table->stride[1];
+    kv.block_table_stride = in.block_table->stride[0];
+    kv.block_table_col_stride = in.block_table->stride[1];
     kv.page_size = p.page_size;
     kv.num_pages = p.num_pages;
   }

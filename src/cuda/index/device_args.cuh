@@ -80,18 +80,17 @@ struct KVArgs {
   DescaleArg k_descale, v_descale;  // FP8 only: key j of (b, kvh) is k[j] * k_descale(b, kvh)
   int64_t k_stride[3], v_stride[3];  // contiguous: row, head; paged: page, slot, head
   const int32_t* block_table;
-  int64_t bt_stride0, bt_stride1;
+  int64_t block_table_stride, block_table_col_stride;
   int64_t page_size;
   int64_t num_pages;   // block_table ids outside [0, num_pages) are skipped and reported (device_checks.h)
   DeviceError* err;
 
   // Page of key j of sequence b, or -1 (reported) for a bad id.
   __device__ int64_t page(int b, int64_t j) const {
-    const int64_t col = geometry::page_column(j, page_size);
-    const int64_t pg = block_table[b * bt_stride0 + col * bt_stride1];
-    if (pg >= 0 && pg < num_pages) return pg;
-    report_device_error(err, kErrBlockTable, b, int(col), int(pg), int(num_pages));
-    return -1;
+    auto report = [&](int code, int64_t col, int64_t pg) {
+      report_device_error(err, code, b, int(col), int(pg), int(num_pages));
+    };
+    return checked_page(*this, b, j, report);
   }
 };
 
