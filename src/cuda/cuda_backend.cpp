@@ -14,6 +14,7 @@
 #include "core/geometry.h"
 #include "cuda/attention/fwd_args.h"
 #include "cuda/common/check.h"
+#include "cuda/common/launch_inputs.h"
 #include "cuda/common/workspace.h"
 #include "cuda/index/index_stage.h"
 #include "cuda/split_kv/split_kv.h"
@@ -21,68 +22,67 @@
 namespace sparse_prefill::cuda {
 namespace {
 
-// The descale's pointer and (batch, KV head) strides (absent: null = 1).
-void set_descale(const std::optional<TensorView>& t, const float*& ptr, int64_t (&stride)[2]) {
-  if (!t) return;
-  ptr = t->ptr<const float>();
-  stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
-  stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
-}
-
-FwdArgs make_fwd_args(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
+// The attention kernel's launch arguments: the call's packed inputs (launch_inputs.h) and what only the kernel reads.
+FwdArgs make_fwd_args(const LaunchInputs& li, const AttentionInputs& in, const AttentionOutputs& outs,
+                      const Problem& p) {
   // What the kernels support was checked by the API layer (check_attention_supported, support.cpp).
   internal_check(p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16 || is_fp8(p), "q",
                  "a dtype the attention kernels are not built for");
 
   FwdArgs a;
-  a.q = in.q.data;
-  a.k = in.k.data;
-  a.v = in.v.data;
+  a.q = li.q;
+  a.k = li.k;
+  a.v = li.v;
   a.out = outs.out.data;
   a.lse = outs.lse ? outs.lse->ptr<float>() : nullptr;
-  a.q_row_stride = in.q.stride[0];
-  a.q_head_stride = in.q.stride[1];
+  a.q_row_stride = li.q_stride[0];
+  a.q_head_stride = li.q_stride[1];
   a.o_row_stride = outs.out.stride[0];
   a.o_head_stride = outs.out.stride[1];
   if (outs.lse) {
     a.lse_head_stride = outs.lse->stride[0];
     a.lse_row_stride = outs.lse->stride[1];
   }
-  if (p.paged) {
-    a.k_row_stride = in.k.stride[1];
-    a.k_head_stride = in.k.stride[2];
-    a.v_row_stride = in.v.stride[1];
-    a.v_head_stride = in.v.stride[2];
-    a.block_table = in.block_table->ptr<int>();
-    a.block_table_stride = in.block_table->stride[0];
-    a.seqused_k = in.seqused_k->ptr<int>();
-    a.page_size = int(p.page_size);
-    a.total_k_rows = int(p.num_pages * p.page_size);
-    a.num_pages = int(p.num_pages);
+  if (li.paged) {
+    a.k_row_stride = li.k_stride[1];
+    a.k_head_stride = li.k_stride[2];
+    a.v_row_stride = li.v_stride[1];
+    a.v_head_stride = li.v_stride[2];
+    a.block_table = li.block_table;
+    a.block_table_stride = li.block_table_stride[0];
+    a.seqused_k = li.seqused_k;
+    a.page_size = int(li.page_size);
+    a.total_k_rows = int(li.num_pages * li.page_size);
+    a.num_pages = int(li.num_pages);
   } else {
-    a.k_row_stride = in.k.stride[0];
-    a.k_head_stride = in.k.stride[1];
-    a.v_row_stride = in.v.stride[0];
-    a.v_head_stride = in.v.stride[1];
-    a.cu_seqlens_k = in.cu_seqlens_k->ptr<int>();
+    a.k_row_stride = li.k_stride[0];
+    a.k_head_stride = li.k_stride[1];
+    a.v_row_stride = li.v_stride[0];
+    a.v_head_stride = li.v_stride[1];
+    a.cu_seqlens_k = li.cu_seqlens_k;
     a.total_k_rows = int(p.total_k);
   }
-  a.cu_seqlens_q = in.cu_seqlens_q.ptr<int>();
+  a.cu_seqlens_q = li.cu_seqlens_q;
   a.batch = p.batch;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.head_dim = p.head_dim;
   a.total_q = int(p.total_q);
   a.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
-  a.limits = seq_limits(in, p);
+  a.limits = li.limits;
   a.softmax_scale = p.softmax_scale;
   a.causal = in.causal;
   a.window_left = in.window_left;
   a.window_right = in.window_right;
-  a.stream = in.stream;
-  set_descale(in.q_descale, a.q_descale, a.q_descale_stride);
-  set_descale(in.k_descale, a.k_descale, a.k_descale_stride);
-  set_descale(in.v_descale, a.v_descale, a.v_descale_stride);
+  a.stream = li.stream;
+  const auto set_descale = [](const Descale& d, const float*& ptr, int64_t (&stride)[2]) {
+    ptr = d.ptr;
+    stride[0] = d.stride[0];
+    stride[1] = d.stride[1];
+  };
+  set_descale(li.q_descale, a.q_descale, a.q_descale_stride);
+  set_descale(li.k_descale, a.k_descale, a.k_descale_stride);
+  set_descale(li.v_descale, a.v_descale, a.v_descale_stride);
   if (a.total_k_rows == 0) {
     // No key at all: every tile is empty (zeros, lse = -inf) and no K/V load is issued, but the TMA descriptors
     // still need a valid non-empty domain: describe q's memory instead.
@@ -220,7 +220,7 @@ int64_t attention_workspace_bytes(int head_dim) {
 }
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  const FwdArgs a = make_fwd_args(in, outs, p);
+  const FwdArgs a = make_fwd_args(launch_inputs(in, p), in, outs, p);
   const size_t need = size_t(attention_workspace_bytes(p.head_dim));
   // Checked even when this call takes the dense kernel: a bad buffer fails on every shape.
   if (outs.workspace) check_workspace(*outs.workspace, in.q, int64_t(need), "attention_workspace_bytes(head_dim)");
@@ -238,7 +238,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 
 void sparse_attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p,
                       const DeviceBlockIndex& index) {
-  const FwdArgs a = make_fwd_args(in, outs, p);
+  const FwdArgs a = make_fwd_args(launch_inputs(in, p), in, outs, p);
   const DeviceIndex d = carve_index(index.binding, index.params, index.workspace.data);  // pointers only: no access
   check_workspace(index.workspace, in.q, int64_t(d.workspace_bytes), "index_workspace_bytes(...)");
   run_sparse_index(in, a, p, d, index.params.dense_fraction);
@@ -250,7 +250,8 @@ size_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIn
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
-  const FwdArgs a = make_fwd_args(in, outs, p);
+  const LaunchInputs li = launch_inputs(in, p);
+  const FwdArgs a = make_fwd_args(li, in, outs, p);
   const Scratch ws(in, outs.workspace, view_layout(in, index, p, nullptr).bytes,
                    "sparse_attention_workspace_bytes(...)");
   const ViewLayout l = view_layout(in, index, p, ws.ptr);
@@ -261,7 +262,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.block_ids = index.block_ids.ptr<const int32_t>();
   s.cu_tiles = l.cu_tiles;
   s.cu_blocks = index.cu_blocks.ptr<const int32_t>();
-  prepare_index_view(in, p, index, l.cu_tiles, l.k_mean, l.v_mean);
+  prepare_index_view(li, p, index, l.cu_tiles, l.k_mean, l.v_mean);
   s.num_segments = int(std::min(index.segment_start.shape[0], index.segment_end.shape[0]));
   s.num_block_ids = int(index.block_ids.shape[0]);
   s.k_mean = l.k_mean;
@@ -276,17 +277,18 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
 
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const Problem& p, const MeanCache* cache) {
-  const FwdArgs a = make_fwd_args(in, outs, p);
+  const LaunchInputs li = launch_inputs(in, p);  // read by the index stage and the sparse kernel
+  const FwdArgs a = make_fwd_args(li, in, outs, p);
   const size_t bytes = index_workspace_bytes(in, p, params);
   const Scratch ws(in, outs.workspace, bytes, "sparse_prefill_workspace_bytes(...)");
-  run_sparse_index(in, a, p, build_index(in, p, params, ws.ptr, bytes, cache), params.dense_fraction);
+  run_sparse_index(in, a, p, build_index(in, li, p, params, ws.ptr, bytes, cache), params.dense_fraction);
 }
 
 void build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                  const TensorView& workspace, const MeanCache* cache) {
   const size_t bytes = index_workspace_bytes(in, p, params);
   check_workspace(workspace, in.q, int64_t(bytes), "index_workspace_bytes(...)");
-  build_index(in, p, params, workspace.data, bytes, cache);
+  build_index(in, launch_inputs(in, p), p, params, workspace.data, bytes, cache);
 }
 
 TensorView download_int32(const TensorView& t, void* stream, std::vector<int32_t>& storage) {

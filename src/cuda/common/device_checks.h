@@ -178,14 +178,23 @@ __device__ __forceinline__ void report_seq_error(DeviceError* e, int code, int b
   report_device_error(e, code, b, index, value, bound);
 }
 
-// The page of key token `tok` of sequence `batch` (block_table[batch, tok / page_size]), or -1 for an id outside
-// [0, num_pages), which poison(kErrBlockTable, column, id) reports (every KV source loads pages through this).
-template <class KvParams, class Poison>
-__device__ __forceinline__ int checked_page(const KvParams& p, int batch, int tok, Poison& poison) {
-  const int col = geometry::page_column(tok, p.page_size);
-  const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
-  if (unsigned(page) < unsigned(p.num_pages)) return page;
-  poison(kErrBlockTable, col, page);
+// The page holding key `tok` of sequence `batch`: block_table[batch, tok / page_size], or -1 for an id outside
+// [0, num_pages), which poison(kErrBlockTable, column, id) reports. Every paged K/V read looks its pages up here.
+// Two widths, each as its caller had it: the attention kernel's KV sources (int keys: a 64-bit division is a software
+// routine on the GPU; contiguous columns, read through the read-only cache, one unsigned compare) and the index stage
+// (int64_t keys, KVArgs: any column stride). Both give the same page for num_pages >= 0.
+template <class KvParams, class Key, class Poison>
+__device__ __forceinline__ Key checked_page(const KvParams& p, int batch, Key tok, Poison& poison) {
+  const Key col = geometry::page_column(tok, p.page_size);
+  if constexpr (sizeof(Key) == 4) {
+    const int page = __ldg(p.block_table + batch * p.block_table_stride + col);
+    if (unsigned(page) < unsigned(p.num_pages)) return page;
+    poison(kErrBlockTable, col, page);
+  } else {
+    const Key page = p.block_table[batch * p.block_table_stride + col * p.block_table_col_stride];
+    if (page >= 0 && page < p.num_pages) return page;
+    poison(kErrBlockTable, col, page);
+  }
   return -1;
 }
 #endif

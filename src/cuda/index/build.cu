@@ -17,8 +17,9 @@ namespace sparse_prefill::cuda {
 
 using namespace index_stage;
 
-DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
-                        size_t workspace_bytes, const MeanCache* mean_cache) {
+DeviceIndex build_index(const AttentionInputs& in, const LaunchInputs& li, const Problem& p,
+                        const SelectionParams& params, void* workspace, size_t workspace_bytes,
+                        const MeanCache* mean_cache) {
   // What the index stage supports was checked by the API layer (check_index_supported, support.cpp); the scorer's
   // cp.async of q relies on it.
   const bool fp8 = is_fp8(p);
@@ -35,27 +36,11 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   }
   const DeviceIndex d = carve_index(binding, params, workspace);
 
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
-  const SeqArgs seq = seq_args(in, p);
-  launch_plan(stream, seq, seq_limits(in, p), heads, params.block_size, d);
+  cudaStream_t stream = static_cast<cudaStream_t>(li.stream);
+  const SeqArgs seq = seq_args(li);
+  launch_plan(stream, seq, li.limits, heads, params.block_size, d);
 
-  KVArgs kv{};
-  kv.k = in.k.data;
-  kv.v = in.v.data;
-  for (int i = 0; i < 3; ++i) {
-    kv.k_stride[i] = in.k.stride[i];
-    kv.v_stride[i] = in.v.stride[i];
-  }
-  if (p.paged) {
-    kv.block_table = in.block_table->ptr<const int32_t>();
-    kv.bt_stride0 = in.block_table->stride[0];
-    kv.bt_stride1 = in.block_table->stride[1];
-    kv.page_size = p.page_size;
-    kv.num_pages = p.num_pages;
-  }
-  kv.err = device_error_word();
-  kv.k_descale = descale_arg(in.k_descale);
-  kv.v_descale = descale_arg(in.v_descale);
+  const KVArgs kv = kv_args(li);
   MeanCacheArgs cache;
   if (mean_cache != nullptr) {
     cache.k = mean_cache->k_mean.ptr<float>();
@@ -66,17 +51,16 @@ DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const Selec
   // Pooling CTAs: one per (pooled row, KV head), or with the cache per (block the chunk touches, KV head).
   const int64_t pool_rows = cache.chunk_blocks > 0 ? int64_t(p.batch) * cache.chunk_blocks : bd.max_blocks;
   // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
-  bool vec_ok = (reinterpret_cast<uintptr_t>(in.k.data) % 16 == 0) && (reinterpret_cast<uintptr_t>(in.v.data) % 16 == 0);
-  for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && in.k.stride[i] % 8 == 0 && in.v.stride[i] % 8 == 0;
+  bool vec_ok = (reinterpret_cast<uintptr_t>(li.k) % 16 == 0) && (reinterpret_cast<uintptr_t>(li.v) % 16 == 0);
+  for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && li.k_stride[i] % 8 == 0 && li.v_stride[i] % 8 == 0;
   launch_copy_cached_means(stream, p.dtype, seq, kv, cache, params.block_size, p.num_kv_heads, p.head_dim,
                            bd.max_blocks, d);
   launch_pooling(stream, p.dtype, p.head_dim, vec_ok, pool_rows, seq, kv, cache, params.block_size, p.num_kv_heads,
                  d);
   const int per16 = fp8 ? 16 : 8;  // elements in 16 bytes
-  const bool q_vec16 = reinterpret_cast<uintptr_t>(in.q.data) % 16 == 0 && in.q.stride[0] % per16 == 0 &&
-                       in.q.stride[1] % per16 == 0;
-  QArgs qa{in.q.data, in.q.stride[0], in.q.stride[1], q_vec16};
-  qa.descale = descale_arg(in.q_descale);
+  const bool q_vec16 = reinterpret_cast<uintptr_t>(li.q) % 16 == 0 && li.q_stride[0] % per16 == 0 &&
+                       li.q_stride[1] % per16 == 0;
+  const QArgs qa = q_args(li, q_vec16);
   const SelectArgs sel{params.alpha, params.block_size, params.sink, params.window,
                        params.final_chunk ? params.last_n : 0,
                        float(p.softmax_scale * kLog2e)};

@@ -8,11 +8,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <optional>
 #include <type_traits>
 
 #include "core/geometry.h"
 #include "cuda/common/device_checks.h"
+#include "cuda/common/launch_inputs.h"
 #include "cuda/index/index_stage.h"
 #include "cuda/index/layout.h"
 
@@ -58,20 +58,18 @@ __device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int3
   return st;
 }
 
-// An FP8 descale, float32 [B, Hkv] (docs/semantics.md "FP8 inputs"): strides in elements (0 broadcasts); null = 1.
+// An FP8 descale as the kernels read it (Descale, launch_inputs.h): null = 1, strides in elements (0 broadcasts).
 struct DescaleArg {
   const float* ptr = nullptr;
   int64_t stride[2] = {0, 0};
   __device__ float at(int b, int h) const { return ptr == nullptr ? 1.f : __ldg(ptr + b * stride[0] + h * stride[1]); }
 };
-// A caller's descale as the kernels read it (absent: null = 1; a size-1 axis broadcasts whatever its stride).
-inline DescaleArg descale_arg(const std::optional<TensorView>& t) {
-  DescaleArg d;
-  if (!t) return d;
-  d.ptr = t->ptr<const float>();
-  d.stride[0] = t->shape[0] > 1 ? t->stride[0] : 0;
-  d.stride[1] = t->shape[1] > 1 ? t->stride[1] : 0;
-  return d;
+inline DescaleArg descale_arg(const Descale& d) {
+  DescaleArg a;
+  a.ptr = d.ptr;
+  a.stride[0] = d.stride[0];
+  a.stride[1] = d.stride[1];
+  return a;
 }
 
 struct KVArgs {
@@ -80,18 +78,17 @@ struct KVArgs {
   DescaleArg k_descale, v_descale;  // FP8 only: key j of (b, kvh) is k[j] * k_descale(b, kvh)
   int64_t k_stride[3], v_stride[3];  // contiguous: row, head; paged: page, slot, head
   const int32_t* block_table;
-  int64_t bt_stride0, bt_stride1;
+  int64_t block_table_stride, block_table_col_stride;
   int64_t page_size;
   int64_t num_pages;   // block_table ids outside [0, num_pages) are skipped and reported (device_checks.h)
   DeviceError* err;
 
   // Page of key j of sequence b, or -1 (reported) for a bad id.
   __device__ int64_t page(int b, int64_t j) const {
-    const int64_t col = geometry::page_column(j, page_size);
-    const int64_t pg = block_table[b * bt_stride0 + col * bt_stride1];
-    if (pg >= 0 && pg < num_pages) return pg;
-    report_device_error(err, kErrBlockTable, b, int(col), int(pg), int(num_pages));
-    return -1;
+    auto report = [&](int code, int64_t col, int64_t pg) {
+      report_device_error(err, code, b, int(col), int(pg), int(num_pages));
+    };
+    return checked_page(*this, b, j, report);
   }
 };
 
@@ -162,9 +159,33 @@ struct QArgs {
   DescaleArg descale;  // FP8 only: query head h of sequence b is q * descale(b, h / g)
 };
 
-inline SeqArgs seq_args(const AttentionInputs& in, const Problem& p) {
-  return SeqArgs{in.cu_seqlens_q.ptr<const int32_t>(), p.paged ? nullptr : in.cu_seqlens_k->ptr<const int32_t>(),
-                 p.paged ? in.seqused_k->ptr<const int32_t>() : nullptr, p.batch};
+// The index stage's kernel arguments, derived from the call's packed inputs (launch_inputs.h) only.
+inline SeqArgs seq_args(const LaunchInputs& li) {
+  return SeqArgs{li.cu_seqlens_q, li.cu_seqlens_k, li.seqused_k, li.limits.batch};
+}
+inline KVArgs kv_args(const LaunchInputs& li) {
+  KVArgs kv{};
+  kv.k = li.k;
+  kv.v = li.v;
+  for (int i = 0; i < 3; ++i) {
+    kv.k_stride[i] = li.k_stride[i];
+    kv.v_stride[i] = li.v_stride[i];
+  }
+  if (li.paged) {
+    kv.block_table = li.block_table;
+    kv.block_table_stride = li.block_table_stride[0];
+    kv.block_table_col_stride = li.block_table_stride[1];
+    kv.page_size = li.page_size;
+    kv.num_pages = li.num_pages;
+  }
+  kv.err = device_error_word();
+  kv.k_descale = descale_arg(li.k_descale);
+  kv.v_descale = descale_arg(li.v_descale);
+  return kv;
+}
+// vec16: the scorer's 16-byte copies of q rows (build.cu decides them from the base and strides).
+inline QArgs q_args(const LaunchInputs& li, bool vec16) {
+  return QArgs{li.q, li.q_stride[0], li.q_stride[1], vec16, descale_arg(li.q_descale)};
 }
 
 // Launchers, one per role (each file's kernels stay private to it). All on `stream`, no host synchronisation.

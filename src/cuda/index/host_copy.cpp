@@ -107,7 +107,7 @@ BlockIndex build_index_to_host(const AttentionInputs& in, const Problem& p, cons
     void* ptr;
     ~Free() { cudaFree(ptr); }
   } free_ws{ws};
-  const DeviceIndex d = build_index(in, p, params, ws, bytes);
+  const DeviceIndex d = build_index(in, launch_inputs(in, p), p, params, ws, bytes);
   return download_index(d, bind_index(in, p, params), params, in.stream);
 }
 

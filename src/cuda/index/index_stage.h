@@ -28,6 +28,7 @@
 
 #include "core/problem.h"
 #include "cuda/attention/fwd_args.h"
+#include "cuda/common/launch_inputs.h"
 #include "sparse_prefill/sparse.h"
 
 namespace sparse_prefill::cuda {
@@ -83,13 +84,15 @@ struct DeviceIndex {
 // paged KV.
 // mean_cache (paged KV, validated by the caller: validate_mean_cache): the blocks that end before each sequence's
 // chunk are read from it, the blocks the chunk completes are pooled and written to it (MeanCache, sparse.h).
-DeviceIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, void* workspace,
-                        size_t workspace_bytes, const MeanCache* mean_cache = nullptr);
+// li: the call's packed inputs (launch_inputs(in, p)), from which the stage's kernel arguments are derived.
+DeviceIndex build_index(const AttentionInputs& in, const LaunchInputs& li, const Problem& p,
+                        const SelectionParams& params, void* workspace, size_t workspace_bytes,
+                        const MeanCache* mean_cache = nullptr);
 
 // For sparse attention over a caller's index view (device arrays): writes cu_tiles [B+1] from cu_seqlens_q and the
 // sparse kernel's copies of the float32 pooled means (view.k_mean.shape[0] rows, contiguous [rows, Hkv, D]: q's dtype,
-// or e4m3 in raw units of in's descales for FP8) on in.stream (view.cu).
-void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
+// or e4m3 in raw units of li's descales for FP8) on li.stream (view.cu).
+void prepare_index_view(const LaunchInputs& li, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
                         void* k_kernel, void* v_kernel);
 
 // The pointers of a device index in `workspace`: a function of its binding and parameters alone (the layout

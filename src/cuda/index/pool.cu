@@ -88,7 +88,7 @@ __device__ __forceinline__ bool kv_offsets(const KVArgs& kv, const PoolBlock& pb
   if (kv.block_table) {
     const int64_t page = kv.page(pb.b, j);
     if (page < 0) return false;
-    const int64_t slot = j % kv.page_size;
+    const int64_t slot = geometry::page_slot(j, kv.page_size);
     ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
     vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
   } else {

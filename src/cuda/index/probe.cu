@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
         if (j < k_len) {
           if (kv.block_table) {
             const int64_t page = kv.page(b, j);
-            if (page >= 0) ko = page * kv.k_stride[0] + (j % kv.page_size) * kv.k_stride[1] + kv_mem * kv.k_stride[2];
+            if (page >= 0) ko = page * kv.k_stride[0] + geometry::page_slot(j, kv.page_size) * kv.k_stride[1] + kv_mem * kv.k_stride[2];
           } else {
             ko = (seq.k_start(b) + j) * kv.k_stride[0] + kv_mem * kv.k_stride[1];
           }

@@ -59,9 +59,9 @@ __global__ void prepare_view_kernel(SeqArgs seq, SeqLimits limits, int batch, in
 
 }  // namespace
 
-void prepare_index_view(const AttentionInputs& in, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
+void prepare_index_view(const LaunchInputs& li, const Problem& p, const BlockIndexView& view, int32_t* cu_tiles,
                         void* k_kernel, void* v_kernel) {
-  cudaStream_t stream = static_cast<cudaStream_t>(in.stream);
+  cudaStream_t stream = static_cast<cudaStream_t>(li.stream);
   const int64_t rows = view.correction ? view.k_mean.shape[0] : 0;
   const int64_t n = rows * p.num_kv_heads * p.head_dim;
   const int grid = int(std::min<int64_t>(std::max<int64_t>((n + 255) / 256, 1), 4096));
@@ -77,11 +77,11 @@ void prepare_index_view(const AttentionInputs& in, const Problem& p, const Block
     m.v_rs = view.v_mean.stride[0], m.v_hs = view.v_mean.stride[1] * S;
   }
   m.cu_blocks = view.cu_blocks.ptr<const int32_t>();
-  m.k_descale = descale_arg(in.k_descale);
-  m.v_descale = descale_arg(in.v_descale);
+  m.k_descale = descale_arg(li.k_descale);
+  m.v_descale = descale_arg(li.v_descale);
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    prepare_view_kernel<T><<<grid, 256, 0, stream>>>(index_stage::seq_args(in, p), seq_limits(in, p), p.batch,
+    prepare_view_kernel<T><<<grid, 256, 0, stream>>>(index_stage::seq_args(li), li.limits, p.batch,
                                                      p.group_size / S, cu_tiles, m, p.num_kv_heads, p.head_dim,
                                                      static_cast<T*>(k_kernel), static_cast<T*>(v_kernel));
   };
