@@ -205,8 +205,8 @@ bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   if (gathered_pages(p)) return false;  // the sparse kernel loads K/V by TMA only
   if (in.options.dense_path == Path::kSplitKV) return true;
   const int64_t m_blocks = geometry::num_tiles(in.max_seqlen_q, 1);  // dense tiles of one head
-  // Measured (H200, Llama heads, docs/design/dense_kernel.md): Lq = 128 against 128K (32 dense tiles) 1.78x faster than the dense
-  // kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
+  // Measured (H200, Llama heads, docs/design/dense_kernel.md): Lq = 128 against 128K (32 dense tiles) 1.87x faster
+  // than the dense kernel, Lq = 512 (128 tiles, one wave already) 0.85x: split only below half a wave.
   return in.max_seqlen_q < 128 || 2 * int64_t(p.num_q_heads) * m_blocks * p.batch <= num_sms();
 }
 

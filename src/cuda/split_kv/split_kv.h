@@ -44,8 +44,8 @@ SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int
 // LaunchOptions::split_kv is off. Sizes the launch workspace and gates the plan. Only chunk shapes are planned: there
 // a few tiles (the final chunk's dense last_n tiles) can each outweigh an SM's share of the work. In one-shot prefill
 // (Lq = Lk) the heaviest tile is far below that share (128K: 1032 steps against ~3500 per SM) and the heaviest-first
-// order balances the SMs; the plan and combine launches would only add ~20 us (8K: 0.548 -> 0.567 ms,
-// docs/design/sparse_kernel.md).
+// order balances the SMs; the plan and combine launches would only add their cost (~20 us at 8K in the A/B that
+// decided it, whose results file is in git history only).
 inline bool split_planned(bool split_kv, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   return split_kv && max_seqlen_k > max_seqlen_q;
 }
