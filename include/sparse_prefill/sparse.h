@@ -103,6 +103,9 @@ struct SelectionParams {
   // the per-tile lists and the unions share the budget. Not used by the CPU reference.
   int64_t max_kept_blocks = -1;
 };
+// The checks of a selection that need no inputs (each field's range); every entry point runs them, and a caller that
+// builds its parameters once (the Python Selection) can run them then. Throws ArgumentError naming the field.
+void check_selection_params(const SelectionParams& params);
 
 // What an index was built for: the problem (mask, scale, head geometry, lengths' bounds, dtype, device), the
 // selection parameters that shape its layout, and the addresses of the arrays it was built from. build_index fills

@@ -14,7 +14,6 @@
 #include <utility>
 #include <vector>
 
-#include "api/validate.h"  // check_selection_params: the shape-free checks, run when a Selection is made
 #include "sparse_prefill/sparse.h"
 #include "sparse_prefill/tensor.h"
 #include "views.h"

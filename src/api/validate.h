@@ -18,7 +18,6 @@ Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs)
 void validate_values(const AttentionInputs& in, const TensorView& cu_seqlens_q, const TensorView* cu_seqlens_k,
                      const TensorView* block_table, const TensorView* seqused_k, Problem& p);
 
-void check_selection_params(const SelectionParams& params);
 // The head dims every backend is built for (64, 128); `name` is the argument that carries it (q, head_dim).
 void check_head_dim(int64_t head_dim, const char* name);
 // FP8 descales ([B, Hkv] float32, host memory): every value >= 0 (the kernels' running max assumes a non-negative
