@@ -11,7 +11,11 @@ from ._call import _as_bool, _as_float, _as_int, _as_int32
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
 _RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3}
 _RULE_NAMES = {v: k for k, v in _RULES.items()}
-_C_DEFAULTS = dict(_C.selection_defaults())
+# SelectionParams{} read field by field: its fields are the binding's, so no second list of defaults exists in C++
+_PARAMS = _C.SelectionParams()
+_C_DEFAULTS = {name: getattr(_PARAMS, name) for name in (
+    "alpha", "mean_alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
+    "dense_fraction")}
 SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
                           mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
                           dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
@@ -48,10 +52,11 @@ def _as_max_kept_blocks(value: Any) -> int:
 
 
 # The fields in the order of the selection keywords, with their defaults (union, final_chunk and max_kept_blocks are
-# not in SELECTION_DEFAULTS: their defaults are the keywords', equal to SelectionParams{}'s).
+# not in SELECTION_DEFAULTS; theirs are SelectionParams{}'s too, max_kept_blocks -1 as None).
 _FIELDS = ("alpha", "rule", "mean_alpha", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
            "dense_fraction", "final_chunk", "union", "max_kept_blocks")
-_DEFAULTS = dict(_D, final_chunk=True, union=False, max_kept_blocks=None)
+_DEFAULTS = dict(_D, final_chunk=_PARAMS.final_chunk, union=_PARAMS.union_lists,
+                 max_kept_blocks=None if _PARAMS.max_kept_blocks == -1 else _PARAMS.max_kept_blocks)
 
 
 class Selection:

@@ -144,22 +144,6 @@ void bind_sparse(nb::module_& m) {
       .def("check", [](const sp::SelectionParams& p) { sp::check_selection_params(p); })
       .def("__repr__", &selection_repr);
 
-  m.def("selection_defaults", [] {  // SelectionParams{} as a dict: the library's defaults for the Python keywords
-    sp::SelectionParams p;
-    nb::dict r;
-    r["alpha"] = p.alpha;
-    r["mean_alpha"] = p.mean_alpha;
-    r["rule"] = int(p.rule);
-    r["block_size"] = p.block_size;
-    r["sink"] = p.sink;
-    r["window"] = p.window;
-    r["last_n"] = p.last_n;
-    r["correction"] = p.correction;
-    r["head_subgroups"] = p.head_subgroups;
-    r["dense_fraction"] = p.dense_fraction;
-    return r;
-  });
-
   // A host index's arrays (host, or copied to q's device) as sparse_attention reads them (sp::BlockIndexView).
   nb::class_<IndexArrays>(m, "IndexArrays")
       .def(

@@ -15,7 +15,7 @@
 //   views.{h,cpp}       DLPack <-> TensorView (Held, to_view, ...), the structures Inputs, IndexArrays, DeviceIndex,
 //                       make_outputs and index_to_dict
 //   bind_attention.cpp  LaunchOptions, Inputs, check_errors, attention, attention_workspace_bytes, attention_path
-//   bind_sparse.cpp     IndexBinding, SelectionParams, selection_defaults, IndexArrays, HostIndex, IndexStats,
+//   bind_sparse.cpp     IndexBinding, SelectionParams, IndexArrays, HostIndex, IndexStats,
 //                       DeviceIndex, build_index (host and device), sparse_attention, sparse_prefill, the workspace
 //                       sizes, mean_cache_slots, union_index, pool_kv
 //   bind_workload.cpp   the synthetic workloads (workload_topic, workload_structured, workload_needles)
