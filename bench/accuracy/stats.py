@@ -15,6 +15,8 @@ sum(diff) / sum(count); the generator is seeded, so an interval is reproducible.
 """
 import numpy as np
 
+from sparse_prefill.calibrate.stats import bootstrap_difference
+
 
 def units(clusters, prompt_ids, unit):
     """Unit id per token from the per-token cluster ids (local to their prompt) and prompt ids."""
@@ -31,26 +33,12 @@ def units(clusters, prompt_ids, unit):
 
 def paired_bootstrap(dense, config, unit_ids, n_boot=2000, seed=0, level=0.95, batch=256):
     """(mean(config) - mean(dense), low, high) over the scored tokens; dense, config: per-token outcomes (same
-    tokens, same order); unit_ids: the resampling unit of each token."""
+    tokens, same order); unit_ids: the resampling unit of each token. The package's bootstrap (the calibration
+    command's), so both report the same interval for the same draws."""
     d = np.asarray(config, np.float64) - np.asarray(dense, np.float64)
     if d.shape != np.shape(unit_ids) or d.ndim != 1 or not len(d):
         raise ValueError("paired_bootstrap: dense, config and unit_ids must be 1-D of one length > 0")
-    _, inv = np.unique(np.asarray(unit_ids), return_inverse=True)
-    sums = np.bincount(inv, weights=d)
-    counts = np.bincount(inv).astype(np.float64)
-    C = len(sums)
-    est = float(d.mean())
-    if C == 1:
-        return est, est, est
-    rng = np.random.default_rng(seed)
-    reps = []
-    for b0 in range(0, n_boot, batch):  # batches bound the index matrix (batch x units)
-        idx = rng.integers(0, C, size=(min(batch, n_boot - b0), C))
-        reps.append(sums[idx].sum(1) / counts[idx].sum(1))
-    reps = np.concatenate(reps)
-    a = (1.0 - level) / 2.0
-    lo, hi = np.quantile(reps, [a, 1.0 - a])
-    return est, float(lo), float(hi)
+    return bootstrap_difference(d, unit_ids, n_boot=n_boot, seed=seed, level=level, batch=batch)
 
 
 def compare(dense_parts, config_parts, clusters_parts, unit="cluster", n_boot=2000, seed=0):

@@ -26,15 +26,22 @@ def paired_bootstrap(dense: Sequence[np.ndarray], setting: Sequence[np.ndarray],
     unit = np.concatenate([np.asarray(c, np.int64) * len(dense) + i for i, c in enumerate(clusters)])
     if d.shape != unit.shape or not len(d):
         raise ValueError("paired_bootstrap: dense, setting and clusters must hold one entry per scored token")
-    _, inv = np.unique(unit, return_inverse=True)
+    return bootstrap_difference(d, unit, n_boot, seed, level)
+
+
+def bootstrap_difference(d: np.ndarray, unit_ids: np.ndarray, n_boot: int = 1000, seed: int = 0,
+                         level: float = 0.95, batch: int = 256) -> Tuple[float, float, float]:
+    """(mean(d), low, high): the percentile interval of n_boot replicates that draw units with replacement and
+    recompute sum(d) / count over their tokens. d: per-token differences (1-D); unit_ids: each token's unit."""
+    _, inv = np.unique(np.asarray(unit_ids), return_inverse=True)
     sums, counts = np.bincount(inv, weights=d), np.bincount(inv).astype(np.float64)
     est = float(d.mean())
     if len(sums) == 1:
         return est, est, est
     rng = np.random.default_rng(seed)
     reps = []
-    for b0 in range(0, n_boot, 256):        # batches bound the index matrix (batch x clusters)
-        idx = rng.integers(0, len(sums), size=(min(256, n_boot - b0), len(sums)))
+    for b0 in range(0, n_boot, batch):        # batches bound the index matrix (batch x units)
+        idx = rng.integers(0, len(sums), size=(min(batch, n_boot - b0), len(sums)))
         reps.append(sums[idx].sum(1) / counts[idx].sum(1))
     lo, hi = np.quantile(np.concatenate(reps), [(1 - level) / 2, (1 + level) / 2])
     return est, float(lo), float(hi)
