@@ -14,9 +14,22 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
            'antidiag' XAttention: groups of xs positions, A_ij = sum_t q_{xs i + xs-1-t} . k_{xs j + t} * scale / xs,
                    softmax over key groups, block mass = sum of its groups; every row of a group shares it
                    (cost: 1/xs of the dense QK^T)
+           Per-key block maxima (issue 44): s_rJ = max over the keys j of J that row r sees of scale * q_r . k~_j
+           'kmax'    k~ = k: exact block maxima (the cost of the dense QK^T)
+           'lowrank' k~ = P P^T k, P [D, rank] the top `rank` eigenvectors of the KV head's key second moment K^T K
+                     over the prompt (Loki): a rank-`rank` GEMM per pair
+           'resid'   k~_j = kmean_J + P P^T (k_j - kmean_J), P from the residuals' second moment: the pooled mean at
+                     full rank plus the key's own deviation at rank `rank` (a block of alike keys scores as its mean,
+                     a spike as itself)
+           rstride n scores only positions p % n == n - 1 (and the last), all heads; other rows add nothing beyond
+           the always-kept blocks (the tile's union covers them)
   agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
            'rowmax' per-row normalised: keep J iff max_r exp(s_rJ - m_r) >= alpha, m_r = max_J s_rJ
                    (i.e. some row of the tile has s_rJ >= m_r + ln alpha)
+                   onepass 1: m_r is the running maximum of a single pass that visits the blocks from the diagonal
+                   down to block 0 (m_rJ = max_{J' >= J} s_rJ'): a superset of the two-pass rule's blocks, the
+                   price of scoring each pair once; onepass 2: the same pass started from the pooled means' bound
+                   max_J scale q_r . kmean_J over the blocks the row sees whole (a block's maximum is >= its mean)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
@@ -32,7 +45,9 @@ import torch
 
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
-                     block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85)
+                     block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
+                     rank=16, rstride=1, onepass=0)
+BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
 def full_rule(rule):
@@ -98,6 +113,39 @@ def antidiag_log_mass(q, k, scale, block, xs):
     return out.repeat_interleave(xs, 0)[:L]
 
 
+def projected_keys(k, score, rank, block):
+    """The keys a block-max score compares against (see the module doc): k [L, H, D] -> k~ [L, H, D] float32."""
+    if score == "kmax":
+        return k.float()
+    L, H, D = k.shape
+    kd = k.double()
+    kmean = pooled(k, k, block)[0].repeat_interleave(block, 0)[:L] if score == "resid" else torch.zeros_like(kd)
+    x = kd - kmean
+    _, vecs = torch.linalg.eigh(torch.einsum("lhd,lhe->hde", x, x))  # ascending eigenvalues, per head
+    P = vecs[..., -min(rank, D):]                                      # [H, D, r]
+    return (kmean + torch.einsum("lhr,hdr->lhd", torch.einsum("lhd,hdr->lhr", x, P), P)).float()
+
+
+def block_max(q, kt, scale, block, rows=None, chunk=2048):
+    """max over the keys of each block that the row sees of scale * q . kt: q [L, Hq, D], kt [L, Hkv, D] ->
+    [L, Hq, nb] float64 (-inf where the row sees no key of the block or is not in `rows`). One causal sequence."""
+    L, Hq, D = q.shape
+    g = Hq // kt.shape[1]
+    nb = (L + block - 1) // block
+    P = nb * block
+    kp = torch.cat([kt.float(), kt.new_zeros(P - L, kt.shape[1], D).float()])
+    pos = torch.arange(L, device=q.device) if rows is None else rows
+    keyi = torch.arange(P, device=q.device)
+    out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
+    for h in range(Hq):
+        for c in range(0, len(pos), chunk):
+            pr = pos[c:c + chunk]
+            lg = (q[pr, h].float() @ kp[:, h // g].T) * scale
+            lg.masked_fill_(keyi[None, :] > pr[:, None], -math.inf)
+            out[pr, h] = lg.view(len(pr), nb, block).amax(-1).double()
+    return out
+
+
 class Selection:
     """keep [V, T, nb] bool per virtual head and tile; corr [V, T, nb] blocks standing in as virtual keys."""
 
@@ -149,6 +197,14 @@ def select(q, k, v, rule, scale):
             lm = exact_log_mass(q, k, scale, B, pr)
         s = lm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
+    elif r["score"] in BLOCK_MAX_SCORES:
+        n = r["rstride"]
+        pr = None
+        if n > 1:
+            pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
+        bm = block_max(q, projected_keys(k, r["score"], r["rank"], B), scale, B, pr)
+        s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
+        s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
     elif r["score"] == "mean":
         s = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
     elif r["score"] == "quest":
@@ -185,11 +241,19 @@ def select(q, k, v, rule, scale):
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
         sel = E >= alpha * E.amax(-1, keepdim=True)
     elif agg in ("rowmax", "rowmass", "rowcum"):
-        if agg == "rowmax" or mass:
+        if agg == "rowmax" or mass or r["score"] in BLOCK_MAX_SCORES:
             w = st
         else:
             w = st + torch.log(counts)[None, None, None, :]
-        m = w.amax(-1, keepdim=True)
+        if agg == "rowmax" and r["onepass"]:
+            m = w.flip(-1).cummax(-1).values.flip(-1)  # running max of a pass from the diagonal down to block 0
+            if r["onepass"] == 2:  # started from the pooled means' bound over the blocks the row sees whole
+                sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+                whole = (first_key + counts.long() - 1)[None, :] <= pos[:, None]
+                sm = sm.masked_fill(~whole[None], -math.inf).view(V, T, TILE_ROWS, nb)
+                m = torch.maximum(m, sm.amax(-1, keepdim=True))
+        else:
+            m = w.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(w - m)
         if agg == "rowmax":

@@ -130,3 +130,67 @@ def test_real_model_qkv():
                 for agg in ("rowmax", "sum", "probe"):
                     check(q[:L].contiguous(), k[:L].contiguous(), v[:L].contiguous(), s, True,
                           alpha=0.1 if s == 1 else 0.01, agg=agg)
+
+
+# ---- issue 44's per-key block-max scores (emulation only: no library rule yet) ----
+
+def _brute_block_max(q, kt, scale, block):
+    L, Hq, _ = q.shape
+    g = Hq // kt.shape[1]
+    nb = (L + block - 1) // block
+    out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64)
+    for i in range(L):
+        for h in range(Hq):
+            s = (kt[:i + 1, h // g].double() @ q[i, h].double()) * scale
+            for J in range((i // block) + 1):
+                out[i, h, J] = s[J * block:(J + 1) * block].max()
+    return out
+
+
+def test_block_max_matches_brute_force():
+    q, k, _ = random_qkv(300, 11)
+    got = emulate.block_max(q, k, SCALE, 128, chunk=70)
+    want = _brute_block_max(q, k, SCALE, 128)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], atol=1e-4)
+
+
+@pytest.mark.parametrize("score", ["lowrank", "resid"])
+def test_full_rank_projection_is_exact(score):
+    # rank D keeps every direction: P P^T = I, so both projected scores are the exact block maxima
+    q, k, v = random_qkv(700, 12)
+    base = dict(agg="rowmax", alpha=0.1, sink=128, window=128, last_n=1, dense_fraction=1.0)
+    exact = emulate.select(q, k, v, dict(base, score="kmax"), SCALE)
+    proj = emulate.select(q, k, v, dict(base, score=score, rank=D), SCALE)
+    assert torch.equal(proj.keep, exact.keep)
+    low = emulate.projected_keys(k, score, 4, 128)
+    assert low.shape == k.shape and not torch.allclose(low, k.float(), atol=1e-3)
+
+
+def test_resid_keeps_block_means():
+    # the residual projection leaves every block's mean unchanged (it only approximates the deviations from it)
+    _, k, _ = random_qkv(640, 13)
+    kt = emulate.projected_keys(k, "resid", 4, 128)
+    km = emulate.pooled(k, k, 128)[0]
+    kmt = emulate.pooled(kt, kt, 128)[0]
+    assert torch.allclose(km, kmt, atol=1e-4)
+
+
+@pytest.mark.parametrize("onepass", [1, 2])
+def test_onepass_keeps_a_superset(onepass):
+    q, k, v = random_qkv(1500, 14)
+    base = dict(score="resid", rank=8, agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0)
+    two = emulate.select(q, k, v, base, SCALE)
+    one = emulate.select(q, k, v, dict(base, onepass=onepass), SCALE)
+    assert bool((one.keep | ~two.keep).all())
+    assert one.density >= two.density
+
+
+def test_row_stride_keeps_a_subset():
+    q, k, v = random_qkv(1500, 15)
+    base = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0)
+    every = emulate.select(q, k, v, base, SCALE)
+    half = emulate.select(q, k, v, dict(base, rstride=2), SCALE)
+    assert bool((every.keep | ~half.keep).all())
+    assert half.density <= every.density
