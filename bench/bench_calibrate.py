@@ -10,6 +10,10 @@ Parts (each a subprocess running the command as a user would, timed wall-clock; 
   llama8b    a random-weight Llama-3.1-8B-shaped model (32 layers, hidden 4096, Hq 32 / Hkv 8, D 128, bf16), saved
              without a tokenizer, calibrated at 32K (--tokenizer bytes): time and peak GPU memory only; target
              <= 600 s (its own device call: the save and load alone take ~1 min)
+Calibration rows record the choice: `recommended`, the written `config` (the chosen settings), `validated_lengths`
+(what the file says it was measured at), `no_pruning` (true: nothing was pruned at those lengths, so the file holds
+the library's default selection) with `lowest_density`; the heldout row adds the chosen settings' held-out drop
+(`heldout_worst_drop`, the same as its `worst_drop`) and copies them from the calibration it checks.
 
     python bench/bench_calibrate.py --parts smollm2,heldout --out-dir /tmp/calib
     python bench/bench_calibrate.py --parts llama8b --out-dir /tmp/calib
@@ -51,7 +55,7 @@ def smollm2(args, rows):
     if rc == 0:
         doc = json.load(open(os.path.join(out, "calibration.json")))
         rec = next((r for r in doc["results"] if r["name"] == doc["recommended"]), None)
-        row.update(recommended=doc["recommended"], config=doc["config"], lengths=doc["lengths"],
+        row.update(choice(doc), lengths=doc["lengths"],
                    density=rec["cost"] if rec else 1.0, worst_drop=rec and rec["worst_drop"],
                    worst_nll=rec and rec["worst_nll"],
                    results=[dict(name=r["name"], kind=r["kind"], density=r["cost"], passes=r["passes"],
@@ -59,8 +63,16 @@ def smollm2(args, rows):
     row["meets_target"] = rc == 0 and secs <= 180
     rows.append(row)
     print(json.dumps({k: row[k] for k in ("part", "seconds", "exit") if k in row} |
-                     {"recommended": row.get("recommended"), "density": row.get("density")}), flush=True)
+                     {k: row.get(k) for k in ("recommended", "no_pruning", "validated_lengths", "density")}),
+          flush=True)
     return row
+
+
+def choice(doc):
+    """What a calibration chose (calibration.json): the recommendation, the file it wrote, the lengths the file says
+    it was validated at, and whether the choice is the library's default because nothing was pruned."""
+    return dict(recommended=doc["recommended"], config=doc["config"], validated_lengths=doc.get("validated_lengths"),
+                no_pruning=doc.get("no_pruning"), lowest_density=doc.get("lowest_density"), note=doc.get("note"))
 
 
 def heldout(args, rows):
@@ -71,11 +83,12 @@ def heldout(args, rows):
     if not os.path.isfile(config):
         rows.append(dict(part="heldout", skipped="no smollm2 calibration in --out-dir"))
         return
-    max_drop = json.load(open(os.path.join(cal, "calibration.json")))["tolerance"]["max_drop"]
+    cal_doc = json.load(open(os.path.join(cal, "calibration.json")))
+    max_drop = cal_doc["tolerance"]["max_drop"]
     out = os.path.join(args.out_dir, "heldout")
     secs, rc = calibrate([os.path.join(folder, name), "--check", config, "--lengths", args.lengths, "--seed", "1",
                           "--formats", "record", "--out", out], out + ".log")
-    row = dict(part="heldout", seconds=secs, exit=rc, config=json.load(open(config)), seed=1, formats="record",
+    row = dict(part="heldout", seconds=secs, exit=rc, **choice(cal_doc), seed=1, formats="record",
                max_drop=max_drop, log_tail=tail(out + ".log"))
     if rc == 0:
         doc = json.load(open(os.path.join(out, "calibration.json")))
@@ -83,12 +96,13 @@ def heldout(args, rows):
         gaps = [abs(adapter_row["lengths"][L]["tasks"][v]["metric"] - t["metric"])
                 for L, r in file_row["lengths"].items() for v, t in r["tasks"].items()]
         row.update(worst_drop=file_row["worst_drop"], worst_nll=file_row["worst_nll"], density=file_row["cost"],
+                   heldout_worst_drop=file_row["worst_drop"]["diff"] if file_row["worst_drop"] else None,
                    adapter_worst_drop=adapter_row["worst_drop"], adapter_max_metric_gap=max(gaps),
                    adapter_calls={L: r.get("adapter_calls") for L, r in adapter_row["lengths"].items()},
                    within_max_drop=file_row["worst_drop"]["diff"] >= -max_drop if file_row["worst_drop"] else None)
     rows.append(row)
-    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "within_max_drop",
-                                              "adapter_max_metric_gap")}), flush=True)
+    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "recommended", "heldout_worst_drop",
+                                              "within_max_drop", "adapter_max_metric_gap")}), flush=True)
 
 
 def llama8b(args, rows):
@@ -114,11 +128,11 @@ def llama8b(args, rows):
                log_tail=tail(out + ".log"))
     if rc == 0:
         doc = json.load(open(os.path.join(out, "calibration.json")))
-        row.update(peak_gpu_gb=doc.get("peak_gpu_gb"), recommended=doc["recommended"],
-                   measurements=len(doc["results"]))
+        row.update(choice(doc), peak_gpu_gb=doc.get("peak_gpu_gb"), measurements=len(doc["results"]))
     row["meets_target"] = rc == 0 and secs <= 600
     rows.append(row)
-    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "peak_gpu_gb")}), flush=True)
+    print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "peak_gpu_gb", "recommended",
+                                              "no_pruning")}), flush=True)
 
 
 def main():

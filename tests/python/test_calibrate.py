@@ -1,11 +1,14 @@
 """`python -m sparse_prefill.calibrate` on the CPU: the command end to end on a tiny random-weight Llama saved with
 save_pretrained (L = 1024, the CPU reference), the files it writes (sparse_prefill.json in the adapters' format,
 calibration.json, report.md, the figure), the adapters loading what it wrote, the check mode (the file measured as
-the calibration runs it and through the transformers adapter, on other prompts), errors naming the argument, and the
-pieces: prompts, the chunked oracle, the paired bootstrap, per-layer plans and the search."""
+the calibration runs it and through the transformers adapter, on other prompts), errors naming the argument, the safe
+choice (ties to the most accurate; the library's default when nothing was pruned), validated_lengths in the file, the
+missing hf extra and matplotlib, and the pieces: prompts, the chunked oracle, the paired bootstrap, per-layer plans
+and the search."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 import sparse_prefill as sp  # noqa: E402
 from sparse_prefill.calibrate import main  # noqa: E402
+from sparse_prefill.calibrate import report  # noqa: E402
 from sparse_prefill.calibrate import search as S  # noqa: E402
 from sparse_prefill.calibrate import tasks as T  # noqa: E402
 from sparse_prefill.calibrate.oracle import oracle_attention  # noqa: E402
@@ -107,6 +111,7 @@ def test_end_to_end_files_and_rows(calibrated):
     assert rec["passes"] and rec["cost"] == min(r["cost"] for r in ok)
     report = open(os.path.join(out, "report.md")).read()
     assert "## Recommendation" in report and doc["recommended"] in report and "## Per layer" in report
+    assert not doc["no_pruning"] and doc["lowest_density"] < 0.8 and "nothing was pruned" not in text
 
 
 def test_written_file_is_what_the_adapters_load(calibrated):
@@ -114,6 +119,7 @@ def test_written_file_is_what_the_adapters_load(calibrated):
     path = os.path.join(out, "sparse_prefill.json")
     cfg = SparsePrefillConfig.load(config_file=path, environ={})
     assert json.load(open(path)) == cfg.file_dict() == doc["config"]
+    assert cfg.validated_lengths == doc["validated_lengths"] == [1024]          # the lengths it was measured at
     for layer, name in doc["plan"].items():
         layer = int(layer)
         if name == "dense":
@@ -278,3 +284,79 @@ def test_plans_search_and_choice():
     assert S.choose(results + [uniform])["name"] == "u"        # cost 0.9 = p1's: the uniform setting wins the tie
     assert S.choose([dict(passes=False, kind="uniform", cost=0.2, name="x")]) is None
     assert S.choose([dict(passes=True, kind="oracle", cost=0.1, name="o")]) is None     # the oracle is no setting
+
+
+def test_choice_ties_keep_the_most_accurate():
+    def r(name, cost, drop, nll=0.0, kind="uniform"):
+        return dict(name=name, kind=kind, passes=True, cost=cost, worst_drop=dict(diff=-drop, low=-drop, high=-drop),
+                    worst_nll=dict(diff=nll, low=nll, high=nll))
+    # equal cost (every candidate at density 1): the smallest worst top-1 drop, not the first measured
+    assert S.choose([r("alpha=0.1", 1.0, 3.0), r("default", 1.0, 0.5), r("alpha=0.001", 1.0, 0.0)])["name"] == \
+        "alpha=0.001"
+    # within COST_TIE of the cheapest counts as equal; a real cost difference goes to the cheaper passing setting
+    assert S.choose([r("a", 0.50, 0.8), r("b", 0.50 * (1 + S.COST_TIE / 2), 0.1)])["name"] == "b"
+    assert S.choose([r("a", 0.50, 0.8), r("b", 0.60, 0.1)])["name"] == "a"
+    # equal drops: the smaller NLL increase; a top-1 gain counts as no drop
+    assert S.choose([r("a", 0.5, 0.0, nll=0.4), r("b", 0.5, 0.0, nll=0.1)])["name"] == "b"
+    assert S.choose([r("a", 0.5, -2.0, nll=0.3), r("b", 0.5, 0.0, nll=0.1)])["name"] == "b"
+    # equal accuracy: uniform before per-layer, whatever the order
+    assert S.choose([r("p", 0.5, 0.0, kind="per-layer"), r("u", 0.5, 0.0)])["name"] == "u"
+
+
+def test_no_pruning_writes_the_default_and_says_so(model_dir, tmp_path, monkeypatch):
+    """The library's default geometry at L = 1024 keeps every block (sink, window and last tiles cover the prompt):
+    the candidates cannot be told apart, so the file holds the default selection (not alpha=0.1, measured first);
+    without matplotlib the log and the report say why there is no figure."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out"
+    lines = []
+    doc = main([model_dir, "--lengths", "1024", "--tokenizer", "bytes", "--out", str(out), "--device", "cpu",
+                "--candidates", "alpha=0.1,default,alpha=0.001", "--oracle", "", "--max-evals", "0",
+                "--layouts", "spread", "--tasks", "kv,nll", "--min-scored", "30", "--n-boot", "200"],
+               log=lines.append)
+    assert all(r["cost"] == 1.0 for r in doc["results"])               # every candidate kept every block
+    assert doc["recommended"] == "default" and set(doc["plan"].values()) == {"default"}
+    assert doc["no_pruning"] and doc["lowest_density"] == 1.0
+    written = json.load(open(out / "sparse_prefill.json"))
+    assert written == doc["config"] == {"validated_lengths": [1024]}
+    cfg = SparsePrefillConfig.load(config_file=str(out / "sparse_prefill.json"), environ={})
+    assert cfg.selection() == SparsePrefillConfig().selection()
+    assert cfg.selection()["alpha"] == sp.SELECTION_DEFAULTS["alpha"]
+    text = "\n".join(lines)
+    assert "nothing was pruned" in text and "default selection" in text
+    md = (out / "report.md").read_text()
+    assert "nothing was pruned" in md and "default selection" in md
+    assert report.NO_FIGURE in text and report.NO_FIGURE in md and not (out / "calibration.png").exists()
+    assert "matplotlib" in report.NO_FIGURE
+
+
+def test_pruned_nothing_margin():
+    def r(densities, kind="uniform"):
+        return dict(kind=kind, lengths={L: dict(density=d) for L, d in densities.items()})
+    assert S.pruned_nothing([r({4096: 1.0, 8192: 1.0 - S.NO_PRUNING / 2})])
+    assert not S.pruned_nothing([r({4096: 1.0, 8192: 1.0}), r({4096: 0.99, 8192: 0.9})])
+    assert not S.pruned_nothing([r({4096: 0.5}, kind="oracle")])        # the oracle is no setting: nothing known
+    assert S.lowest_density([r({4096: 0.97}), r({4096: 0.5}, kind="oracle")]) == 0.97
+
+
+@pytest.mark.parametrize("module", ["transformers", "torch"])
+def test_missing_hf_extra_is_one_line(module, monkeypatch, capsys, tmp_path):
+    """Without transformers (pip install '.[torch]') or torch: one line naming the extra, before the missing MODEL."""
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "out")], log=lambda *a: None)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sparse-prefill[hf]" in err[0] and module in err[0], err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:                                # --help needs neither
+        main(["--help"])
+    assert e.value.code == 0 and "--lengths" in capsys.readouterr().out
+
+
+def test_missing_matplotlib_report_says_why(calibrated, tmp_path, monkeypatch):
+    doc, _, _ = calibrated
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    paths = report.write(doc, str(tmp_path), None)
+    assert "figure" not in paths and paths["figure_note"] == report.NO_FIGURE
+    assert report.NO_FIGURE in open(paths["report"]).read() and not (tmp_path / "calibration.png").exists()

@@ -2,10 +2,12 @@
 validation with errors naming the entry, the file round trip, the dispatch applying each layer's selection or dense
 attention, the transformers adapter passing module.layer_idx through (spied library calls), and the zero-padding of
 head dim 64 for CUDA sparse calls (replayed on the CPU). The vLLM and SGLang replays with per-layer settings are in
-their own test files (test_per_layer_settings_reach_each_layer)."""
+their own test files (test_per_layer_settings_reach_each_layer). Also `validated_lengths` (the lengths a calibrated
+file was measured at): validation, and the dispatch's one warning for prompts past LONG_PROMPT_FACTOR times them."""
 
 import functools
 import json
+import warnings
 
 import pytest
 
@@ -166,3 +168,58 @@ def test_transformers_adapter_passes_the_layer_index(monkeypatch, tmp_path):
     assert spy.calls[0][1]["alpha"] == 0.9 and spy.calls[0][1]["head_subgroups"] == dispatch.config.head_subgroups
     assert spy.calls[2][1]["alpha"] == 0.01 and spy.calls[2][1]["head_subgroups"] == 1
     assert dispatch.calls == {"sparse": 2, "dense": 1}
+
+
+@pytest.mark.parametrize("value", [[], [0], [4096.5], ["4096"], "4096", 4096, [True], {"4096": 1}])
+def test_bad_validated_lengths_name_the_field(tmp_path, value):
+    with pytest.raises(ValueError, match="validated_lengths: expected a non-empty list of prompt lengths"):
+        SparsePrefillConfig.load(environ={}, validated_lengths=value)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"validated_lengths": value}))
+    with pytest.raises(ValueError, match="validated_lengths"):
+        SparsePrefillConfig.load(config_file=str(path), environ={})
+
+
+def test_validated_lengths_round_trip_and_no_environment_variable(tmp_path):
+    c = SparsePrefillConfig.load(environ={}, validated_lengths=(8192, 4096))
+    assert c.validated_lengths == [4096, 8192]
+    path = tmp_path / "c.json"
+    c.save(str(path))
+    assert json.loads(path.read_text()) == {"validated_lengths": [4096, 8192]}
+    env = {"SPARSE_PREFILL_CONFIG": str(path), "SPARSE_PREFILL_VALIDATED_LENGTHS": "999999"}
+    assert SparsePrefillConfig.load(environ=env) == c
+    assert SparsePrefillConfig.load(environ={}).validated_lengths is None
+
+
+def _long_prompt_warnings(disp, lengths):
+    """The RuntimeWarnings about validated_lengths of one call per length (every warning recorded, not Python's
+    once-per-place filter: the dispatch's own once-only is under test)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for L in lengths:
+            q, k, v, cu = _qkv(L=L)
+            disp(q, k, v, cu, cu, L, L, out=torch.empty_like(q), layer_idx=0)
+    return [w for w in seen if "validated_lengths" in str(w.message)]
+
+
+def test_long_prompt_warns_once_past_the_factor(tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "_warned", set())
+    geometry = dict(block_size=64, sink=64, window=64, last_n=1, min_sparse_q_len=1, min_sparse_kv_len=0)
+    path = tmp_path / "sparse_prefill.json"
+    path.write_text(json.dumps({"validated_lengths": [256, 320]}))
+    disp = VarlenDispatch(SparsePrefillConfig.load(config_file=str(path), environ={}, **geometry))
+    limit = int(core.LONG_PROMPT_FACTOR * 320)
+    assert _long_prompt_warnings(disp, [320, limit]) == []              # up to the factor: silent
+    seen = _long_prompt_warnings(disp, [limit + 64, limit + 128, limit + 64])
+    assert len(seen) == 1 and issubclass(seen[0].category, RuntimeWarning)
+    assert f"{limit + 64} tokens" in str(seen[0].message) and "320" in str(seen[0].message)
+    assert disp.calls["sparse"] == 5
+    # a file written before the field (no validated_lengths): never a warning
+    monkeypatch.setattr(core, "_warned", set())
+    path.write_text(json.dumps({"alpha": 0.01}))
+    old = VarlenDispatch(SparsePrefillConfig.load(config_file=str(path), environ={}, **geometry))
+    assert old.config.validated_lengths is None and _long_prompt_warnings(old, [limit + 128]) == []
+    # a long prompt that runs dense runs no calibrated setting: no warning either
+    dense = VarlenDispatch(SparsePrefillConfig.load(environ={}, validated_lengths=[320],
+                                                    **{**geometry, "min_sparse_kv_len": 4096}))
+    assert _long_prompt_warnings(dense, [limit + 128]) == [] and dense.calls == {"sparse": 0, "dense": 1}

@@ -17,7 +17,17 @@ with your text as filler when given, and next-token NLL over your text):
 Every accuracy is a difference to dense on the same tokens with a paired bootstrap 95 % interval. The cheapest setting
 whose top-1 accuracy stays within --max-drop points and NLL within --max-nll % of dense on every task and length is
 written as DIR/sparse_prefill.json (a `layers` entry per layer that differs, {"dense": true} where a layer needs
-dense attention), with DIR/report.md, DIR/calibration.json and DIR/calibration.png.
+dense attention), with DIR/report.md, DIR/calibration.json and DIR/calibration.png (when matplotlib is installed;
+else the log and the report say why it is missing). The choice is safe:
+  - ties: costs (density at the longest length) within 2 % of the cheapest are equal (search.COST_TIE); of those the
+    most accurate wins: the smallest worst top-1 drop against dense, then the smallest NLL increase;
+  - nothing pruned: when no setting dropped more than 5 % of the key blocks at any length (search.NO_PRUNING; short
+    prompts are covered by the always-kept blocks), the lengths cannot tell settings apart: the log and the report
+    say so and the file holds the library's default selection (over --base), not the fastest candidate;
+  - the file records `validated_lengths` (--lengths); the adapters warn once when a sparse call's prompt is more than
+    2x the longest (integrations.core.LONG_PROMPT_FACTOR).
+It needs torch and transformers (the hf extra: pip install 'sparse-prefill[hf]', in a clone '.[hf]'); without them it
+stops with one line saying so, before looking at MODEL.
 
 `--check FILE` measures an existing configuration instead (e.g. on another --seed and --layouts than it was
 calibrated on), both as the calibration runs it and through the transformers adapter (the round trip).

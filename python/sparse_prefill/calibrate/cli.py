@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import importlib
 import os
 import sys
 import time
 from typing import List, Optional
 
+from ..integrations.core import LONG_PROMPT_FACTOR
 from . import report
 from . import route as R
 from . import search as S
@@ -16,6 +19,24 @@ from . import tasks as T
 from .tasks import UsageError
 
 CANDIDATES = "alpha=0.1,alpha=0.03,alpha=0.01,default,alpha=0.001"
+EXTRA = "pip install 'sparse-prefill[hf]' (in a clone: pip install '.[hf]')"     # pyproject.toml's extra hf
+
+
+class MissingExtra(ImportError):
+    """torch or transformers does not import; the message is one line naming the extra to install."""
+
+
+def require_extras() -> None:
+    """The command's own dependencies, checked before anything that needs them (MODEL is checked after: without
+    them no MODEL could run)."""
+    missing = []
+    for name in ("torch", "transformers"):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name} ({e})")
+    if missing:
+        raise MissingExtra(f"needs torch and transformers; {' and '.join(missing)} did not import: {EXTRA}")
 
 
 def _arg(name, convert):
@@ -80,7 +101,14 @@ def _candidates(text):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sparse_prefill.calibrate", description=(
         "Measure what sparse prefill costs a model in accuracy and density, and write the settings the engine "
-        "adapters load (DIR/sparse_prefill.json) with a report (DIR/report.md)."))
+        "adapters load (DIR/sparse_prefill.json) with a report (DIR/report.md). Needs torch and transformers: "
+        f"{EXTRA}."), epilog=(
+        f"The choice: the cheapest setting within --max-drop and --max-nll; costs within {S.COST_TIE:.0%} of the "
+        "cheapest count as equal, and of those the most accurate wins (smallest worst top-1 drop, then NLL). When "
+        f"no setting prunes more than {S.NO_PRUNING:.0%} of the key blocks at --lengths, nothing can be told apart: "
+        "the file holds the library's default selection, and the log and the report say so. The file records "
+        "validated_lengths (--lengths); the adapters warn once when a prompt runs sparse at more than "
+        f"{LONG_PROMPT_FACTOR:g}x the longest of them."))
     ap.add_argument("model", metavar="MODEL", help="a local transformers model folder or GGUF file (no downloads)")
     ap.add_argument("--lengths", type=_arg("--lengths", _lengths), default=[8192, 32768],
                     help="prompt lengths, comma-separated (default 8192,32768)")
@@ -141,6 +169,7 @@ def _validate(args) -> None:
 def run(args, log=print) -> dict:
     """The calibration (or, with args.check, the check) described by parsed arguments; returns the results
     document that is also written to DIR/calibration.json."""
+    require_extras()
     import torch
     import sparse_prefill as sp
     from ..integrations.core import SparsePrefillConfig, VarlenDispatch
@@ -177,6 +206,7 @@ def run(args, log=print) -> dict:
         "in all, guessed")
     results: List[dict] = []
     configs = {}
+    no_pruning, note = False, None
     plan_of = {}
     probe = None
     if args.check:
@@ -225,7 +255,28 @@ def run(args, log=print) -> dict:
             log(f"{len(levels)} per-layer plans (error budgets); binary search, at most {args.max_evals} measured")
             results += S.search(levels, measure, args.max_evals, log)
         chosen = S.choose(results)
-        out_config = configs[chosen["name"]] if chosen else SparsePrefillConfig(**args.base, dense_layers=n_layers)
+        # nothing pruned: the measurements rank no setting, so the library's default selection (over --base)
+        no_pruning = chosen is not None and S.pruned_nothing(results)
+        if no_pruning:
+            note = (f"nothing was pruned: no setting dropped more than {S.NO_PRUNING:.0%} of the key blocks at "
+                    f"--lengths {','.join(map(str, args.lengths))} (lowest density "
+                    f"{S.lowest_density(results):.3f}), so these lengths cannot tell the settings apart; "
+                    "sparse_prefill.json holds the library's default selection, not the fastest setting. Calibrate "
+                    "at longer --lengths (where the selections prune) to choose among them")
+            log(note)
+            chosen = next((r for r in results if r["kind"] == "uniform" and r["name"] == "default"), None)
+            out_config = SparsePrefillConfig(**args.base)
+        else:
+            out_config = (configs[chosen["name"]] if chosen else
+                          SparsePrefillConfig(**args.base, dense_layers=n_layers))
+        out_config = dataclasses.replace(out_config, validated_lengths=list(args.lengths))
+    recommended, plan = None, None
+    if no_pruning:
+        recommended, plan = "default", {str(i): "default" for i in range(n_layers)}
+    elif chosen:
+        recommended, plan = chosen["name"], plan_of.get(chosen["name"])
+    elif not args.check:
+        plan = {str(i): "dense" for i in range(n_layers)}
     doc = dict(mode="check" if args.check else "calibrate", model=args.model, version=sp.__version__,
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -235,17 +286,22 @@ def run(args, log=print) -> dict:
                tolerance=dict(max_drop=args.max_drop, max_nll=args.max_nll, strict=args.strict),
                selection_defaults=dict(sp.SELECTION_DEFAULTS), base=args.base,
                candidates={n: s for n, s in args.candidates.items()}, results=results,
-               recommended=chosen["name"] if chosen else None,
-               plan=plan_of.get(chosen["name"]) if chosen else ({str(i): "dense" for i in range(n_layers)}
-                                                                if not args.check else None),
-               config=out_config.file_dict() if out_config else None, probe=probe, check=args.check)
+               recommended=recommended, plan=plan,
+               config=out_config.file_dict() if out_config else None, probe=probe, check=args.check,
+               validated_lengths=out_config.validated_lengths if out_config else None,
+               lowest_density=S.lowest_density(results), no_pruning=no_pruning, note=note)
     doc["seconds"] = round(time.time() - t0, 1)
     if args.device == "cuda":
         doc["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         log(f"peak GPU memory {doc['peak_gpu_gb']} GB")
     paths = report.write(doc, args.out, out_config)
+    if "figure_note" in paths:
+        log(paths["figure_note"])
     if args.check:
         log(f"check done in {doc['seconds']:.0f} s: {paths['report']}")
+    elif no_pruning:
+        log(f"recommended: the library's default selection (nothing pruned) -> {paths['config']}; report "
+            f"{paths['report']} ({doc['seconds']:.0f} s)")
     elif chosen:
         log(f"recommended: {chosen['name']} (density {chosen['cost']:.3f} at L={max(args.lengths)}) -> "
             f"{paths['config']}; report {paths['report']} ({doc['seconds']:.0f} s)")
@@ -264,3 +320,6 @@ def main(argv: Optional[List[str]] = None, log=None) -> dict:
         return run(args, log)
     except UsageError as e:
         parser.error(str(e))
+    except MissingExtra as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -1,12 +1,17 @@
 """What a calibration writes: DIR/sparse_prefill.json (the adapters' configuration), DIR/calibration.json (every
 measurement), DIR/report.md and, when matplotlib is installed, DIR/calibration.png (accuracy and NLL against density
-per setting with the oracle's curve, and the density of each layer)."""
+per setting with the oracle's curve, and the density of each layer); without matplotlib the log and report.md say
+why the figure is missing (NO_FIGURE)."""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import List, Optional
+
+from ..integrations.core import LONG_PROMPT_FACTOR
+
+NO_FIGURE = "calibration.png not written: matplotlib is not installed (pip install matplotlib)"
 
 
 def _fmt(t: Optional[dict], unit: str) -> str:
@@ -75,7 +80,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
     return path
 
 
-def markdown(doc: dict, figure: Optional[str]) -> str:
+def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None) -> str:
     lengths, results, tol = doc["lengths"], doc["results"], doc["tolerance"]
     rec = next((r for r in results if r["name"] == doc.get("recommended")), None)
     out: List[str] = [f"# SparsePrefill calibration: {doc['model']}", ""]
@@ -95,7 +100,12 @@ def markdown(doc: dict, figure: Optional[str]) -> str:
                     "of NLL).", ""]
     else:
         out += ["## Recommendation", ""]
-        if rec is None:
+        if doc.get("no_pruning"):
+            out += [f"**The library's default selection**: {doc['note']}.", ""]
+            if rec is not None:
+                out.append(f"As measured here (default): worst top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL "
+                           f"{_fmt(rec['worst_nll'], '%')}.")
+        elif rec is None:
             out.append("No setting stayed within the tolerance: the written file runs every layer dense.")
         else:
             out.append(f"**{rec['name']}** ({rec['kind']}): density {rec['cost']:.3f} at L={lengths[-1]}; worst "
@@ -105,7 +115,9 @@ def markdown(doc: dict, figure: Optional[str]) -> str:
                 "or `sparse_prefill.integrations.transformers.register(config_file=...)` (docs/integrations.md). "
                 "The adapters still run dense below `min_sparse_kv_len` keys (default 8192) and `min_sparse_q_len` "
                 "queries. Selections were measured one prompt at a time as a whole (one-shot prefill); chunked "
-                "prefill unions each chunk's selection and was not measured here.", ""]
+                "prefill unions each chunk's selection and was not measured here. The file records "
+                f"`validated_lengths` {doc.get('validated_lengths')}: the adapters warn once when a sparse call's "
+                f"prompt is more than {LONG_PROMPT_FACTOR:g}x the longest of them.", ""]
     out += ["## Settings measured", "", "| setting | kind | " + " | ".join(f"density L={L}" for L in lengths)
             + " | worst top-1 [95 % CI] | NLL [95 % CI] | within tolerance |", "|" + "---|" * (len(lengths) + 5)]
     for r in results:
@@ -142,6 +154,8 @@ def markdown(doc: dict, figure: Optional[str]) -> str:
             out.append("| " + " | ".join(cells) + " |")
     if figure:
         out += ["", f"![accuracy and NLL against density; per-layer density]({os.path.basename(figure)})"]
+    elif figure_note:
+        out += ["", figure_note + "."]
     return "\n".join(out) + "\n"
 
 
@@ -168,6 +182,8 @@ def write(doc: dict, out_dir: str, config) -> dict:
     figure = plot(doc, os.path.join(out_dir, "calibration.png"))
     if figure:
         paths["figure"] = figure
+    else:
+        paths["figure_note"] = NO_FIGURE
     with open(paths["report"], "w") as f:
-        f.write(markdown(doc, figure))
+        f.write(markdown(doc, figure, paths.get("figure_note")))
     return paths

@@ -32,6 +32,11 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
 SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
                     "mean_alpha", "dense_fraction")
+# The adapters warn (once) when a sparse call's keys exceed this many times the longest length a calibrated file was
+# validated at (`validated_lengths`): the selections keep a smaller share of the blocks as prompts grow, so accuracy
+# measured at L says less the further past L a prompt goes; 2x is the next length a calibration would measure (lengths
+# usually double: 8K, 16K, 32K), beyond it nothing was measured.
+LONG_PROMPT_FACTOR = 2.0
 # What one entry of `layers` may set: the selection, except block_size (one per model: the mean cache and the
 # workspaces are sized by it), and `dense` (the layer always runs dense attention).
 LAYER_FIELDS = tuple(f for f in SELECTION_FIELDS if f != "block_size") + ("dense",)
@@ -81,6 +86,10 @@ class SparsePrefillConfig:
         Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine does not
         give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
         SPARSE_PREFILL_* variables.
+    validated_lengths: the prompt lengths the settings were measured at (JSON [8192, 32768]; written by
+        `python -m sparse_prefill.calibrate`, file or keyword only). A sparse call whose keys exceed
+        LONG_PROMPT_FACTOR (2) times the longest of them warns once (RuntimeWarning): the settings were not validated
+        there. None (files written before the field): no warning.
     """
 
     alpha: float = None
@@ -101,6 +110,7 @@ class SparsePrefillConfig:
     mean_cache: str = "auto"
     fallback: str = "sdpa"
     layers: Optional[dict] = None
+    validated_lengths: Optional[list] = None
 
     def __post_init__(self):
         lib = library_selection_defaults()
@@ -110,6 +120,7 @@ class SparsePrefillConfig:
         if self.correction is None:
             self.correction = lib["correction"]
         self.layers = _layer_settings(self.layers)
+        self.validated_lengths = _validated_lengths(self.validated_lengths)
         self._check()
 
     # -- loading ------------------------------------------------------------------------------------------------------
@@ -136,10 +147,10 @@ class SparsePrefillConfig:
             for key, value in data.items():
                 if key not in fields:
                     raise ValueError(f"{key}: unknown sparse_prefill setting in {path} (known: {', '.join(fields)})")
-                values[key] = value if key == "layers" else _coerce(key, value, key)
+                values[key] = value if key in _NOT_SCALAR else _coerce(key, value, key)
         for name, f in fields.items():
-            if name == "layers":
-                continue          # a mapping: from the file or keyword arguments only
+            if name in _NOT_SCALAR:
+                continue          # a mapping or a list: from the file or keyword arguments only
             raw = env.get(_env_name(name))
             if raw is not None and raw != "":
                 values[name] = _coerce(_env_name(name), raw, name)
@@ -200,6 +211,7 @@ class SparsePrefillConfig:
             f.write("\n")
 
 
+_NOT_SCALAR = ("layers", "validated_lengths")
 _KINDS = {"alpha": float, "mean_alpha": float, "dense_fraction": float, "correction": bool, "union": bool,
           "dense": bool, "rule": str, "final_chunk": str, "mean_cache": str, "fallback": str}
 
@@ -269,6 +281,17 @@ def _layer_settings(layers: Any) -> dict:
             _check_selection_value(name, field, settings[field])
         out[i] = settings
     return out
+
+
+def _validated_lengths(lengths: Any) -> Optional[list]:
+    """`validated_lengths` as an ascending list of ints, validated; None stays None (a file without the field)."""
+    if lengths is None:
+        return None
+    if (not isinstance(lengths, (list, tuple)) or not lengths
+            or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths)):
+        raise ValueError(f"validated_lengths: expected a non-empty list of prompt lengths (integers > 0), got "
+                         f"{lengths!r}")
+    return sorted(set(lengths))
 
 
 def layer_index(name: Any) -> Optional[int]:
@@ -380,7 +403,9 @@ class VarlenDispatch:
     (CUDA) head dim 128 (or below 128 for contiguous 16-bit inputs, zero-padded to 128: the transformers adapter's
     calls), bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens. Everything else runs
     dense `sp.attention` (any page size, windows, decode rows). A sparse call's selection is
-    `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied.
+    `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied. A sparse call whose
+    max_seqlen_k exceeds LONG_PROMPT_FACTOR times the longest of `config.validated_lengths` warns once per process
+    (dense calls run no calibrated setting, so they never warn).
 
     FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
     passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through
@@ -513,6 +538,12 @@ class VarlenDispatch:
             self.last_path = "sparse"
             self.calls["sparse"] += 1
             c = self.config
+            if c.validated_lengths and max_k > LONG_PROMPT_FACTOR * c.validated_lengths[-1]:
+                warn_once(f"validated_lengths {c.validated_lengths[-1]}",
+                          f"sparse_prefill: a prompt of {max_k} tokens runs settings validated at lengths up to "
+                          f"{c.validated_lengths[-1]} (validated_lengths in the configuration): more than "
+                          f"{LONG_PROMPT_FACTOR:g}x longer, where the selection keeps fewer blocks and its accuracy "
+                          "was not measured; calibrate at this length (python -m sparse_prefill.calibrate --lengths)")
             sel = c.selection(layer_idx)
             if final_chunk is None:
                 final_chunk = c.final_chunk == "always"
