@@ -1,12 +1,15 @@
-// SparsePrefill demo: one sequence of the structured workload; dense attention vs block-sparse prefill (the default
-// selection, SelectionParams{}, + sparse attention with and without the mean correction). Prints sequence length,
-// selected density, relative error against dense attention (with and without correction) and times.
+// SparsePrefill demo: dense attention against block-sparse prefill (the library's default selection,
+// SelectionParams{}, then sparse attention with and without the mean correction) on one sequence. Prints what the
+// selection kept and why (density, whether the dense rule fired and its threshold), the relative error against dense
+// attention and times.
 //
-//   sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu] [--help]
-// With a GPU and the CUDA backend it first runs the GPU path (default L = 32768, Llama-3.1-8B heads: Hq=32, Hkv=8):
-// dense attention on the GPU (checked against the CPU reference on the last 64 queries), the GPU index stage
-// (density, time) and the sparse kernel with and without correction (time, error against the GPU dense output).
-// Then the CPU reference backend on a small input (default L = 4096, Hq=4, Hkv=1), the only path without a GPU.
+//   sparse_prefill_demo [--seqlen L] [--workload W] [--gpu-seqlen L] [--alpha A] [--dense-fraction F] [--seed S]
+//                       [--cpu] [--help]
+// With a GPU and the CUDA backend it first runs the GPU path (default L = 32768, structured workload, Llama-3.1-8B
+// heads: Hq=32, Hkv=8): dense attention on the GPU (checked against the CPU reference on the last 64 queries), the
+// GPU index stage (density, the dense rule, time) and the sparse kernel with and without correction (time, error
+// against the GPU dense output). Then the CPU reference backend on a small input (kCpuSeqlen etc. below: the topic
+// workload at 8K tokens, where the default selection keeps a minority of the blocks), the only path without a GPU.
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -70,11 +73,117 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
   return std::sqrt(num / den);
 }
 
-void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
+// The demo's inputs. Lengths and head counts are the demo's own choice; every selection parameter is the library's
+// (SelectionParams{}), changed only by the options given.
+enum class Workload { kTopic, kStructured };
+const char* workload_name(Workload w) { return w == Workload::kTopic ? "topic" : "structured"; }
+// The CPU run: the topic workload (the speed reference of docs/workload.md, whose density falls with length) at 8K
+// tokens, where the default selection keeps a minority of the blocks (ctest Demo.DefaultRunPrunes checks it). One KV
+// head with Llama-3's group of 4 query heads keeps the exact, double-accumulating reference at ~10 s on 2 cores.
+constexpr int64_t kCpuSeqlen = 8192;
+constexpr int kCpuQHeads = 4, kCpuKvHeads = 1;
+constexpr Workload kCpuWorkload = Workload::kTopic;
+// The GPU run: the structured (accuracy) workload at Llama-3.1-8B's attention heads.
+constexpr int64_t kGpuSeqlen = 32768;
+constexpr int kGpuQHeads = 32, kGpuKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr uint64_t kSeed = 1;
+
+void generate(Workload w, const sp::workload::Shape& shape, uint64_t seed, float* q, float* k, float* v) {
+  if (w == Workload::kTopic) {
+    sp::workload::generate_topic(shape, sp::workload::TopicParams{}, seed, q, k, v);
+  } else {
+    sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q, k, v);
+  }
+}
+
+// A float parameter as the help and the report print it (%g: 0.003, 0.85), so a test can format the library's values
+// alike; integers print with std::to_string.
+std::string num(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
+// The rule's name as the Python API spells it (sp.build_index(rule=...)).
+const char* rule_name(sp::SelectionRule rule) {
+  switch (rule) {
+    case sp::SelectionRule::kTileEnergy: return "tile_energy";
+    case sp::SelectionRule::kRowMax: return "row_max";
+    case sp::SelectionRule::kProbeRowMax: return "probe_row_max";
+    case sp::SelectionRule::kProbeRowMass: return "probe_row_mass";
+  }
+  return "?";
+}
+
+// Every selection parameter the demo's runs depend on, "name value" each (the help prints SelectionParams{} this way).
+std::string selection_text(const sp::SelectionParams& s) {
+  std::string t = std::string("rule ") + rule_name(s.rule) + ", alpha " + num(s.alpha);
+  if (sp::is_probe_rule(s.rule)) t += ", mean_alpha " + num(s.mean_alpha);
+  t += ", block " + std::to_string(s.block_size) + ", sink " + std::to_string(s.sink) + ", window " +
+       std::to_string(s.window) + ", last_n " + std::to_string(s.last_n) + ", head_subgroups " +
+       std::to_string(s.head_subgroups) + (s.head_subgroups == 0 ? " (one selection per query head)" : "") +
+       ", correction " + (s.correction ? "on" : "off") + ", dense_fraction " + num(s.dense_fraction);
+  return t;
+}
+
+// A comma-separated list broken after its commas into lines of at most `width` characters (so "name value" pairs stay
+// on one line), every line after the first indented by `indent` (the caller prints the first line's prefix).
+std::string wrap(const std::string& text, size_t indent, size_t width = 118) {
+  std::string out, line;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t next = text.find(", ", pos);
+    next = next == std::string::npos ? text.size() : next + 1;  // the item with its comma
+    const std::string item = text.substr(pos, next - pos);
+    if (!line.empty() && indent + line.size() + 1 + item.size() > width) {
+      out += line + "\n" + std::string(indent, ' ');
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + item;
+    pos = next + 1;  // past the space after the comma
+  }
+  return out + line;
+}
+
+std::string percent(int64_t part, int64_t whole) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f %%", whole ? 100.0 * double(part) / double(whole) : 100.0);
+  return buf;
+}
+
+// What the selection kept and why. selected / visible: the selection as selected (built with dense_fraction 1, the
+// rule off); ran: the blocks the library's index (built with `sel`) holds, what sparse attention ran over. The dense
+// rule's decision is the library's own test (keeps_all), so this report cannot disagree with the index.
+void report_selection(const sp::SelectionParams& sel, int64_t selected, int64_t visible, int64_t ran) {
+  const sp::SelectionParams defaults{};
+  const bool is_default = selection_text(sel) == selection_text(defaults);
+  const std::string which =
+      is_default ? "the library's default (SelectionParams{}): " : "SelectionParams{} with the options given: ";
+  std::printf("  selection           %s\n", wrap(which + selection_text(sel), 22).c_str());
+  std::printf("  selected density    %s of the visible key blocks (%lld of %lld, over tiles and KV heads)\n",
+              percent(selected, visible).c_str(), (long long)selected, (long long)visible);
+  const std::string threshold = "dense_fraction " + num(sel.dense_fraction);
+  if (sp::keeps_all(selected, visible, sel.dense_fraction)) {
+    std::printf("  dense rule          fired: %s >= %s, so the index keeps every visible block (%s):\n"
+                "                      the sparse path computes exact dense attention here, nothing is pruned.\n"
+                "                      Longer prompts prune more (try a larger --seqlen); --dense-fraction 1 runs the\n"
+                "                      selection as selected\n",
+                percent(selected, visible).c_str(), threshold.c_str(), percent(ran, visible).c_str());
+  } else if (sel.dense_fraction >= 1.f) {
+    std::printf("  dense rule          off (dense_fraction 1): sparse attention ran over the %s selected\n",
+                percent(ran, visible).c_str());
+  } else {
+    std::printf("  dense rule          did not fire: %s < %s, so sparse attention ran over the %s selected only\n",
+                percent(selected, visible).c_str(), threshold.c_str(), percent(ran, visible).c_str());
+  }
+}
+
+void run_cpu(Workload workload, const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
   const int64_t L = shape.seqlen, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
-  progress("generating the structured workload (L=" + std::to_string(L) + ") for the CPU reference backend");
+  progress(std::string("generating the ") + workload_name(workload) + " workload (L=" + std::to_string(L) +
+           ") for the CPU reference backend");
   std::vector<float> q(L * Hq * D), k(L * Hkv * D), v(L * Hkv * D);
-  sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
+  generate(workload, shape, seed, q.data(), k.data(), v.data());
 
   std::vector<int32_t> cu = {0, int32_t(L)};
   sp::AttentionInputs in;
@@ -86,8 +195,12 @@ void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   in.max_seqlen_q = in.max_seqlen_k = L;
   in.causal = true;
 
-  std::printf("SparsePrefill demo, CPU reference backend: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld\n",
-              (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
+  std::printf("SparsePrefill demo, CPU reference backend (exact, double accumulation: it shows what the selection "
+              "keeps, not the speed)\n");
+  std::printf("  input               %s workload%s, L=%lld, Hq=%lld, Hkv=%lld, D=%lld, float32, seed %llu\n",
+              workload_name(workload),
+              workload == Workload::kTopic ? " (the speed reference, docs/workload.md)" : " (the accuracy workload)",
+              (long long)L, (long long)Hq, (long long)Hkv, (long long)D, (unsigned long long)seed);
   std::vector<float> dense(q.size()), sparse(q.size()), sparse_nc(q.size());
   progress("dense attention (exact, double accumulation)...");
   auto t0 = std::chrono::steady_clock::now();
@@ -95,26 +208,32 @@ void run_cpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   const double t_dense = seconds_since(t0);
 
   progress("index stage (block selection)...");
-  t0 = std::chrono::steady_clock::now();
+  // The selection as selected (the dense rule off), only to report what it kept before the rule decided.
+  sp::SelectionParams as_selected = sel;
+  as_selected.dense_fraction = 1.f;
+  const sp::BlockIndex selected = sp::build_index(in, as_selected);
   sp::SelectionParams with_means = sel;
   with_means.correction = true;  // V means for the run with the correction (the selection does not depend on it)
-  sp::BlockIndex index = sp::build_index(in, with_means);
+  t0 = std::chrono::steady_clock::now();
+  sp::BlockIndex index = sp::build_index(in, with_means);  // the index the library runs: `sel`, dense rule included
   const double t_index = seconds_since(t0);
   progress("sparse attention over the selected blocks, with and without the mean correction...");
-  index.correction = true;  // the default selection is off; the same index serves both runs
-  t0 = std::chrono::steady_clock::now();
-  sp::sparse_attention(in, sp::view_of(index), {sp::make_view(sparse.data(), sp::DType::kFloat32, {L, Hq, D}), {}});
-  const double t_sparse = seconds_since(t0);
   index.correction = false;
+  t0 = std::chrono::steady_clock::now();
   sp::sparse_attention(in, sp::view_of(index), {sp::make_view(sparse_nc.data(), sp::DType::kFloat32, {L, Hq, D}), {}});
+  const double t_sparse = seconds_since(t0);
+  index.correction = true;  // the same index serves both runs
+  sp::sparse_attention(in, sp::view_of(index), {sp::make_view(sparse.data(), sp::DType::kFloat32, {L, Hq, D}), {}});
 
-  std::printf("  seqlen              %lld\n", (long long)L);
-  std::printf("  selected density    %.1f %% (alpha=%.3g, block=%d, sink=%d, window=%d, last_n=%d)\n",
-              100.0 * index.density(), sel.alpha, sel.block_size, sel.sink, sel.window, sel.last_n);
-  std::printf("  rel. error vs dense %.3e with mean correction, %.3e without\n", rel_err(sparse, dense),
-              rel_err(sparse_nc, dense));
-  std::printf("  time (CPU, exact)   dense %.2f s, index %.2f s, sparse attention %.2f s\n", t_dense, t_index,
-              t_sparse);
+  report_selection(sel, selected.kept_blocks, selected.visible_blocks, index.kept_blocks);
+  const double err_on = rel_err(sparse, dense), err_off = rel_err(sparse_nc, dense);
+  std::printf("  rel. error vs dense %.2e %s, %.2e %s\n", sel.correction ? err_on : err_off,
+              sel.correction ? "with the mean correction (on in this selection)"
+                             : "without the mean correction (off in this selection)",
+              sel.correction ? err_off : err_on, sel.correction ? "without it" : "with it");
+  std::printf("  time (CPU, exact)   dense attention %.2f s, index stage %.2f s, sparse attention %.2f s "
+              "(%.2f of dense)\n",
+              t_dense, t_index, t_sparse, t_sparse / t_dense);
 }
 
 #ifdef SPARSE_PREFILL_WITH_CUDA
@@ -155,14 +274,14 @@ float median_ms(Fn&& fn, int reps) {
 // Dense attention and the index stage on the GPU, bf16, one sequence of the structured workload.
 void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, uint64_t seed) {
   const int64_t L = shape.seqlen, Hq = shape.num_q_heads, Hkv = shape.num_kv_heads, D = shape.head_dim;
+  progress("generating the structured workload (L=" + std::to_string(L) + ") and copying it to the GPU");
   std::vector<float> q(L * Hq * D), k(L * Hkv * D), v(L * Hkv * D);
-  sp::workload::generate_structured(shape, sp::workload::StructuredParams{}, seed, q.data(), k.data(), v.data());
+  generate(Workload::kStructured, shape, seed, q.data(), k.data(), v.data());
   auto to_bf16 = [](const std::vector<float>& x) {
     std::vector<uint16_t> y(x.size());
     for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_bf16(x[i]);
     return y;
   };
-  progress("generating the structured workload (L=" + std::to_string(L) + ") and copying it to the GPU");
   const std::vector<uint16_t> qh = to_bf16(q), kh = to_bf16(k), vh = to_bf16(v);
   std::vector<int32_t> cu = {0, int32_t(L)};
   void *dq, *dk, *dv, *dout, *dcu;
@@ -185,7 +304,8 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   in.max_seqlen_q = in.max_seqlen_k = L;
   const sp::AttentionOutputs outs{sp::make_view(dout, sp::DType::kBFloat16, {L, Hq, D}, gpu), std::nullopt};
 
-  std::printf("SparsePrefill demo, GPU path: structured workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld, bf16\n",
+  std::printf("SparsePrefill demo, GPU path: structured (accuracy) workload, L=%lld, Hq=%lld, Hkv=%lld, D=%lld, "
+              "bf16\n",
               (long long)L, (long long)Hq, (long long)Hkv, (long long)D);
   progress("GPU dense attention (median of 5)...");
   const float dense_ms = median_ms([&] { sp::attention(in, outs); }, 5);
@@ -217,21 +337,27 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   }
 
   progress("GPU index stage (median of 5)...");
-  // The GPU index stage.
-  // The GPU index stage into a workspace of our own (the engine path: no allocation, no synchronisation).
-  const int64_t bytes = sp::index_workspace_bytes(in, sel);
+  // The GPU index stage into a workspace of our own (the engine path: no allocation, no synchronisation), large
+  // enough for each selection built in it below: as selected (the dense rule off, for the report), `sel`, and `sel`
+  // with the V means of the run with the correction.
+  sp::SelectionParams as_selected = sel, with_means = sel;
+  as_selected.dense_fraction = 1.f;
+  with_means.correction = true;
+  const int64_t bytes = std::max({sp::index_workspace_bytes(in, sel), sp::index_workspace_bytes(in, as_selected),
+                                  sp::index_workspace_bytes(in, with_means)});
   void* ws = nullptr;
   CHECK_CUDA(cudaMalloc(&ws, size_t(bytes)));
   const sp::TensorView workspace = sp::make_view(ws, sp::DType::kInt32, {(bytes + 3) / 4}, gpu);
+  const auto [selected, visible] = sp::index_counts(sp::build_index(in, as_selected, workspace), nullptr);
   sp::DeviceBlockIndex index;
   const float index_ms = median_ms([&] { index = sp::build_index(in, sel, workspace); }, 5);
-  const auto [kept, visible] = sp::index_counts(index, nullptr);
+  const int64_t kept = sp::index_counts(index, nullptr).first;
 
   std::printf("  seqlen              %lld\n", (long long)L);
   std::printf("  dense attention     %.3f ms (%.0f TFLOP/s); rel. error vs CPU reference (last %lld queries) %.2e\n",
               dense_ms, tflops, (long long)tail, std::sqrt(num / den));
-  std::printf("  index stage         %.3f ms (%.2f %% of dense); selected density %.2f %%\n", index_ms,
-              100.0 * index_ms / dense_ms, 100.0 * double(kept) / double(visible));
+  report_selection(sel, selected, visible, kept);
+  std::printf("  index stage         %.3f ms (%.2f %% of dense)\n", index_ms, 100.0 * index_ms / dense_ms);
 
   // The sparse kernel over that index (the engine path: no allocation, no synchronisation), with and without the
   // mean correction; error against the GPU dense output.
@@ -253,8 +379,6 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
   progress("GPU sparse attention, with and without the mean correction (median of 5 each)...");
   // The index above has no V means (sel: no correction, the default): the run with the correction takes one built
   // with it (the same selection) in the same workspace; the correction only decides whether the means are read.
-  sp::SelectionParams with_means = sel;
-  with_means.correction = true;
   sp::DeviceBlockIndex with = sp::build_index(in, with_means, workspace), without = with;
   without.params.correction = false;
   const float corr_ms = median_ms([&] { sp::sparse_attention(in, with, sparse_outs); }, 5);
@@ -269,19 +393,43 @@ void run_gpu(const sp::workload::Shape& shape, const sp::SelectionParams& sel, u
 }
 #endif
 
-constexpr const char* kUsage =
-    "usage: sparse_prefill_demo [--seqlen L] [--gpu-seqlen L] [--alpha A] [--seed S] [--cpu] [--help]\n"
-    "\n"
-    "Dense attention against block-sparse prefill (the default selection + sparse attention, with and without\n"
-    "the mean correction) on one sequence of the structured workload: density, relative error, times.\n"
-    "\n"
-    "  --seqlen L      sequence length of the CPU reference run (default 4096; Hq=4, Hkv=1, D=128, float32)\n"
-    "  --gpu-seqlen L  sequence length of the GPU run (default 32768; Hq=32, Hkv=8, D=128, bf16)\n"
-    "  --alpha A       selection threshold in [0, 1] (default 0.1; 0 keeps every visible block)\n"
-    "  --seed S        workload seed (default 1)\n"
-    "  --cpu           skip the GPU run even where there is a GPU\n"
-    "  --help, -h      print this help and exit\n"
-    "Values may also be given as --option=value.\n";
+// The help, its defaults read from the demo's constants and from SelectionParams{} (ctest Demo.HelpShowsDefaults
+// compares them with the library's values).
+std::string usage() {
+  const sp::SelectionParams d{};
+  auto heads = [](int hq, int hkv) {
+    return "Hq=" + std::to_string(hq) + ", Hkv=" + std::to_string(hkv) + ", D=" + std::to_string(kHeadDim);
+  };
+  return "usage: sparse_prefill_demo [--seqlen L] [--workload W] [--gpu-seqlen L] [--alpha A] [--dense-fraction F]\n"
+         "                           [--seed S] [--cpu] [--help]\n"
+         "\n"
+         "Dense attention against block-sparse prefill (the library's default selection, then sparse attention with\n"
+         "and without the mean correction) on one sequence: what the selection kept and why (density, whether the\n"
+         "dense rule fired), the relative error against dense attention, times. With a GPU and the CUDA backend the\n"
+         "GPU run comes first; the CPU reference run always follows.\n"
+         "\n"
+         "  --seqlen L          sequence length of the CPU reference run (default " + std::to_string(kCpuSeqlen) +
+         "; " + heads(kCpuQHeads, kCpuKvHeads) + ", float32)\n"
+         "  --workload W        workload of the CPU run (default " + workload_name(kCpuWorkload) +
+         "): topic (the speed reference) or structured\n"
+         "                      (the accuracy workload: sinks, recall, needles; the selection keeps more of it)\n"
+         "  --gpu-seqlen L      sequence length of the GPU run (default " + std::to_string(kGpuSeqlen) +
+         "; structured workload, " + heads(kGpuQHeads, kGpuKvHeads) + ", bf16)\n"
+         "  --alpha A           selection threshold of rule " + rule_name(d.rule) + ", in [0, 1] (default " +
+         num(d.alpha) + "; 0 keeps every visible block)\n"
+         "  --dense-fraction F  the dense rule: a selection keeping at least this fraction of the visible blocks\n"
+         "                      keeps them all and runs as dense attention, in (0, 1] (default " +
+         num(d.dense_fraction) + "; 1 turns it off)\n"
+         "  --seed S            workload seed (default " + std::to_string(kSeed) + ")\n"
+         "  --cpu               skip the GPU run even where there is a GPU\n"
+         "  --help, -h          print this help and exit\n"
+         "Values may also be given as --option=value.\n"
+         "\n" +
+         wrap("The selection is the library's default, SelectionParams{}, but for the options above: " +
+                  selection_text(d) + ".",
+              0) +
+         "\n";
+}
 
 // A command-line error: names the argument, prints the usage hint, exit code 2.
 int usage_error(const std::string& message) {
@@ -313,10 +461,11 @@ bool parse_float(const std::string& text, double lo, double hi, double* value) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sp::workload::Shape gpu_shape{32768, 32, 8, 128};
-  sp::workload::Shape cpu_shape{4096, 4, 1, 128};
-  sp::SelectionParams sel;
-  uint64_t seed = 1;
+  sp::workload::Shape gpu_shape{kGpuSeqlen, kGpuQHeads, kGpuKvHeads, kHeadDim};
+  sp::workload::Shape cpu_shape{kCpuSeqlen, kCpuQHeads, kCpuKvHeads, kHeadDim};
+  Workload cpu_workload = kCpuWorkload;
+  sp::SelectionParams sel;  // the library's defaults; --alpha / --dense-fraction change one field each
+  uint64_t seed = kSeed;
   bool force_cpu = false;
   constexpr long long kMaxSeqlen = 1ll << 20;  // the contract's range (4K to 1M tokens)
   for (int i = 1; i < argc; ++i) {
@@ -328,7 +477,7 @@ int main(int argc, char** argv) {
       has_value = true;
     }
     if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
+      std::fputs(usage().c_str(), stdout);
       return 0;
     }
     if (a == "--cpu") {
@@ -336,7 +485,8 @@ int main(int argc, char** argv) {
       force_cpu = true;
       continue;
     }
-    if (a != "--seqlen" && a != "--gpu-seqlen" && a != "--alpha" && a != "--seed")
+    if (a != "--seqlen" && a != "--gpu-seqlen" && a != "--workload" && a != "--alpha" && a != "--dense-fraction" &&
+        a != "--seed")
       return usage_error("unknown argument '" + a + "'");
     if (!has_value) {
       if (i + 1 >= argc) return usage_error(a + " needs a value");
@@ -349,10 +499,22 @@ int main(int argc, char** argv) {
         return usage_error(a + ": expected an integer in [1, " + std::to_string(kMaxSeqlen) + "], got '" + value +
                            "'");
       (a == "--seqlen" ? cpu_shape : gpu_shape).seqlen = n;
+    } else if (a == "--workload") {
+      if (value == workload_name(Workload::kTopic)) {
+        cpu_workload = Workload::kTopic;
+      } else if (value == workload_name(Workload::kStructured)) {
+        cpu_workload = Workload::kStructured;
+      } else {
+        return usage_error("--workload: expected topic or structured, got '" + value + "'");
+      }
     } else if (a == "--alpha") {
       if (!parse_float(value, 0.0, 1.0, &x))
         return usage_error("--alpha: expected a number in [0, 1], got '" + value + "'");
       sel.alpha = float(x);
+    } else if (a == "--dense-fraction") {
+      if (!parse_float(value, 0.0, 1.0, &x) || x == 0.0)
+        return usage_error("--dense-fraction: expected a number in (0, 1], got '" + value + "'");
+      sel.dense_fraction = float(x);
     } else {  // --seed
       if (!parse_int(value, 0, std::numeric_limits<long long>::max(), &n))
         return usage_error("--seed: expected a non-negative integer, got '" + value + "'");
@@ -373,7 +535,7 @@ int main(int argc, char** argv) {
 #else
     progress(std::string("built without the CUDA backend (") + SP_CUDA_REASON + "): CPU reference backend only");
 #endif
-    run_cpu(cpu_shape, sel, seed);
+    run_cpu(cpu_workload, cpu_shape, sel, seed);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

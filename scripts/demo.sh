@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main job: installs dependencies, builds the demo, runs it. With an NVIDIA GPU (nvidia-smi -L lists one) it builds
 # the CUDA backend (where nvcc is found) and runs the GPU path (dense attention, the GPU index stage, sparse attention at
-# L=32768), then the CPU reference backend on a small input; without one it builds the CPU backend only (no CUDA
-# compile, even where nvcc is installed: nothing could run it) and runs that. The demo prints why it was built the way
-# it was (no GPU found / no nvcc / switched off).
-# Extra arguments go to the demo (bash scripts/demo.sh --help lists them, e.g. --seqlen 8192).
+# L=32768), then the CPU reference backend on a small input (the topic workload at 8K tokens, ~10 s on 2 cores);
+# without one it builds the CPU backend only (no CUDA compile, even where nvcc is installed: nothing could run it) and
+# runs that. The demo prints why it was built the way it was (no GPU found / no nvcc / switched off), and what the
+# selection kept and why (density, whether the dense rule fired).
+# Extra arguments go to the demo (bash scripts/demo.sh --help lists them and the defaults, e.g. --seqlen 16384).
 # Build tree: ./build-demo (the library and the demo only: no Python extension, no tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
