@@ -10,7 +10,7 @@ import numpy as np
 from . import _C
 from ._arrays import ArrayLib, to_numpy
 from ._call import LaunchOptions, _Call, _as_int, _as_int32, _kv_arrays, _mean_cache_arrays
-from ._selection import _D, _KEYWORD_NAMES, Selection, _selection
+from ._selection import _KEYWORD_NAMES, _LIBRARY_DEFAULT, Selection, _selection
 
 _SELECTION_KEYWORDS = set(_KEYWORD_NAMES)
 
@@ -217,15 +217,16 @@ def _from_numpy(lib: ArrayLib, a: Optional[np.ndarray]) -> Any:
     return None if a is None else lib.from_numpy(a)
 
 
-def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
-                block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                last_n: int = _D["last_n"], correction: bool = _D["correction"],
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                alpha: float = _LIBRARY_DEFAULT, block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT,
+                window: int = _LIBRARY_DEFAULT, last_n: int = _LIBRARY_DEFAULT, correction: bool = _LIBRARY_DEFAULT,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None, final_chunk: bool = True, union: bool = False, head_subgroups: int = _D["head_subgroups"],
+                stream=None, final_chunk: bool = _LIBRARY_DEFAULT, union: bool = _LIBRARY_DEFAULT,
+                head_subgroups: int = _LIBRARY_DEFAULT,
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
-                dense_fraction: float = _D["dense_fraction"], selection: Optional[Selection] = None) -> Index:
+                rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
+                max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
+                dense_fraction: float = _LIBRARY_DEFAULT, selection: Optional[Selection] = None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -237,8 +238,10 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention() (contiguous KV,
             or paged with block_table / seqused_k and cu_seqlens_k=None; FP8 with the descales, or as uint8 bit
             patterns with qkv_dtype='float8_e4m3fn'). attention()'s `window` mask does not apply here.
+        selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
         alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union, max_kept_blocks: see "Selection arguments" below.
+            final_chunk, union, max_kept_blocks: see "Selection arguments" below; default: the library default
+            (shown as <library default>).
         workspace: CUDA inputs only: a 1-D array of q's library on q's device of at least index_workspace_bytes(...)
             bytes, 256-byte aligned, in which the index lives (the call then allocates nothing and can be captured in
             a CUDA graph; the index lives there until the buffer is reused). Default: a workspace array allocated in
@@ -246,9 +249,12 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         mean_cache: paged KV on CUDA: the pooled-means cache of mean_cache(), as for chunked_prefill().
 
     Selection arguments. The one place they are documented: sparse_prefill(), chunked_prefill(), the
-    *_workspace_bytes() functions, torch.ops.sparse_prefill.* and the engine adapters take the same ones. The
-    defaults written here are sp.SELECTION_DEFAULTS, read from the C++ SelectionParams{} (tests/python/test_docs.py
-    checks that the two agree).
+    *_workspace_bytes() functions, torch.ops.sparse_prefill.* and the engine adapters take the same ones, and so do
+    sp.Selection's fields. The defaults written here are sp.SELECTION_DEFAULTS, read from the C++ SelectionParams{}
+    (tests/python/test_docs.py checks that the two agree); the signatures show them as <library default>, so that a
+    keyword passed is told from one left out. Pass the selection either as `selection=` or as the selection keywords
+    (a keyword left out is the library default, sp.SELECTION_DEFAULTS), never both: any selection keyword passed
+    together with `selection=` is a ValueError naming the keyword, whatever its value (the default's value too).
         alpha (default 0.003): the threshold of the rule, in [0, 1]; 0 keeps every visible block.
         rule (default 'row_max'): how the scores are thresholded:
             'row_max': with m_r = max_J s_rJ over the blocks row r sees, keep J iff max over the rows r that see J
@@ -330,8 +336,9 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 
 def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                          block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
-                          head_subgroups: int = _D["head_subgroups"], causal: bool = True, softmax_scale: Optional[float] = None,
+                          block_size: int = _LIBRARY_DEFAULT, block_table=None, seqused_k=None,
+                          union: bool = _LIBRARY_DEFAULT, head_subgroups: int = _LIBRARY_DEFAULT, causal: bool = True,
+                          softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, qkv_dtype=None,
                           selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
@@ -341,8 +348,8 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
             softmax_scale, options, qkv_dtype: as in build_index() (shapes are read, not values).
         selection, block_size, union, head_subgroups, **keywords: the selection of the build: a Selection, or the
-            selection arguments (build_index(), "Selection arguments"); those that do not change the size may be left
-            out, max_kept_blocks does (pass the build's own).
+            selection arguments (build_index(), "Selection arguments"; default: the library default), not both;
+            those that do not change the size may be left out, max_kept_blocks does (pass the build's own).
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
@@ -355,8 +362,9 @@ def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
 
 
 def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                                   block_size: int = _D["block_size"], block_table=None, seqused_k=None, union: bool = False,
-                                   head_subgroups: int = _D["head_subgroups"], causal: bool = True,
+                                   block_size: int = _LIBRARY_DEFAULT, block_table=None, seqused_k=None,
+                                   union: bool = _LIBRARY_DEFAULT,
+                                   head_subgroups: int = _LIBRARY_DEFAULT, causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
                                    qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays.
@@ -373,8 +381,9 @@ def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
-                                    max_seqlen_k: int, block_size: int = _D["block_size"], union: bool = False,
-                                    head_subgroups: int = _D["head_subgroups"], options: Optional[LaunchOptions] = None,
+                                    max_seqlen_k: int, block_size: int = _LIBRARY_DEFAULT,
+                                    union: bool = _LIBRARY_DEFAULT, head_subgroups: int = _LIBRARY_DEFAULT,
+                                    options: Optional[LaunchOptions] = None,
                                     qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays.
 

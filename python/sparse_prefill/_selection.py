@@ -59,6 +59,23 @@ _DEFAULTS = dict(_D, final_chunk=_PARAMS.final_chunk, union=_PARAMS.union_lists,
                  max_kept_blocks=None if _PARAMS.max_kept_blocks == -1 else _PARAMS.max_kept_blocks)
 
 
+class _LibraryDefault:
+    """The default of the functions' selection keywords: "the library default" (the field's value in
+    SELECTION_DEFAULTS, or Selection()'s). A sentinel rather than the value itself, so that a keyword passed with its
+    default value is told apart from one left out: beside `selection=` any passed keyword is an error."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<library default>"
+
+    def __reduce__(self) -> str:
+        return "_LIBRARY_DEFAULT"  # one object, also through copy and pickle (identity is what is tested)
+
+
+_LIBRARY_DEFAULT = _LibraryDefault()
+
+
 class Selection:
     """The block selection of build_index(), sparse_prefill() and chunked_prefill(): one immutable, validated value.
 
@@ -70,9 +87,11 @@ class Selection:
     build_index(), "Selection arguments": alpha, rule, mean_alpha, block_size, sink, window, last_n, correction,
     head_subgroups, dense_fraction, final_chunk, union, max_kept_blocks. Types and every range that needs no shapes
     are checked here, once (TypeError / ValueError naming the field); the call checks what needs them (head_subgroups
-    dividing Hq // Hkv). The functions' selection keywords are a shorthand that builds one; a keyword set to a value
-    other than its default together with `selection=` is a ValueError naming the keyword. chunked_prefill()'s required
-    `final_chunk=` overrides the Selection's.
+    dividing Hq // Hkv). The functions' selection keywords are a shorthand that builds one. Pass the selection either
+    as `selection=` or as the selection keywords (a keyword left out is the library default, sp.SELECTION_DEFAULTS),
+    never both: any selection keyword passed together with `selection=` is a ValueError naming the keyword, whatever
+    its value (the default's value too). chunked_prefill()'s required `final_chunk=` is the step's, not a selection
+    keyword: it overrides the Selection's.
     """
 
     __slots__ = _FIELDS + ("_params", "_flipped")
@@ -155,29 +174,29 @@ _DEFAULT_SELECTION = Selection()
 _KEYWORD_SELECTIONS: dict = {}
 
 
-def _selection(selection: Any, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"],
-               last_n=_D["last_n"], correction=_D["correction"], final_chunk=True, union=False,
-               head_subgroups=_D["head_subgroups"], rule=_D["rule"], max_kept_blocks=None, mean_alpha=_D["mean_alpha"],
-               dense_fraction=_D["dense_fraction"]) -> Selection:
-    """The call's Selection: `selection` when given (its keywords must then be left at their defaults), else one built
-    from the keywords (the defaults' own Selection when every keyword is left out)."""
+def _selection(selection: Any, alpha=_LIBRARY_DEFAULT, block_size=_LIBRARY_DEFAULT, sink=_LIBRARY_DEFAULT,
+               window=_LIBRARY_DEFAULT, last_n=_LIBRARY_DEFAULT, correction=_LIBRARY_DEFAULT,
+               final_chunk=_LIBRARY_DEFAULT, union=_LIBRARY_DEFAULT, head_subgroups=_LIBRARY_DEFAULT,
+               rule=_LIBRARY_DEFAULT, max_kept_blocks=_LIBRARY_DEFAULT, mean_alpha=_LIBRARY_DEFAULT,
+               dense_fraction=_LIBRARY_DEFAULT) -> Selection:
+    """The call's Selection: `selection` when given (every selection keyword must then be left out: _LIBRARY_DEFAULT),
+    else one built from the keywords, those left out at their defaults (the defaults' own Selection when all are)."""
     kw = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
           max_kept_blocks, mean_alpha, dense_fraction)
     if selection is None:
-        if all(a is b for a, b in zip(kw, _KEYWORD_DEFAULTS)):  # every keyword left out
+        if all(a is _LIBRARY_DEFAULT for a in kw):  # every keyword left out
             return _DEFAULT_SELECTION
         # The keywords' Selection, made once per distinct value: the key holds the types too, so that 1, 1.0 and
-        # True (equal, one hash) do not share a Selection that validated only one of them
+        # True (equal, one hash) do not share a Selection that validated only one of them (keywords left out are
+        # the sentinel in the key: resolved only when the Selection is made)
         try:
             key = kw + tuple(map(type, kw))
             sel = _KEYWORD_SELECTIONS.get(key)
         except TypeError:  # an unhashable value: Selection() names it
             key = sel = None
         if sel is None:
-            sel = Selection(alpha=alpha, block_size=block_size, sink=sink, window=window, last_n=last_n,
-                            correction=correction, final_chunk=final_chunk, union=union, head_subgroups=head_subgroups,
-                            rule=rule, max_kept_blocks=max_kept_blocks, mean_alpha=mean_alpha,
-                            dense_fraction=dense_fraction)
+            sel = Selection(**{name: d if a is _LIBRARY_DEFAULT else a
+                               for name, a, d in zip(_KEYWORD_NAMES, kw, _KEYWORD_DEFAULTS)})
             if key is not None:
                 if len(_KEYWORD_SELECTIONS) >= 256:
                     _KEYWORD_SELECTIONS.clear()
@@ -185,18 +204,13 @@ def _selection(selection: Any, alpha=_D["alpha"], block_size=_D["block_size"], s
         return sel
     if not isinstance(selection, Selection):
         raise TypeError(f"selection: expected a sparse_prefill.Selection, got {type(selection).__name__}")
-    for name, value, default in zip(_KEYWORD_NAMES, kw, _KEYWORD_DEFAULTS):
-        if value is not default and not _equal(value, default):
+    for name, value in zip(_KEYWORD_NAMES, kw):
+        # any passed keyword, even one equal to the default or to the Selection's field: which one was meant is a guess
+        if value is not _LIBRARY_DEFAULT:
             raise ValueError(f"{name}: given both as a keyword ({value!r}) and through selection= "
-                             f"({getattr(selection, name)!r}); pass one Selection (selection.replace({name}=...))")
+                             f"({getattr(selection, name)!r}); pass one or the other, whatever the keyword's value "
+                             f"(to change the Selection: selection.replace({name}=...))")
     return selection
-
-
-def _equal(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # an array, say: not the default
-        return False
 
 
 _KEYWORD_NAMES = ("alpha", "block_size", "sink", "window", "last_n", "correction", "final_chunk", "union",

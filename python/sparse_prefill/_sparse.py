@@ -11,7 +11,7 @@ from . import _C
 from ._arrays import ArrayLib, library_of, to_numpy
 from ._call import LaunchOptions, _Call, _as_bool, _as_int, _kv_arrays, _mean_cache_arrays
 from ._index import Index, build_index
-from ._selection import _D, Selection, _selection
+from ._selection import _LIBRARY_DEFAULT, Selection, _selection
 
 
 def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -85,15 +85,16 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     return call.result(out_c, lse, out_ret, return_lse)
 
 
-def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
-                   block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                   last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
-                   return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
-                   stream=None, final_chunk: bool = True, union: bool = False, mean_cache=None,
-                   head_subgroups: int = _D["head_subgroups"], workspace=None, options: Optional[LaunchOptions] = None,
-                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                   max_kept_blocks: Optional[int] = None, mean_alpha: float = _D["mean_alpha"],
-                   dense_fraction: float = _D["dense_fraction"], selection: Optional[Selection] = None):
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                   alpha: float = _LIBRARY_DEFAULT, block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT,
+                   window: int = _LIBRARY_DEFAULT, last_n: int = _LIBRARY_DEFAULT,
+                   correction: bool = _LIBRARY_DEFAULT, causal: bool = True, softmax_scale: Optional[float] = None,
+                   out=None, return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
+                   stream=None, final_chunk: bool = _LIBRARY_DEFAULT, union: bool = _LIBRARY_DEFAULT, mean_cache=None,
+                   head_subgroups: int = _LIBRARY_DEFAULT, workspace=None, options: Optional[LaunchOptions] = None,
+                   rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
+                   max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
+                   dense_fraction: float = _LIBRARY_DEFAULT, selection: Optional[Selection] = None):
     """Block-sparse prefill in one call: build_index() + sparse_attention(). On CUDA the index never leaves the
     device and no host synchronisation happens.
 
@@ -101,12 +102,15 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
             block_table, seqused_k, stream, options, q_descale, k_descale, v_descale, qkv_dtype: as in attention()
             (no sliding-window mask here).
-        selection: a Selection (sp.Selection(...)), the one way to pass the selection whole; default: the one the
-            keywords below build.
+        selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords below
+            build.
         alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union, max_kept_blocks: the selection as keywords (a shorthand for selection=; with
-            selection= they must be left out); see build_index(), "Selection arguments" (with a max_kept_blocks
-            budget, pass the same value to sparse_prefill_workspace_bytes()).
+            final_chunk, union, max_kept_blocks: the selection as keywords; default: the library default (shown as
+            <library default>); see build_index(), "Selection arguments" (with a max_kept_blocks budget, pass the
+            same value to sparse_prefill_workspace_bytes()). Pass the selection either as `selection=` or as the
+            selection keywords (a keyword left out is the library default, sp.SELECTION_DEFAULTS), never both: any
+            selection keyword passed together with `selection=` is a ValueError naming the keyword, whatever its
+            value (the default's value too).
         mean_cache: the pooled-means cache of a paged KV cache (mean_cache(); see chunked_prefill()), read for the
             blocks before each chunk and written for the blocks the chunk completes.
         workspace: CUDA: at least sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned, holding the index and
@@ -197,14 +201,14 @@ def mean_cache(k_cache, block_size: int = 128):
 
 
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                    *, final_chunk: bool, union: bool = False, alpha: float = _D["alpha"],
-                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                    last_n: int = _D["last_n"], correction: bool = _D["correction"],
+                    *, final_chunk: bool, union: bool = _LIBRARY_DEFAULT, alpha: float = _LIBRARY_DEFAULT,
+                    block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT, window: int = _LIBRARY_DEFAULT,
+                    last_n: int = _LIBRARY_DEFAULT, correction: bool = _LIBRARY_DEFAULT,
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
-                    mean_cache=None, head_subgroups: int = _D["head_subgroups"], workspace=None,
-                    options: Optional[LaunchOptions] = None, rule: str = _D["rule"], q_descale=None,
-                    k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = None,
-                    mean_alpha: float = _D["mean_alpha"], dense_fraction: float = _D["dense_fraction"],
+                    mean_cache=None, head_subgroups: int = _LIBRARY_DEFAULT, workspace=None,
+                    options: Optional[LaunchOptions] = None, rule: str = _LIBRARY_DEFAULT, q_descale=None,
+                    k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT,
+                    mean_alpha: float = _LIBRARY_DEFAULT, dense_fraction: float = _LIBRARY_DEFAULT,
                     selection: Optional[Selection] = None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
@@ -222,10 +226,11 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         union: one block list per (sequence, KV head), the union of its tiles' lists (CompactAttention), else
             per-tile lists (FlashPrefill V2; faster on all 36 measured steps of bench/results/chunked_h200.json,
             hence the default).
-        selection: a Selection (sp.Selection(...)), the selection whole; default: the one the keywords build.
+        selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
         alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            max_kept_blocks: the selection as keywords (a shorthand for selection=; with selection= they must be left
-            out); see build_index(), "Selection arguments". With head_subgroups > 1 the union is per (sequence,
+            max_kept_blocks: the selection as keywords; default: the library default (shown as <library default>);
+            see build_index(), "Selection arguments"; as in sparse_prefill(), any of them passed together with
+            `selection=` (union too) is a ValueError naming it. With head_subgroups > 1 the union is per (sequence,
             sub-group) (CompactAttention's option for large groups; on the topic workload at 128K it lowered the
             union density by a few % only, bench/results/chunked_subgroups_h200.json).
         mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
@@ -248,9 +253,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     if selection is None:
         sel = _selection(None, alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
                          rule, max_kept_blocks, mean_alpha, dense_fraction)
-    else:  # final_chunk is the step's, whatever the Selection says
-        sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, True, union, head_subgroups,
-                         rule, max_kept_blocks, mean_alpha, dense_fraction)._with_final_chunk(final_chunk)
+    else:  # final_chunk is the step's, whatever the Selection says (not a selection keyword here: left out)
+        sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, _LIBRARY_DEFAULT, union,
+                         head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
+        sel = sel._with_final_chunk(final_chunk)
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
     call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,

@@ -56,7 +56,11 @@ _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 # The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
-# wrappers below take theirs from here.
+# wrappers below take theirs from here. They are the values themselves, not the numpy API's <library default>
+# sentinel (sparse_prefill._selection._LIBRARY_DEFAULT, which tells a keyword passed from one left out so that a
+# keyword beside `selection=` raises): a torch.library schema holds only typed values (float, int, bool), and these
+# operators and wrappers take no `selection=`, so every call resolves to one set of values and nothing is ambiguous.
+# A wrapper that takes `selection=` must make that check itself, with the sentinel, before calling the operator.
 _D = _api.SELECTION_DEFAULTS
 _RULE_D = _api._as_rule(_D["rule"])
 

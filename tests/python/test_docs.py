@@ -4,6 +4,7 @@ defaults written there are the library's, sp.SELECTION_DEFAULTS, read at test ti
 
 import ast
 import inspect
+import os
 import re
 
 import pytest
@@ -63,9 +64,34 @@ def test_documented_selection_defaults_are_the_librarys():
     assert set(sp.SELECTION_DEFAULTS) <= set(documented), set(sp.SELECTION_DEFAULTS) - set(documented)
     for key, value in sp.SELECTION_DEFAULTS.items():
         assert ast.literal_eval(documented[key]) == value, (key, documented[key], value)
-    params = inspect.signature(sp.build_index).parameters
+    library = sp.Selection()  # the signatures show <library default>; the values are Selection()'s
     for key in SELECTION_ARGS - set(sp.SELECTION_DEFAULTS):
-        assert ast.literal_eval(documented[key]) == params[key].default, (key, documented[key])
+        assert ast.literal_eval(documented[key]) == getattr(library, key), (key, documented[key])
+
+
+# What a call given both selection= and a selection keyword does, said in the same words wherever it is described
+# (issue 43: the README, sparse_prefill's docstring and Selection's said it three different ways, none of them right)
+SELECTION_RULE = ("Pass the selection either as selection= or as the selection keywords (a keyword left out is the "
+                  "library default, sp.SELECTION_DEFAULTS), never both: any selection keyword passed together with "
+                  "selection= is a ValueError naming the keyword, whatever its value (the default's value too).")
+
+
+def _plain(text: str) -> str:
+    return " ".join(text.replace("`", "").split())
+
+
+def test_selection_rule_is_said_the_same_everywhere():
+    texts = {"sp.sparse_prefill": inspect.getdoc(sp.sparse_prefill), "sp.Selection": inspect.getdoc(sp.Selection),
+             "sp.build_index": inspect.getdoc(sp.build_index)}
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    if os.path.exists(readme):  # the source tree beside the tests
+        with open(readme) as f:
+            texts["README.md"] = f.read()
+    for where, text in texts.items():
+        assert SELECTION_RULE in _plain(text), where
+        # no other wording of the rule left beside it
+        for stale in ("must be left out", "contradicts", "other than its default", "at its default is no conflict"):
+            assert stale not in _plain(text), (where, stale)
 
 
 def test_the_selection_is_documented_in_one_place():

@@ -287,8 +287,16 @@ def test_selection_defaults_come_from_the_library():
             assert abs(schema["alpha"] - D["alpha"]) < 1e-7
     except ImportError:
         pass
+    # the numpy API's selection keywords default to the <library default> sentinel (a keyword passed beside
+    # selection= is then told from one left out) and resolve to D; the torch wrappers take no selection= and show D
+    from sparse_prefill._selection import _LIBRARY_DEFAULT, _selection
+    keys = ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups", "mean_alpha",
+            "dense_fraction")
+    resolved = _selection(None)
+    assert {key: getattr(resolved, key) for key in keys} == {key: D[key] for key in keys}
     for fn in fns:
         params = inspect.signature(fn).parameters
-        for key in ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
-                    "mean_alpha", "dense_fraction"):
-            assert params[key].default == D[key], (fn.__qualname__, key, params[key].default)
+        numpy_api = fn.__module__.startswith("sparse_prefill._")
+        for key in keys:
+            want = _LIBRARY_DEFAULT if numpy_api else D[key]
+            assert params[key].default is want or params[key].default == want, (fn.__qualname__, key)

@@ -3,6 +3,7 @@ selection keywords are a shorthand for it. Also the named structures that cross 
 _C.SelectionParams, _C.IndexArrays, _C.HostIndex) on the CPU."""
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -117,8 +118,116 @@ def test_a_keyword_beside_selection_is_an_error(call):
         sp.index_workspace_bytes(*call, selection=sel, union=True)
     with pytest.raises(TypeError, match="^selection: expected a sparse_prefill.Selection, got dict"):
         sp.sparse_prefill(*call, selection=dict(alpha=0.2))
-    # a keyword at its default is no conflict
-    sp.sparse_prefill(*call, selection=sel.replace(**SEL), alpha=sp.SELECTION_DEFAULTS["alpha"])
+
+
+# Every public function that takes both selection= and selection keywords, with the keywords it takes (chunked_prefill:
+# its final_chunk is the step's, required, and not a selection keyword; the *_workspace_bytes() functions take the
+# others through **keywords)
+_ALL_KEYWORDS = ("alpha", "rule", "mean_alpha", "block_size", "sink", "window", "last_n", "correction",
+                 "head_subgroups", "dense_fraction", "final_chunk", "union", "max_kept_blocks")
+_ENTRY_POINTS = ("build_index", "sparse_prefill", "chunked_prefill", "index_workspace_bytes",
+                 "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes")
+# a valid value other than the library's default, per keyword
+_OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, block_size=64, sink=0, window=0, last_n=1,
+              correction=True, head_subgroups=1, dense_fraction=1.0, final_chunk=False, union=True,
+              max_kept_blocks=1000)
+
+
+def _keywords_of(name):
+    return [k for k in _ALL_KEYWORDS if not (name.startswith("chunked_prefill") and k == "final_chunk")]
+
+
+def _cases():
+    return [(fn, kw) for fn in _ENTRY_POINTS for kw in _keywords_of(fn)]
+
+
+@pytest.fixture
+def paged_call(rng):
+    hq, hkv, d, page, L, C = 4, 2, 64, 64, 256, 128
+    k_cache = rng.standard_normal((L // page, page, hkv, d)).astype(np.float32)
+    v_cache = rng.standard_normal((L // page, page, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((C, hq, d)).astype(np.float32)
+    return (q, k_cache, v_cache, np.array([0, C], np.int32), np.arange(L // page, dtype=np.int32)[None],
+            np.array([L], np.int32), C, L)
+
+
+def _invoke(name, call, paged_call, **kwargs):
+    fn = getattr(sp, name)
+    if name == "chunked_prefill":
+        return fn(*paged_call, final_chunk=True, **kwargs)
+    return fn(*(paged_call if name.startswith("chunked_prefill") else call), **kwargs)
+
+
+@pytest.mark.parametrize("name,keyword", _cases())
+def test_a_keyword_at_its_default_beside_selection_is_an_error(call, paged_call, name, keyword):
+    """Issue 43: `selection=sel, alpha=0.003` (alpha's default) was silently ignored while alpha=0.01 raised. Any
+    selection keyword passed beside selection= raises, naming it, whatever its value."""
+    default = getattr(sp.Selection(), keyword)
+    sel = sp.Selection(**{keyword: _OTHER[keyword]})
+    with pytest.raises(ValueError, match=rf"^{keyword}: given both as a keyword \({re.escape(repr(default))}\) and "
+                                         rf"through selection= \({re.escape(repr(_OTHER[keyword]))}\)"):
+        _invoke(name, call, paged_call, selection=sel, **{keyword: default})
+    # also when the keyword equals the Selection's own field: which of the two was meant is not guessed
+    with pytest.raises(ValueError, match=f"^{keyword}: given both"):
+        _invoke(name, call, paged_call, selection=sp.Selection(), **{keyword: default})
+
+
+@pytest.mark.parametrize("name,keyword", _cases())
+def test_a_keyword_off_its_default_beside_selection_is_an_error(call, paged_call, name, keyword):
+    other = _OTHER[keyword]
+    assert other != getattr(sp.Selection(), keyword)
+    with pytest.raises(ValueError, match=rf"^{keyword}: given both as a keyword \({re.escape(repr(other))}\)"):
+        _invoke(name, call, paged_call, selection=sp.Selection(), **{keyword: other})
+    with pytest.raises(ValueError, match=f"^{keyword}: given both"):  # equal to the Selection's field
+        _invoke(name, call, paged_call, selection=sp.Selection(**{keyword: other}), **{keyword: other})
+
+
+def test_selection_keywords_default_to_the_library_default():
+    """The signatures show <library default> (one sentinel object) for every selection keyword; left out, each
+    resolves to sp.SELECTION_DEFAULTS / Selection()'s value (the C++ SelectionParams{})."""
+    import inspect
+    from sparse_prefill._selection import _LIBRARY_DEFAULT, _selection
+    assert repr(_LIBRARY_DEFAULT) == "<library default>"
+    import copy
+    assert copy.deepcopy(_LIBRARY_DEFAULT) is _LIBRARY_DEFAULT
+    assert pickle.loads(pickle.dumps(_LIBRARY_DEFAULT)) is _LIBRARY_DEFAULT
+    for name in _ENTRY_POINTS:
+        params = inspect.signature(getattr(sp, name)).parameters
+        for keyword in _keywords_of(name):
+            if keyword in params:  # the *_workspace_bytes() functions take the rest through **keywords
+                assert params[keyword].default is _LIBRARY_DEFAULT, (name, keyword)
+        assert "<library default>" in str(inspect.signature(getattr(sp, name)))
+    assert _selection(None) is _selection(None) == sp.Selection()
+    assert {k: getattr(sp.Selection(), k) for k in sp.SELECTION_DEFAULTS} == sp.SELECTION_DEFAULTS
+
+
+def test_keywords_alone_or_selection_alone_give_the_same_index(call, paged_call):
+    """Only keywords, or only selection=, work as before: left out, passed at their default values, or as the
+    Selection of those values, the index is the same; so are a non-default selection's three forms."""
+    defaults = sp.Selection().as_dict()
+    for form in (dict(alpha=0.3, block_size=64, sink=64, window=64, last_n=1), {}):
+        indexes = [sp.build_index(*call, **form),
+                   sp.build_index(*call, **dict(defaults, **form)),  # every keyword passed, no selection=
+                   sp.build_index(*call, selection=sp.Selection(**form))]
+        for other in indexes[1:]:
+            for name in indexes[0]._ARRAYS[:-1]:
+                np.testing.assert_array_equal(other.host[name], indexes[0].host[name])
+        assert indexes[0].block_size == form.get("block_size", sp.SELECTION_DEFAULTS["block_size"])
+        outs = [sp.sparse_prefill(*call, **form), sp.sparse_prefill(*call, **dict(defaults, **form)),
+                sp.sparse_prefill(*call, selection=sp.Selection(**form))]
+        for other in outs[1:]:
+            np.testing.assert_array_equal(other, outs[0])
+        sizes = {sp.sparse_prefill_workspace_bytes(*call, **form),
+                 sp.sparse_prefill_workspace_bytes(*call, **dict(defaults, **form)),
+                 sp.sparse_prefill_workspace_bytes(*call, selection=sp.Selection(**form))}
+        assert len(sizes) == 1
+    # chunked_prefill: final_chunk= beside selection= is the step's, not a conflict
+    chunk_defaults = {k: v for k, v in defaults.items() if k != "final_chunk"}
+    for final in (False, True):
+        want = sp.chunked_prefill(*paged_call, final_chunk=final)
+        np.testing.assert_array_equal(sp.chunked_prefill(*paged_call, final_chunk=final, **chunk_defaults), want)
+        np.testing.assert_array_equal(sp.chunked_prefill(*paged_call, final_chunk=final, selection=sp.Selection()),
+                                      want)
 
 
 def test_keyword_errors_still_name_the_keyword(call):

@@ -17,7 +17,6 @@ overrides, or dense) come from the file or keyword arguments only; `python -m sp
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -43,10 +42,11 @@ LAYER_FIELDS = tuple(f for f in SELECTION_FIELDS if f != "block_size") + ("dense
 
 
 def library_selection_defaults() -> dict:
-    """The library's default selection: sp.SELECTION_DEFAULTS (from the C++ SelectionParams{}), and sp.sparse_prefill's
-    keyword defaults for the fields that table does not hold (union)."""
-    sig = inspect.signature(sp.sparse_prefill).parameters
-    return {name: sp.SELECTION_DEFAULTS.get(name, sig[name].default) for name in SELECTION_FIELDS}
+    """The library's default selection: sp.SELECTION_DEFAULTS (from the C++ SelectionParams{}), and sp.Selection()'s
+    fields for those that table does not hold (union). Not sp.sparse_prefill's signature: its selection keywords
+    default to a sentinel, <library default>, so that a keyword passed beside selection= is told from one left out."""
+    sel = sp.Selection()
+    return {name: sp.SELECTION_DEFAULTS.get(name, getattr(sel, name)) for name in SELECTION_FIELDS}
 
 
 def _env_name(field: str) -> str:
