@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The test command (CI: .ci/run). Every step runs against what a user gets from `pip install .`:
 #   1. dependencies (scripts/install_deps.sh; it says what it installs, and where, before it does);
-#   2. the virtual environment build/venv with the test tools: pytest, and torch + transformers (pinned below) so that
-#      the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*, the transformers / vLLM / SGLang
-#      adapters' contract tests, the integration layer, the FP8 paths that take torch tensors. PyPI's torch for Linux
-#      x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to fetch and unpack here (measured
-#      in README.md, "Tests"). The environment is made once and kept while its Python and pins stay the same (a
-#      clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch (those tests then skip);
+#   2. the virtual environment build/venv with the test tools: pytest, and torch + transformers (the lower bounds of
+#      pyproject.toml's hf extra, below) so that the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*,
+#      the transformers / vLLM / SGLang adapters' contract tests, the integration layer, the FP8 paths that take torch
+#      tensors. PyPI's torch for Linux x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to
+#      fetch and unpack here (measured in README.md, "Tests"). The environment is made once and kept while its Python
+#      and pins stay the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch (those
+#      tests then skip);
 #   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
 #      build-dir) and configured with the C++ tests and the demo, so that one compile serves both the wheel and ctest:
 #      the library with every CUDA source when nvcc is found (CUDA ON, so a missing CUTLASS fails instead of quietly
@@ -27,9 +28,12 @@ JOBS=${SP_JOBS:-$(nproc)}
 BUILD=build/ci
 VENV=build/venv
 WITH_TORCH=${SP_TEST_TORCH:-1}
-# The versions the GPU machine runs the adapters with (bench/results/e2e_h200.json: torch 2.11.0+cu130, transformers
-# 5.17.0), so that the CPU and GPU runs test the same engine code.
-TORCH_REQS=(torch==2.11.0 transformers==5.17.0)
+# torch and transformers at the lower bounds of pyproject.toml's hf extra (the range the package states, which the
+# torch extra shares), read from there rather than restated, so that CI tests the oldest versions a user can get and
+# the pins cannot drift from the ranges (tests/python/test_packaging.py). They are the GPU machine's versions too
+# (bench/results/e2e_h200.json: torch 2.11.0+cu130, transformers 5.17.0): the CPU and GPU runs test the same code.
+pins=$("$PY" scripts/extra_pins.py hf)
+TORCH_REQS=($pins)
 t_start=$SECONDS
 say() { echo "[test] $*"; }
 step() { say "$1 ($((SECONDS - t_start)) s so far)"; }
