@@ -107,6 +107,10 @@ SelectionCall validate_selection(const AttentionInputs& in, const SelectionParam
                                  const AttentionOutputs* outs, const MeanCache* cache = nullptr) {
   check_selection_params(params);
   SelectionCall c{validate_inputs(in, outs), params};
+  if (params.rule == SelectionRule::kKeyMax && params.key_rank > c.p.head_dim) {  // a basis of r directions in D
+    throw ArgumentError("key_rank", "must be <= the head dim " + std::to_string(c.p.head_dim) + " under rule "
+                                    "kKeyMax, got " + std::to_string(params.key_rank));
+  }
   c.params.head_subgroups = resolve_head_subgroups(params.head_subgroups, c.p.group_size);
   check_head_subgroups(c.params.head_subgroups, c.p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, c.p, c.params.block_size, *cache);

@@ -20,10 +20,16 @@ void check_selection_params(const SelectionParams& params) {
     throw ArgumentError("mean_alpha", "must lie in [0, 1], got " + std::to_string(params.mean_alpha));
   }
   if (params.rule != SelectionRule::kTileEnergy && params.rule != SelectionRule::kRowMax &&
-      params.rule != SelectionRule::kProbeRowMax && params.rule != SelectionRule::kProbeRowMass) {
-    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2) or "
-                                "kProbeRowMass (3), got " +
+      params.rule != SelectionRule::kProbeRowMax && params.rule != SelectionRule::kProbeRowMass &&
+      params.rule != SelectionRule::kKeyMax) {
+    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2), "
+                                "kProbeRowMass (3) or kKeyMax (4), got " +
                                     std::to_string(int(params.rule)));
+  }
+  // Checked for every rule (it is a field of the selection like mean_alpha), used by kKeyMax only: the ranks its
+  // kernels are built for (docs/design/key_max_spec.md).
+  if (params.key_rank != 16 && params.key_rank != 32) {
+    throw ArgumentError("key_rank", "must be 16 or 32, got " + std::to_string(params.key_rank));
   }
   if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
   if (params.window < 0) throw ArgumentError("window", "must be >= 0");

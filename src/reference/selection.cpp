@@ -2,8 +2,9 @@
 // blocks each packed row can see, tile maximum M, block energies E_J = sum_r exp(s_rJ - M), the alpha * max_J E_J
 // threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
 // kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha; kProbeRowMass,
-// the probe rows' test against each row's whole mass instead of its top block), the always-kept rules, CSR
-// compaction and the dense rule (SelectionParams::dense_fraction). Also the chunked-prefill union lowering.
+// the probe rows' test against each row's whole mass instead of its top block; kKeyMax, per-key block maxima on a
+// low-rank residual with a one-pass threshold, docs/design/key_max_spec.md), the always-kept rules, CSR compaction
+// and the dense rule (SelectionParams::dense_fraction). Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
 
@@ -97,6 +98,20 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           params.correction || v_means ? &index.v_mean : nullptr);
 
   const int D = p.head_dim, g = p.group_size, B = params.block_size, H = p.num_kv_heads;
+  // kKeyMax: per (sequence, KV head) its basis and every key's residual coordinates in it. Under head sub-groups
+  // these are the virtual heads, copies of their KV head's keys: the same arithmetic on the same keys gives each
+  // copy its KV head's basis, bit for bit (the spec's basis per KV head, not per sub-group).
+  const int R = params.key_rank;
+  std::vector<std::vector<double>> key_basis_of, key_coords_of;
+  if (params.rule == SelectionRule::kKeyMax) {
+    key_basis_of.resize(kv.size());
+    key_coords_of.resize(kv.size());
+    parallel_for(int64_t(kv.size()), [&](int64_t item) {
+      const float* km = &index.k_mean[(size_t(index.cu_blocks[item / H]) * H + item % H) * D];
+      key_basis_of[item] = key_basis(kv[item], km, int64_t(H) * D, D, R, B);
+      key_coords_of[item] = key_coordinates(kv[item], km, int64_t(H) * D, D, key_basis_of[item], R, B);
+    });
+  }
   const std::vector<int64_t> seg_offset = segment_offsets(p);
   std::vector<std::vector<int32_t>> lists(size_t(seg_offset[p.batch]));
   parallel_for(seg_offset[p.batch], [&](int64_t seg) {
@@ -119,6 +134,13 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const float scale = descale_at(in.q_descale, b, h, p.num_q_heads);
       for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d) * scale;
     };
+    auto mean_dot = [&](int64_t J) {  // q . k_mean_J of the loaded q
+      const float* km = k_mean + (size_t(J) * H + kvh) * D;
+      double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: vectorisable, still double
+      for (int d = 0; d < D; d += 8)
+        for (int j = 0; j < 8; ++j) part[j] += double(q[d + j]) * double(km[d + j]);
+      return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    };
     double tile_max = -std::numeric_limits<double>::infinity();
     bool tile_nan = false;  // a NaN score (NaN in q or in a block's keys): the tile keeps every visible block
     for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
@@ -128,12 +150,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       if (keys.empty()) continue;
       load_q(pos, h);
       for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
-        const float* km = k_mean + (size_t(J) * H + kvh) * D;
-        double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: vectorisable, still double
-        for (int d = 0; d < D; d += 8)
-          for (int j = 0; j < 8; ++j) part[j] += double(q[d + j]) * double(km[d + j]);
-        const double dot = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-        const double sc = double(p.softmax_scale) * dot;
+        const double sc = double(p.softmax_scale) * mean_dot(J);
         score[size_t((r - geo.row_begin) * nb + J)] = sc;
         if (std::isnan(sc)) tile_nan = true;
         tile_max = std::max(tile_max, sc);
@@ -203,6 +220,46 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const double log_mean_alpha = params.mean_alpha > 0.f ? std::log(double(params.mean_alpha)) : kNegInf;
       for (int64_t J = 0; J < nb; ++J)
         above[J] = visible[J] && (probe[J] >= log_alpha || mean[J] >= log_mean_alpha);
+    } else if (params.rule == SelectionRule::kKeyMax) {
+      // Per row: sh_J = q . k_mean_J + max over the keys j of J it sees of (P^T q) . (P^T x_j) (unscaled); one pass
+      // from the diagonal down, m_J = max(bound, max_{J' >= J} sh_J') with the bound max q . k_mean_J over the
+      // blocks the row sees whole; C_J = max over the rows that see J of scale (sh_J - m_J).
+      const std::vector<double>& P = key_basis_of[size_t(b) * H + kvh];
+      const std::vector<double>& coords = key_coords_of[size_t(b) * H + kvh];
+      const double scale = double(p.softmax_scale);
+      std::vector<double> closeness(size_t(nb), kNegInf), sh(static_cast<size_t>(nb)), pq(static_cast<size_t>(R));
+      for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
+        const int64_t pos = r / g;
+        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+        if (keys.empty()) continue;
+        load_q(pos, kvh * g + int(r % g));
+        for (int c = 0; c < R; ++c) {
+          double sum = 0;
+          for (int d = 0; d < D; ++d) sum += P[size_t(d) * R + c] * double(q[d]);
+          pq[c] = sum;
+        }
+        double bound = kNegInf;
+        const int64_t J_lo = keys.lo / B, J_hi = keys.hi / B;
+        for (int64_t J = J_lo; J <= J_hi; ++J) {
+          const double md = mean_dot(J);
+          double top = kNegInf;
+          for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j) {
+            double dot = 0;
+            for (int c = 0; c < R; ++c) dot += pq[c] * coords[size_t(j) * R + c];
+            top = std::max(top, dot);
+          }
+          sh[J] = md + top;
+          if (std::isnan(sh[J])) tile_nan = true;
+          const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
+          if (whole) bound = std::max(bound, md);
+        }
+        double running = kNegInf;
+        for (int64_t J = J_hi; J >= J_lo; --J) {
+          running = std::max(running, sh[J]);
+          closeness[J] = std::max(closeness[J], scale * (sh[J] - std::max(bound, running)));
+        }
+      }
+      for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
     } else {
       // Block energies and their maximum.
       std::vector<double> energy(size_t(nb), 0.0);
