@@ -210,6 +210,11 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
                   const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, bool row_mass,
                   const DeviceIndex& d);
+// key_max.cu: SelectionRule::kKeyMax, the tile's keep bits (d.probe_bits) from the per-key block maxima on the
+// residual basis (after the pooling: it reads the float32 means).
+void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                    const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                    const SelectArgs& sel, const DeviceIndex& d);
 // union.cu: union mode, one list per (sequence, virtual KV head).
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);

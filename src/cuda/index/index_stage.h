@@ -69,6 +69,13 @@ struct DeviceIndex {
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   int probe_splits = 0;             // key splits of each probe CTA (probe_splits(), layout.h)
   float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
+  // SelectionRule::kKeyMax (key_max.cu): the residuals' second moment [batch][Hkv][D][D] and basis [batch][Hkv][D][r]
+  // (float32), the projected residuals K' [Hkv][key_rows][r] (fp16; key row cu_blocks[b] * block_size + j); its keep
+  // bits go to probe_bits.
+  float* key_moment = nullptr;
+  float* key_basis = nullptr;
+  void* key_proj = nullptr;
+  int64_t key_rows = 0;
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
   // (SparseLaunchWorkspace, split_kv/split_kv.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so

@@ -60,8 +60,10 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
                                                "the index: pass a budget below 2^31");
   }
   bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
-  bd.probe_words = is_probe_rule(params.rule) ? (bd.nb_max + 31) / 32 : 0;
-  bd.probe_splits = probe_splits(b.total_q, h.group, h.kv, bd.probe_words, num_sms());
+  const bool key_max = params.rule == SelectionRule::kKeyMax;
+  bd.probe_words = is_probe_rule(params.rule) || key_max ? (bd.nb_max + 31) / 32 : 0;
+  bd.probe_splits = is_probe_rule(params.rule) ? probe_splits(b.total_q, h.group, h.kv, bd.probe_words, num_sms()) : 0;
+  bd.key_rank = key_max ? params.key_rank : 0;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
@@ -96,6 +98,13 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
     if (bd.probe_splits > 1)  // [split][virtual KV head][tile][row][2]: (reference, sum) of each packed row
       d.probe_partials = reinterpret_cast<float*>(
           take(size_t(bd.probe_splits) * bd.max_segments * kTileRows * 2 * sizeof(float)));
+  }
+  if (bd.key_rank) {  // key_max.cu: moment and basis per (sequence, KV head), K' per key row of the pooled blocks
+    const size_t heads = size_t(b.batch) * b.num_kv_heads;
+    d.key_moment = reinterpret_cast<float*>(take(heads * b.head_dim * b.head_dim * sizeof(float)));
+    d.key_basis = reinterpret_cast<float*>(take(heads * b.head_dim * bd.key_rank * sizeof(float)));
+    d.key_rows = bd.max_blocks * b.block_size;
+    d.key_proj = take(size_t(b.num_kv_heads) * d.key_rows * bd.key_rank * 2);
   }
   const int sms = num_sms();
   char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split_kv));

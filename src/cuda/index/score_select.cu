@@ -96,7 +96,9 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // over the warp's 8 row groups (28 shuffles) and a max over the 8 warps, into energy[]; keep iff
 // C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
 // The last tiles (last_n), which keep every visible block, skip the GEMM.
-template <typename T, int D, bool kRowMax>
+// kBitsOnly (SelectionRule::kKeyMax, whose bits key_max.cu computed): no GEMM at all, the keep rules with the bits in
+// place of the threshold test.
+template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
     const int32_t* cu_tiles, const int32_t* cu_blocks, const lowp_t<T>* k_mean_lowp,
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   };
 
   const bool last_tile = t >= tiles - sel.last_n;
-  const int nchunks = last_tile ? 0 : int((nvis + kN - 1) / kN);
+  const int nchunks = (last_tile || kBitsOnly) ? 0 : int((nvis + kN - 1) / kN);
   if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers
   if constexpr (is_fp8_v<T>) {
     if (nchunks > 0) {
@@ -363,7 +365,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     if (J < nvis32) {
       const int first_key = J * B, last_key = first_key + min(B - 1, kl - 1 - first_key);
       const bool probe = probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u);
-      keep = force | (last_key > hf) | (energy[J] >= threshold) | (first_key < sel.sink) |
+      keep = force | (last_key > hf) | (kBitsOnly ? false : energy[J] >= threshold) | (first_key < sel.sink) |
              (has_band & (first_key <= band_hi) & (last_key >= band_lo)) | probe;
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
@@ -413,10 +415,10 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 // shared memory), past the 48 KB default. Set once per instantiation together with all of the unified L1 as shared
 // memory, so that two ~100 KB CTAs fit on an SM (the default carve-out may leave room for one); attributes are not
 // stream operations, so there is no per-call host cost.
-template <typename T, int D, bool kRowMax>
+template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 size_t score_smem_limit() {
   static const size_t limit = [] {
-    auto kernel = score_select_kernel<T, D, kRowMax>;
+    auto kernel = score_select_kernel<T, D, kRowMax, kBitsOnly>;
     const size_t bytes = max_dynamic_smem_optin(kernel);
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                "cudaFuncSetAttribute(score_select_kernel)");
@@ -427,11 +429,11 @@ size_t score_smem_limit() {
   return limit;
 }
 
-template <typename T, int D, bool kRowMax>
+template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs& seq, const QArgs& qa,
                   const SelectArgs& sel, const VirtualHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
-  auto kernel = score_select_kernel<T, D, kRowMax>;
-  (void)score_smem_limit<T, D, kRowMax>();  // the attributes, before the first launch
+  auto kernel = score_select_kernel<T, D, kRowMax, kBitsOnly>;
+  (void)score_smem_limit<T, D, kRowMax, kBitsOnly>();  // the attributes, before the first launch
   kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
                                                     d.cu_tiles, d.cu_blocks,
                                                     static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
@@ -458,7 +460,11 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
       throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                 " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
     }
-    if (probe) {
+    if (params.rule == SelectionRule::kKeyMax) {
+      // the per-key pass's bits, merged with the always-kept rules into the CSR (no pooled GEMM here)
+      launch_key_max(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+      launch_score<T, kD, true, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
+    } else if (probe) {
       // the probe rows' bits at alpha, then the pooled-means row max at params.mean_alpha ORs them in
       launch_probe(stream, p.dtype, kD, grid, seq, qa, kv, sel, heads,
                    params.rule == SelectionRule::kProbeRowMass, d);

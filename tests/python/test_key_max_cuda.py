@@ -1,0 +1,124 @@
+"""rule='key_max' (issue 44, docs/design/key_max_spec.md) on the GPU: the CUDA index stage (key_max.cu: the residuals'
+moment, the basis by subspace iteration, the projected residuals in fp16 and the scorer with fp16 accumulators)
+against the CPU reference (double) on the same bf16 / fp16 inputs. The GPU's basis is float32 and its scores fp16
+(~3 significant digits at the scores' magnitude): only blocks whose per-row test lies near the threshold may flip, so
+the symmetric difference of the kept sets is bounded (as for row_max, with a wider bound for the fp16 scores);
+densities agree to 0.01. Skipped without a GPU or without a CUDA build (scripts/gpu.sh runs them on the H200)."""
+
+import numpy as np
+import pytest
+
+import sparse_prefill as sp
+from conftest import make_varlen
+
+torch = pytest.importorskip("torch")
+if not (torch.cuda.is_available() and sp._C.with_cuda):
+    pytest.skip("needs a CUDA GPU and a CUDA build", allow_module_level=True)
+
+from test_cuda import _chunk_step, _paged_prompt, _segments_differ, _structured_varlen, _to  # noqa: E402
+
+
+def _flips_bound(ref):
+    return max(4, ref.kept_blocks // 100)
+
+
+@pytest.mark.parametrize("q_lens,k_lens,hkv", [
+    ([1, 129, 1763], [1, 129, 1763], 2),       # odd lengths, GQA 4
+    ([11, 300, 1000], [1000, 4100, 5000], 1),  # chunks (Lq < Lk), GQA 8
+    ([3000], [3000], 2),
+])
+@pytest.mark.parametrize("alpha,rank,subgroups", [(0.1, 16, 0), (0.01, 16, 0), (0.5, 32, 0), (0.1, 16, 1)])
+def test_key_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha, rank, subgroups):
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, q_lens, k_lens, 8, hkv)
+    kw = dict(alpha=alpha, rule="key_max", key_rank=rank, head_subgroups=subgroups, dense_fraction=1.0)
+    ref = sp.build_index(*cpu, mq, mk, **kw)
+    got = sp.build_index(*gpu, mq, mk, **kw).to_host()
+    heads = hkv * (8 // hkv if subgroups == 0 else subgroups)
+    assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
+    assert _segments_differ(ref, got, len(q_lens), heads) <= _flips_bound(ref)
+    assert abs(got.density - ref.density) <= 0.01
+
+
+def test_key_max_d64_fp16_and_block_256():
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k = make_varlen(rng, [700, 129], [2000, 129], hq=8, hkv=2, d=64)
+    for dt in (torch.bfloat16, torch.float16):
+        cpu = [_to(a, "cpu", dt) for a in (q, k, v)] + [_to(cu_q, "cpu"), _to(cu_k, "cpu")]
+        gpu = [a.cuda() for a in cpu]
+        for block in (128, 256):
+            kw = dict(alpha=0.3, rule="key_max", block_size=block, head_subgroups=1, dense_fraction=1.0)
+            ref = sp.build_index(*cpu, 700, 2000, **kw)
+            got = sp.build_index(*gpu, 700, 2000, **kw).to_host()
+            assert _segments_differ(ref, got, 2, 2) <= _flips_bound(ref)
+
+
+def test_key_max_alpha0_is_dense_and_prefill_matches_reference():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1763, 300], [1763, 3000], 8, 2)
+    idx = sp.build_index(*gpu, mq, mk, alpha=0.0, rule="key_max")
+    assert idx.kept_blocks == idx.visible_blocks
+    out = sp.sparse_prefill(*gpu, mq, mk, alpha=0.0, rule="key_max")
+    dense = sp.attention(*gpu, mq, mk)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
+    # a pruning selection: the sparse output over the GPU's own index equals the CPU reference over that index
+    index = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="key_max", dense_fraction=1.0)
+    host = index.to_host()
+    assert host.density < 0.95
+    got = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk)
+    want = sp.sparse_attention(*cpu[:3], host, *cpu[3:], mq, mk, reuse_index=True)
+    torch.cuda.synchronize()
+    assert not torch.isnan(got).any()
+    assert (got.float().cpu() - want.float()).abs().max().item() <= 2e-2
+
+
+def test_key_max_poisoned_workspace_and_repeat():
+    """The index reads nothing it did not write: a workspace full of 0xff bytes and a zeroed one give the same
+    selection, and so do two calls (the basis and the bits are deterministic)."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1500, 777], [1500, 2500], 8, 2)
+    kw = dict(alpha=0.1, rule="key_max", dense_fraction=1.0)
+    n = sp.index_workspace_bytes(*gpu, mq, mk, **kw)
+    hosts = []
+    for fill in (0xFF, 0x00, 0xFF):
+        ws = torch.full((n,), fill, dtype=torch.uint8, device="cuda")
+        hosts.append(sp.build_index(*gpu, mq, mk, workspace=ws, **kw).to_host())
+    for h in hosts[1:]:
+        lengths = lambda x: x.host["segment_end"] - x.host["segment_start"]  # noqa: E731 (slots follow CTA order)
+        np.testing.assert_array_equal(lengths(h), lengths(hosts[0]))
+        assert h.kept_blocks == hosts[0].kept_blocks
+        assert _segments_differ(hosts[0], h, 2, 8) == 0
+
+
+def test_key_max_nan_key_keeps_the_tile():
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [2000], [2000], 8, 2)
+    k = gpu[1].clone()
+    k[300, 0, 5] = float("nan")
+    kw = dict(alpha=0.5, rule="key_max", dense_fraction=1.0, head_subgroups=1, sink=0, window=0, last_n=0)
+    got = sp.build_index(gpu[0], k, *gpu[2:], mq, mk, **kw).to_host()
+    ref = sp.build_index(cpu[0], k.cpu(), *cpu[2:], mq, mk, **kw)
+    # every tile whose rows see key 300 scores NaN somewhere in block 2: it keeps every visible block, as the reference
+    for t in range(3, int(ref.tiles[0])):
+        assert len(got.segment(0, 0, t)) == len(ref.segment(0, 0, t))
+
+
+def test_key_max_chunked_paged_union_on_gpu():
+    """Chunks of 1024 over a paged cache (the basis and K' from the whole cache each step): each step's GPU index
+    matches the CPU reference's on the step's inputs, per tile and in union mode."""
+    rng = np.random.default_rng()
+    L, C = 4000, 1024
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
+    for c0 in range(0, L, C):
+        c1 = min(L, c0 + C)
+        q, k, v, cu_q, bt_, used, mq, mk = _chunk_step(qg, kc, vc, bt, c0, c1)
+        for union in (False, True):
+            kw = dict(alpha=0.1, rule="key_max", final_chunk=c1 == L, union=union, dense_fraction=1.0)
+            ref = sp.build_index(*(a.cpu() for a in (q, k, v, cu_q)), None, mq, mk, block_table=bt_.cpu(),
+                                 seqused_k=used.cpu(), **kw)
+            dev = sp.build_index(q, k, v, cu_q, None, mq, mk, block_table=bt_, seqused_k=used, **kw).to_host()
+            assert _segments_differ(ref, dev, 1, 8) <= _flips_bound(ref)
+        out = sp.chunked_prefill(q, kc, vc, cu_q, bt_, used, mq, mk, final_chunk=c1 == L, alpha=0.1, rule="key_max")
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
