@@ -226,7 +226,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
                 rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                 max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
-                dense_fraction: float = _LIBRARY_DEFAULT, selection: Optional[Selection] = None) -> Index:
+                dense_fraction: float = _LIBRARY_DEFAULT, key_rank: int = _LIBRARY_DEFAULT,
+                selection: Optional[Selection] = None) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -239,9 +240,9 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             or paged with block_table / seqused_k and cu_seqlens_k=None; FP8 with the descales, or as uint8 bit
             patterns with qkv_dtype='float8_e4m3fn'). attention()'s `window` mask does not apply here.
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
-        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union, max_kept_blocks: see "Selection arguments" below; default: the library default
-            (shown as <library default>).
+        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
+            dense_fraction, final_chunk, union, max_kept_blocks: see "Selection arguments" below; default: the
+            library default (shown as <library default>).
         workspace: CUDA inputs only: a 1-D array of q's library on q's device of at least index_workspace_bytes(...)
             bytes, 256-byte aligned, in which the index lives (the call then allocates nothing and can be captured in
             a CUDA graph; the index lives there until the buffer is reused). Default: a workspace array allocated in
@@ -271,9 +272,17 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             'probe_row_mass': 'probe_row_max' with the probe rows' test against the row's whole mass: J passes iff
                 it holds at least alpha of a probe row's softmax probability (alpha ~0.05), so a diffuse row keeps
                 none of its many equal blocks (SelectionRule::kProbeRowMass; accuracy and cost:
-                bench/accuracy/NOTES.md, docs/design/index_stage.md).
+                bench/accuracy/NOTES.md, docs/design/index_stage.md);
+            'key_max': per-key block maxima on a low-rank residual: row r scores J by q_r . kmean_J plus the
+                largest (P^T q_r) . (P^T (k_j - kmean_J)) over the keys j of J it sees, P the top `key_rank`
+                directions of the key residuals of each (sequence, KV head), computed from the prompt's keys; one
+                pass from the diagonal down keeps J iff scale * (score - m) >= ln(alpha), m the larger of the row's
+                pooled-means bound and the running maximum (SelectionRule::kKeyMax, docs/semantics.md,
+                docs/design/key_max_spec.md). A block of alike keys scores as its mean, one strong key as itself.
         mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
-            by 'row_max' and 'tile_energy').
+            by the other rules).
+        key_rank (default 16): the rank of 'key_max''s residual basis, 16 or 32 (at most the head dim; ignored by
+            the other rules, validated all the same).
         block_size (default 128): key block size in tokens, a positive multiple of 64 (CUDA sparse attention:
             a multiple of 128).
         sink (default 256): the blocks of the first `sink` tokens are always kept.
@@ -319,7 +328,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
     sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
-                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
+                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
     mode = "union" if sel.union else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:

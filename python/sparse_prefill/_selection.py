@@ -9,20 +9,20 @@ from . import _C
 from ._call import _as_bool, _as_float, _as_int, _as_int32
 
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
-_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3}
+_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3, "key_max": 4}
 _RULE_NAMES = {v: k for k, v in _RULES.items()}
 # SelectionParams{} read field by field: its fields are the binding's, so no second list of defaults exists in C++
 _PARAMS = _C.SelectionParams()
 _C_DEFAULTS = {name: getattr(_PARAMS, name) for name in (
-    "alpha", "mean_alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
-    "dense_fraction")}
+    "alpha", "mean_alpha", "key_rank", "rule", "block_size", "sink", "window", "last_n", "correction",
+    "head_subgroups", "dense_fraction")}
 SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
                           mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
                           dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
                           rule=_RULE_NAMES[_C_DEFAULTS["rule"]])
 """The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
-rule, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction. Every function's keyword defaults
-and Selection's are these; what each argument means: build_index(), "Selection arguments"."""
+key_rank, rule, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction. Every function's keyword
+defaults and Selection's are these; what each argument means: build_index(), "Selection arguments"."""
 _D = SELECTION_DEFAULTS
 
 
@@ -53,8 +53,8 @@ def _as_max_kept_blocks(value: Any) -> int:
 
 # The fields in the order of the selection keywords, with their defaults (union, final_chunk and max_kept_blocks are
 # not in SELECTION_DEFAULTS; theirs are SelectionParams{}'s too, max_kept_blocks -1 as None).
-_FIELDS = ("alpha", "rule", "mean_alpha", "block_size", "sink", "window", "last_n", "correction", "head_subgroups",
-           "dense_fraction", "final_chunk", "union", "max_kept_blocks")
+_FIELDS = ("alpha", "rule", "mean_alpha", "key_rank", "block_size", "sink", "window", "last_n", "correction",
+           "head_subgroups", "dense_fraction", "final_chunk", "union", "max_kept_blocks")
 _DEFAULTS = dict(_D, final_chunk=_PARAMS.final_chunk, union=_PARAMS.union_lists,
                  max_kept_blocks=None if _PARAMS.max_kept_blocks == -1 else _PARAMS.max_kept_blocks)
 
@@ -84,21 +84,21 @@ class Selection:
         sel2 = sel.replace(block_size=256)
 
     Every field is a keyword, defaulting to sp.SELECTION_DEFAULTS (the C++ SelectionParams{}); what each one means:
-    build_index(), "Selection arguments": alpha, rule, mean_alpha, block_size, sink, window, last_n, correction,
-    head_subgroups, dense_fraction, final_chunk, union, max_kept_blocks. Types and every range that needs no shapes
-    are checked here, once (TypeError / ValueError naming the field); the call checks what needs them (head_subgroups
-    dividing Hq // Hkv). The functions' selection keywords are a shorthand that builds one. Pass the selection either
-    as `selection=` or as the selection keywords (a keyword left out is the library default, sp.SELECTION_DEFAULTS),
-    never both: any selection keyword passed together with `selection=` is a ValueError naming the keyword, whatever
-    its value (the default's value too). chunked_prefill()'s required `final_chunk=` is the step's, not a selection
-    keyword: it overrides the Selection's.
+    build_index(), "Selection arguments": alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n,
+    correction, head_subgroups, dense_fraction, final_chunk, union, max_kept_blocks. Types and every range that
+    needs no shapes are checked here, once (TypeError / ValueError naming the field); the call checks what needs them
+    (head_subgroups dividing Hq // Hkv; key_rank <= the head dim). The functions' selection keywords are a shorthand
+    that builds one. Pass the selection either as `selection=` or as the selection keywords (a keyword left out is
+    the library default, sp.SELECTION_DEFAULTS), never both: any selection keyword passed together with `selection=`
+    is a ValueError naming the keyword, whatever its value (the default's value too). chunked_prefill()'s required
+    `final_chunk=` is the step's, not a selection keyword: it overrides the Selection's.
     """
 
     __slots__ = _FIELDS + ("_params", "_flipped")
 
     def __init__(self, *, alpha: float = _D["alpha"], rule: str = _D["rule"], mean_alpha: float = _D["mean_alpha"],
-                 block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                 last_n: int = _D["last_n"], correction: bool = _D["correction"],
+                 key_rank: int = _D["key_rank"], block_size: int = _D["block_size"], sink: int = _D["sink"],
+                 window: int = _D["window"], last_n: int = _D["last_n"], correction: bool = _D["correction"],
                  head_subgroups: int = _D["head_subgroups"], dense_fraction: float = _D["dense_fraction"],
                  final_chunk: bool = True, union: bool = False, max_kept_blocks: Optional[int] = None):
         s = object.__setattr__
@@ -106,6 +106,7 @@ class Selection:
         rule_code = _as_rule(rule)
         s(self, "rule", rule)
         s(self, "mean_alpha", _as_float("mean_alpha", mean_alpha))
+        s(self, "key_rank", _as_int32("key_rank", key_rank))
         s(self, "block_size", _as_int32("block_size", block_size))
         s(self, "sink", _as_int32("sink", sink))
         s(self, "window", _as_int32("window", window))
@@ -117,8 +118,8 @@ class Selection:
         s(self, "union", _as_bool("union", union))
         budget = _as_max_kept_blocks(max_kept_blocks)
         s(self, "max_kept_blocks", None if budget < 0 else budget)
-        params = _C.SelectionParams(alpha=self.alpha, mean_alpha=self.mean_alpha, rule=rule_code,
-                                    block_size=self.block_size, sink=self.sink, window=self.window,
+        params = _C.SelectionParams(alpha=self.alpha, mean_alpha=self.mean_alpha, key_rank=self.key_rank,
+                                    rule=rule_code, block_size=self.block_size, sink=self.sink, window=self.window,
                                     last_n=self.last_n, correction=self.correction, final_chunk=self.final_chunk,
                                     union_lists=self.union, head_subgroups=self.head_subgroups,
                                     dense_fraction=self.dense_fraction, max_kept_blocks=budget)
@@ -178,11 +179,11 @@ def _selection(selection: Any, alpha=_LIBRARY_DEFAULT, block_size=_LIBRARY_DEFAU
                window=_LIBRARY_DEFAULT, last_n=_LIBRARY_DEFAULT, correction=_LIBRARY_DEFAULT,
                final_chunk=_LIBRARY_DEFAULT, union=_LIBRARY_DEFAULT, head_subgroups=_LIBRARY_DEFAULT,
                rule=_LIBRARY_DEFAULT, max_kept_blocks=_LIBRARY_DEFAULT, mean_alpha=_LIBRARY_DEFAULT,
-               dense_fraction=_LIBRARY_DEFAULT) -> Selection:
+               dense_fraction=_LIBRARY_DEFAULT, key_rank=_LIBRARY_DEFAULT) -> Selection:
     """The call's Selection: `selection` when given (every selection keyword must then be left out: _LIBRARY_DEFAULT),
     else one built from the keywords, those left out at their defaults (the defaults' own Selection when all are)."""
     kw = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
-          max_kept_blocks, mean_alpha, dense_fraction)
+          max_kept_blocks, mean_alpha, dense_fraction, key_rank)
     if selection is None:
         if all(a is _LIBRARY_DEFAULT for a in kw):  # every keyword left out
             return _DEFAULT_SELECTION
@@ -214,5 +215,5 @@ def _selection(selection: Any, alpha=_LIBRARY_DEFAULT, block_size=_LIBRARY_DEFAU
 
 
 _KEYWORD_NAMES = ("alpha", "block_size", "sink", "window", "last_n", "correction", "final_chunk", "union",
-                  "head_subgroups", "rule", "max_kept_blocks", "mean_alpha", "dense_fraction")
+                  "head_subgroups", "rule", "max_kept_blocks", "mean_alpha", "dense_fraction", "key_rank")
 _KEYWORD_DEFAULTS = tuple(_DEFAULTS[n] for n in _KEYWORD_NAMES)

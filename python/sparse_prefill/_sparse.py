@@ -94,7 +94,8 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    head_subgroups: int = _LIBRARY_DEFAULT, workspace=None, options: Optional[LaunchOptions] = None,
                    rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
                    max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
-                   dense_fraction: float = _LIBRARY_DEFAULT, selection: Optional[Selection] = None):
+                   dense_fraction: float = _LIBRARY_DEFAULT, key_rank: int = _LIBRARY_DEFAULT,
+                   selection: Optional[Selection] = None):
     """Block-sparse prefill in one call: build_index() + sparse_attention(). On CUDA the index never leaves the
     device and no host synchronisation happens.
 
@@ -104,13 +105,13 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
             (no sliding-window mask here).
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords below
             build.
-        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union, max_kept_blocks: the selection as keywords; default: the library default (shown as
-            <library default>); see build_index(), "Selection arguments" (with a max_kept_blocks budget, pass the
-            same value to sparse_prefill_workspace_bytes()). Pass the selection either as `selection=` or as the
-            selection keywords (a keyword left out is the library default, sp.SELECTION_DEFAULTS), never both: any
-            selection keyword passed together with `selection=` is a ValueError naming the keyword, whatever its
-            value (the default's value too).
+        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
+            dense_fraction, final_chunk, union, max_kept_blocks: the selection as keywords; default: the library
+            default (shown as <library default>); see build_index(), "Selection arguments" (with a max_kept_blocks
+            budget, pass the same value to sparse_prefill_workspace_bytes()). Pass the selection either as
+            `selection=` or as the selection keywords (a keyword left out is the library default,
+            sp.SELECTION_DEFAULTS), never both: any selection keyword passed together with `selection=` is a
+            ValueError naming the keyword, whatever its value (the default's value too).
         mean_cache: the pooled-means cache of a paged KV cache (mean_cache(); see chunked_prefill()), read for the
             blocks before each chunk and written for the blocks the chunk completes.
         workspace: CUDA: at least sparse_prefill_workspace_bytes(...) bytes, 256-byte aligned, holding the index and
@@ -122,7 +123,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
     sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
-                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
+                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                                 (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
@@ -209,7 +210,7 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     options: Optional[LaunchOptions] = None, rule: str = _LIBRARY_DEFAULT, q_descale=None,
                     k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT,
                     mean_alpha: float = _LIBRARY_DEFAULT, dense_fraction: float = _LIBRARY_DEFAULT,
-                    selection: Optional[Selection] = None):
+                    key_rank: int = _LIBRARY_DEFAULT, selection: Optional[Selection] = None):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -227,12 +228,12 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
             per-tile lists (FlashPrefill V2; faster on all 36 measured steps of bench/results/chunked_h200.json,
             hence the default).
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
-        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            max_kept_blocks: the selection as keywords; default: the library default (shown as <library default>);
-            see build_index(), "Selection arguments"; as in sparse_prefill(), any of them passed together with
-            `selection=` (union too) is a ValueError naming it. With head_subgroups > 1 the union is per (sequence,
-            sub-group) (CompactAttention's option for large groups; on the topic workload at 128K it lowered the
-            union density by a few % only, bench/results/chunked_subgroups_h200.json).
+        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
+            dense_fraction, max_kept_blocks: the selection as keywords; default: the library default (shown as
+            <library default>); see build_index(), "Selection arguments"; as in sparse_prefill(), any of them
+            passed together with `selection=` (union too) is a ValueError naming it. With head_subgroups > 1 the
+            union is per (sequence, sub-group) (CompactAttention's option for large groups; on the topic workload at
+            128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json).
         mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
             chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
             completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
@@ -252,10 +253,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     final_chunk = _as_bool("final_chunk", final_chunk)
     if selection is None:
         sel = _selection(None, alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                         rule, max_kept_blocks, mean_alpha, dense_fraction)
+                         rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
     else:  # final_chunk is the step's, whatever the Selection says (not a selection keyword here: left out)
         sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, _LIBRARY_DEFAULT, union,
-                         head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction)
+                         head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
         sel = sel._with_final_chunk(final_chunk)
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")

@@ -126,20 +126,20 @@ _selections: dict = {}
 
 def _selection_of(key: tuple) -> Any:
     """The Selection of an operator's selection arguments (alpha, block_size, sink, window, last_n, correction,
-    final_chunk, union, head_subgroups, rule, mean_alpha, dense_fraction), made and validated once per distinct
-    value (the schema fixes their types, so equal keys are equal selections)."""
+    final_chunk, union, head_subgroups, rule, mean_alpha, dense_fraction, key_rank), made and validated once per
+    distinct value (the schema fixes their types, so equal keys are equal selections)."""
     sel = _selections.get(key)
     if sel is None:
         (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, mean_alpha,
-         dense_fraction) = key
+         dense_fraction, key_rank) = key
         name = _api._RULE_NAMES.get(rule)
         if name is None:
-            raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max') or 3 "
-                             f"('probe_row_mass'), got {rule}")
+            raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max'), 3 "
+                             f"('probe_row_mass') or 4 ('key_max'), got {rule}")
         sel = _api.Selection(alpha=alpha, block_size=block_size, sink=sink, window=window, last_n=last_n,
                              correction=correction, final_chunk=final_chunk, union=union,
                              head_subgroups=head_subgroups, rule=name, mean_alpha=mean_alpha,
-                             dense_fraction=dense_fraction)
+                             dense_fraction=dense_fraction, key_rank=key_rank)
         if len(_selections) >= 1024:
             _selections.clear()
         _selections[key] = sel
@@ -222,9 +222,9 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                 last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
                 mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
-                dense_fraction) -> torch.Tensor:
+                dense_fraction, key_rank) -> torch.Tensor:
     sel_key = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
-               mean_alpha, dense_fraction)
+               mean_alpha, dense_fraction, key_rank)
     sel = _selection_of(sel_key)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
@@ -250,12 +250,12 @@ def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                    block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
                    head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                   mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                   mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
                       last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
                       union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
-                      dense_fraction)
+                      dense_fraction, key_rank)
     return out, lse
 
 
@@ -264,12 +264,12 @@ def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
                        union=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
                        q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
-                       dense_fraction=_D["dense_fraction"]):
+                       dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
                        final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale,
-                       mean_alpha, dense_fraction)
+                       mean_alpha, dense_fraction, key_rank)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -294,14 +294,14 @@ def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                     correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
                     head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                       window, last_n, correction, True, softmax_scale,
                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
     return out, lse
 
 
@@ -309,14 +309,14 @@ def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_
                         final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                         correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
                         head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                        mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                        mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                        window, last_n, correction, True, softmax_scale,
                        return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                  sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
                  block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
                  head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                 mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                 mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
@@ -353,7 +353,7 @@ def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
                      return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
                      mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                     mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                     mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     return _fake_lse(q, return_lse)
 
 
@@ -361,7 +361,7 @@ def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max
                   union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
                   softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
                   q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
-                  dense_fraction=_D["dense_fraction"]):
+                  dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
@@ -369,7 +369,7 @@ def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k,
                       final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
                       correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
                       head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                      mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"]):
+                      mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
     return _fake_lse(q, return_lse)
 
 
@@ -389,14 +389,14 @@ _SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool
                 f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups={_D['head_subgroups']}, "
                 f"int rule={_RULE_D}, "
                 f"{_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
-                f"float dense_fraction={_D['dense_fraction']!r}")
+                f"float dense_fraction={_D['dense_fraction']!r}, int key_rank={_D['key_rank']}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
                "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, "
                f"int head_subgroups={_D['head_subgroups']}, "
                f"int rule={_RULE_D}, {_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
-               f"float dense_fraction={_D['dense_fraction']!r}")
+               f"float dense_fraction={_D['dense_fraction']!r}, int key_rank={_D['key_rank']}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -477,14 +477,14 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    union: bool = False, mean_cache=None, head_subgroups: int = _D["head_subgroups"],
                    rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
                    mean_alpha: float = _D["mean_alpha"],
-                    dense_fraction: float = _D["dense_fraction"]):
+                    dense_fraction: float = _D["dense_fraction"], key_rank: int = _D["key_rank"]):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
 
     Args:
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
             block_table, seqused_k, mean_cache, q_descale, k_descale, v_descale: as in sparse_prefill.sparse_prefill().
-        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction,
-            final_chunk, union: the selection; see sparse_prefill.build_index(), "Selection arguments".
+        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
+            dense_fraction, final_chunk, union: the selection; see sparse_prefill.build_index(), "Selection arguments".
 
     Returns:
         out, or (out, lse) when return_lse is True.
@@ -494,12 +494,12 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
                               window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
                               final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
                              sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
                              seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                             q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                             q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
     return (out, lse) if return_lse else out
 
 
@@ -510,15 +510,15 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
                     softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
                     head_subgroups: int = _D["head_subgroups"], rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
                     mean_alpha: float = _D["mean_alpha"],
-                    dense_fraction: float = _D["dense_fraction"]):
+                    dense_fraction: float = _D["dense_fraction"], key_rank: int = _D["key_rank"]):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out).
 
     Args:
         q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk, union,
             softmax_scale, out, return_lse, mean_cache, q_descale, k_descale, v_descale: as in
             sparse_prefill.chunked_prefill().
-        alpha, rule, mean_alpha, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction: the
-            selection; see sparse_prefill.build_index(), "Selection arguments".
+        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
+            dense_fraction: the selection; see sparse_prefill.build_index(), "Selection arguments".
 
     Returns:
         out, or (out, lse) when return_lse is True.
@@ -528,10 +528,10 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
                                return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                               q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                               q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
                               softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction)
+                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
     return (out, lse) if return_lse else out

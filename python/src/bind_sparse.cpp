@@ -51,7 +51,7 @@ std::optional<sp::MeanCache> mean_cache_of(nb::handle mean_k, nb::handle mean_v,
 
 std::string selection_repr(const sp::SelectionParams& p) {
   return "SelectionParams(alpha=" + std::to_string(p.alpha) + ", mean_alpha=" + std::to_string(p.mean_alpha) +
-         ", rule=" + std::to_string(int(p.rule)) + ", block_size=" + std::to_string(p.block_size) +
+         ", key_rank=" + std::to_string(p.key_rank) + ", rule=" + std::to_string(int(p.rule)) + ", block_size=" + std::to_string(p.block_size) +
          ", sink=" + std::to_string(p.sink) + ", window=" + std::to_string(p.window) +
          ", last_n=" + std::to_string(p.last_n) + ", correction=" + (p.correction ? "True" : "False") +
          ", final_chunk=" + (p.final_chunk ? "True" : "False") + ", union_lists=" +
@@ -99,12 +99,13 @@ void bind_sparse(nb::module_& m) {
   nb::class_<sp::SelectionParams>(m, "SelectionParams")
       .def(
           "__init__",
-          [](sp::SelectionParams* self, float alpha, float mean_alpha, int rule, int block_size, int sink, int window,
-             int last_n, bool correction, bool final_chunk, bool union_lists, int head_subgroups, float dense_fraction,
-             int64_t max_kept_blocks) {
+          [](sp::SelectionParams* self, float alpha, float mean_alpha, int key_rank, int rule, int block_size,
+             int sink, int window, int last_n, bool correction, bool final_chunk, bool union_lists, int head_subgroups,
+             float dense_fraction, int64_t max_kept_blocks) {
             sp::SelectionParams p;
             p.alpha = alpha;
             p.mean_alpha = mean_alpha;
+            p.key_rank = key_rank;
             p.rule = static_cast<sp::SelectionRule>(rule);
             p.block_size = block_size;
             p.sink = sink;
@@ -119,13 +120,14 @@ void bind_sparse(nb::module_& m) {
             new (self) sp::SelectionParams(p);
           },
           nb::kw_only(), nb::arg("alpha") = d.alpha, nb::arg("mean_alpha") = d.mean_alpha,
-          nb::arg("rule") = int(d.rule), nb::arg("block_size") = d.block_size, nb::arg("sink") = d.sink,
+          nb::arg("key_rank") = d.key_rank, nb::arg("rule") = int(d.rule), nb::arg("block_size") = d.block_size, nb::arg("sink") = d.sink,
           nb::arg("window") = d.window, nb::arg("last_n") = d.last_n, nb::arg("correction") = d.correction,
           nb::arg("final_chunk") = d.final_chunk, nb::arg("union_lists") = d.union_lists,
           nb::arg("head_subgroups") = d.head_subgroups, nb::arg("dense_fraction") = d.dense_fraction,
           nb::arg("max_kept_blocks") = d.max_kept_blocks)
       .def_rw("alpha", &sp::SelectionParams::alpha)
       .def_rw("mean_alpha", &sp::SelectionParams::mean_alpha)
+      .def_rw("key_rank", &sp::SelectionParams::key_rank)
       .def_prop_rw(
           "rule", [](const sp::SelectionParams& p) { return int(p.rule); },
           [](sp::SelectionParams& p, int r) { p.rule = static_cast<sp::SelectionRule>(r); })

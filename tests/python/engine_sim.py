@@ -289,7 +289,7 @@ class LibrarySpy:
 
     SPIED = ("attention", "sparse_prefill", "chunked_prefill")
     SELECTION = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
-                 "mean_alpha", "dense_fraction")
+                 "mean_alpha", "key_rank", "dense_fraction")
 
     def __init__(self, module=sp):
         self._module = module

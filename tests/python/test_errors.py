@@ -152,6 +152,11 @@ SELECTION_CASES = [
     ("mean_alpha_above_one", dict(mean_alpha=2.0), ValueError, "mean_alpha"),
     ("mean_alpha_nan", dict(mean_alpha=float("nan"), rule="probe_row_max"), ValueError, "mean_alpha"),
     ("mean_alpha_str", dict(mean_alpha="0.5"), TypeError, "mean_alpha"),
+    ("key_rank_8", dict(key_rank=8, rule="key_max"), ValueError, "key_rank"),
+    ("key_rank_64", dict(key_rank=64, rule="key_max"), ValueError, "key_rank"),
+    ("key_rank_other_rule", dict(key_rank=24), ValueError, "key_rank"),   # checked under every rule, as mean_alpha
+    ("key_rank_float", dict(key_rank=16.0), TypeError, "key_rank"),
+    ("rule_unknown", dict(rule="keymax"), ValueError, "rule"),
     ("sink_negative", dict(sink=-1), ValueError, "sink"),
     ("window_negative", dict(window=-1), ValueError, "window"),
     ("window_pair", dict(window=(64, 0)), TypeError, "window"),

@@ -15,7 +15,7 @@ def test_defaults_come_from_the_library(monkeypatch):
     lib = sp.Selection()  # the library's defaults (sp.sparse_prefill's signature shows <library default>)
     c = SparsePrefillConfig.load(environ={})
     for name in ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
-                 "mean_alpha"):
+                 "mean_alpha", "key_rank"):
         assert getattr(c, name) == getattr(lib, name), name
     assert (c.rule, c.correction) == (sp.SELECTION_DEFAULTS["rule"], sp.SELECTION_DEFAULTS["correction"])
     # the library's table is the source: moving a default there moves the adapters' default

@@ -291,7 +291,7 @@ def test_selection_defaults_come_from_the_library():
     # selection= is then told from one left out) and resolve to D; the torch wrappers take no selection= and show D
     from sparse_prefill._selection import _LIBRARY_DEFAULT, _selection
     keys = ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups", "mean_alpha",
-            "dense_fraction")
+            "key_rank", "dense_fraction")
     resolved = _selection(None)
     assert {key: getattr(resolved, key) for key in keys} == {key: D[key] for key in keys}
     for fn in fns:

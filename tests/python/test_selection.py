@@ -28,13 +28,33 @@ def test_defaults_are_the_librarys():
         assert getattr(s, name) == value, name
     assert (s.final_chunk, s.union, s.max_kept_blocks) == (True, False, None)
     c = _C.SelectionParams()  # SelectionParams{} through the binding
-    for name in ("block_size", "sink", "window", "last_n", "correction", "head_subgroups", "final_chunk"):
+    for name in ("block_size", "sink", "window", "last_n", "correction", "head_subgroups", "final_chunk", "key_rank"):
         assert getattr(c, name) == getattr(s, name), name
     for name in ("alpha", "mean_alpha", "dense_fraction"):
         assert abs(getattr(c, name) - getattr(s, name)) < 1e-7, name
     assert c.rule == sp._api._RULES[s.rule] and c.union_lists == s.union and c.max_kept_blocks == -1
     p = s._params  # what crosses the binding
     assert (p.block_size, p.rule, p.max_kept_blocks) == (c.block_size, c.rule, -1)
+
+
+def test_key_max_rule_and_key_rank_round_trip(call):
+    """rule 'key_max' <-> SelectionRule::kKeyMax (4) and key_rank (SELECTION_DEFAULTS from SelectionParams{}) through
+    Selection, its params, replace, pickle, and a call: keywords and selection= give the same index."""
+    assert sp.SELECTION_DEFAULTS["key_rank"] == _C.SelectionParams().key_rank == 16
+    assert sp._api._RULES["key_max"] == 4 and sp._api._RULE_NAMES[4] == "key_max"
+    s = sp.Selection(rule="key_max", key_rank=32, alpha=1.0, block_size=64, sink=0, window=0, last_n=0,
+                     dense_fraction=1.0)
+    assert (s.rule, s.key_rank, s._params.rule, s._params.key_rank) == ("key_max", 32, 4, 32)
+    assert "key_rank=32" in repr(s) and "key_rank=32" in repr(s._params)
+    assert pickle.loads(pickle.dumps(s)) == s and s.replace(key_rank=16).key_rank == 16
+    assert s.as_dict()["key_rank"] == 32 and s != s.replace(key_rank=16)
+    args = call
+    by_kw = sp.build_index(*args, rule="key_max", key_rank=32, alpha=1.0, block_size=64, sink=0, window=0,
+                           last_n=0, dense_fraction=1.0)
+    by_sel = sp.build_index(*args, selection=s)
+    assert np.array_equal(by_kw.block_ids, by_sel.block_ids) and by_kw.density < 1.0
+    with pytest.raises(ValueError, match="^key_rank: given both"):
+        sp.build_index(*args, selection=s, key_rank=32)
 
 
 @pytest.mark.parametrize("fields,exc,name", [
@@ -45,6 +65,9 @@ def test_defaults_are_the_librarys():
     (dict(block_size=64.0), TypeError, "block_size"),
     (dict(block_size=2**40), ValueError, "block_size"),
     (dict(mean_alpha=2.0), ValueError, "mean_alpha"),
+    (dict(key_rank=8), ValueError, "key_rank"),
+    (dict(key_rank=64), ValueError, "key_rank"),
+    (dict(key_rank=16.0), TypeError, "key_rank"),
     (dict(dense_fraction=0.0), ValueError, "dense_fraction"),
     (dict(sink=-1), ValueError, "sink"),
     (dict(window=-1), ValueError, "window"),
@@ -123,12 +146,12 @@ def test_a_keyword_beside_selection_is_an_error(call):
 # Every public function that takes both selection= and selection keywords, with the keywords it takes (chunked_prefill:
 # its final_chunk is the step's, required, and not a selection keyword; the *_workspace_bytes() functions take the
 # others through **keywords)
-_ALL_KEYWORDS = ("alpha", "rule", "mean_alpha", "block_size", "sink", "window", "last_n", "correction",
+_ALL_KEYWORDS = ("alpha", "rule", "mean_alpha", "key_rank", "block_size", "sink", "window", "last_n", "correction",
                  "head_subgroups", "dense_fraction", "final_chunk", "union", "max_kept_blocks")
 _ENTRY_POINTS = ("build_index", "sparse_prefill", "chunked_prefill", "index_workspace_bytes",
                  "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes")
 # a valid value other than the library's default, per keyword
-_OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, block_size=64, sink=0, window=0, last_n=1,
+_OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, key_rank=32, block_size=64, sink=0, window=0, last_n=1,
               correction=True, head_subgroups=1, dense_fraction=1.0, final_chunk=False, union=True,
               max_kept_blocks=1000)
 

@@ -209,7 +209,8 @@ def test_attention_equals_public(device, d, kind):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opts", [{}, {"alpha": 0.3, "correction": False}, {"sink": 0, "window": 128, "last_n": 0},
-                                  {"rule": "probe_row_max", "alpha": 0.2, "mean_alpha": 0.9, "sink": 0, "last_n": 0}])
+                                  {"rule": "probe_row_max", "alpha": 0.2, "mean_alpha": 0.9, "sink": 0, "last_n": 0},
+                                  {"rule": "key_max", "alpha": 0.5, "key_rank": 32, "sink": 0, "last_n": 0}])
 def test_sparse_prefill_equals_public(device, opts):
     args, kw = sparse_problem(device)
     kw = dict(kw, **opts)

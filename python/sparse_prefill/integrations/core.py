@@ -9,8 +9,8 @@ Everything here needs torch (imported lazily, on first use); nothing imports an 
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
 defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups,
-mean_alpha) are read from the signature of `sparse_prefill.sparse_prefill`, so the adapters follow the library when
-its defaults change; nothing here keeps a second copy of them. Per-layer settings (`layers`: a layer index -> selection
+mean_alpha, key_rank, dense_fraction) are the library's (library_selection_defaults(): sp.SELECTION_DEFAULTS), so the
+adapters follow the library when its defaults change; nothing here keeps a second copy of them. Per-layer settings (`layers`: a layer index -> selection
 overrides, or dense) come from the file or keyword arguments only; `python -m sparse_prefill.calibrate` writes them.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
 
 # The selection parameters the adapters pass through to the library (names of sp.sparse_prefill's keywords).
 SELECTION_FIELDS = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
-                    "mean_alpha", "dense_fraction")
+                    "mean_alpha", "key_rank", "dense_fraction")
 # The adapters warn (once) when a sparse call's keys exceed this many times the longest length a calibrated file was
 # validated at (`validated_lengths`): the selections keep a smaller share of the blocks as prompts grow, so accuracy
 # measured at L says less the further past L a prompt goes; 2x is the next length a calibration would measure (lengths
@@ -61,8 +61,9 @@ _FALLBACK = ("sdpa", "raise")
 @dataclasses.dataclass
 class SparsePrefillConfig:
     """What the adapters run. The selection fields (alpha, block_size, sink, window, last_n, correction, rule, union,
-    head_subgroups, mean_alpha, dense_fraction) mean what sparse_prefill.build_index()'s "Selection arguments" say and
-    default to the library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the engine fields:
+    head_subgroups, mean_alpha, key_rank, dense_fraction) mean what sparse_prefill.build_index()'s "Selection
+    arguments" say and default to the library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the
+    engine fields:
 
     dense_layers: the first N layers always run dense attention (accuracy: early layers attend broadly).
     min_sparse_q_len: a call runs sparse only when its longest query row (chunk) has at least this many tokens;
@@ -82,9 +83,9 @@ class SparsePrefillConfig:
     layers: per-layer settings, {layer index: {selection field: value, ...}} (JSON: {"3": {"alpha": 0.01}}), or
         {layer index: {"dense": true}} for a layer that always runs dense attention. An entry overrides the top-level
         selection for that layer (alpha, sink, window, last_n, correction, rule, union, head_subgroups, mean_alpha,
-        dense_fraction; block_size is one value for the whole model); layers without an entry use the top level.
-        Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine does not
-        give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
+        key_rank, dense_fraction; block_size is one value for the whole model); layers without an entry use the top
+        level. Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine
+        does not give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
         SPARSE_PREFILL_* variables.
     validated_lengths: the prompt lengths the settings were measured at (JSON [8192, 32768]; written by
         `python -m sparse_prefill.calibrate`, file or keyword only). A sparse call whose keys exceed
@@ -102,6 +103,7 @@ class SparsePrefillConfig:
     union: bool = None
     head_subgroups: int = None
     mean_alpha: float = None
+    key_rank: int = None
     dense_fraction: float = None
     dense_layers: int = 0
     min_sparse_q_len: int = 128
@@ -247,6 +249,8 @@ def _check_selection_value(name: str, field: str, value: Any) -> None:
         raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
     if field == "block_size" and not (isinstance(value, int) and value > 0 and value % 64 == 0):
         raise ValueError(f"{name}: must be a positive multiple of 64, got {value!r}")
+    if field == "key_rank" and not (isinstance(value, int) and value in (16, 32)):
+        raise ValueError(f"{name}: must be 16 or 32, got {value!r}")
     if field == "rule":
         from sparse_prefill._api import _RULES
         if value not in _RULES:
