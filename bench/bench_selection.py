@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: _common, accuracy.configs
 from _common import (HKV, HQ, D, RESULTS, add_plot_only, emit, ints, plot_only, require_cuda,  # noqa: E402
                      sdpa_layout, time_graph_ms, time_sdpa_peers, topic, try_plot, workspace, write_results)
 
@@ -38,6 +38,16 @@ CONFIGS = {
     "previous": dict(rule="row_max", alpha=0.1, head_subgroups=1, dense_fraction=1.0),
     "fpv2": dict(rule="tile_energy", alpha=0.1, head_subgroups=1, correction=False, dense_fraction=1.0),
 }
+
+
+def config(name):
+    """A registered name, or library keywords 'sp:k=v;k=v' (e.g. 'sp:rule=key_max;alpha=0.1')."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    if name.startswith("sp:"):
+        from accuracy.configs import parse_kv
+        return parse_kv(name[3:])
+    raise ValueError(f"unknown config {name!r} (registered: {', '.join(CONFIGS)}; or sp:k=v;...)")
 
 
 def one_shot_rows(sp, L, configs, rows, out, peers):
@@ -51,7 +61,7 @@ def one_shot_rows(sp, L, configs, rows, out, peers):
     if peers:
         time_sdpa_peers(base, *sdpa_layout(q, k, v, HQ // HKV), is_causal=True, graph=False, keys=("cudnn",))
     for name in configs:
-        kw = CONFIGS[name]
+        kw = config(name)
         iw = workspace(sp.index_workspace_bytes(*args, **kw))
         pw = workspace(sp.sparse_prefill_workspace_bytes(*args, **kw))
         index_ms = time_graph_ms(lambda: sp.build_index(*args, workspace=iw, **kw))
@@ -108,7 +118,8 @@ def gate_rows(sp, L, rows, out, rounds=5):
     write_results(out, rows)
 
 
-def chunk_rows(sp, L, C, rows, out, page=64):
+def chunk_rows(sp, L, C, rows, out, page=64, name="default"):
+    kw = config(name)
     q, k, v = topic(L)
     pages = L // page
     kc, vc = k.reshape(pages, page, HKV, D).contiguous(), v.reshape(pages, page, HKV, D).contiguous()
@@ -122,18 +133,18 @@ def chunk_rows(sp, L, C, rows, out, page=64):
     cu_q = torch.tensor([0, C], dtype=torch.int32, device="cuda")
     step = (qc, kc, vc, cu_q, bt, used, C, L)
     o = torch.empty_like(qc)
-    iw = workspace(sp.index_workspace_bytes(qc, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used))
+    iw = workspace(sp.index_workspace_bytes(qc, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used, **kw))
     index_ms = time_graph_ms(lambda: sp.build_index(qc, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used,
-                                                    final_chunk=False, mean_cache=means, workspace=iw))
-    cw = workspace(sp.chunked_prefill_workspace_bytes(*step))
+                                                    final_chunk=False, mean_cache=means, workspace=iw, **kw))
+    cw = workspace(sp.chunked_prefill_workspace_bytes(*step, **kw))
     step_ms = time_graph_ms(lambda: sp.chunked_prefill(*step, final_chunk=False, mean_cache=means, out=o,
-                                                       workspace=cw))
+                                                       workspace=cw, **kw))
     aw = workspace(sp.attention_workspace_bytes(D))
     dense_ms = time_graph_ms(lambda: sp.attention(qc, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used,
                                                   out=o, workspace=aw))
     density = sp.build_index(qc, kc, vc, cu_q, None, C, L, block_table=bt, seqused_k=used, final_chunk=False,
-                             mean_cache=means).density
-    row = dict(kind="chunk", L=L, chunk=C, config="default", index_ms=index_ms, step_ms=step_ms, dense_step_ms=dense_ms,
+                             mean_cache=means, **kw).density
+    row = dict(kind="chunk", L=L, chunk=C, config=name, selection=kw, index_ms=index_ms, step_ms=step_ms, dense_step_ms=dense_ms,
                density=density, speedup_vs_dense_step=dense_ms / step_ms if step_ms else None)
     rows.append(row)
     emit(row)
@@ -147,6 +158,7 @@ def main():
     ap.add_argument("--dense-lengths", default="8192,32768,131072")
     ap.add_argument("--gate-lengths", default="8192,131072")
     ap.add_argument("--chunk", default="131072:1024", help="L:C of the chunk-step rows ('' to skip)")
+    ap.add_argument("--chunk-configs", default="default", help="the configs of the chunk-step rows")
     ap.add_argument("--no-peers", dest="peers", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "selection_h200.json"))
     add_plot_only(ap)
@@ -164,7 +176,8 @@ def main():
         gate_rows(sp, L, rows, args.out)
     for item in [x for x in args.chunk.split(",") if x]:
         L, C = (int(x) for x in item.split(":"))
-        chunk_rows(sp, L, C, rows, args.out)
+        for name in [c for c in args.chunk_configs.split(",") if c]:
+            chunk_rows(sp, L, C, rows, args.out, name=name)
     res = write_results(args.out, rows, selection_defaults=dict(sp.SELECTION_DEFAULTS))
     try_plot(plot, res, os.path.splitext(args.out)[0] + ".png")
 

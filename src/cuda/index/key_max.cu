@@ -413,9 +413,10 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
       // Block J finished: its residual maximum per row, the score, the running maximum and the test.
       bool keep = false;
       for (int i = 0; i < 2; ++i) {
+        // NaN (a NaN key or query reached the scores): flagged here, before fmaxf's quad reduction would drop it
+        if (__hisnan(run2[i].x) || __hisnan(run2[i].y)) sm.nan_flag = 1;
         float res = fmaxf(__low2float(run2[i]), __high2float(run2[i]));
-        if (__hisnan(run2[i].x) || __hisnan(run2[i].y)) res = NAN;
-        res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 1)) ;
+        res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 1));
         res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 2));
         run2[i] = neg2;
         if (J > last_block[i]) continue;
