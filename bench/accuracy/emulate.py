@@ -20,7 +20,12 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                      over the prompt (Loki): a rank-`rank` GEMM per pair
            'resid'   k~_j = kmean_J + P P^T (k_j - kmean_J), P from the residuals' second moment: the pooled mean at
                      full rank plus the key's own deviation at rank `rank` (a block of alike keys scores as its mean,
-                     a spike as itself)
+                     a spike as itself). basis 'lib' (the default): the library's basis (key_basis: the sampled
+                     blocks' residuals, kKeyBasisIters subspace iterations from the hash_unit start, float64) and
+                     the score s_rJ = scale (q_r . kmean_J + max_j (P^T q_r) . (P^T x_j)) in float64 with the library's
+                     float32 means (key_max_scores); with rank 16 or 32, onepass 2 and agg rowmax this is the
+                     library's rule='key_max' (docs/design/key_max_spec.md; test_accuracy_emulator.py). basis 'eigh':
+                     the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32
            rstride n scores only positions p % n == n - 1 (and the last), all heads; other rows add nothing beyond
            the always-kept blocks (the tile's union covers them)
   agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
@@ -46,7 +51,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0)
+                     rank=16, rstride=1, onepass=0, basis="lib")
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -113,34 +118,101 @@ def antidiag_log_mass(q, k, scale, block, xs):
     return out.repeat_interleave(xs, 0)[:L]
 
 
-def projected_keys(k, score, rank, block):
-    """The keys a block-max score compares against (see the module doc): k [L, H, D] -> k~ [L, H, D] float32."""
+# The library's key basis (src/core/key_basis.h: the same constants and start; docs/design/key_max_spec.md step 2)
+KEY_BASIS_ITERS = 10
+KEY_BASIS_SAMPLE_BLOCKS = 64
+
+
+def hash_unit(d, c):
+    """core/key_basis.h's hash_unit(d, c) in uint32 arithmetic: X0[d][c] of the basis iteration, in [-1, 1)."""
+    m = 0xFFFFFFFF
+    h = ((d * 2654435761) & m) ^ ((c * 2246822519) & m)
+    h ^= h >> 15
+    h = (h * 2246822519) & m
+    h ^= h >> 13
+    return float((h >> 8) - (1 << 23)) / float(1 << 23)
+
+
+def library_means(k, block):
+    """The pooled key means as the library holds them (float32), as float64: [nb, H, D]."""
+    return pooled(k, k, block)[0].float().double()
+
+
+def key_basis(k, rank, block):
+    """The library's key_max basis: k [L, H, D] (one sequence) -> P [H, D, rank] float64, per KV head. The residuals
+    x_j = k_j - kmean_J (float32 means) of every key of the sampled blocks J = 0, s, 2s, ... (s = max(1, ceil(nb /
+    64))), C = sum_j x_j x_j^T, then KEY_BASIS_ITERS times Y = C X, X = MGS(Y) (modified Gram-Schmidt, a zero column
+    stays zero) from X0[d][c] = hash_unit(d, c); all in float64."""
+    L, H, D = k.shape
+    nb = (L + block - 1) // block
+    s = max(1, -(-nb // KEY_BASIS_SAMPLE_BLOCKS))
+    x = k.double() - library_means(k, block).repeat_interleave(block, 0)[:L]
+    xs = x[(torch.arange(L, device=k.device) // block) % s == 0]  # the sampled blocks' keys
+    C = torch.einsum("nhd,nhe->hde", xs, xs)
+    X0 = torch.tensor([[hash_unit(d, c) for c in range(rank)] for d in range(D)], dtype=torch.float64,
+                      device=k.device)
+    X = X0[None].repeat(H, 1, 1)  # [H, D, r]
+    for _ in range(KEY_BASIS_ITERS):
+        Y = C @ X
+        for c in range(rank):
+            y = Y[:, :, c]
+            for c2 in range(c):  # against the new columns, each projection off the updated y
+                y = y - (X[:, :, c2] * y).sum(-1, keepdim=True) * X[:, :, c2]
+            n = y.norm(dim=-1, keepdim=True)
+            X[:, :, c] = torch.where(n > 0, y / torch.where(n > 0, n, torch.ones_like(n)), torch.zeros_like(y))
+    return X
+
+
+def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048):
+    """The library's key_max scores (basis 'lib'): s_rJ = scale * (q_r . kmean_J + max over the keys j of J that
+    the row sees of (P^T q_r) . (P^T x_j)), x_j = k_j - kmean_J, float64 (the CPU reference's precision), float32
+    means: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] (-inf where the row sees no key of J or is not in `rows`)."""
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    P = key_basis(k, rank, block)  # [Hkv, D, r]
+    kmean = library_means(k, block)
+    xp = torch.einsum("lhd,hdr->lhr", k.double() - kmean.repeat_interleave(block, 0)[:L], P)
+    qp = torch.einsum("lqd,qdr->lqr", q.double(), P.repeat_interleave(g, 0))
+    resid = block_max(qp, xp, 1.0, block, rows, chunk, dtype=torch.float64)
+    mean = torch.einsum("lqd,jqd->lqj", q.double(), kmean.repeat_interleave(g, 1))
+    return scale * (mean + resid)
+
+
+def projected_keys(k, score, rank, block, basis="lib"):
+    """The keys a block-max score compares against (see the module doc): k [L, H, D] -> k~ [L, H, D] float32.
+    basis (score 'resid'): 'eigh' (the residuals of all keys) or 'lib' (key_basis); 'lowrank' is always eigh."""
     if score == "kmax":
         return k.float()
     L, H, D = k.shape
     kd = k.double()
-    kmean = pooled(k, k, block)[0].repeat_interleave(block, 0)[:L] if score == "resid" else torch.zeros_like(kd)
+    if score == "resid" and basis == "lib":
+        kmean = library_means(k, block).repeat_interleave(block, 0)[:L]
+        P = key_basis(k, rank, block)
+    else:
+        kmean = pooled(k, k, block)[0].repeat_interleave(block, 0)[:L] if score == "resid" else torch.zeros_like(kd)
+        x = kd - kmean
+        _, vecs = torch.linalg.eigh(torch.einsum("lhd,lhe->hde", x, x))  # ascending eigenvalues, per head
+        P = vecs[..., -min(rank, D):]                                      # [H, D, r]
     x = kd - kmean
-    _, vecs = torch.linalg.eigh(torch.einsum("lhd,lhe->hde", x, x))  # ascending eigenvalues, per head
-    P = vecs[..., -min(rank, D):]                                      # [H, D, r]
     return (kmean + torch.einsum("lhr,hdr->lhd", torch.einsum("lhd,hdr->lhr", x, P), P)).float()
 
 
-def block_max(q, kt, scale, block, rows=None, chunk=2048):
-    """max over the keys of each block that the row sees of scale * q . kt: q [L, Hq, D], kt [L, Hkv, D] ->
-    [L, Hq, nb] float64 (-inf where the row sees no key of the block or is not in `rows`). One causal sequence."""
-    L, Hq, D = q.shape
+def block_max(q, kt, scale, block, rows=None, chunk=2048, dtype=torch.float32):
+    """max over the keys of each block that the row sees of scale * q . kt: q [L, Hq, E], kt [L, Hkv, E] ->
+    [L, Hq, nb] float64 (-inf where the row sees no key of the block or is not in `rows`). One causal sequence;
+    the products in `dtype`."""
+    L, Hq, E = q.shape
     g = Hq // kt.shape[1]
     nb = (L + block - 1) // block
     P = nb * block
-    kp = torch.cat([kt.float(), kt.new_zeros(P - L, kt.shape[1], D).float()])
+    kp = torch.cat([kt.to(dtype), kt.new_zeros(P - L, kt.shape[1], E).to(dtype)])
     pos = torch.arange(L, device=q.device) if rows is None else rows
     keyi = torch.arange(P, device=q.device)
     out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
     for h in range(Hq):
         for c in range(0, len(pos), chunk):
             pr = pos[c:c + chunk]
-            lg = (q[pr, h].float() @ kp[:, h // g].T) * scale
+            lg = (q[pr, h].to(dtype) @ kp[:, h // g].T) * scale
             lg.masked_fill_(keyi[None, :] > pr[:, None], -math.inf)
             out[pr, h] = lg.view(len(pr), nb, block).amax(-1).double()
     return out
@@ -202,7 +274,10 @@ def select(q, k, v, rule, scale):
         pr = None
         if n > 1:
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
-        bm = block_max(q, projected_keys(k, r["score"], r["rank"], B), scale, B, pr)
+        if r["score"] == "resid" and r["basis"] == "lib":
+            bm = key_max_scores(q, k, scale, B, r["rank"], pr)
+        else:
+            bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
     elif r["score"] == "mean":
@@ -248,7 +323,8 @@ def select(q, k, v, rule, scale):
         if agg == "rowmax" and r["onepass"]:
             m = w.flip(-1).cummax(-1).values.flip(-1)  # running max of a pass from the diagonal down to block 0
             if r["onepass"] == 2:  # started from the pooled means' bound over the blocks the row sees whole
-                sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+                # (the library's float32 means, as its key_max rule)
+                sm = torch.einsum("vrd,jvd->vrj", qv, kmean.float().double()[:, kvh]) * scale
                 whole = (first_key + counts.long() - 1)[None, :] <= pos[:, None]
                 sm = sm.masked_fill(~whole[None], -math.inf).view(V, T, TILE_ROWS, nb)
                 m = torch.maximum(m, sm.amax(-1, keepdim=True))

@@ -33,23 +33,29 @@ def random_qkv(L, seed):
 
 
 PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
-RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass"}
+KEYMAX = dict(score="resid", onepass=2, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank, basis 'lib')
+RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass",
+         "keymax": "key_max"}
 
 
 def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax", mean_alpha=0.5,
-          dense_fraction=1.0):
+          dense_fraction=1.0, block=128, key_rank=16, outputs=True):
     """dense_fraction 1 (the dense rule off) by default: random inputs keep most blocks, and the rule would turn
-    the comparison into full lists on both sides."""
+    the comparison into full lists on both sides. agg 'keymax': the library's rule='key_max' against the
+    emulator's score 'resid' (the library's basis) at rank key_rank, one pass from the diagonal with the bound."""
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
-    kw = dict(alpha=alpha, block_size=128, sink=sink, window=window, last_n=2, correction=correction,
-              head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha, dense_fraction=dense_fraction)
+    kw = dict(alpha=alpha, block_size=block, sink=sink, window=window, last_n=2, correction=correction,
+              head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha, dense_fraction=dense_fraction,
+              key_rank=key_rank)
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
     rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg,
-                dense_fraction=dense_fraction)
+                dense_fraction=dense_fraction, block=block)
     if agg in ("probe", "probe_mass"):  # the probe rows against their top block / their whole mass
         rule.update(PROBE, union_mean=mean_alpha, agg="rowmax" if agg == "probe" else "rowmass")
+    if agg == "keymax":
+        rule.update(KEYMAX, rank=key_rank)
     sel = emulate.select(q, k, v, rule, SCALE)
     V, T, nb = sel.keep.shape
     mismatched = 0
@@ -61,10 +67,12 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="
     assert mismatched == 0, f"{mismatched} of {V * T} segments differ"
     assert sel.kept_blocks == idx.kept_blocks and sel.visible_blocks == idx.visible_blocks
     assert abs(sel.density - idx.density) < 1e-12
+    if not outputs:
+        return idx.density
     ref_out = sp.sparse_attention(qn, kn, vn, idx, cu, cu, L, L, softmax_scale=SCALE)
     if isinstance(ref_out, tuple):
         ref_out = ref_out[0]
-    ours = emulate.sparse_attention(q, k, v, sel, SCALE, 128)
+    ours = emulate.sparse_attention(q, k, v, sel, SCALE, block)
     err = float(np.abs(ours.numpy() - np.asarray(ref_out)).max())
     assert err < 2e-5, err
     return idx.density
@@ -132,7 +140,91 @@ def test_real_model_qkv():
                           alpha=0.1 if s == 1 else 0.01, agg=agg)
 
 
-# ---- issue 44's per-key block-max scores (emulation only: no library rule yet) ----
+# ---- issue 44's per-key block-max scores; score 'resid' with the library's basis is rule='key_max' ----
+
+def spiky_qkv(L, seed, spikes=12):
+    """random_qkv plus a few spike keys along the queries' shared direction: the residuals' top directions then
+    matter (the pooled means dilute each spike 128x; the rank-r residual keeps it)."""
+    q, k, v = random_qkv(L, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    u = q.mean(0)[:: HQ // HKV]  # [HKV, D], each KV group's shared query direction
+    u = u / u.norm(dim=-1, keepdim=True)
+    at = torch.randint(0, L, (spikes, HKV), generator=g)
+    for h in range(HKV):
+        k[at[:, h], h] += 6.0 * u[h]
+    return q, k, v
+
+
+# (L, block): odd lengths, a partial tail block, and one length past 64 blocks (the basis then samples every 2nd)
+@pytest.mark.parametrize("L,block", [(300, 64), (777, 128), (777, 64), (1500, 128), (1500, 64)])
+@pytest.mark.parametrize("subgroups", [1, 3])
+@pytest.mark.parametrize("alpha,key_rank", [(0.1, 16), (0.5, 32)])
+def test_key_max_equals_the_emulator(L, block, subgroups, alpha, key_rank):
+    q, k, v = spiky_qkv(L, L + block + subgroups)
+    d = check(q, k, v, subgroups, False, alpha=alpha, sink=0, window=64, agg="keymax", block=block,
+              key_rank=key_rank)
+    assert 0.0 < d <= 1.0
+
+
+def test_key_max_equals_the_emulator_past_64_blocks():
+    """nb = 71 > 64: the basis reads every 2nd block (key_basis_stride); selection only (the outputs' check costs
+    a dense attention in double on the CPU)."""
+    q, k, v = spiky_qkv(4500, 21)
+    d = check(q, k, v, 3, False, alpha=0.5, sink=0, window=64, agg="keymax", block=64, outputs=False)
+    assert d < 1.0
+
+
+def test_key_max_prunes_and_differs_from_row_max():
+    # not vacuous: key_max prunes here, and keeps other blocks than the pooled-means row max at the same alpha
+    q, k, v = spiky_qkv(1500, 22)
+    km = check(q, k, v, 3, False, alpha=0.5, sink=0, window=64, agg="keymax", block=64)
+    assert km < 0.95
+    L = q.shape[0]
+    cu = np.array([0, L], dtype=np.int32)
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    sel = dict(alpha=0.5, block_size=64, sink=0, window=64, last_n=2, head_subgroups=3, dense_fraction=1.0,
+               softmax_scale=SCALE)
+    a = sp.build_index(qn, kn, vn, cu, cu, L, L, rule="key_max", **sel)
+    b = sp.build_index(qn, kn, vn, cu, cu, L, L, rule="row_max", **sel)
+    assert not np.array_equal(a.block_ids, b.block_ids)
+
+
+@pytest.mark.parametrize("subgroups", [0, 1])
+def test_key_max_alpha_zero_is_dense(subgroups):
+    q, k, v = spiky_qkv(777, 23)
+    L = q.shape[0]
+    cu = np.array([0, L], dtype=np.int32)
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    sel = dict(alpha=0.0, rule="key_max", block_size=64, sink=0, window=0, last_n=0, head_subgroups=subgroups,
+               dense_fraction=1.0, softmax_scale=SCALE)
+    assert sp.build_index(qn, kn, vn, cu, cu, L, L, **sel).density == 1.0
+    out = sp.sparse_prefill(qn, kn, vn, cu, cu, L, L, **sel)
+    dense = sp.attention(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE)
+    assert float(np.abs(np.asarray(out) - np.asarray(dense)).max()) < 1e-5
+    e = emulate.select(q, k, v, dict(KEYMAX, alpha=0.0, subgroups=subgroups, block=64, sink=0, window=0, last_n=0,
+                                      dense_fraction=1.0), SCALE)
+    assert e.density == 1.0
+
+
+def test_hash_unit_matches_the_library_header():
+    # the values tests/cpp/test_key_max.cpp asserts for core/key_basis.h's hash_unit (exact multiples of 2^-23)
+    for d, c, units in [(0, 0, -8388608), (1, 0, -2288744), (0, 1, -2438505), (5, 3, 3842360), (127, 31, -3344486),
+                        (63, 15, -1684295)]:
+        assert emulate.hash_unit(d, c) == units / 2.0**23, (d, c)
+    assert all(-1.0 <= emulate.hash_unit(d, c) < 1.0 for d in range(128) for c in range(32))
+    assert (emulate.KEY_BASIS_ITERS, emulate.KEY_BASIS_SAMPLE_BLOCKS) == (10, 64)
+
+
+def test_key_basis_is_orthonormal_and_reads_the_sampled_blocks():
+    _, k, _ = spiky_qkv(4500, 24)  # 71 blocks of 64: every 2nd block sampled
+    P = emulate.key_basis(k, 16, 64)
+    assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
+    assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
+    k2 = k.clone()
+    k2[64 + 5] += 40.0  # block 1: not sampled
+    assert torch.equal(emulate.key_basis(k2, 16, 64), P)
+    k2[128 + 5] += 40.0  # block 2: sampled
+    assert not torch.equal(emulate.key_basis(k2, 16, 64), P)
 
 def _brute_block_max(q, kt, scale, block):
     L, Hq, _ = q.shape
@@ -156,22 +248,23 @@ def test_block_max_matches_brute_force():
     assert torch.allclose(got[fin], want[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("score", ["lowrank", "resid"])
-def test_full_rank_projection_is_exact(score):
-    # rank D keeps every direction: P P^T = I, so both projected scores are the exact block maxima
+@pytest.mark.parametrize("score,basis", [("lowrank", "eigh"), ("resid", "eigh"), ("resid", "lib")])
+def test_full_rank_projection_is_exact(score, basis):
+    # rank D keeps every direction: P P^T = I, so the projected scores are the exact block maxima
     q, k, v = random_qkv(700, 12)
     base = dict(agg="rowmax", alpha=0.1, sink=128, window=128, last_n=1, dense_fraction=1.0)
     exact = emulate.select(q, k, v, dict(base, score="kmax"), SCALE)
-    proj = emulate.select(q, k, v, dict(base, score=score, rank=D), SCALE)
+    proj = emulate.select(q, k, v, dict(base, score=score, rank=D, basis=basis), SCALE)
     assert torch.equal(proj.keep, exact.keep)
-    low = emulate.projected_keys(k, score, 4, 128)
+    low = emulate.projected_keys(k, score, 4, 128, basis)
     assert low.shape == k.shape and not torch.allclose(low, k.float(), atol=1e-3)
 
 
-def test_resid_keeps_block_means():
+@pytest.mark.parametrize("basis", ["eigh", "lib"])
+def test_resid_keeps_block_means(basis):
     # the residual projection leaves every block's mean unchanged (it only approximates the deviations from it)
     _, k, _ = random_qkv(640, 13)
-    kt = emulate.projected_keys(k, "resid", 4, 128)
+    kt = emulate.projected_keys(k, "resid", 4, 128, basis)
     km = emulate.pooled(k, k, 128)[0]
     kmt = emulate.pooled(kt, kt, 128)[0]
     assert torch.allclose(km, kmt, atol=1e-4)
