@@ -187,16 +187,20 @@ def parse_args(argv=None):
                                                    f"{FULL['prompt']}, --quick skips them)")
     ap.add_argument("--union-subgroups", default="", help="head_subgroups values S > 1: union rows union_s{S}_*")
     ap.add_argument("--rule", default=SEL["rule"],
-                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass"],
+                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass", "key_max"],
                     help="selection rule (docs/semantics.md; row_max: the library default); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
     ap.add_argument("--mean-alpha", type=float, default=SEL.get("mean_alpha", 0.5),
                     help="the probe rules' pooled-means term")
+    ap.add_argument("--key-rank", type=int, default=None, choices=[16, 32],
+                    help="key_max's residual rank (default: the library's)")
     ap.add_argument("--head-subgroups", type=int, default=SEL.get("head_subgroups", 1),
                     help="selections per GQA group of the tile rows (4: one per query head here)")
     args = apply_profile(ap.parse_args(argv), QUICK, FULL)
     # every step below uses them
     SEL.update(rule=args.rule, alpha=args.alpha, mean_alpha=args.mean_alpha, head_subgroups=args.head_subgroups)
+    if args.key_rank is not None:
+        SEL.update(key_rank=args.key_rank)
     for name in ("contexts", "chunks", "batches", "union_subgroups"):
         ints(getattr(args, name))  # fail on bad lists before the GPU work
     if args.prompt:

@@ -227,11 +227,13 @@ def parse_args(argv=None):
     ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="skip cuDNN / FA2")
     ap.add_argument("--rule", default=SEL.get("rule", "tile_energy"),
-                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass"],
+                    choices=["tile_energy", "row_max", "probe_row_max", "probe_row_mass", "key_max"],
                     help="selection rule (docs/semantics.md); the rows record it")
     ap.add_argument("--alpha", type=float, default=SEL["alpha"])
     ap.add_argument("--mean-alpha", type=float, default=None,
                     help="the probe rules' pooled-means term (default: the library's)")
+    ap.add_argument("--key-rank", type=int, default=None, choices=[16, 32],
+                    help="key_max's residual rank (default: the library's)")
     ap.add_argument("--head-subgroups", type=int, default=1, help="selections per GQA group (1: PackGQA, 4: per head)")
     ap.add_argument("--long-lengths", default="", help="long rows (e.g. 1048576), see above")
     ap.add_argument("--max-kept-blocks", type=int, default=1 << 26,
@@ -249,6 +251,8 @@ def main(argv=None):
     SEL.update(rule=args.rule, alpha=args.alpha, head_subgroups=args.head_subgroups)   # every build below uses it
     if args.mean_alpha is not None:
         SEL.update(mean_alpha=args.mean_alpha)
+    if args.key_rank is not None:
+        SEL.update(key_rank=args.key_rank)
     sp = require_cuda()
     dev, g = "cuda", HQ // HKV
     flex = None

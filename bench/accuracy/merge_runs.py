@@ -14,8 +14,8 @@ import json
 
 from accuracy import report
 
-DEFAULT_KEYS = ("alpha", "rule", "head_subgroups", "dense_fraction", "mean_alpha", "block_size", "sink", "window",
-                "last_n", "correction")
+DEFAULT_KEYS = ("alpha", "rule", "head_subgroups", "dense_fraction", "mean_alpha", "key_rank", "block_size", "sink",
+                "window", "last_n", "correction")
 
 
 def keywords(defaults, latest_defaults):
