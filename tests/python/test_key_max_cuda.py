@@ -62,10 +62,12 @@ def test_key_max_alpha0_is_dense_and_prefill_matches_reference():
     dense = sp.attention(*gpu, mq, mk)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=2 ** -7)
-    # a pruning selection: the sparse output over the GPU's own index equals the CPU reference over that index
-    index = sp.build_index(*gpu, mq, mk, alpha=0.1, rule="key_max", dense_fraction=1.0)
+    # a pruning selection (the structured workload's queries see most blocks: density ~0.62 with a short window and
+    # no sink, 0.97 at the defaults): the sparse output over the GPU's own index equals the CPU reference's over it
+    kw = dict(alpha=0.5, rule="key_max", window=128, sink=0, last_n=1, dense_fraction=1.0)
+    index = sp.build_index(*gpu, mq, mk, **kw)
     host = index.to_host()
-    assert host.density < 0.95
+    assert host.density < 0.8
     got = sp.sparse_attention(*gpu[:3], index, *gpu[3:], mq, mk)
     want = sp.sparse_attention(*cpu[:3], host, *cpu[3:], mq, mk, reuse_index=True)
     torch.cuda.synchronize()
@@ -92,6 +94,9 @@ def test_key_max_poisoned_workspace_and_repeat():
 
 
 def test_key_max_nan_key_keeps_the_tile():
+    """A NaN key (block 2, key 300) makes the residuals' moment NaN, so the basis is all zero (the spec's
+    MGS: n > 0 ? y / n : 0, as the reference) and the scores are the pooled means' alone; tiles whose rows see block 2
+    (its mean is NaN) keep every visible block. The GPU keeps what the reference keeps."""
     rng = np.random.default_rng()
     cpu, gpu, mq, mk = _structured_varlen(rng, [2000], [2000], 8, 2)
     k = gpu[1].clone()
@@ -99,9 +104,10 @@ def test_key_max_nan_key_keeps_the_tile():
     kw = dict(alpha=0.5, rule="key_max", dense_fraction=1.0, head_subgroups=1, sink=0, window=0, last_n=0)
     got = sp.build_index(gpu[0], k, *gpu[2:], mq, mk, **kw).to_host()
     ref = sp.build_index(cpu[0], k.cpu(), *cpu[2:], mq, mk, **kw)
-    # every tile whose rows see key 300 scores NaN somewhere in block 2: it keeps every visible block, as the reference
-    for t in range(3, int(ref.tiles[0])):
-        assert len(got.segment(0, 0, t)) == len(ref.segment(0, 0, t))
+    assert _segments_differ(ref, got, 1, 2) <= _flips_bound(ref)
+    first = (256 * 4) // 128  # the first tile (packed rows of 4 heads) whose rows see block 2, whose mean is NaN
+    for t in range(first, int(ref.tiles[0])):
+        assert len(got.segment(0, 0, t)) == len(ref.segment(0, 0, t)) == (t * 128 // 4 + 31) // 128 + 1
 
 
 def test_key_max_chunked_paged_union_on_gpu():

@@ -31,7 +31,7 @@ namespace sparse_prefill::cuda::index_stage {
 namespace {
 
 constexpr int kMomentBand = 8;      // rows of C per moment CTA
-constexpr int kMomentKeys = 32;     // keys per shared-memory tile of the moment CTA
+constexpr int kMomentKeys = 64;     // keys per shared-memory tile of the moment CTA (block_size % 64 == 0)
 constexpr int kBasisThreads = 256;
 constexpr int kProjectThreads = 256;
 constexpr int kKeyMaxThreads = 256;  // 2 warpgroups x 64 packed rows
@@ -54,32 +54,59 @@ __device__ __forceinline__ const T* key_row(const KVArgs& kv, const SeqArgs& seq
 
 // ---- 1. the residuals' second moment --------------------------------------------------------------------------------
 // grid (batch, Hkv, D / kMomentBand), D threads: thread e accumulates C[d0 + i][e], i < kMomentBand, over the sampled
-// keys in order (tiles of kMomentKeys residuals in shared memory).
+// keys in order, tiles of kMomentKeys residuals through shared memory. The next tile's keys are loaded into registers
+// while the current one is summed (all kMomentKeys loads of a thread in flight at once: the first version waited for
+// each key's load in turn, ~6.5 ms for the 8K sampled keys of every length on the H100).
 template <typename T, int D>
 __global__ void __launch_bounds__(D) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size, int num_kv_heads,
                                                        const int32_t* cu_blocks, const float* k_mean, float* moment) {
-  __shared__ float xs[kMomentKeys][D + 1];
+  __shared__ __align__(16) float xs[kMomentKeys][D + 4];  // rows 16-byte aligned: the band is read as float4
   const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * kMomentBand, e = threadIdx.x;
   const int64_t k_len = seq.k_len(b), nb = cu_blocks[b + 1] - cu_blocks[b];
   const int64_t stride = key_basis_stride(nb);
-  const float descale = kv.k_descale.at(b, h);
-  float acc[kMomentBand] = {};
-  for (int64_t J = 0; J < nb; J += stride) {
-    const float kbar = k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e];
-    const int64_t lo = J * block_size, hi = min(lo + block_size, k_len);
-    for (int64_t j0 = lo; j0 < hi; j0 += kMomentKeys) {
-      const int n = int(min(int64_t(kMomentKeys), hi - j0));
-      for (int i = 0; i < n; ++i) {
-        const T* row = key_row<T>(kv, seq, b, h, j0 + i);
-        xs[i][e] = row ? to_float(row[e]) * (is_fp8_v<T> ? descale : 1.f) - kbar : 0.f;
-      }
-      __syncthreads();
-      for (int i = 0; i < n; ++i) {
-        const float xe = xs[i][e];
+  const float descale = is_fp8_v<T> ? kv.k_descale.at(b, h) : 1.f;
+  // the sampled keys as a flat sequence of tiles: tile i holds keys [j0, j0 + n) of one sampled block (block_size is
+  // a multiple of kMomentKeys, so a tile never spans two blocks)
+  const int64_t sampled = (nb + stride - 1) / stride, tiles_per_block = block_size / kMomentKeys;
+  const int64_t tiles = sampled * tiles_per_block;
+  auto tile_keys = [&](int64_t i, int64_t& J, int64_t& j0, int& n) {
+    J = (i / tiles_per_block) * stride;
+    j0 = J * block_size + (i % tiles_per_block) * kMomentKeys;
+    n = int(max(int64_t(0), min(int64_t(kMomentKeys), k_len - j0)));
+  };
+  float vals[kMomentKeys];
+  auto load_tile = [&](int64_t i) {
+    int64_t J, j0;
+    int n;
+    tile_keys(i, J, j0, n);
 #pragma unroll
-        for (int r = 0; r < kMomentBand; ++r) acc[r] = fmaf(xs[i][d0 + r], xe, acc[r]);
+    for (int k = 0; k < kMomentKeys; ++k) {
+      const T* row = k < n ? key_row<T>(kv, seq, b, h, j0 + k) : nullptr;
+      vals[k] = row ? to_float(row[e]) : 0.f;
+    }
+  };
+  float acc[kMomentBand] = {};
+  if (tiles > 0) load_tile(0);
+  for (int64_t i = 0; i < tiles; ++i) {
+    int64_t J, j0;
+    int n;
+    tile_keys(i, J, j0, n);
+    const float kbar = k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e];
+    __syncthreads();  // the previous tile's readers done
+#pragma unroll
+    for (int k = 0; k < kMomentKeys; ++k) xs[k][e] = k < n ? vals[k] * descale - kbar : 0.f;
+    __syncthreads();
+    if (i + 1 < tiles) load_tile(i + 1);  // in flight during the sums below
+    for (int k = 0; k < n; ++k) {
+      const float xe = xs[k][e];
+#pragma unroll
+      for (int r = 0; r < kMomentBand; r += 4) {
+        const float4 x4 = *reinterpret_cast<const float4*>(&xs[k][d0 + r]);
+        acc[r] = fmaf(x4.x, xe, acc[r]);
+        acc[r + 1] = fmaf(x4.y, xe, acc[r + 1]);
+        acc[r + 2] = fmaf(x4.z, xe, acc[r + 2]);
+        acc[r + 3] = fmaf(x4.w, xe, acc[r + 3]);
       }
-      __syncthreads();
     }
   }
   float* c = moment + (int64_t(b) * num_kv_heads + h) * D * D;
@@ -128,9 +155,11 @@ __global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int num_kv_hea
 #pragma unroll
         for (int k = 0; k < kPer; ++k) nn = fmaf(y[k], y[k], nn);
         for (int o = 16; o > 0; o /= 2) nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        const float inv = nn > 0.f ? rsqrtf(nn) : 0.f;
+        // n > 0 ? y / n : 0 (the spec, as the reference): a NaN or zero column is exactly 0, never y * 0 (NaN * 0)
+        const bool ok = nn > 0.f;
+        const float inv = ok ? rsqrtf(nn) : 0.f;
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + col] = y[k] * inv;
+        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + col] = ok ? y[k] * inv : 0.f;
         __syncwarp();
       }
     }
@@ -197,8 +226,9 @@ struct KeyMaxConfig {
                                                                             cute::Int<kCols>>());
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom<Element, kTileRows, D>{},
                                                    cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
+  // two stages: chunk c - 1's means load while chunk c is scored
   using SmemLayoutKm = decltype(cute::tile_to_shape(Atom<Element, kPooledN, D>{},
-                                                    cute::Shape<cute::Int<kPooledN>, cute::Int<D>>{}));
+                                                    cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::_2>{}));
   using SmemLayoutQp = decltype(cute::tile_to_shape(Atom<Half, kTileRows, R>{},
                                                     cute::Shape<cute::Int<kTileRows>, cute::Int<R>>{}));
   // K' units: slot = stage * kStageUnits + unit % kStageUnits
@@ -300,9 +330,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   Tensor cP = pmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kPooledN>>{}));
   Tensor tRrQ = wg_r.partition_fragment_A(sQp);
   Tensor tRrK = wg_r.partition_fragment_B(sKp);
-  Tensor tRrS = partition_fragment_C(rmma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
   Tensor cR = rmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kUnitKeys>>{}));
-  static_assert(decltype(size(tRrS))::value == 32, "fp16 accumulators: 16 registers of (row pair, 2 columns)");
+  static_assert(decltype(size(cR))::value == 32, "fp16 accumulators: 16 registers of (row pair, 2 columns)");
 
   // This thread's two packed rows (the accumulators' rows 0 and 8 of its quad; the same in both GEMMs): the last key
   // each sees (-1: none) and the last block.
@@ -315,31 +344,39 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   }
   const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile
 
-  // The pooled chunk c (blocks [32 c, 32 c + 32)) into sKm; rows past the sequence clamp to its last block.
+  // The pooled chunk c (blocks [32 c, 32 c + 32)) into stage `buf` of sKm (one cp.async group, waited at the next
+  // stage barrier); rows past the sequence clamp to its last block. pooled_gemm: the chunk's scores into tPrS.
   const Element* pooled_src =
       reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh_mem) * D;
-  auto load_pooled = [&](int c) {
+  auto load_pooled = [&](int c, int buf) {
     constexpr int kVec = D / 8;
     for (int i = threadIdx.x; i < kPooledN * kVec; i += kKeyMaxThreads) {
       const int n = i / kVec, v = i % kVec;
       const int64_t J = min(int64_t(c) * kPooledN + n, nb - 1);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(sKm(n, v * 8))),
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(sKm(n, v * 8, buf))),
                    "l"(pooled_src + J * kv_heads_mem * D + v * 8));
     }
     asm volatile("cp.async.commit_group;\n" ::);
+  };
+  auto pooled_gemm = [&](int buf) {
+    wgmma_batch<false>(pmma, tPrQ, tPrK(_, _, _, buf), tPrS, /*zero_init=*/true);
+    warpgroup_wait<0>();
+  };
+  auto stage_barrier = [&] {  // every cp.async of this thread landed and visible to wgmma, then the CTA meets
     asm volatile("cp.async.wait_group 0;\n" ::);
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
-    wgmma_batch<false>(pmma, tPrQ, tPrK, tPrS, /*zero_init=*/true);
-    warpgroup_wait<0>();
-    __syncthreads();  // both warpgroups done reading sKm before the next load
   };
 
-  // The bound: b_r = max over the blocks the row sees whole of its pooled score (log2 units).
+  // The bound: b_r = max over the blocks the row sees whole of its pooled score (log2 units). The chunks stream
+  // through the two stages (chunk c + 1 loads under chunk c's GEMM: a synchronous load per chunk cost ~1-2 us).
   float m_row[2] = {-INFINITY, -INFINITY};
   const int nchunks = (nvis + kPooledN - 1) / kPooledN;
+  load_pooled(0, 0);
   for (int c = 0; c < nchunks; ++c) {
-    load_pooled(c);
+    stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
+    if (c + 1 < nchunks) load_pooled(c + 1, (c + 1) & 1);
+    pooled_gemm(c & 1);
     CUTE_UNROLL
     for (int v = 0; v < size(tPrS); ++v) {
       const int r = get<0>(cP(v)), J = c * kPooledN + get<1>(cP(v));
@@ -352,6 +389,7 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
   }
+  __syncthreads();  // both warpgroups past the last bound GEMM before the stages are reloaded
 
   // K' stage s: units [8 s, 8 s + 8) of the sequence (keys [512 s, 512 s + 512)), clamped to its key rows.
   const Half* proj_src = reinterpret_cast<const Half*>(proj) + (int64_t(kvh_mem) * key_rows + int64_t(cu_blocks[b]) * B) * R;
@@ -375,62 +413,84 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   const __half2 neg2 = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
   __half2 run2[2] = {neg2, neg2};  // this block's residual maxima so far, per row (pairs of columns)
   uint32_t word_bits = 0;           // lane 0: the warp's keep bits of the current 32-block word
-  int cur_chunk = -1;
+
+  // One unit (64 keys) of block J = u / units_per_block scored in `acc`: mask, running maximum; at the block's first
+  // unit (the last one visited) the score, the running row maximum and the per-row test. Uniform across the CTA.
+  auto consume = [&](auto& acc, int u) {
+    if (u > top_unit) return;  // the top stage's units past the tile's last visible block
+    const int J = u / units_per_block;
+    if (u * kUnitKeys + kUnitKeys - 1 > tile_min_hi) {  // some key of the unit is past some row's last key
+      CUTE_UNROLL
+      for (int v = 0; v < size(acc); ++v) {
+        const int key = u * kUnitKeys + get<1>(cR(v));
+        if (key > hi_row[(v / 2) % 2]) acc(v) = Half(-INFINITY);
+      }
+    }
+    const __half2* acc2 = reinterpret_cast<const __half2*>(acc.data());
+    CUTE_UNROLL
+    for (int k = 0; k < 16; k += 2) {
+      run2[0] = half2_max_nan(run2[0], acc2[k]);
+      run2[1] = half2_max_nan(run2[1], acc2[k + 1]);
+    }
+    if (u % units_per_block != 0) return;
+    bool keep = false;
+    for (int i = 0; i < 2; ++i) {
+      // NaN (a NaN key or query reached the scores): flagged here, before fmaxf's quad reduction would drop it
+      if (__hisnan(run2[i].x) || __hisnan(run2[i].y)) sm.nan_flag = 1;
+      float res = fmaxf(__low2float(run2[i]), __high2float(run2[i]));
+      res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 1));
+      res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 2));
+      run2[i] = neg2;
+      if (J > last_block[i]) continue;
+      const float sh = sm.pooled[row_of[i]][J % kPooledN] + res;
+      if (sh != sh) sm.nan_flag = 1;
+      m_row[i] = fmaxf(m_row[i], sh);
+      keep |= sh >= m_row[i] + log2_alpha;
+    }
+    const unsigned any = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0 && any) word_bits |= 1u << (J % 32);
+    if (lane == 0 && J % 32 == 0 && word_bits) {
+      atomicOr(&bits[J / 32], word_bits);
+      word_bits = 0;
+    }
+  };
+
+  // Stages of 8 units from the diagonal down. A pooled chunk (32 blocks = 32 * units_per_block units) starts at a
+  // stage boundary, so its scores are set at the top of the stage that first needs them, from the stage loaded a
+  // chunk earlier. Within a stage the units are pipelined: unit u - 1's wgmma runs while unit u is reduced (two
+  // accumulators; the first pass waited on every wgmma: its latency was exposed per unit).
+  int cur_chunk = -1, pbuf = 0;
   load_stage(top_stage, 0);
+  load_pooled(top_unit / units_per_block / kPooledN, pbuf);
+  Tensor accA = partition_fragment_C(rmma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
+  Tensor accB = partition_fragment_C(rmma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
   for (int s = top_stage; s >= 0; --s) {
     const int buf = (top_stage - s) & 1;
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();  // stage s visible; the other buffer's readers done
+    stage_barrier();  // stage s and any pooled chunk issued before it landed; the other stage's readers done
     if (s > 0) load_stage(s - 1, buf ^ 1);
-    for (int uu = kStageUnits - 1; uu >= 0; --uu) {
-      const int u = s * kStageUnits + uu;
-      if (u > top_unit) continue;
-      const int J = u / units_per_block;
-      if (J / kPooledN != cur_chunk) {  // the chunk's pooled scores, before its first block is finished
-        cur_chunk = J / kPooledN;
-        load_pooled(cur_chunk);
-        CUTE_UNROLL
-        for (int v = 0; v < size(tPrS); ++v) sm.pooled[get<0>(cP(v))][get<1>(cP(v))] = tPrS(v) * sel.scale_log2;
-        __syncwarp();  // a row's pooled scores are written and read by its own warp
-      }
-      wgmma_batch<false>(rmma, tRrQ, tRrK(_, _, _, buf * kStageUnits + uu), tRrS, /*zero_init=*/true);
-      warpgroup_wait<0>();
-      if (u * kUnitKeys + kUnitKeys - 1 > tile_min_hi) {  // some key of the unit is past some row's last key
-        CUTE_UNROLL
-        for (int v = 0; v < size(tRrS); ++v) {
-          const int key = u * kUnitKeys + get<1>(cR(v));
-          if (key > hi_row[(v / 2) % 2]) tRrS(v) = Half(-INFINITY);
-        }
-      }
-      const __half2* acc2 = reinterpret_cast<const __half2*>(tRrS.data());
+    const int chunk = min(s * kStageUnits + kStageUnits - 1, top_unit) / units_per_block / kPooledN;
+    if (chunk != cur_chunk) {
+      pooled_gemm(pbuf);
       CUTE_UNROLL
-      for (int k = 0; k < 16; k += 2) {
-        run2[0] = half2_max_nan(run2[0], acc2[k]);
-        run2[1] = half2_max_nan(run2[1], acc2[k + 1]);
+      for (int v = 0; v < size(tPrS); ++v) sm.pooled[get<0>(cP(v))][get<1>(cP(v))] = tPrS(v) * sel.scale_log2;
+      __syncwarp();  // a row's pooled scores are written and read by its own warp
+      cur_chunk = chunk;
+      pbuf ^= 1;
+      if (chunk > 0) load_pooled(chunk - 1, pbuf);  // lands by the stage barrier before it is needed
+    }
+    const int slot0 = buf * kStageUnits;
+    wgmma_batch<false>(rmma, tRrQ, tRrK(_, _, _, slot0 + kStageUnits - 1), accA, /*zero_init=*/true);
+    CUTE_UNROLL
+    for (int uu = kStageUnits - 1; uu >= 0; --uu) {
+      auto& cur = (uu & 1) ? accA : accB;
+      auto& nxt = (uu & 1) ? accB : accA;
+      if (uu > 0) {
+        wgmma_batch<false>(rmma, tRrQ, tRrK(_, _, _, slot0 + uu - 1), nxt, /*zero_init=*/true);
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
       }
-      if (u % units_per_block != 0) continue;
-      // Block J finished: its residual maximum per row, the score, the running maximum and the test.
-      bool keep = false;
-      for (int i = 0; i < 2; ++i) {
-        // NaN (a NaN key or query reached the scores): flagged here, before fmaxf's quad reduction would drop it
-        if (__hisnan(run2[i].x) || __hisnan(run2[i].y)) sm.nan_flag = 1;
-        float res = fmaxf(__low2float(run2[i]), __high2float(run2[i]));
-        res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 1));
-        res = fmaxf(res, __shfl_xor_sync(0xffffffffu, res, 2));
-        run2[i] = neg2;
-        if (J > last_block[i]) continue;
-        const float sh = sm.pooled[row_of[i]][J % kPooledN] + res;
-        if (sh != sh) sm.nan_flag = 1;
-        m_row[i] = fmaxf(m_row[i], sh);
-        keep |= sh >= m_row[i] + log2_alpha;
-      }
-      const unsigned any = __ballot_sync(0xffffffffu, keep);
-      if (lane == 0 && any) word_bits |= 1u << (J % 32);
-      if (lane == 0 && J % 32 == 0 && word_bits) {
-        atomicOr(&bits[J / 32], word_bits);
-        word_bits = 0;
-      }
+      consume(cur, s * kStageUnits + uu);
     }
   }
   __syncthreads();
