@@ -178,7 +178,9 @@ def main():
         o = statistics.median(x[k] for x in runs["ours"])
         rows.append({"row": k, "base_ms": round(b, 4), "ours_ms": round(o, 4), "ratio": round(o / b, 4)})
         print(f"{k:28s} base {b:9.3f} ms  ours {o:9.3f} ms  ours/base {o / b:.4f}")
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     out = {"what": args.what + ": median of rounds of medians, CUDA events", "rows": rows,
+           "device": gpu.stdout.strip().splitlines()[0] if gpu.returncode == 0 and gpu.stdout.strip() else "unknown",
            "commit": os.environ.get("SP_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
            "base_package": runs["base"][0]["package"], "ours_package": runs["ours"][0]["package"],
            "command": " ".join(sys.argv), "through_package": True}
