@@ -35,7 +35,10 @@ HQ, HKV, D = 32, 8, 128
 # Rows whose GPU work is shorter than a Python call's launches (split-KV decode: ~133 us of kernels in a 0.19 ms
 # call, ncu) also get a `<kind>_graph` row, timed as CUDA-graph replays, so that a kernel
 # change is gated on the kernels and host changes on the per-call row.
-GRAPHED = ("split_kv_decode", "chunked_last_1024")
+# The index rows too: at 32K the row-max index is ~0.4 ms of kernels, and one call's host prologue (before the first
+# launch) counts in its event timing; the 2026-12-06 A/B measured index_row_max@32768 at 1.06-1.08 with its kernels'
+# SASS identical to the base's, which the graph rows can tell from a host difference.
+GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max")
 
 
 def rows_of(quick):
