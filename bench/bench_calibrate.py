@@ -12,8 +12,13 @@ Parts (each a subprocess running the command as a user would, timed wall-clock; 
              <= 600 s (its own device call: the save and load alone take ~1 min)
 Calibration rows record the choice: `recommended`, the written `config` (the chosen settings), `validated_lengths`
 (what the file says it was measured at), `no_pruning` (true: nothing was pruned at those lengths, so the file holds
-the library's default selection) with `lowest_density`; the heldout row adds the chosen settings' held-out drop
-(`heldout_worst_drop`, the same as its `worst_drop`) and copies them from the calibration it checks.
+the library's default selection) with `lowest_density`, and `confirmation`: the choice measured again on the
+command's confirmation prompts (a second prompt set, disjoint from the calibration's and from the heldout part's):
+`outcome` (confirmed / replaced: the first choice failed there and a safer one held / none: the default written /
+skipped), `first` (the choice before confirmation), `confirmed`, per setting measured its density and worst top-1
+and NLL on both prompt sets, `n_prompts` and `seconds` (the confirmation's share of the run). The heldout row adds
+the chosen settings' held-out drop (`heldout_worst_drop`, the same as its `worst_drop`) and copies them from the
+calibration it checks: the calibration's, the confirmation's and the held-out numbers of one choice side by side.
 
     python bench/bench_calibrate.py --parts smollm2,heldout --out-dir /tmp/calib
     python bench/bench_calibrate.py --parts llama8b --out-dir /tmp/calib
@@ -62,17 +67,38 @@ def smollm2(args, rows):
                                  worst_drop=r["worst_drop"], worst_nll=r["worst_nll"]) for r in doc["results"]])
     row["meets_target"] = rc == 0 and secs <= 180
     rows.append(row)
+    conf = row.get("confirmation") or {}
     print(json.dumps({k: row[k] for k in ("part", "seconds", "exit") if k in row} |
-                     {k: row.get(k) for k in ("recommended", "no_pruning", "validated_lengths", "density")}),
-          flush=True)
+                     {k: row.get(k) for k in ("recommended", "no_pruning", "validated_lengths", "density")} |
+                     {"confirmation": conf.get("outcome"), "first_choice": conf.get("first"),
+                      "confirm_s": conf.get("seconds")}), flush=True)
     return row
 
 
 def choice(doc):
     """What a calibration chose (calibration.json): the recommendation, the file it wrote, the lengths the file says
-    it was validated at, and whether the choice is the library's default because nothing was pruned."""
+    it was validated at, whether the choice is the library's default because nothing was pruned, and its
+    confirmation on the command's second prompt set."""
     return dict(recommended=doc["recommended"], config=doc["config"], validated_lengths=doc.get("validated_lengths"),
-                no_pruning=doc.get("no_pruning"), lowest_density=doc.get("lowest_density"), note=doc.get("note"))
+                no_pruning=doc.get("no_pruning"), lowest_density=doc.get("lowest_density"), note=doc.get("note"),
+                confirmation=confirmation(doc))
+
+
+def confirmation(doc):
+    """calibration.json's `confirmation`, without the per-task rows: what was measured on the confirmation prompts,
+    beside the same settings' calibration numbers."""
+    c = doc.get("confirmation")
+    if not c or c.get("outcome") == "skipped":
+        return c
+    cal = c.get("calibration", {})
+    return dict(outcome=c["outcome"], first=c["first"], confirmed=c["confirmed"], order=c["order"],
+                n_prompts=c["n_prompts"], max_confirm=c["max_confirm"], seconds=c["seconds"], reason=c.get("reason"),
+                measured=[dict(name=r["name"], holds=r["passes"], density=r["cost"],
+                               calibration_density=cal.get(r["name"], {}).get("cost"),
+                               worst_drop=r["worst_drop"], worst_nll=r["worst_nll"],
+                               calibration_worst_drop=cal.get(r["name"], {}).get("worst_drop"),
+                               calibration_worst_nll=cal.get(r["name"], {}).get("worst_nll"))
+                          for r in c["results"]])
 
 
 def heldout(args, rows):
@@ -102,7 +128,8 @@ def heldout(args, rows):
                    within_max_drop=file_row["worst_drop"]["diff"] >= -max_drop if file_row["worst_drop"] else None)
     rows.append(row)
     print(json.dumps({k: row.get(k) for k in ("part", "seconds", "exit", "recommended", "heldout_worst_drop",
-                                              "within_max_drop", "adapter_max_metric_gap")}), flush=True)
+                                              "within_max_drop", "adapter_max_metric_gap")} |
+                     {"confirmation": (row.get("confirmation") or {}).get("outcome")}), flush=True)
 
 
 def llama8b(args, rows):

@@ -24,13 +24,24 @@ else the log and the report say why it is missing). The choice is safe:
   - nothing pruned: when no setting dropped more than 5 % of the key blocks at any length (search.NO_PRUNING; short
     prompts are covered by the always-kept blocks), the lengths cannot tell settings apart: the log and the report
     say so and the file holds the library's default selection (over --base), not the fastest candidate;
+  - confirmed on other prompts: the search compares many settings on the same few prompts and keeps the cheapest
+    that passed, which favours settings whose measured drop was luckily small (the winner's curse). So the choice is
+    measured again on a second prompt set, the confirmation split (same --lengths, tasks and sizes; other prompt
+    seeds and, without --text, another built-in text: disjoint from the calibration's prompts and from any
+    `--check --seed N`'s), under the same tolerance. When it fails there, the next safer passing setting (denser) is
+    measured instead, until one passes both sets; at most --max-confirm settings (default 3, the last the densest
+    passing one; each costs one measurement, plus dense attention's on those prompts once). When none holds, the file
+    holds the library's default selection (over --base) and the log and the report say why. Both sets' numbers are
+    in the log, report.md and calibration.json (`confirmation`);
   - the file records `validated_lengths` (--lengths); the adapters warn once when a sparse call's prompt is more than
     2x the longest (integrations.core.LONG_PROMPT_FACTOR).
 It needs torch and transformers (the hf extra: pip install 'sparse-prefill[hf]', in a clone '.[hf]'); without them it
 stops with one line saying so, before looking at MODEL.
 
-`--check FILE` measures an existing configuration instead (e.g. on another --seed and --layouts than it was
-calibrated on), both as the calibration runs it and through the transformers adapter (the round trip).
+`--check FILE` measures an existing configuration instead, both as the calibration runs it and through the
+transformers adapter (the round trip): the user's held-out check, a third prompt set when given another --seed (and
+--formats / --layouts) than the calibration's; with the defaults (seed 0, the code format) its prompts are a default
+calibration's own.
 """
 
 from .cli import build_parser, main, run

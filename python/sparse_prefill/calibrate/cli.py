@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"The choice: the cheapest setting within --max-drop and --max-nll; costs within {S.COST_TIE:.0%} of the "
         "cheapest count as equal, and of those the most accurate wins (smallest worst top-1 drop, then NLL). When "
         f"no setting prunes more than {S.NO_PRUNING:.0%} of the key blocks at --lengths, nothing can be told apart: "
-        "the file holds the library's default selection, and the log and the report say so. The file records "
+        "the file holds the library's default selection, and the log and the report say so. The choice is then "
+        "confirmed on a second prompt set (same --lengths and tasks, other prompts and built-in text, disjoint from "
+        "the calibration's and from any --check --seed's) under the same tolerance: when it fails there, the next "
+        "safer (denser) passing setting is confirmed instead, at most --max-confirm settings (the last the densest "
+        "passing one); when none holds, the file holds the library's default selection. The file records "
         "validated_lengths (--lengths); the adapters warn once when a prompt runs sparse at more than "
         f"{LONG_PROMPT_FACTOR:g}x the longest of them."))
     ap.add_argument("model", metavar="MODEL", help="a local transformers model folder or GGUF file (no downloads)")
@@ -141,10 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-boot", type=_arg("--n-boot", _at_least(100, int)), default=1000, help="bootstrap replicates")
     ap.add_argument("--max-evals", type=_arg("--max-evals", _at_least(0, int)), default=6,
                     help="measurements of per-layer plans, at most (default 6; 0: uniform settings only)")
+    ap.add_argument("--max-confirm", type=_arg("--max-confirm", _at_least(0, int)), default=S.CONFIRM_MAX,
+                    help="settings measured on the confirmation prompts (a second, disjoint prompt set) until one "
+                         f"passes there, at most (default {S.CONFIRM_MAX}; 0: the choice is not confirmed)")
     ap.add_argument("--tokenizer", default=None, metavar="PATH|bytes",
                     help="default: MODEL's; 'bytes' for a random-weight model saved without a tokenizer")
     ap.add_argument("--check", default=None, metavar="FILE",
-                    help="measure this sparse_prefill.json instead of searching (and through the transformers adapter)")
+                    help="measure this sparse_prefill.json instead of searching (and through the transformers "
+                         "adapter); its prompts are --seed's and --formats': with the defaults (0, code) they are a "
+                         "default calibration's own, so pass another --seed (and --formats) for a held-out check")
     ap.add_argument("--threads", type=_arg("--threads", _at_least(1, int)), default=None, help="CPU threads of torch")
     return ap
 
@@ -188,18 +197,13 @@ def run(args, log=print) -> dict:
     texts = [open(f, encoding="utf-8", errors="replace").read() for f in args.text]
     filler = T.Filler(tok, texts, min_tokens=2 * max(args.lengths))
     variants = T.variants(args.tasks, args.layouts, args.formats)
-    sets, counts = {}, {}
+    sets, counts = T.prompt_sets(tok, filler, args.lengths, variants, args.seed, args.min_scored)
     for L in args.lengths:
-        sets[L] = {}
-        for v in variants:
-            ps = T.prompt_set(tok, filler, L, v, args.seed, args.min_scored)
-            sets[L][ps[0]["variant"]] = ps
-        counts[str(L)] = {v: dict(prompts=len(ps), tokens=int(sum(len(p["pos"]) for p in ps)))
-                          for v, ps in sets[L].items()}
         log(f"L={L}: " + ", ".join(f"{v} {c['prompts']} prompts / {c['tokens']} tokens" for v, c in counts[str(L)].items()))
     cal = S.Calibration(model, sets, n_boot=args.n_boot, seed=args.seed, max_drop=args.max_drop,
                         max_nll=args.max_nll, strict=args.strict, log=log)
-    evals = 1 + (2 if args.check else len(args.candidates) + len(args.oracle) + 1 + args.max_evals)
+    evals = 1 + (2 if args.check else len(args.candidates) + len(args.oracle) + 1 + args.max_evals
+                 + (1 + args.max_confirm if args.max_confirm else 0))      # confirmation: dense + the settings
     log(f"dense attention (sp.attention), the reference [1/{evals} measurements, at most]")
     cal.measure_dense()
     log(f"  {cal.dense_seconds:.1f} s per measurement of every prompt; ~{cal.dense_seconds * evals * 1.3:.0f} s "
@@ -207,6 +211,7 @@ def run(args, log=print) -> dict:
     results: List[dict] = []
     configs = {}
     no_pruning, note = False, None
+    confirmation = None
     plan_of = {}
     probe = None
     if args.check:
@@ -243,6 +248,8 @@ def run(args, log=print) -> dict:
                 if len(same) == 1 and None not in same:       # one candidate everywhere: measured above
                     uniform = next(r for r in results if r["name"] == next(iter(same)))
                     log(f"  = {uniform['name']} in every layer, measured above")
+                    configs[f"{name} (= {uniform['name']})"] = configs[uniform["name"]]
+                    plan_of[f"{name} (= {uniform['name']})"] = plan_of[uniform["name"]]
                     return dict(uniform, name=f"{name} (= {uniform['name']})", kind="per-layer", seconds=0.0,
                                 plan=plan_of[uniform["name"]])
                 cfg = S.plan_config(plan, args.candidates, args.base)
@@ -266,12 +273,35 @@ def run(args, log=print) -> dict:
             log(note)
             chosen = next((r for r in results if r["kind"] == "uniform" and r["name"] == "default"), None)
             out_config = SparsePrefillConfig(**args.base)
+            confirmation = dict(outcome="skipped", reason="nothing was pruned: the library's default selection")
+        elif chosen is None:
+            out_config = SparsePrefillConfig(**args.base, dense_layers=n_layers)
+            confirmation = dict(outcome="skipped", reason="no setting within the tolerance on the calibration "
+                                "prompts: every layer dense")
+        elif not args.max_confirm:
+            out_config = configs[chosen["name"]]
+            confirmation = dict(outcome="skipped", reason="--max-confirm 0, measured only on the prompts it was "
+                                "chosen on")
+            log(f"not confirmed on other prompts (--max-confirm 0): {chosen['name']} was chosen on the same prompts "
+                "it was compared on")
         else:
-            out_config = (configs[chosen["name"]] if chosen else
-                          SparsePrefillConfig(**args.base, dense_layers=n_layers))
+            confirmation, confirmed = _confirm(args, model, tok, texts, variants, results, chosen, configs, log)
+            if confirmed is None:
+                # nothing holds on independent prompts: what the calibration chose is not established, so the
+                # file holds what the adapters run without one (as when nothing was pruned), and says why
+                note = confirmation["reason"]         # logged by _confirm
+                chosen = next((r for r in results if r["kind"] == "uniform" and r["name"] == "default"), None)
+                if chosen is not None:                # the default is no confirmed setting either: its numbers
+                    note += (f" (the default measured {report.worst_short(chosen)} on the calibration prompts, "
+                             f"{'within' if chosen['passes'] else 'outside'} the tolerance)")
+                    log(f"  the default measured {report.worst_short(chosen)} on the calibration prompts")
+                out_config = SparsePrefillConfig(**args.base)
+            else:
+                chosen = confirmed
+                out_config = configs[chosen["name"]]
         out_config = dataclasses.replace(out_config, validated_lengths=list(args.lengths))
     recommended, plan = None, None
-    if no_pruning:
+    if no_pruning or (confirmation or {}).get("outcome") == "none":
         recommended, plan = "default", {str(i): "default" for i in range(n_layers)}
     elif chosen:
         recommended, plan = chosen["name"], plan_of.get(chosen["name"])
@@ -289,7 +319,8 @@ def run(args, log=print) -> dict:
                recommended=recommended, plan=plan,
                config=out_config.file_dict() if out_config else None, probe=probe, check=args.check,
                validated_lengths=out_config.validated_lengths if out_config else None,
-               lowest_density=S.lowest_density(results), no_pruning=no_pruning, note=note)
+               lowest_density=S.lowest_density(results), no_pruning=no_pruning, note=note,
+               confirmation=confirmation)
     doc["seconds"] = round(time.time() - t0, 1)
     if args.device == "cuda":
         doc["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -302,12 +333,54 @@ def run(args, log=print) -> dict:
     elif no_pruning:
         log(f"recommended: the library's default selection (nothing pruned) -> {paths['config']}; report "
             f"{paths['report']} ({doc['seconds']:.0f} s)")
-    elif chosen:
-        log(f"recommended: {chosen['name']} (density {chosen['cost']:.3f} at L={max(args.lengths)}) -> "
+    elif confirmation and confirmation["outcome"] == "none":
+        log(f"recommended: the library's default selection (no setting held on the confirmation prompts) -> "
             f"{paths['config']}; report {paths['report']} ({doc['seconds']:.0f} s)")
+    elif chosen:
+        log(f"recommended: {chosen['name']} (density {chosen['cost']:.3f} at L={max(args.lengths)}; "
+            f"{report.worst_short(chosen)} on the calibration prompts; {report.confirmation_summary(confirmation)}) "
+            f"-> {paths['config']}; report {paths['report']} ({doc['seconds']:.0f} s)")
     else:
         log(f"no setting within the tolerance: {paths['config']} runs every layer dense; report {paths['report']}")
     return doc
+
+
+def _confirm(args, model, tok, texts, variants, results, chosen, configs, log):
+    """(the confirmation record of calibration.json, the calibration result of the setting that held or None): the
+    passing settings in S.confirmation_order measured on the confirmation split (tasks.CONFIRM) until one passes."""
+    t0 = time.time()
+    order = S.confirmation_order(results, chosen, args.max_confirm)
+    sets, counts, source = T.confirmation_sets(tok, texts, args.lengths, variants, args.seed, args.min_scored)
+    n_prompts = sum(c["prompts"] for per in counts.values() for c in per.values())
+    log(f"confirmation: {chosen['name']} again on {n_prompts} other prompts (prompt seeds '{T.CONFIRM} "
+        f"<{args.seed} * 1000 + j>', {source}), the same tolerance; where it fails, the next safer passing setting "
+        f"({len(order)} settings at most: {', '.join(r['name'] for r in order)})")
+    for L in args.lengths:
+        log(f"  L={L}: " + ", ".join(f"{v} {c['prompts']} prompts / {c['tokens']} tokens"
+                                     for v, c in counts[str(L)].items()))
+    cal = S.Calibration(model, sets, n_boot=args.n_boot, seed=args.seed, max_drop=args.max_drop,
+                        max_nll=args.max_nll, strict=args.strict, log=log)
+    cal.measure_dense()
+    confirmed, done = S.confirm(
+        order, lambda r: cal.evaluate(r["name"], r["kind"], R.Route("config", config=configs[r["name"]]),
+                                      configs[r["name"]]), log)
+    rec = dict(split=T.CONFIRM, seed=args.seed, filler=source, prompts=counts, n_prompts=n_prompts,
+               max_confirm=args.max_confirm, first=chosen["name"], order=[r["name"] for r in order],
+               calibration={r["name"]: dict(worst_drop=r.get("worst_drop"), worst_nll=r.get("worst_nll"),
+                                            cost=r["cost"]) for r in order},
+               results=done, confirmed=confirmed["name"] if confirmed else None,
+               seconds=round(time.time() - t0, 1))
+    if confirmed is None:
+        rec.update(outcome="none", reason=(
+            f"no setting held on the confirmation prompts: the {len(done)} measured there (of those that passed on "
+            f"the calibration prompts) fell outside the tolerance on {n_prompts} other prompts (" + ", ".join(
+                f"{c['name']} {report.worst_short(c)}" for c in done) + f"; --max-confirm {args.max_confirm}), so "
+            "sparse_prefill.json holds the library's default selection (what the adapters run without a file), "
+            "not a setting other prompts contradict; more scored tokens (--min-scored) narrow the intervals"))
+    else:
+        rec.update(outcome="confirmed" if confirmed is chosen else "replaced", reason=None)
+    log(f"confirmation ({rec['seconds']:.0f} s): {report.confirmation_summary(rec)}")
+    return rec, confirmed
 
 
 def main(argv: Optional[List[str]] = None, log=None) -> dict:

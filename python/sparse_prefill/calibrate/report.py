@@ -1,7 +1,8 @@
 """What a calibration writes: DIR/sparse_prefill.json (the adapters' configuration), DIR/calibration.json (every
-measurement), DIR/report.md and, when matplotlib is installed, DIR/calibration.png (accuracy and NLL against density
-per setting with the oracle's curve, and the density of each layer); without matplotlib the log and report.md say
-why the figure is missing (NO_FIGURE)."""
+measurement; `confirmation`: the chosen settings measured on the confirmation prompts), DIR/report.md and, when
+matplotlib is installed, DIR/calibration.png (accuracy and NLL against density per setting with the oracle's curve,
+and the density of each layer); without matplotlib the log and report.md say why the figure is missing
+(NO_FIGURE)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,39 @@ def _fmt(t: Optional[dict], unit: str) -> str:
         return "-"
     where = f" ({t['task']} L={t['L']})" if "task" in t and unit == "pt" else ""
     return f"{t['diff']:+.2f} {unit} [{t['low']:+.2f}, {t['high']:+.2f}]{where}"
+
+
+def worst_text(r: dict) -> str:
+    """A result's worst top-1 drop and NLL increase, with intervals."""
+    parts = []
+    if r.get("worst_drop"):
+        parts.append(f"worst top-1 {_fmt(r['worst_drop'], 'pt')}")
+    if r.get("worst_nll"):
+        parts.append(f"NLL {_fmt(r['worst_nll'], '%')}")
+    return ", ".join(parts) or "nothing scored"
+
+
+def worst_short(r: dict) -> str:
+    """A result's worst top-1 drop and NLL increase, point estimates only."""
+    parts = [f"{r[k]['diff']:+.2f} {u}" for k, u in (("worst_drop", "pt"), ("worst_nll", "% NLL")) if r.get(k)]
+    return " / ".join(parts) or "nothing scored"
+
+
+def confirmation_summary(c: Optional[dict]) -> str:
+    """One line on what the confirmation prompts said (calibration.json's `confirmation`)."""
+    if not c:
+        return "not confirmed"
+    if c["outcome"] == "skipped":
+        return f"not confirmed: {c['reason']}"
+    if c["outcome"] == "none":
+        return c["reason"]
+    by_name = {r["name"]: r for r in c["results"]}
+    if c["outcome"] == "confirmed":
+        return f"confirmed on {c['n_prompts']} other prompts: {worst_text(by_name[c['confirmed']])}"
+    failed = ", ".join(f"{n} fails ({worst_text(by_name[n])})" for n in c["order"]
+                       if n in by_name and n != c["confirmed"])
+    return (f"on {c['n_prompts']} other prompts {failed}; {c['confirmed']}, safer, is confirmed there: "
+            f"{worst_text(by_name[c['confirmed']])}")
 
 
 def _density(r: dict, L) -> str:
@@ -100,7 +134,8 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
                     "of NLL).", ""]
     else:
         out += ["## Recommendation", ""]
-        if doc.get("no_pruning"):
+        conf = doc.get("confirmation") or {}
+        if doc.get("no_pruning") or conf.get("outcome") == "none":
             out += [f"**The library's default selection**: {doc['note']}.", ""]
             if rec is not None:
                 out.append(f"As measured here (default): worst top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL "
@@ -109,7 +144,9 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
             out.append("No setting stayed within the tolerance: the written file runs every layer dense.")
         else:
             out.append(f"**{rec['name']}** ({rec['kind']}): density {rec['cost']:.3f} at L={lengths[-1]}; worst "
-                       f"top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL {_fmt(rec['worst_nll'], '%')}.")
+                       f"top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL {_fmt(rec['worst_nll'], '%')} on the "
+                       "calibration prompts.")
+            out += ["", f"Confirmation: {confirmation_summary(conf)}."]
         out += ["", f"`sparse_prefill.json`: `{json.dumps(doc['config'])}`", "",
                 "Use it: `SPARSE_PREFILL_CONFIG=<this folder>/sparse_prefill.json` for the vLLM / SGLang plugins, "
                 "or `sparse_prefill.integrations.transformers.register(config_file=...)` (docs/integrations.md). "
@@ -118,6 +155,8 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
                 "prefill unions each chunk's selection and was not measured here. The file records "
                 f"`validated_lengths` {doc.get('validated_lengths')}: the adapters warn once when a sparse call's "
                 f"prompt is more than {LONG_PROMPT_FACTOR:g}x the longest of them.", ""]
+    if doc.get("confirmation", {}) and doc["confirmation"].get("results"):
+        out += confirmation_table(doc["confirmation"], lengths)
     out += ["## Settings measured", "", "| setting | kind | " + " | ".join(f"density L={L}" for L in lengths)
             + " | worst top-1 [95 % CI] | NLL [95 % CI] | within tolerance |", "|" + "---|" * (len(lengths) + 5)]
     for r in results:
@@ -157,6 +196,29 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
     elif figure_note:
         out += ["", figure_note + "."]
     return "\n".join(out) + "\n"
+
+
+def confirmation_table(c: dict, lengths) -> List[str]:
+    """report.md's confirmation section: each setting measured on the confirmation prompts beside its calibration."""
+    out = ["## Confirmation", "",
+           f"The choice measured again on a second prompt set: {c['n_prompts']} prompts of the same lengths and "
+           f"tasks (prompt seeds '{c['split']} <{c['seed']} * 1000 + j>', {c['filler']}; disjoint from the "
+           "calibration's and from any --check --seed's), under the same tolerance. Many settings were compared on the "
+           "calibration prompts and the cheapest that passed was kept, which favours settings whose drop there was "
+           "luckily small; these prompts took no part in that choice. Where a setting fails here, the next safer "
+           f"(denser) passing setting is measured, at most {c['max_confirm']} (--max-confirm; the last the densest "
+           "passing one).", "",
+           "Prompts per length (scored tokens): " + "; ".join(
+               f"L={L}: " + ", ".join(f"{v} {n['prompts']} ({n['tokens']})" for v, n in c["prompts"][str(L)].items())
+               for L in lengths), "",
+           f"| setting | density L={lengths[-1]} (calibration / confirmation prompts) | calibration prompts | "
+           "confirmation prompts | holds |", "|---|---|---|---|---|"]
+    for r in c["results"]:
+        cal = c["calibration"].get(r["name"], {})
+        dens = f"{cal['cost']:.3f} / {r['cost']:.3f}" if cal.get("cost") is not None else f"{r['cost']:.3f}"
+        out.append(f"| {r['name']} | {dens} | {worst_text(cal)} | {worst_text(r)} | "
+                   f"{'yes' if r['passes'] else 'no'} |")
+    return out + [""]
 
 
 def reproduction_gap(results: List[dict]) -> Optional[float]:

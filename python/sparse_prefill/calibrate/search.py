@@ -17,16 +17,25 @@ The search:
      worst top-1 drop against dense (any task, any length), then the smallest NLL increase;
   5. unless nothing was pruned: when no setting dropped more than NO_PRUNING (5 %) of the key blocks at any length,
      the measurements cannot tell the settings apart, and the library's default selection is written instead (the
-     log and the report say so; calibrate at longer --lengths, where the selections prune).
+     log and the report say so; calibrate at longer --lengths, where the selections prune);
+  6. confirmation: steps 1-4 compare many settings on the same few prompts and keep the cheapest that passed, so the
+     one kept is biased towards settings whose measured drop was luckily small (the winner's curse). The
+     recommendation is therefore measured again on a second, disjoint prompt set (the confirmation split: same
+     lengths and tasks, other prompts; tasks.CONFIRM) under the same tolerance. When it fails there, the next safer
+     passing setting is confirmed instead (confirmation_order: each denser than the last, the densest passing one
+     last; at most --max-confirm, default CONFIRM_MAX = 3) until one passes both sets; when none does, the library's
+     default selection is written (as in 5; the log and the report say so). No margin on per-layer plans: see
+     CONFIRM_MAX.
 Pass: on every length, every recall task's top-1 accuracy within --max-drop points of dense and the NLL within
 --max-nll % of dense (point estimates; --strict: the 95 % intervals' far ends).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -288,3 +297,65 @@ def pruned_nothing(results: Sequence[dict]) -> bool:
     """Whether no setting pruned more than NO_PRUNING of the blocks at any length (see NO_PRUNING)."""
     low = lowest_density(results)
     return low is not None and low >= 1.0 - NO_PRUNING
+
+
+# -- confirmation -----------------------------------------------------------------------------------------------------
+
+# Settings measured on the confirmation prompts, at most (--max-confirm): each costs one measurement of every prompt
+# (as a calibration setting does), on top of dense attention's on those prompts once. Three: the recommendation, one
+# step safer, and the safest passing setting.
+CONFIRM_MAX = 3
+# No margin on per-layer plans (e.g. a plan's worst drop required within max_drop minus a fraction): in the SmolLM2
+# case this answers (issue 43) the chosen plan measured -0.30 pt on its calibration prompts (interval [-0.99, +0.30])
+# and -1.28 pt on held-out ones; the gap is about the interval's half-width (the prompts' noise), which no fixed
+# margin tracks. A margin that rejected that plan would have to exceed 0.7 of --max-drop, which at these sample sizes
+# rejects nearly every plan; the interval's far end (--strict) keeps it too (-0.99 >= -1.0). The independent prompt
+# set measures the chosen setting's bias directly, for one measurement when it holds.
+
+
+def _same_setting(r: dict) -> str:
+    """A result's configuration as text: a per-layer plan equal to a uniform candidate is the same setting."""
+    return json.dumps(r["config"], sort_keys=True) if r.get("config") is not None else r["name"]
+
+
+def confirmation_order(results: Sequence[dict], chosen: dict, cap: int = CONFIRM_MAX) -> List[dict]:
+    """The settings to measure on the confirmation prompts, in order of safety: `chosen` (choose()'s) first, then
+    the other passing settings (uniform or per-layer) denser than it, the cheapest first. Denser is safer: under one
+    rule a smaller alpha keeps a superset of a larger one's blocks (a threshold against the top block), and a
+    per-layer plan of a smaller error budget gives every layer a candidate of lower probe error. The settings
+    choose() counted as costing the same as `chosen` (within COST_TIE) are not safer (it ranked them below `chosen`
+    on accuracy) and are left out; a setting equal to one already in the list (a plan that is a uniform candidate)
+    once, the uniform name kept. Longer than `cap`: the first cap - 1, then the densest (the safest passing setting
+    is tried before the library's default is written; cap 1: `chosen` alone)."""
+    if cap <= 0 or chosen is None:
+        return []
+    seen = {_same_setting(chosen)}
+    order = [chosen]
+    ok = [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer")]
+    tied = min(r["cost"] for r in ok) * (1 + COST_TIE) + 1e-9 if ok else chosen["cost"]   # choose()'s equal costs
+    rest = sorted((r for r in ok if r["cost"] > max(tied, chosen["cost"])),
+                  key=lambda r: (r["cost"], accuracy_key(r), r["kind"] != "uniform"))
+    for r in rest:
+        key = _same_setting(r)
+        if key not in seen:
+            seen.add(key)
+            order.append(r)
+    if len(order) > cap:
+        order = order[:cap - 1] + [order[-1]] if cap > 1 else order[:1]
+    return order
+
+
+def confirm(order: Sequence[dict], measure, log=print) -> Tuple[Optional[dict], List[dict]]:
+    """Measure the settings of `order` (confirmation_order) on the confirmation prompts until one passes there:
+    measure(result) -> its result on those prompts ('passes' under the calibration's tolerance). Returns (the
+    calibration result of the first that passed, or None when none did; the confirmation results as measured)."""
+    done: List[dict] = []
+    for i, r in enumerate(order):
+        log(f"confirmation {i + 1}/{len(order)}: {r['name']} (density {r['cost']:.3f}) on the confirmation prompts")
+        c = measure(r)
+        done.append(c)
+        if c["passes"]:
+            return r, done
+        log(f"  {r['name']} fails on the confirmation prompts" +
+            (": the next safer passing setting" if i + 1 < len(order) else ""))
+    return None, done

@@ -20,12 +20,18 @@ so a token scored there would measure dense attention under every setting.
 The filler is the user's text (--text) when given, else a built-in neutral text (seeded sentences from small word
 lists: no license boilerplate the model may know by heart). A fact and its question are the same token pieces, so
 the value the model must recall is token for token the one it saw.
+
+Splits: the calibration's prompts come from --seed (prompt seeds seed * 1000 + j, an integer); its confirmation
+prompts (CONFIRM) from the same --seed in another namespace ('confirm <seed * 1000 + j>', which no integer --seed
+gives, so they differ from the calibration's and from any `--check --seed N`'s), with the built-in filler drawn from
+another seed of its generator (CONFIRM_TEXT_SEED; `--check` always uses seed 0). With --text both splits cut the
+same text, at other offsets with other facts.
 """
 
 from __future__ import annotations
 
 import random
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -34,6 +40,8 @@ FORMATS = ("code", "record")
 TASKS = ("kv", "copy", "nll")
 CLUSTER = 128          # copy / nll: bootstrap clusters of 128 consecutive scored positions
 NLL_MAX = 4096         # scored NLL positions per prompt, at most
+CONFIRM = "confirm"    # the confirmation split's prompt-seed namespace (prompt_set's split)
+CONFIRM_TEXT_SEED = "confirm"   # its built-in filler's seed (the calibration and --check use 0)
 
 
 class UsageError(ValueError):
@@ -79,7 +87,7 @@ _TAILS = ["before the rain started", "near the river", "after a long morning", "
 _LINKS = ["Later", "Meanwhile", "Afterwards", "That evening", "In the end", "Soon", "Even so", "For a while"]
 
 
-def builtin_text(n_chars: int, seed: int = 0) -> str:
+def builtin_text(n_chars: int, seed: Union[int, str] = 0) -> str:
     """A neutral English filler of about n_chars characters: seeded sentences from small word lists."""
     rng = random.Random(seed)
     parts, size = [], 0
@@ -96,16 +104,18 @@ def builtin_text(n_chars: int, seed: int = 0) -> str:
 
 
 class Filler:
-    """The token stream prompts are cut from: the user's text files, or the built-in text (at least min_tokens)."""
+    """The token stream prompts are cut from: the user's text files, or the built-in text (at least min_tokens;
+    text_seed: builtin_text's seed, 0 but for the confirmation split)."""
 
-    def __init__(self, tok, texts: Optional[Sequence[str]] = None, min_tokens: int = 0):
+    def __init__(self, tok, texts: Optional[Sequence[str]] = None, min_tokens: int = 0,
+                 text_seed: Union[int, str] = 0):
         if texts:
             self.ids = np.asarray(sum((encode(tok, t) for t in texts), []), dtype=np.int64)
             self.source = "user text"
         else:
             n_chars = 6 * max(min_tokens, 1024)
             while True:
-                self.ids = np.asarray(encode(tok, builtin_text(n_chars)), dtype=np.int64)
+                self.ids = np.asarray(encode(tok, builtin_text(n_chars, text_seed)), dtype=np.int64)
                 if len(self.ids) >= min_tokens:
                     break
                 n_chars *= 2
@@ -177,7 +187,8 @@ def _offsets(layout, F, T, n, rng):
     return facts, [u(f + gap, last_q) for f in facts]
 
 
-def kv_prompt(tok, filler: Filler, L: int, seed: int, layout: str = "together", fmt: str = "code") -> dict:
+def kv_prompt(tok, filler: Filler, L: int, seed: Union[int, str], layout: str = "together",
+              fmt: str = "code") -> dict:
     rng = random.Random(f"kv {seed} {L} {layout} {fmt}")
     T = tail(L)
     facts = _facts(tok, rng, fmt, max(2, min(48, (L - T) // 128)))
@@ -213,7 +224,7 @@ def _decode(tok, t):
     return tok.decode([int(t)])
 
 
-def copy_prompt(tok, filler: Filler, L: int, seed: int) -> dict:
+def copy_prompt(tok, filler: Filler, L: int, seed: Union[int, str]) -> dict:
     rng = random.Random(f"copy {seed} {L}")
     half = (L - tail(L)) // 2
     run: List[int] = []
@@ -225,7 +236,7 @@ def copy_prompt(tok, filler: Filler, L: int, seed: int) -> dict:
     return _prompt(ids, pos, "top1", (pos - half) // CLUSTER, "copy")
 
 
-def nll_prompt(tok, filler: Filler, L: int, seed: int) -> dict:
+def nll_prompt(tok, filler: Filler, L: int, seed: Union[int, str]) -> dict:
     rng = random.Random(f"nll {seed} {L}")
     end = L - tail(L)
     pos = np.arange(max(L // 4, end - NLL_MAX), end)
@@ -241,12 +252,15 @@ def variants(tasks: Sequence[str], layouts: Sequence[str], formats: Sequence[str
 
 
 def prompt_set(tok, filler: Filler, L: int, variant: tuple, seed: int, min_scored: int,
-               max_prompts: int = 64) -> List[dict]:
-    """Prompts of one variant (seeds seed * 1000 + j) until they score >= min_scored tokens."""
+               max_prompts: int = 64, split: str = "") -> List[dict]:
+    """Prompts of one variant (seeds seed * 1000 + j; with a split, '<split> <seed * 1000 + j>') until they score
+    >= min_scored tokens."""
     task, layout, fmt = variant
     out: List[dict] = []
     while len(out) < max_prompts and sum(len(p["pos"]) for p in out) < max(min_scored, 1):
         s = seed * 1000 + len(out)
+        if split:          # a string seed: no integer --seed (the calibration's, --check's) draws these prompts
+            s = f"{split} {s}"
         if task == "kv":
             out.append(kv_prompt(tok, filler, L, s, layout, fmt))
         elif task == "copy":
@@ -254,3 +268,29 @@ def prompt_set(tok, filler: Filler, L: int, variant: tuple, seed: int, min_score
         else:
             out.append(nll_prompt(tok, filler, L, s))
     return out
+
+
+def prompt_sets(tok, filler: Filler, lengths: Sequence[int], variants_: Sequence[tuple], seed: int, min_scored: int,
+                split: str = "") -> Tuple[Dict[int, Dict[str, List[dict]]], Dict[str, dict]]:
+    """({L: {variant name: prompts}}, {str(L): {variant name: {prompts, tokens}}}) of one split (prompt_set)."""
+    sets: Dict[int, Dict[str, List[dict]]] = {}
+    counts: Dict[str, dict] = {}
+    for L in lengths:
+        sets[L] = {}
+        for v in variants_:
+            ps = prompt_set(tok, filler, L, v, seed, min_scored, split=split)
+            sets[L][ps[0]["variant"]] = ps
+        counts[str(L)] = {v: dict(prompts=len(ps), tokens=int(sum(len(p["pos"]) for p in ps)))
+                          for v, ps in sets[L].items()}
+    return sets, counts
+
+
+def confirmation_sets(tok, texts: Sequence[str], lengths: Sequence[int], variants_: Sequence[tuple], seed: int,
+                      min_scored: int) -> Tuple[Dict[int, Dict[str, List[dict]]], Dict[str, dict], str]:
+    """prompt_sets of the confirmation split (the module docstring's Splits) and where their filler comes from: the
+    same lengths, variants and sizes as the calibration's (texts, --seed), other prompts."""
+    filler = Filler(tok, texts, min_tokens=2 * max(lengths), text_seed=CONFIRM_TEXT_SEED)
+    sets, counts = prompt_sets(tok, filler, lengths, variants_, seed, min_scored, split=CONFIRM)
+    source = ("the built-in text from another seed" if filler.source == "built-in text" else
+              "your text, other offsets")
+    return sets, counts, source
