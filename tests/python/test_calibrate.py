@@ -186,23 +186,25 @@ def test_a_choice_that_fails_confirmation_is_replaced_by_the_next_safer(model_di
     assert f"**{SAFER}** (uniform)" in md and f"{FIRST} fails (" in md and f"{SAFER}, safer, is confirmed" in md
 
 
-def test_nothing_confirmed_writes_the_default_and_says_why(model_dir, tmp_path, monkeypatch):
+def test_nothing_confirmed_runs_dense_and_says_why(model_dir, tmp_path, monkeypatch):
+    # every setting confirmed (the densest passing one last) fails on the other prompts: as when nothing passes at
+    # all, every layer runs dense (the default is no safer answer: it did not pass the confirmation either)
     _failing_on_confirmation(monkeypatch, {FIRST, SAFER})
     lines = []
     doc = main([model_dir, *TINY, "--out", str(tmp_path)], log=lines.append)
     c = doc["confirmation"]
     assert c["outcome"] == "none" and c["confirmed"] is None and [r["name"] for r in c["results"]] == [FIRST, SAFER]
-    assert doc["recommended"] == "default" and set(doc["plan"].values()) == {"default"} and not doc["no_pruning"]
+    assert doc["recommended"] is None and set(doc["plan"].values()) == {"dense"} and not doc["no_pruning"]
     written = json.load(open(tmp_path / "sparse_prefill.json"))
-    assert written == doc["config"] == {**BASE_SETTINGS, "validated_lengths": [1024]}     # no selection field
+    assert written == doc["config"]
     cfg = SparsePrefillConfig.load(config_file=str(tmp_path / "sparse_prefill.json"), environ={})
-    assert cfg.selection() == SparsePrefillConfig(**BASE_SETTINGS).selection()
+    assert cfg.dense_layers == 3  # the tiny model's every layer
     why = "no setting held on the confirmation prompts"
-    assert why in doc["note"] and FIRST in doc["note"] and SAFER in doc["note"]
+    assert why in doc["note"] and FIRST in doc["note"] and SAFER in doc["note"] and "every layer dense" in doc["note"]
     text = "\n".join(lines)
-    assert why in text and "recommended: the library's default selection" in text
+    assert why in text and "runs every layer dense" in text
     md = (tmp_path / "report.md").read_text()
-    assert f"**The library's default selection**: {why}" in md and "## Confirmation" in md
+    assert f"**Every layer dense**: {why}" in md and "## Confirmation" in md
 
 
 def test_confirmation_prompts_are_disjoint_from_calibration_and_check():

@@ -30,8 +30,9 @@ else the log and the report say why it is missing). The choice is safe:
     seeds and, without --text, another built-in text: disjoint from the calibration's prompts and from any
     `--check --seed N`'s), under the same tolerance. When it fails there, the next safer passing setting (denser) is
     measured instead, until one passes both sets; at most --max-confirm settings (default 3, the last the densest
-    passing one; each costs one measurement, plus dense attention's on those prompts once). When none holds, the file
-    holds the library's default selection (over --base) and the log and the report say why. Both sets' numbers are
+    passing one; each costs one measurement, plus dense attention's on those prompts once). When none holds (the
+    densest passing setting included), the file runs every layer dense, as when nothing passes, and the log and the
+    report say why. Both sets' numbers are
     in the log, report.md and calibration.json (`confirmation`);
   - the file records `validated_lengths` (--lengths); the adapters warn once when a sparse call's prompt is more than
     2x the longest (integrations.core.LONG_PROMPT_FACTOR).

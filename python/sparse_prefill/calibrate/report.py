@@ -135,11 +135,13 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
     else:
         out += ["## Recommendation", ""]
         conf = doc.get("confirmation") or {}
-        if doc.get("no_pruning") or conf.get("outcome") == "none":
+        if doc.get("no_pruning"):
             out += [f"**The library's default selection**: {doc['note']}.", ""]
             if rec is not None:
                 out.append(f"As measured here (default): worst top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL "
                            f"{_fmt(rec['worst_nll'], '%')}.")
+        elif conf.get("outcome") == "none":
+            out += [f"**Every layer dense**: {doc['note']}.", ""]
         elif rec is None:
             out.append("No setting stayed within the tolerance: the written file runs every layer dense.")
         else:
