@@ -13,13 +13,7 @@
 
 #include <cstdint>
 
-#ifndef SP_HOST_DEVICE  // the same definition as cuda/attention/block_schedule.h's
-#if defined(__CUDACC__)
-#define SP_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define SP_HOST_DEVICE inline
-#endif
-#endif
+#include "core/host_device.h"
 
 namespace sparse_prefill::geometry {
 

@@ -10,12 +10,7 @@
 #include <cstdint>
 
 #include "core/geometry.h"
-
-#if defined(__CUDACC__)
-#define SP_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define SP_HOST_DEVICE inline
-#endif
+#include "core/host_device.h"
 
 namespace sparse_prefill::cuda {
 
