@@ -35,6 +35,17 @@ size_t max_dynamic_smem_optin(Kernel kernel) {
   return device_info().max_smem_per_block_optin - static_smem_bytes(kernel);
 }
 
+// Opts `kernel` in to max_dynamic_smem_optin(kernel) bytes of dynamic shared memory and all of the unified L1 as
+// shared memory (the default carve-out may leave room for one ~100 KB CTA per SM where two fit); returns the bytes.
+// Attributes are not stream operations: call once per kernel and keep the value (a function-local static).
+template <class Kernel>
+size_t opt_in_all_shared_memory(Kernel kernel, const char* name) {
+  const size_t bytes = max_dynamic_smem_optin(kernel);
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), name);
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), name);
+  return bytes;
+}
+
 // The most dynamic shared memory `kernel` can launch with without opting in.
 template <class Kernel>
 size_t max_dynamic_smem_default(Kernel kernel) {

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(D) key_moment_kernel(SeqArgs seq, KVArgs kv, i
   for (int r = 0; r < kMomentBand; ++r) c[(d0 + r) * D + e] = acc[r];
 }
 
-// ---- 2. the basis: subspace iteration --------------------------------------------------------------------------------
+// ---- 2. the basis: subspace iteration -------------------------------------------------------------------------------
 // One CTA per (sequence, KV head): C in shared memory, X <- MGS(C X) kKeyBasisIters times from X0 = hash_unit; the
 // Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
 template <int D, int R>
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int num_kv_hea
   for (int i = threadIdx.x; i < D * R; i += kBasisThreads) p[i] = X[i];
 }
 
-// ---- 3. the projected residuals K' = P^T (k - k_mean) ----------------------------------------------------------------
+// ---- 3. the projected residuals K' = P^T (k - k_mean) ---------------------------------------------------------------
 // grid (pooled row idx, Hkv): one block's keys; thread (key, half) computes R / 2 outputs. Rows past the sequence's
 // keys (the tail block's) are zero. K' layout: [Hkv][key_rows][R], key row cu_blocks[b] * B + j.
 template <typename T, int D, int R>
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kProjectThreads) key_project_kernel(SeqArgs se
   }
 }
 
-// ---- 4. the scorer ----------------------------------------------------------------------------------------------------
+// ---- 4. the scorer --------------------------------------------------------------------------------------------------
 template <typename T, int D, int R>
 struct KeyMaxConfig {
   // the pooled GEMM's operands: q's dtype (bf16 for FP8 inputs, dequantised on the way in); the residual GEMM in fp16
@@ -219,7 +219,8 @@ struct KeyMaxConfig {
                                  cute::Shape<cute::Int<kTileRows>, cute::Int<kPooledN>, cute::Int<D>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using ResidMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Half, Half, Half, cute::Shape<cute::Int<kTileRows>, cute::Int<kUnitKeys>, cute::Int<R>>>(),
+      cute::GMMA::ss_op_selector<Half, Half, Half,
+                                 cute::Shape<cute::Int<kTileRows>, cute::Int<kUnitKeys>, cute::Int<R>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   template <class E, int kRows, int kCols>
   using Atom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, E, cute::Int<kRows>,
@@ -392,7 +393,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   __syncthreads();  // both warpgroups past the last bound GEMM before the stages are reloaded
 
   // K' stage s: units [8 s, 8 s + 8) of the sequence (keys [512 s, 512 s + 512)), clamped to its key rows.
-  const Half* proj_src = reinterpret_cast<const Half*>(proj) + (int64_t(kvh_mem) * key_rows + int64_t(cu_blocks[b]) * B) * R;
+  const Half* proj_src =
+      reinterpret_cast<const Half*>(proj) + (int64_t(kvh_mem) * key_rows + int64_t(cu_blocks[b]) * B) * R;
   const int64_t seq_rows = nb * B;
   auto load_stage = [&](int s, int buf) {
     constexpr int kVec = R / 8;  // 16-byte chunks per key row
@@ -501,16 +503,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
 
 template <typename T, int D, int R>
 size_t key_max_smem_limit() {
-  static const size_t limit = [] {
-    auto kernel = key_max_kernel<T, D, R>;
-    const size_t bytes = max_dynamic_smem_optin(kernel);
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-               "cudaFuncSetAttribute(key_max_kernel)");
-    // all of the unified L1 as shared memory: two ~95 KB CTAs per SM at rank 16 (one's wgmma under the other's maxima)
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-               "cudaFuncSetAttribute(key_max_kernel)");
-    return bytes;
-  }();
+  // two ~100 KB CTAs per SM at rank 16: one's wgmma under the other's maxima
+  static const size_t limit = opt_in_all_shared_memory(key_max_kernel<T, D, R>, "cudaFuncSetAttribute(key_max_kernel)");
   return limit;
 }
 

@@ -417,15 +417,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
 // stream operations, so there is no per-call host cost.
 template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 size_t score_smem_limit() {
-  static const size_t limit = [] {
-    auto kernel = score_select_kernel<T, D, kRowMax, kBitsOnly>;
-    const size_t bytes = max_dynamic_smem_optin(kernel);
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-               "cudaFuncSetAttribute(score_select_kernel)");
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-               "cudaFuncSetAttribute(score_select_kernel)");
-    return bytes;
-  }();
+  static const size_t limit = opt_in_all_shared_memory(score_select_kernel<T, D, kRowMax, kBitsOnly>,
+                                                        "cudaFuncSetAttribute(score_select_kernel)");
   return limit;
 }
 
