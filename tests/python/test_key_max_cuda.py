@@ -128,3 +128,24 @@ def test_key_max_chunked_paged_union_on_gpu():
         out = sp.chunked_prefill(q, kc, vc, cu_q, bt_, used, mq, mk, final_chunk=c1 == L, alpha=0.1, rule="key_max")
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("alpha", [0.03, 0.3])
+def test_key_max_topic_prunes_as_the_reference(alpha):
+    """The topic workload at 6K (fresh seed): most blocks sit far below each row's threshold, so the scorer rules most
+    of them out by their bound (pooled score + |Q'| radius) without scoring their keys. Pruning by the bound must keep
+    exactly what scoring every key keeps: the GPU's selection equals the CPU reference's (which scores every key) up
+    to near-threshold flips, at a density well below one."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    q, k, v = sp.workload.topic(6144 + 77, num_q_heads=8, num_kv_heads=2, seed=seed)
+    L = q.shape[0]
+    cpu = [torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v)]
+    cu = torch.tensor([0, L], dtype=torch.int32)
+    gpu = [a.cuda() for a in cpu] + [cu.cuda(), cu.cuda()]
+    kw = dict(alpha=alpha, rule="key_max", dense_fraction=1.0)
+    ref = sp.build_index(*cpu, cu, cu, L, L, **kw)
+    got = sp.build_index(*gpu, L, L, **kw).to_host()
+    assert ref.density < 0.5
+    assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
+    assert _segments_differ(ref, got, 1, 8) <= _flips_bound(ref)
+    assert abs(got.density - ref.density) <= 0.005

@@ -22,6 +22,7 @@
 // host); device_args.cuh holds the device structs they share.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -69,12 +70,14 @@ struct DeviceIndex {
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   int probe_splits = 0;             // key splits of each probe CTA (probe_splits(), layout.h)
   float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
-  // SelectionRule::kKeyMax (key_max.cu): the residuals' second moment [batch][Hkv][D][D] and basis [batch][Hkv][D][r]
-  // (float32), the projected residuals K' [Hkv][key_rows][r] (fp16; key row cu_blocks[b] * block_size + j); its keep
-  // bits go to probe_bits.
+  // SelectionRule::kKeyMax (key_max.cu): the residuals' second moment in key_moment_splits() partial sums
+  // [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K' [Hkv][key_rows][r]
+  // (fp16; key row cu_blocks[b] * block_size + j) and each block's radius max_j |K'_j| [Hkv][key_rows / block_size];
+  // its keep bits go to probe_bits.
   float* key_moment = nullptr;
   float* key_basis = nullptr;
   void* key_proj = nullptr;
+  float* key_radius = nullptr;
   int64_t key_rows = 0;
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
@@ -82,6 +85,14 @@ struct DeviceIndex {
   // launches that share it must be ordered on one stream.
   SparseLaunchWorkspace launch;
 };
+
+// key_max.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial sum:
+// about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle, 3.9 ms
+// on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
+inline int key_moment_splits(int batch, int num_kv_heads) {
+  const int heads = std::max(1, batch * num_kv_heads);
+  return std::max(1, std::min(16, 256 / heads));
+}
 
 // index_workspace_bytes and build_index_to_host, which the API layer calls, are declared in cuda/cuda_backend.h.
 
