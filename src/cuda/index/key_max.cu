@@ -287,9 +287,12 @@ struct KeyMaxConfig {
   };
   static_assert(sizeof(float) * D * R <= sizeof(cute::array_aligned<Half, cute::cosize_v<SmemLayoutKp>, 1024>),
                 "P fits the K' stages");
-  // after Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates as uint16
-  static size_t smem_bytes(int64_t nb_max) {
-    return sizeof(Smem) + 2 * size_t((nb_max + 31) / 32) * sizeof(uint32_t) + size_t(nb_max) * sizeof(uint16_t);
+  // after Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates and their
+  // units (key rows / 64 of the sequence) as uint16
+  static size_t smem_bytes(int64_t nb_max, int block_size) {
+    const size_t words = size_t((nb_max + 31) / 32);
+    return sizeof(Smem) + 2 * words * sizeof(uint32_t) +
+           (words * 32 + size_t(nb_max) * (block_size / kUnitKeys)) * sizeof(uint16_t);
   }
 };
 
@@ -326,6 +329,7 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem_raw + sizeof(typename Cfg::Smem));
   uint32_t* cand_bits = bits + words_out;
   uint16_t* cand = reinterpret_cast<uint16_t*>(cand_bits + words_out);
+  uint16_t* cand_units = cand + (words_out * 32);  // after room for nb_max candidates (words_out * 32 >= nb_max)
 
   const SelectTile st = select_tile(seq, cu_tiles);
   if (st.b < 0) return;
@@ -369,10 +373,22 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     constexpr int kCols = R / 2;  // two threads per packed row
     const int r = threadIdx.x / 2, c0 = (threadIdx.x % 2) * kCols;
     float acc[kCols] = {};
-    for (int d = 0; d < D; ++d) {
-      const float qd = float(sQ(r, d));
+    for (int d0 = 0; d0 < D; d0 += 8) {  // 8 elements of q (16 bytes, contiguous in the swizzle), P's rows as float4
+      const uint4 q8 = *reinterpret_cast<const uint4*>(&sQ(r, d0));
+      const Element* qe = reinterpret_cast<const Element*>(&q8);
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] = fmaf(qd, sm.u.p[d * R + c0 + c], acc[c]);
+      for (int dd = 0; dd < 8; ++dd) {
+        const float qd = float(qe[dd]);
+        const float4* prow = reinterpret_cast<const float4*>(&sm.u.p[(d0 + dd) * R + c0]);
+#pragma unroll
+        for (int c4 = 0; c4 < kCols / 4; ++c4) {
+          const float4 p4 = prow[c4];
+          acc[4 * c4] = fmaf(qd, p4.x, acc[4 * c4]);
+          acc[4 * c4 + 1] = fmaf(qd, p4.y, acc[4 * c4 + 1]);
+          acc[4 * c4 + 2] = fmaf(qd, p4.z, acc[4 * c4 + 2]);
+          acc[4 * c4 + 3] = fmaf(qd, p4.w, acc[4 * c4 + 3]);
+        }
+      }
     }
     float n2 = 0.f;
 #pragma unroll
@@ -402,13 +418,17 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
 
   // This thread's two packed rows (the accumulators' rows 0 and 8 of its quad; the same in both GEMMs): the last key
   // each sees (-1: none), the last block, |Q'| times the bound's margin.
-  int row_of[2], hi_row[2], last_block[2];
+  // Value v of either accumulator is in row (v / 2) % 2 of these (the GMMA C layout: v % 2 next column, (v / 2) % 2
+  // row + 8, v / 4 column + 8).
+  int row_of[2], hi_row[2], last_block[2], whole_last[2];
   float qn[2];
   for (int i = 0; i < 2; ++i) {
     row_of[i] = get<0>(cR(2 * i));  // value 2i: register i, row i of the thread (PTX fp16 accumulator layout)
     const int64_t hi = row_of[i] < rows ? min(k_len - 1, (t * kTileRows + row_of[i]) / group_size + off) : -1;
     hi_row[i] = int(hi);
     last_block[i] = hi >= 0 ? int(hi / B) : -1;
+    // the last block the row sees whole: every block when it sees the last key, else those ending at or before hi
+    whole_last[i] = hi < 0 ? -1 : hi == k_len - 1 ? int(nb - 1) : int((hi + 1) / B - 1);
     qn[i] = sm.qnorm[row_of[i]] * kBoundMargin;
   }
   const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile
@@ -460,13 +480,11 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
       uint32_t mask = 0;
       CUTE_UNROLL
       for (int v = 0; v < size(tPrS); ++v) {
-        const int r = get<0>(cP(v)), col = get<1>(cP(v)), J = c * kPooledN + col;
-        const int i = r == row_of[0] ? 0 : 1;
+        const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
         const float s = tPrS(v) * sel.scale_log2;
         if (pass == 0) {
-          const int64_t last_key = min(int64_t(J + 1) * B, k_len) - 1;
-          if (J < nb && last_key <= hi_row[i]) m_row[i] = fmaxf(m_row[i], s);
-        } else if (J <= last_block[i] && !(s + qn[i] * sm.radius[c & 1][col] < m_row[i] + log2_alpha)) {
+          if (J <= whole_last[i]) m_row[i] = fmaxf(m_row[i], s);
+        } else if (J <= last_block[i] && !(fmaf(qn[i], sm.radius[c & 1][col], s) < m_row[i] + log2_alpha)) {
           mask |= 1u << col;
         }
       }
@@ -508,12 +526,17 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   }
   __syncthreads();
   const int ncand = sm.candidates;
-
-  // Pass 3, the residual maxima of the candidates, unit by unit (64 keys): unit n is unit upb - 1 - n % upb of
-  // candidate n / upb (keys descending within a block). Stages of 8 units; a pooled chunk (32 candidates = 32 * upb
-  // units) starts at a stage boundary, so its scores are set at the top of the stage that first needs them.
+  // unit n of the scoring order: unit upb - 1 - n % upb of candidate n / upb (keys descending within a block), as
+  // its key row / 64 in the sequence (the K' loads' addresses without a division each)
   const int upb = B / kUnitKeys;
   const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
+  for (int n = threadIdx.x; n < units; n += kKeyMaxThreads)
+    cand_units[n] = uint16_t(int(cand[n / upb]) * upb + upb - 1 - n % upb);
+  __syncthreads();
+
+  // Pass 3, the residual maxima of the candidates, unit by unit (64 keys) in cand_units' order. Stages of 8 units; a
+  // pooled chunk (32 candidates = 32 * upb units) starts at a stage boundary, so its scores are set at the top of the
+  // stage that first needs them.
   const Half* proj_src =
       reinterpret_cast<const Half*>(proj) + (int64_t(kvh_mem) * key_rows + int64_t(cu_blocks[b]) * B) * R;
   auto load_stage = [&](int s, int buf) {
@@ -521,7 +544,7 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     for (int i = threadIdx.x; i < kStageUnits * kUnitKeys * kVec; i += kKeyMaxThreads) {
       const int key = i / kVec, v = i % kVec, n = s * kStageUnits + key / kUnitKeys;
       if (n >= units) break;  // i grows with n
-      const int64_t j = int64_t(cand[n / upb]) * B + (upb - 1 - n % upb) * kUnitKeys + key % kUnitKeys;
+      const int j = int(cand_units[n]) * kUnitKeys + key % kUnitKeys;
       const int slot = buf * kStageUnits + key / kUnitKeys;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(sKp(key % kUnitKeys, v * 8, slot))),
                    "l"(proj_src + j * R + v * 8));
@@ -669,11 +692,11 @@ void launch_all(cudaStream_t stream, const Bounds& bd, const VirtualHeads& heads
         seq, kv, B, num_kv_heads, d.cu_blocks, d.k_mean, d.key_basis, static_cast<__half*>(d.key_proj),
         d.key_radius, d.key_rows);
   }
-  if (bd.nb_max > 65535) {  // the scorer's candidate list holds block indices as uint16
-    throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
-                              " blocks per sequence exceed the scorer's 65535 (max_seqlen_k too long)");
+  if (bd.nb_max * (B / kUnitKeys) > 65535) {  // the scorer's lists hold block and unit indices as uint16
+    throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max * B) +
+                              " keys per sequence exceed the scorer's 65535 units of 64 (max_seqlen_k too long)");
   }
-  const size_t dyn = KeyMaxConfig<T, D, R>::smem_bytes(bd.nb_max);
+  const size_t dyn = KeyMaxConfig<T, D, R>::smem_bytes(bd.nb_max, B);
   if (dyn > key_max_smem_limit<T, D, R>()) {
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
