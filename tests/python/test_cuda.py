@@ -806,7 +806,7 @@ def test_probe_key_splits_match_cpu(rule, alpha):
         ref = sp.build_index(*cpu, mq, mk, **sel)
         got = sp.build_index(*gpu, mq, mk, **sel).to_host()
         assert got.visible_blocks == ref.visible_blocks and 0 < ref.density < 1, subgroups
-        # near-threshold flips (float32 scores against the reference's double), as test_row_max_index_on_gpu_matches_cpu:
+        # near-threshold flips (float32 scores against the reference's double), as test_key_max_cuda's _flips_bound:
         # max(2, kept / 200) failed once with fresh inputs (3 flips, head_subgroups 4, H100, 2026-12-06)
         assert _segments_differ(ref, got, 2, 2 * subgroups) <= max(4, ref.kept_blocks // 100), subgroups
         assert abs(got.density - ref.density) <= 0.01, subgroups
