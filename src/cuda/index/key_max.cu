@@ -2,17 +2,20 @@
 // low-rank projection of each key's deviation from its block mean, on tensor cores. Four kernels on the stage's
 // stream, after the pooling, no host synchronisation:
 //   key_moment_kernel   C = sum x x^T over the residuals x = k - k_mean of the sampled blocks (core/key_basis.h), per
-//                       (sequence, KV head), in float32, each CTA a band of 8 rows of C (a fixed summation order: the
-//                       same basis on every run);
+//                       (sequence, KV head), in float32, in slices of the sampled keys (a CTA and a partial sum each,
+//                       added in order by the basis kernel: the same basis on every run);
 //   key_basis_kernel    P = kKeyBasisIters steps of subspace iteration from the hash start, one CTA per (sequence,
 //                       KV head);
-//   key_project_kernel  K' = P^T x for every key in fp16 (the residual GEMM's B operand), zero past the keys;
-//   key_max_kernel      per (tile, virtual KV head): the bound b_r over the blocks each row sees whole, then one pass
-//                       from the diagonal down to block 0: the pooled score (bf16 / fp16 wgmma, float accumulators)
-//                       plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row, key) pairs per
-//                       packed max, half the ALU work of float maxima), the running row maximum and the per-row
-//                       test; the tile's keep bits go to d.probe_bits, which score_select's bits-only kernel merges
-//                       with the always-kept rules into the CSR (as the probe rules' bits).
+//   key_project_kernel  K' = P^T x for every key in fp16 (the residual GEMM's B operand), zero past the keys, and
+//                       each block's radius max |K'_j| (the scorer's bound);
+//   key_max_kernel      per (tile, virtual KV head): the bound b_r over the blocks each row sees whole, the tile's
+//                       candidates (blocks whose pooled score + |Q'| radius some row cannot rule out), then one pass
+//                       over the candidates from the diagonal down: the pooled score (bf16 / fp16 wgmma, float
+//                       accumulators) plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row,
+//                       key) pairs per packed max), where a warpgroup's vote against its running maxima asks for it,
+//                       the running row maximum and the per-row test; the tile's keep bits go to d.probe_bits, which
+//                       score_select's bits-only kernel merges with the always-kept rules into the CSR (as the probe
+//                       rules' bits). The blocks it does not score could not pass: the selection is the spec's.
 // Scores are in log2 units: Q' carries softmax_scale * log2(e), the pooled scores are scaled on their way to shared
 // memory, so the test is sh - m >= log2(alpha).
 #include <cmath>

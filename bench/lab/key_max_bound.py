@@ -1,0 +1,72 @@
+"""How much of the key_max scorer's work its bound leaves (docs/design/selection.md, "The per-key estimator"),
+emulated in float32 torch on the CPU on the topic workload: per query head, the fraction of visible (row group,
+block) pairs that are candidates against the starting bound b_r (what the scorer loads; CTA = 128 rows), against a
+running bound over the pooled passes' chunks from the diagonal down (a single pooled pass), against the running
+row maximum (what a warpgroup of 64 rows scores), and kept.
+A block is a candidate for row r iff pooled_rJ + |Q'_r| radius_J >= m_r + log2(alpha), radius_J = max_j |K'_j|.
+Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads]     (default 16384 0.03 0; ~1 min at 16K)"""
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common, accuracy
+from _common import topic  # noqa: E402
+from accuracy import emulate  # noqa: E402
+
+B, RANK, HQ, HKV = 128, 16, 8, 2
+
+
+def main():
+    L = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+    alpha = float(sys.argv[2]) if len(sys.argv) > 2 else 0.03
+    heads = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
+    q, k, _ = topic(L, hq=HQ, hkv=HKV, dev="cpu", dtype=torch.bfloat16)
+    q, k = q.float(), k.float()
+    scale = math.log2(math.e) / math.sqrt(q.shape[-1])
+    nb, la, inf = (L + B - 1) // B, math.log2(alpha), torch.tensor(-float("inf"))
+    P = emulate.key_basis(k, RANK, B).float()   # [Hkv, D, r]: the library's basis
+    kbar = emulate.library_means(k, B).float()  # [nb, Hkv, D]
+    pos = torch.arange(L)
+    last = pos // B
+    vis = torch.arange(nb)[None, :] <= last[:, None]
+    whole = (torch.arange(nb)[None, :] + 1) * B - 1 <= pos[:, None]
+    for hq in heads:
+        h = hq // (HQ // HKV)
+        km = kbar[:, h]
+        kp = (k[:, h] - km.repeat_interleave(B, 0)[:L]) @ P[h]   # K' [L, r]
+        qp = (q[:, hq] @ P[h]) * scale                            # Q' [L, r], log2 units
+        pooled = (q[:, hq] @ km.T) * scale                        # [L, nb]
+        bound = pooled + qp.norm(dim=1)[:, None] * kp.norm(dim=1).reshape(nb, B).amax(1)[None, :]
+        res = torch.full((L, nb), -float("inf"))
+        for J in range(nb):                                       # exact residual maxima over the visible keys
+            s = qp @ kp[J * B:(J + 1) * B].T
+            res[:, J] = torch.where(torch.arange(J * B, J * B + B)[None, :] <= pos[:, None], s, inf).amax(1)
+        m0 = torch.where(whole, pooled, inf).amax(1)
+        static = vis & (bound >= (m0 + la)[:, None])
+        single = torch.zeros(L, nb, dtype=torch.bool)
+        run = torch.full((L,), -float("inf"))
+        for c in range((nb + 31) // 32 - 1, -1, -1):
+            Js = slice(32 * c, min(nb, 32 * c + 32))
+            run = torch.maximum(run, torch.where(whole[:, Js], pooled[:, Js], inf).amax(1))
+            single[:, Js] = vis[:, Js] & (bound[:, Js] >= (run + la)[:, None])
+        m = m0.clone()
+        scored = torch.zeros(L, nb, dtype=torch.bool)
+        kept = torch.zeros(L, nb, dtype=torch.bool)
+        for J in range(nb - 1, -1, -1):                           # one pass from the diagonal down
+            c = (last >= J) & (bound[:, J] >= m + la)
+            sh = pooled[:, J] + res[:, J]
+            m = torch.where(c, torch.maximum(m, sh), m)
+            scored[:, J] = c
+            kept[:, J] = c & (sh >= m + la)
+
+        def frac(x, g):
+            return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
+        print(f"L {L} alpha {alpha} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
+              f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
+              f"kept (CTA) {frac(kept, 128):.3f}")
+
+
+if __name__ == "__main__":
+    main()
