@@ -134,8 +134,8 @@ def _selection_of(key: tuple) -> Any:
          dense_fraction, key_rank) = key
         name = _api._RULE_NAMES.get(rule)
         if name is None:
-            raise ValueError(f"rule: must be 0 ('tile_energy'), 1 ('row_max'), 2 ('probe_row_max'), 3 "
-                             f"('probe_row_mass') or 4 ('key_max'), got {rule}")
+            known = ", ".join(f"{i} ({n!r})" for i, n in sorted(_api._RULE_NAMES.items()))
+            raise ValueError(f"rule: must be one of {known}, got {rule}")
         sel = _api.Selection(alpha=alpha, block_size=block_size, sink=sink, window=window, last_n=last_n,
                              correction=correction, final_chunk=final_chunk, union=union,
                              head_subgroups=head_subgroups, rule=name, mean_alpha=mean_alpha,

@@ -52,7 +52,9 @@ def test_file_round_trip_and_no_environment_variable(tmp_path):
 
 @pytest.mark.parametrize("layers,err", [
     ({"0": {"alpha": "lots"}}, "layers.0.alpha: expected float"),
-    ({"1": {"alpha": -0.1}}, "layers.1.alpha: must be a finite number >= 0"),
+    ({"1": {"alpha": -0.1}}, r"layers.1.alpha: must lie in \[0, 1\]"),
+    ({"1": {"alpha": 1.5}}, r"layers.1.alpha: must lie in \[0, 1\]"),     # the library refuses it at the first call
+    ({"3": {"mean_alpha": 2}}, r"layers.3.mean_alpha: must lie in \[0, 1\]"),
     ({"1": {"dense_fraction": 1.5}}, r"layers.1.dense_fraction: must be in \(0, 1\]"),
     ({"4": {"rule": "best"}}, "layers.4.rule: must be one of"),
     ({"4": {"head_subgroups": -1}}, "layers.4.head_subgroups: must be an integer >= 0"),
@@ -73,7 +75,8 @@ def test_bad_layers_name_the_entry(tmp_path, layers, err):
         SparsePrefillConfig.load(config_file=str(path), environ={})
 
 
-@pytest.mark.parametrize("field,value,err", [("alpha", -1.0, "alpha: must be a finite number"),
+@pytest.mark.parametrize("field,value,err", [("alpha", -1.0, r"alpha: must lie in \[0, 1\]"),
+                                             ("alpha", 1.5, r"alpha: must lie in \[0, 1\]"),
                                              ("dense_fraction", 0.0, "dense_fraction: must be in"),
                                              ("block_size", 96, "block_size: must be a positive multiple of 64"),
                                              ("rule", "rowmax", "rule: must be one of")])

@@ -241,8 +241,8 @@ def _coerce(name: str, value: Any, field: str) -> Any:
 
 def _check_selection_value(name: str, field: str, value: Any) -> None:
     """The ranges of the selection settings that the library would otherwise refuse only at the first sparse call."""
-    if field in ("alpha", "mean_alpha") and not (isinstance(value, (int, float)) and 0.0 <= value < float("inf")):
-        raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+    if field in ("alpha", "mean_alpha") and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name}: must lie in [0, 1] (as the library checks it), got {value!r}")
     if field == "dense_fraction" and not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
         raise ValueError(f"{name}: must be in (0, 1] (1 turns the dense rule off), got {value!r}")
     if field in ("sink", "window", "last_n", "head_subgroups") and not (isinstance(value, int) and value >= 0):
