@@ -4,7 +4,9 @@ block) pairs that are candidates against the starting bound b_r (what the scorer
 running bound over the pooled passes' chunks from the diagonal down (a single pooled pass), against the running
 row maximum (what a warpgroup of 64 rows scores), and kept.
 A block is a candidate for row r iff pooled_rJ + |Q'_r| radius_J >= m_r + log2(alpha), radius_J = max_j |K'_j|.
-Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads]     (default 16384 0.03 0; ~1 min at 16K)"""
+A tighter bound, for comparison (--split c): the first c coordinates of Q' against each block's per-coordinate key
+range (a box), the rest against the radius of the keys' other coordinates.
+Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c]     (default 16384 0.03 0; seconds at 16K)"""
 import math
 import os
 import sys
@@ -19,9 +21,15 @@ B, RANK, HQ, HKV = 128, 16, 8, 2
 
 
 def main():
-    L = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
-    alpha = float(sys.argv[2]) if len(sys.argv) > 2 else 0.03
-    heads = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0]
+    argv = sys.argv[1:]
+    split = 0
+    if "--split" in argv:
+        i = argv.index("--split")
+        split = int(argv[i + 1])
+        del argv[i:i + 2]
+    L = int(argv[0]) if len(argv) > 0 else 16384
+    alpha = float(argv[1]) if len(argv) > 1 else 0.03
+    heads = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [0]
     q, k, _ = topic(L, hq=HQ, hkv=HKV, dev="cpu", dtype=torch.bfloat16)
     q, k = q.float(), k.float()
     scale = math.log2(math.e) / math.sqrt(q.shape[-1])
@@ -38,7 +46,11 @@ def main():
         kp = (k[:, h] - km.repeat_interleave(B, 0)[:L]) @ P[h]   # K' [L, r]
         qp = (q[:, hq] @ P[h]) * scale                            # Q' [L, r], log2 units
         pooled = (q[:, hq] @ km.T) * scale                        # [L, nb]
-        bound = pooled + qp.norm(dim=1)[:, None] * kp.norm(dim=1).reshape(nb, B).amax(1)[None, :]
+        kb = kp.reshape(nb, B, -1)
+        bound = pooled + qp[:, split:].norm(dim=1)[:, None] * kb[:, :, split:].norm(dim=2).amax(1)[None, :]
+        for c in range(split):  # the box on the first coordinates: q_c * (the block's max or min of k_c)
+            bound = bound + torch.maximum(qp[:, c:c + 1] * kb[:, :, c].amax(1)[None, :],
+                                          qp[:, c:c + 1] * kb[:, :, c].amin(1)[None, :])
         res = torch.full((L, nb), -float("inf"))
         for J in range(nb):                                       # exact residual maxima over the visible keys
             s = qp @ kp[J * B:(J + 1) * B].T
@@ -63,7 +75,7 @@ def main():
 
         def frac(x, g):
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
-        print(f"L {L} alpha {alpha} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
+        print(f"L {L} alpha {alpha} split {split} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}")
 
