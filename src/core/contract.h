@@ -33,7 +33,6 @@ void check_binding(const IndexBinding& b, const AttentionInputs& in, const Probl
 // (core/geometry.h).
 inline int64_t num_tiles(int64_t q_len, int group_size) { return geometry::num_tiles(q_len, group_size); }
 inline int64_t num_blocks(int64_t k_len, int block_size) { return geometry::num_blocks(k_len, block_size); }
-static_assert(geometry::kTileRows == kTileRows, "one tile height (sparse.h, core/geometry.h)");
 
 // An array not given (a default TensorView: BlockIndexView::v_mean of an index without the correction).
 inline bool is_absent(const TensorView& t) { return t.data == nullptr && t.ndim == 0; }

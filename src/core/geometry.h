@@ -14,10 +14,11 @@
 #include <cstdint>
 
 #include "core/host_device.h"
+#include "sparse_prefill/sparse.h"  // kTileRows, the public API's tile height: defined there once
 
 namespace sparse_prefill::geometry {
 
-constexpr int kTileRows = 128;  // packed query rows per PackGQA / selection tile (sparse.h's kTileRows)
+constexpr int kTileRows = ::sparse_prefill::kTileRows;  // packed query rows per PackGQA / selection tile
 
 // --- tiles and blocks ---------------------------------------------------------------------------------------------
 // Tiles of a sequence with q_len queries and group size g (packed rows q_len * g).

@@ -142,7 +142,7 @@ struct DenseBlockIterator {
 // and no out-of-bounds load (their rows resolve past the end of K/V, which TMA zero-fills).
 template <int kBlockN>
 struct SparseBlockIterator {
-  static constexpr int kTileRows = 128;  // rows of a PackGQA tile (FwdConfig::kBlockM)
+  static constexpr int kTileRows = geometry::kTileRows;  // rows of a PackGQA tile (FwdConfig::kBlockM)
   const int32_t* ids = nullptr;  // the segment's list; null: the full list 0, 1, ..., n_listed - 1 (dense over
                                  // PackGQA tiles, see full_list_blocks)
   int n_listed = 0;

@@ -29,6 +29,8 @@
 #include <cutlass/pipeline/pipeline.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "core/geometry.h"
+
 namespace sparse_prefill::cuda {
 
 template <int kHeadDim_>
@@ -48,7 +50,7 @@ struct FwdConfigFp8 {
   static constexpr int kMaxOffset = 8;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 128, "the FP8 kernel is built for head dim 128");
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = geometry::kTileRows;  // a CTA's query rows: one PackGQA / selection tile
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 3;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;

@@ -39,6 +39,7 @@ constexpr int kBasisThreads = 256;
 constexpr int kProjectThreads = 256;
 constexpr int kProjectKeys = 32;    // keys per shared-memory tile of the projection CTA (block_size % 64 == 0)
 constexpr int kKeyMaxThreads = 256;  // 2 warpgroups x 64 packed rows
+static_assert(kTileRows == 2 * 64, "the scorer's tile is two warpgroups' m64 GEMM rows");
 constexpr int kUnitKeys = 64;        // keys per residual wgmma (N): any block_size % 64 == 0 is whole units
 constexpr int kStageUnits = 8;       // units per K' stage (512 keys), double-buffered
 constexpr int kPooledN = 32;         // pooled blocks per pooled wgmma (N)
