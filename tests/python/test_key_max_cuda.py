@@ -149,3 +149,17 @@ def test_key_max_topic_prunes_as_the_reference(alpha):
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     assert _segments_differ(ref, got, 1, 8) <= _flips_bound(ref)
     assert abs(got.density - ref.density) <= 0.005
+
+
+def test_key_max_fp8_matches_cpu():
+    """FP8 e4m3 q/k/v with per-(sequence, KV head) descales (varlen, a chunk with Lq < Lk, Lk not a multiple of 128):
+    the CUDA index stage's moment, basis, projection and radii read keys in real units (e4m3 times the descale), as
+    the CPU reference does; the selections agree up to near-threshold flips (FP8's bound, test_fp8_sparse)."""
+    from test_fp8_sparse import _check_selection, _fp8_case
+    rng = np.random.default_rng()
+    cpu, gpu, kw_cpu, kw_gpu, mq, mk = _fp8_case(rng, [700, 1500], [3000, 1500], 8, 2)
+    sel = dict(alpha=0.1, rule="key_max", dense_fraction=1.0)
+    ref = sp.build_index(*cpu, mq, mk, **kw_cpu, **sel)
+    got = sp.build_index(*gpu, mq, mk, **kw_gpu, **sel).to_host()
+    assert ref.density < 1.0
+    _check_selection(ref, got, 2, 8)
