@@ -60,12 +60,12 @@ __device__ __forceinline__ const T* key_row(const KVArgs& kv, const SeqArgs& seq
 }
 
 // ---- 1. the residuals' second moment --------------------------------------------------------------------------------
-// grid (batch, Hkv, key_moment_splits()): each CTA sums x x^T over one contiguous slice of the sampled keys (in key order)
-// into its own partial C (key_basis_kernel adds the slices in order: a fixed summation order, the same basis on every
-// run). 16 x 16 threads, each a (D / 16)^2 patch of C as float4 columns c * 64 + 4 * t (conflict-free shared reads);
-// tiles of kMomentKeys residuals through shared memory, all of a tile's loads in flight at once. The first version (one
-// CTA per 8 rows of C over every sampled key: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms at every
-// length on the H100, as long as the scorer at 32K.
+// grid (batch, Hkv, key_moment_splits()): each CTA sums x x^T over one contiguous slice of the sampled keys (in key
+// order) into its own partial C (key_basis_kernel adds the slices in order: a fixed summation order, the same basis on
+// every run). 16 x 16 threads, each a (D / 16)^2 patch of C as float4 columns c * 64 + 4 * t (conflict-free shared
+// reads); tiles of kMomentKeys residuals through shared memory, all of a tile's loads in flight at once. The first
+// version (one CTA per 8 rows of C over every sampled key: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms
+// at every length on the H100, as long as the scorer at 32K.
 template <typename T, int D>
 __global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size,
                                                                     int num_kv_heads, const int32_t* cu_blocks,
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq,
     float x[kMomentKeys / kKeysPerPass];
 #pragma unroll
     for (int i = 0; i < kMomentKeys / kKeysPerPass; ++i) {  // every load of the tile issued before any is used
-      const int64_t fi = f + i * kKeysPerPass + kk, J = (fi / block_size) * stride, j = J * block_size + fi % block_size;
+      const int64_t fi = f + i * kKeysPerPass + kk, J = (fi / block_size) * stride;
+      const int64_t j = J * block_size + fi % block_size;
       const T* row = fi < f1 && j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
       x[i] = row ? to_float(row[e]) * descale - k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e] : 0.f;
     }
@@ -119,8 +120,8 @@ __global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq,
 }
 
 // ---- 2. the basis: subspace iteration -------------------------------------------------------------------------------
-// One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, X <- MGS(C X) kKeyBasisIters times from X0 = hash_unit; the
-// Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
+// One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, X <- MGS(C X) kKeyBasisIters
+// times from X0 = hash_unit; the Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
 template <int D, int R>
 __global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int batch, int num_kv_heads, int splits,
                                                                   const float* partial, float* basis) {
@@ -690,7 +691,8 @@ void launch_all(cudaStream_t stream, const Bounds& bd, const VirtualHeads& heads
   }();
   (void)basis_attr;
   key_basis_kernel<D, R><<<dim3(unsigned(batch), unsigned(num_kv_heads)), kBasisThreads,
-                           key_basis_smem_bytes<D, R>(), stream>>>(batch, num_kv_heads, splits, d.key_moment, d.key_basis);
+                           key_basis_smem_bytes<D, R>(), stream>>>(batch, num_kv_heads, splits, d.key_moment,
+                                                                   d.key_basis);
   if (bd.max_blocks > 0) {
     key_project_kernel<T, D, R><<<dim3(unsigned(bd.max_blocks), unsigned(num_kv_heads)), kProjectThreads, 0, stream>>>(
         seq, kv, B, num_kv_heads, d.cu_blocks, d.k_mean, d.key_basis, static_cast<__half*>(d.key_proj),

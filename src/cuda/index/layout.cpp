@@ -101,7 +101,8 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
   }
   if (bd.key_rank) {  // key_max.cu: moment and basis per (sequence, KV head), K' per key row of the pooled blocks
     const size_t heads = size_t(b.batch) * b.num_kv_heads;
-    d.key_moment = reinterpret_cast<float*>(take(size_t(key_moment_splits(b.batch, b.num_kv_heads)) * heads * b.head_dim * b.head_dim * sizeof(float)));
+    const size_t splits = size_t(key_moment_splits(b.batch, b.num_kv_heads));
+    d.key_moment = reinterpret_cast<float*>(take(splits * heads * b.head_dim * b.head_dim * sizeof(float)));
     d.key_basis = reinterpret_cast<float*>(take(heads * b.head_dim * bd.key_rank * sizeof(float)));
     d.key_rows = bd.max_blocks * b.block_size;
     d.key_proj = take(size_t(b.num_kv_heads) * d.key_rows * bd.key_rank * 2);
