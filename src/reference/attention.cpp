@@ -110,7 +110,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
   if (index.head_subgroups > 1) {  // the S = 1 path on the model with Hkv * S KV heads
-    const VirtualHeads virt = virtual_heads(in, p, index.head_subgroups);
+    const VirtualHeadCopies virt = virtual_head_copies(in, p, index.head_subgroups);
     BlockIndexView one = index;
     one.head_subgroups = 1;
     return sparse_attention(virt.in, one, outs, virt.p);

@@ -58,19 +58,19 @@ bool block_fully_visible(const AttentionInputs& in, const SequenceInfo& s, const
 
 // Head sub-groups (S = SelectionParams/BlockIndex::head_subgroups > 1, sparse.h): the reference runs its S = 1 code
 // on the equivalent model with Hkv * S KV heads, whose virtual head v holds query heads [v g', (v + 1) g'),
-// g' = g / S, and is a copy of K/V head v / S. virtual_problem() is that model's Problem; virtual_heads() also
+// g' = g / S, and is a copy of K/V head v / S. virtual_problem() is that model's Problem; virtual_head_copies() also
 // materialises its K/V (each head repeated S times along the head axis, contiguous or paged like the input, any
 // dtype), with `in` pointing at the copies (block_table and the rest unchanged). Copies: this is the oracle.
 Problem virtual_problem(const Problem& p, int subgroups);
-struct VirtualHeads {
-  VirtualHeads() = default;
-  VirtualHeads(const VirtualHeads&) = delete;  // `in` points into k and v
-  VirtualHeads(VirtualHeads&&) = default;
+struct VirtualHeadCopies {
+  VirtualHeadCopies() = default;
+  VirtualHeadCopies(const VirtualHeadCopies&) = delete;  // `in` points into k and v
+  VirtualHeadCopies(VirtualHeadCopies&&) = default;
   std::vector<uint8_t> k, v;
   AttentionInputs in;
   Problem p;
 };
-VirtualHeads virtual_heads(const AttentionInputs& in, const Problem& p, int subgroups);
+VirtualHeadCopies virtual_head_copies(const AttentionInputs& in, const Problem& p, int subgroups);
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p);
 // v_mean == nullptr: K means only (V is not read).
@@ -84,7 +84,7 @@ std::vector<double> key_basis(const SequenceKV& kv, const float* k_mean, int64_t
                               int block_size);
 std::vector<double> key_coordinates(const SequenceKV& kv, const float* k_mean, int64_t mean_stride, int head_dim,
                                     const std::vector<double>& basis, int rank, int block_size);
-// `p` is the caller's problem (real KV heads); head sub-groups are taken from params / the index (virtual_heads).
+// `p` is the caller's problem (real KV heads); head sub-groups are taken from params / the index (virtual_head_copies).
 // index.v_mean is pooled only with params.correction or v_means (a mean cache needs them), else left empty.
 BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params,
                        bool v_means = false);

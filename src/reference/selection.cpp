@@ -79,7 +79,7 @@ void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size
 
 BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means) {
   if (params.head_subgroups > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
-    const VirtualHeads virt = virtual_heads(in, p, params.head_subgroups);
+    const VirtualHeadCopies virt = virtual_head_copies(in, p, params.head_subgroups);
     SelectionParams one = params;
     one.head_subgroups = 1;
     BlockIndex index = build_index(virt.in, virt.p, one, v_means);

@@ -47,8 +47,8 @@ TensorView repeat_heads(const TensorView& src, int subgroups, std::vector<uint8_
 
 }  // namespace
 
-VirtualHeads virtual_heads(const AttentionInputs& in, const Problem& p, int subgroups) {
-  VirtualHeads out;
+VirtualHeadCopies virtual_head_copies(const AttentionInputs& in, const Problem& p, int subgroups) {
+  VirtualHeadCopies out;
   out.p = virtual_problem(p, subgroups);
   out.in = in;
   out.in.k = repeat_heads(in.k, subgroups, out.k);

@@ -144,7 +144,7 @@ TEST(KeyMax, VirtualHeadsShareTheirKVHeadsBasis) {
     auto B = build(sc(8, 2, 64, BF16, {300, 129}, {700, 129}, paged, 16), rng);
     const Problem p = validate_inputs(B->in, nullptr);
     const int S = 4, bs = 64, D = 64;
-    const reference::VirtualHeads virt = reference::virtual_heads(B->in, p, S);
+    const reference::VirtualHeadCopies virt = reference::virtual_head_copies(B->in, p, S);
     const auto kv = reference::gather_kv(B->in, p), vkv = reference::gather_kv(virt.in, virt.p);
     std::vector<int32_t> cu, vcu;
     std::vector<float> km, vkm;

@@ -13,7 +13,7 @@
 #include <cutlass/arch/memory.h>
 #include <cutlass/numeric_conversion.h>
 
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/fwd_args.h"
 #include "cuda/attention/softmax.h"
 

@@ -15,7 +15,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "cuda/attention/block_schedule.h"
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {

@@ -5,7 +5,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "cuda/attention/block_schedule.h"
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/common/device_checks.h"
 #include "cuda/attention/fwd_args.h"
 

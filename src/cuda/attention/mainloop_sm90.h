@@ -25,7 +25,7 @@
 #include "cuda/attention/fusion.h"
 #include "cuda/attention/kv_source.h"
 #include "cuda/attention/mask.h"
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/q_load.h"
 #include "cuda/attention/tile_work.h"
 #include "cuda/attention/softmax.h"

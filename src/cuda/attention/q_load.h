@@ -8,7 +8,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/memory.h>
 
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/fwd_args.h"
 
 namespace sparse_prefill::cuda {

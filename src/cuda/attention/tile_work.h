@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "cuda/attention/block_schedule.h"
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/scheduler.h"
 #include "cuda/common/device_checks.h"
 #include "cuda/attention/fwd_args.h"

@@ -9,7 +9,7 @@
 
 #include "cuda/attention/epilogue.h"
 #include "cuda/attention/fwd_args.h"
-#include "cuda/attention/problem.h"
+#include "cuda/attention/fwd_problem.h"
 #include "cuda/attention/softmax.h"
 
 namespace sparse_prefill::cuda {
