@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/problem.h"
+#include "cuda/common/problem_traits.h"
 #include "sparse_prefill/attention.h"
 #include "sparse_prefill/sparse.h"
 
@@ -27,13 +28,7 @@ void check_index_view_supported(const BlockIndexView& index);
 // even strides and a 4-byte aligned base.
 void check_index_supported(const AttentionInputs& in, const Problem& p);
 
-// Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
-inline bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
-inline bool is_fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
-// q as the 16-bit scorer's 4-byte cp.async reads it.
-inline bool q_cp_async_aligned(const AttentionInputs& in) {
-  return !((in.q.stride[0] | in.q.stride[1]) & 1 || reinterpret_cast<uintptr_t>(in.q.data) % 4);
-}
+// The facts these checks read (gathered_pages, is_fp8, q_cp_async_aligned): cuda/common/problem_traits.h.
 
 // --- Entry points -------------------------------------------------------------------------------------------------
 // Dense forward attention. Launches on in.stream; never synchronises (CUDA-graph capturable). Two paths:

@@ -10,7 +10,7 @@
 
 #include "core/contract.h"
 #include "cuda/common/math.h"
-#include "cuda/cuda_backend.h"
+#include "cuda/common/problem_traits.h"
 #include "cuda/index/device_args.cuh"
 
 namespace sparse_prefill::cuda {
