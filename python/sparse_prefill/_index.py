@@ -263,7 +263,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 row;
             'tile_energy' (FlashPrefill V2): keep J iff E_IJ = sum_r exp(s_rJ - M_I) >= alpha * max_J E_IJ, M_I the
                 tile's maximum score. On a real LM (SmolLM2-135M) it loses far more accuracy than 'row_max'
-                (bench/accuracy/NOTES.md): a block that only a few rows need drowns in the tile-wide sum;
+                (docs/design/selection.md): a block that only a few rows need drowns in the tile-wide sum;
             'probe_row_max': the 'row_max' test on the exact softmax log-mass of each block for the probe rows
                 (every 8th query of the sequence and its last one, all heads), plus the pooled-means 'row_max' test
                 at `mean_alpha` for the other rows (SelectionRule::kProbeRowMax, docs/semantics.md). Sees the one
@@ -272,7 +272,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             'probe_row_mass': 'probe_row_max' with the probe rows' test against the row's whole mass: J passes iff
                 it holds at least alpha of a probe row's softmax probability (alpha ~0.05), so a diffuse row keeps
                 none of its many equal blocks (SelectionRule::kProbeRowMass; accuracy and cost:
-                bench/accuracy/NOTES.md, docs/design/index_stage.md);
+                docs/design/selection.md, docs/design/index_stage.md);
             'key_max': per-key block maxima on a low-rank residual: row r scores J by q_r . kmean_J plus the
                 largest (P^T q_r) . (P^T (k_j - kmean_J)) over the keys j of J it sees, P the top `key_rank`
                 directions of the key residuals of each (sequence, KV head), computed from the prompt's keys; one
