@@ -55,9 +55,11 @@ def test_file_round_trip_and_no_environment_variable(tmp_path):
     ({"1": {"alpha": -0.1}}, r"layers.1.alpha: must lie in \[0, 1\]"),
     ({"1": {"alpha": 1.5}}, r"layers.1.alpha: must lie in \[0, 1\]"),     # the library refuses it at the first call
     ({"3": {"mean_alpha": 2}}, r"layers.3.mean_alpha: must lie in \[0, 1\]"),
-    ({"1": {"dense_fraction": 1.5}}, r"layers.1.dense_fraction: must be in \(0, 1\]"),
+    ({"1": {"dense_fraction": 1.5}}, r"layers.1.dense_fraction: must lie in \(0, 1\]"),
     ({"4": {"rule": "best"}}, "layers.4.rule: must be one of"),
-    ({"4": {"head_subgroups": -1}}, "layers.4.head_subgroups: must be an integer >= 0"),
+    ({"4": {"head_subgroups": -1}}, r"layers.4.head_subgroups: must be 0 \(one selection per query head\) or >= 1"),
+    ({"4": {"key_rank": 8}}, "layers.4.key_rank: must be 16 or 32, got 8"),
+    ({"4": {"sink": -2}}, "layers.4.sink: must be >= 0"),
     ({"2": {"block_size": 256}}, "layers.2.block_size: block_size is one value for the whole model"),
     ({"2": {"alpah": 0.1}}, "layers.2.alpah: unknown per-layer setting"),
     ({"2": {"dense": "maybe"}}, "layers.2.dense: expected a boolean"),
@@ -77,7 +79,7 @@ def test_bad_layers_name_the_entry(tmp_path, layers, err):
 
 @pytest.mark.parametrize("field,value,err", [("alpha", -1.0, r"alpha: must lie in \[0, 1\]"),
                                              ("alpha", 1.5, r"alpha: must lie in \[0, 1\]"),
-                                             ("dense_fraction", 0.0, "dense_fraction: must be in"),
+                                             ("dense_fraction", 0.0, "dense_fraction: must lie in"),
                                              ("block_size", 96, "block_size: must be a positive multiple of 64"),
                                              ("rule", "rowmax", "rule: must be one of")])
 def test_bad_top_level_selection_names_the_field(field, value, err):

@@ -240,21 +240,17 @@ def _coerce(name: str, value: Any, field: str) -> Any:
 
 
 def _check_selection_value(name: str, field: str, value: Any) -> None:
-    """The ranges of the selection settings that the library would otherwise refuse only at the first sparse call."""
-    if field in ("alpha", "mean_alpha") and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-        raise ValueError(f"{name}: must lie in [0, 1] (as the library checks it), got {value!r}")
-    if field == "dense_fraction" and not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
-        raise ValueError(f"{name}: must be in (0, 1] (1 turns the dense rule off), got {value!r}")
-    if field in ("sink", "window", "last_n", "head_subgroups") and not (isinstance(value, int) and value >= 0):
-        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
-    if field == "block_size" and not (isinstance(value, int) and value > 0 and value % 64 == 0):
-        raise ValueError(f"{name}: must be a positive multiple of 64, got {value!r}")
-    if field == "key_rank" and not (isinstance(value, int) and value in (16, 32)):
-        raise ValueError(f"{name}: must be 16 or 32, got {value!r}")
-    if field == "rule":
-        from sparse_prefill._api import _RULES
-        if value not in _RULES:
-            raise ValueError(f"{name}: must be one of {', '.join(map(repr, _RULES))}, got {value!r}")
+    """A selection setting's range, as the library checks it (sp.Selection with that one field: its shape-free checks
+    are the C++ check_selection_params'), so that a bad setting fails when the configuration loads, not at the first
+    sparse call; the ValueError names the setting as the configuration does (`name`, e.g. layers.3.alpha). Fields
+    that are not the selection's (a layer's `dense`) pass."""
+    if field not in SELECTION_FIELDS:
+        return
+    try:
+        sp.Selection(**{field: value})
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ValueError(name + msg[len(field):] if msg.startswith(field + ":") else f"{name}: {msg}") from None
 
 
 def _layer_settings(layers: Any) -> dict:
