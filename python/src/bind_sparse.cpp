@@ -11,9 +11,11 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "core/selection_fields.h"
 #include "sparse_prefill/sparse.h"
 #include "sparse_prefill/tensor.h"
 #include "views.h"
@@ -49,15 +51,51 @@ std::optional<sp::MeanCache> mean_cache_of(nb::handle mean_k, nb::handle mean_v,
                        to_writable_view(mean_v, "mean_cache.v_mean", held), block_size};
 }
 
+// A field's value as Python writes it (the rule as its int).
+template <class T>
+std::string field_repr(T v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "True" : "False";
+  } else if constexpr (std::is_same_v<T, sp::SelectionRule>) {
+    return std::to_string(int(v));
+  } else {
+    return std::to_string(v);
+  }
+}
+
 std::string selection_repr(const sp::SelectionParams& p) {
-  return "SelectionParams(alpha=" + std::to_string(p.alpha) + ", mean_alpha=" + std::to_string(p.mean_alpha) +
-         ", key_rank=" + std::to_string(p.key_rank) + ", rule=" + std::to_string(int(p.rule)) + ", block_size=" + std::to_string(p.block_size) +
-         ", sink=" + std::to_string(p.sink) + ", window=" + std::to_string(p.window) +
-         ", last_n=" + std::to_string(p.last_n) + ", correction=" + (p.correction ? "True" : "False") +
-         ", final_chunk=" + (p.final_chunk ? "True" : "False") + ", union_lists=" +
-         (p.union_lists ? "True" : "False") + ", head_subgroups=" + std::to_string(p.head_subgroups) +
-         ", dense_fraction=" + std::to_string(p.dense_fraction) +
-         ", max_kept_blocks=" + std::to_string(p.max_kept_blocks) + ")";
+  std::string out = "SelectionParams(";
+  sp::for_each_selection_field([&](const char* name, auto member, sp::FieldCheck) {
+    if (out.back() != '(') out += ", ";
+    out += std::string(name) + "=" + field_repr(p.*member);
+  });
+  return out + ")";
+}
+
+// SelectionParams(**kw): every keyword a field (for_each_selection_field), the rule as its int; a missing keyword
+// keeps SelectionParams{}'s value.
+sp::SelectionParams selection_from_kwargs(const nb::kwargs& kw) {
+  sp::SelectionParams p;
+  size_t used = 0;
+  sp::for_each_selection_field([&](const char* name, auto member, sp::FieldCheck) {
+    if (!kw.contains(name)) return;
+    ++used;
+    using T = std::remove_reference_t<decltype(p.*member)>;
+    using Py = std::conditional_t<std::is_same_v<T, sp::SelectionRule>, int, T>;  // the rule as its int
+    Py value{};
+    if (!nb::try_cast<Py>(kw[name], value))
+      throw nb::type_error((std::string("SelectionParams: ") + name + " has the wrong type").c_str());
+    p.*member = static_cast<T>(value);
+  });
+  if (used != kw.size()) {
+    for (auto item : kw) {
+      const std::string key = nb::cast<std::string>(item.first);
+      bool known = false;
+      sp::for_each_selection_field([&](const char* name, auto, sp::FieldCheck) { known = known || key == name; });
+      if (!known) throw nb::type_error(("SelectionParams: unknown field " + key).c_str());
+    }
+  }
+  return p;
 }
 
 }  // namespace
@@ -95,52 +133,23 @@ void bind_sparse(nb::module_& m) {
 
   // The selection parameters themselves; the keyword defaults are SelectionParams{} (the one place they are set).
   // sparse_prefill.Selection builds one, checked once (check()), and passes it to every call.
-  const sp::SelectionParams d;
-  nb::class_<sp::SelectionParams>(m, "SelectionParams")
-      .def(
-          "__init__",
-          [](sp::SelectionParams* self, float alpha, float mean_alpha, int key_rank, int rule, int block_size,
-             int sink, int window, int last_n, bool correction, bool final_chunk, bool union_lists, int head_subgroups,
-             float dense_fraction, int64_t max_kept_blocks) {
-            sp::SelectionParams p;
-            p.alpha = alpha;
-            p.mean_alpha = mean_alpha;
-            p.key_rank = key_rank;
-            p.rule = static_cast<sp::SelectionRule>(rule);
-            p.block_size = block_size;
-            p.sink = sink;
-            p.window = window;
-            p.last_n = last_n;
-            p.correction = correction;
-            p.final_chunk = final_chunk;
-            p.union_lists = union_lists;
-            p.head_subgroups = head_subgroups;
-            p.dense_fraction = dense_fraction;
-            p.max_kept_blocks = max_kept_blocks;
-            new (self) sp::SelectionParams(p);
-          },
-          nb::kw_only(), nb::arg("alpha") = d.alpha, nb::arg("mean_alpha") = d.mean_alpha,
-          nb::arg("key_rank") = d.key_rank, nb::arg("rule") = int(d.rule), nb::arg("block_size") = d.block_size, nb::arg("sink") = d.sink,
-          nb::arg("window") = d.window, nb::arg("last_n") = d.last_n, nb::arg("correction") = d.correction,
-          nb::arg("final_chunk") = d.final_chunk, nb::arg("union_lists") = d.union_lists,
-          nb::arg("head_subgroups") = d.head_subgroups, nb::arg("dense_fraction") = d.dense_fraction,
-          nb::arg("max_kept_blocks") = d.max_kept_blocks)
-      .def_rw("alpha", &sp::SelectionParams::alpha)
-      .def_rw("mean_alpha", &sp::SelectionParams::mean_alpha)
-      .def_rw("key_rank", &sp::SelectionParams::key_rank)
-      .def_prop_rw(
-          "rule", [](const sp::SelectionParams& p) { return int(p.rule); },
-          [](sp::SelectionParams& p, int r) { p.rule = static_cast<sp::SelectionRule>(r); })
-      .def_rw("block_size", &sp::SelectionParams::block_size)
-      .def_rw("sink", &sp::SelectionParams::sink)
-      .def_rw("window", &sp::SelectionParams::window)
-      .def_rw("last_n", &sp::SelectionParams::last_n)
-      .def_rw("correction", &sp::SelectionParams::correction)
-      .def_rw("final_chunk", &sp::SelectionParams::final_chunk)
-      .def_rw("union_lists", &sp::SelectionParams::union_lists)
-      .def_rw("head_subgroups", &sp::SelectionParams::head_subgroups)
-      .def_rw("dense_fraction", &sp::SelectionParams::dense_fraction)
-      .def_rw("max_kept_blocks", &sp::SelectionParams::max_kept_blocks)
+  // Its keywords and attributes are the fields of core/selection_fields.h (SelectionParams(**kw), a keyword left out
+  // keeps SelectionParams{}'s value; the rule as its int).
+  nb::class_<sp::SelectionParams> params(m, "SelectionParams");
+  params.def("__init__", [](sp::SelectionParams* self, const nb::kwargs& kw) {
+    new (self) sp::SelectionParams(selection_from_kwargs(kw));
+  });
+  sp::for_each_selection_field([&](const char* name, auto member, sp::FieldCheck) {
+    using T = std::remove_reference_t<decltype(std::declval<sp::SelectionParams&>().*member)>;
+    if constexpr (std::is_same_v<T, sp::SelectionRule>) {
+      params.def_prop_rw(
+          name, [](const sp::SelectionParams& p) { return int(p.rule); },
+          [](sp::SelectionParams& p, int r) { p.rule = static_cast<sp::SelectionRule>(r); });
+    } else {
+      params.def_rw(name, member);
+    }
+  });
+  params
       // The checks that need no shapes (ValueError naming the field); a call adds those that do (head_subgroups
       // dividing Hq / Hkv).
       .def("check", [](const sp::SelectionParams& p) { sp::check_selection_params(p); })

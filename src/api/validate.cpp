@@ -4,44 +4,68 @@
 #include <cstdint>
 #include <string>
 
+#include "core/selection_fields.h"
+
 namespace sparse_prefill {
 
+namespace {
+
+bool is_rule(SelectionRule r) {
+  return r == SelectionRule::kTileEnergy || r == SelectionRule::kRowMax || r == SelectionRule::kProbeRowMax ||
+         r == SelectionRule::kProbeRowMass || r == SelectionRule::kKeyMax;
+}
+
+// One field's check (core/selection_fields.h); `value` as the field's own type.
+template <class T>
+void check_field(const char* name, T value, FieldCheck check) {
+  switch (check) {
+    case FieldCheck::kNone:
+      return;
+    case FieldCheck::kUnitInterval:
+      if (!(value >= 0 && value <= 1)) throw ArgumentError(name, "must lie in [0, 1], got " + std::to_string(value));
+      return;
+    case FieldCheck::kOpenUnitInterval:
+      if (!(value > 0 && value <= 1)) throw ArgumentError(name, "must lie in (0, 1], got " + std::to_string(value));
+      return;
+    case FieldCheck::kPositiveMultipleOf64:
+      if (value <= 0 || int64_t(value) % 64 != 0)
+        throw ArgumentError(name, "must be a positive multiple of 64, got " + std::to_string(value));
+      return;
+    case FieldCheck::kNonNegative:
+      if (value < 0) throw ArgumentError(name, "must be >= 0");
+      return;
+    case FieldCheck::kRank:
+      // checked for every rule (a field of the selection like mean_alpha), used by kKeyMax only: the ranks its
+      // kernels are built for (docs/design/key_max_spec.md)
+      if (value != 16 && value != 32) throw ArgumentError(name, "must be 16 or 32, got " + std::to_string(value));
+      return;
+    case FieldCheck::kSubgroups:
+      if (value < 0)
+        throw ArgumentError(name, "must be 0 (one selection per query head) or >= 1, got " + std::to_string(value));
+      return;
+    case FieldCheck::kBudget:
+      if (value < -1 || value > INT32_MAX)  // int32 ids and segment offsets
+        throw ArgumentError(name, "must be -1 (the causal bound) or a budget in [0, 2^31 - 1], got " +
+                                      std::to_string(value));
+      return;
+    case FieldCheck::kRule:
+      return;  // an enum: check_field(SelectionRule) below
+  }
+}
+
+void check_field(const char* name, SelectionRule rule, FieldCheck) {
+  if (!is_rule(rule)) {
+    throw ArgumentError(name, "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2), "
+                              "kProbeRowMass (3) or kKeyMax (4), got " + std::to_string(int(rule)));
+  }
+}
+
+}  // namespace
+
 void check_selection_params(const SelectionParams& params) {
-  if (params.block_size <= 0 || params.block_size % 64 != 0) {
-    throw ArgumentError("block_size", "must be a positive multiple of 64, got " + std::to_string(params.block_size));
-  }
-  if (!(params.alpha >= 0.f && params.alpha <= 1.f)) {
-    throw ArgumentError("alpha", "must lie in [0, 1], got " + std::to_string(params.alpha));
-  }
-  if (!(params.dense_fraction > 0.f && params.dense_fraction <= 1.f)) {
-    throw ArgumentError("dense_fraction", "must lie in (0, 1], got " + std::to_string(params.dense_fraction));
-  }
-  if (!(params.mean_alpha >= 0.f && params.mean_alpha <= 1.f)) {
-    throw ArgumentError("mean_alpha", "must lie in [0, 1], got " + std::to_string(params.mean_alpha));
-  }
-  if (params.rule != SelectionRule::kTileEnergy && params.rule != SelectionRule::kRowMax &&
-      params.rule != SelectionRule::kProbeRowMax && params.rule != SelectionRule::kProbeRowMass &&
-      params.rule != SelectionRule::kKeyMax) {
-    throw ArgumentError("rule", "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2), "
-                                "kProbeRowMass (3) or kKeyMax (4), got " +
-                                    std::to_string(int(params.rule)));
-  }
-  // Checked for every rule (it is a field of the selection like mean_alpha), used by kKeyMax only: the ranks its
-  // kernels are built for (docs/design/key_max_spec.md).
-  if (params.key_rank != 16 && params.key_rank != 32) {
-    throw ArgumentError("key_rank", "must be 16 or 32, got " + std::to_string(params.key_rank));
-  }
-  if (params.sink < 0) throw ArgumentError("sink", "must be >= 0");
-  if (params.window < 0) throw ArgumentError("window", "must be >= 0");
-  if (params.last_n < 0) throw ArgumentError("last_n", "must be >= 0");
-  if (params.head_subgroups < 0) {
-    throw ArgumentError("head_subgroups", "must be 0 (one selection per query head) or >= 1, got " +
-                                              std::to_string(params.head_subgroups));
-  }
-  if (params.max_kept_blocks < -1 || params.max_kept_blocks > INT32_MAX) {  // int32 ids and segment offsets
-    throw ArgumentError("max_kept_blocks", "must be -1 (the causal bound) or a budget in [0, 2^31 - 1], got " +
-                                               std::to_string(params.max_kept_blocks));
-  }
+  for_each_selection_field([&](const char* name, auto member, FieldCheck check) {
+    check_field(name, params.*member, check);
+  });
 }
 
 int resolve_head_subgroups(int subgroups, int group_size) { return subgroups == 0 ? group_size : subgroups; }
