@@ -30,13 +30,13 @@ enum class SelectionRule : int {
   // 2 kProbeStride - 1, ...) and of its last query, all their heads. Each probe row r scores block J by its true
   // softmax log-mass w_rJ = log sum_{j in J} exp(scale q_r . k_j) over the keys it sees; keep J iff some probe row of
   // the tile has w_rJ - max_J' w_rJ' >= ln(alpha), or J passes the kRowMax test at SelectionParams::mean_alpha (the
-  // pooled means cover the rows between probes). On SmolLM2-135M (torch emulation, bench/accuracy/NOTES.md) this
+  // pooled means cover the rows between probes). On SmolLM2-135M (torch emulation, docs/design/selection.md) this
   // meets copy/kv/NLL at 8K at density 0.47-0.53, where pooled means alone need 0.60 and lose 2 points.
   kProbeRowMax = 2,
   // kProbeRowMax with the probe rows' test against the row's whole mass: J passes for probe row r iff
   // w_rJ - log sum_J' exp(w_rJ') >= ln(alpha), i.e. J holds at least alpha of the row's softmax probability. A
   // diffuse row (filler text) then keeps none of its many equal blocks, where kProbeRowMax keeps all of them
-  // within a factor alpha of the top one: on the retrieval model (bench/accuracy/NOTES.md) kProbeRowMax at alpha 0.1
+  // within a factor alpha of the top one: on the retrieval model (docs/design/selection.md) kProbeRowMax at alpha 0.1
   // kept 76 % of the blocks at 32K, this rule at alpha 0.05 39 %. CUDA: the same probe pass as kProbeRowMax.
   kProbeRowMass = 3,
   // Per-key block maxima on a low-rank residual (issue 44; the exact definition, shared by the CPU reference, the
@@ -46,7 +46,7 @@ enum class SelectionRule : int {
   // one pass from the diagonal down keeps J iff scale (sh_rJ - m_rJ) >= ln(alpha), m_rJ the larger of the row's
   // pooled-means bound and the running maximum. Why: a block of alike keys scores as its mean, one spike key as
   // itself, where the pooled mean dilutes it 128x (exact block maxima sit on the oracle's curve,
-  // bench/accuracy/NOTES.md).
+  // docs/design/selection.md).
   kKeyMax = 4,
 };
 // The dense rule (SelectionParams::dense_fraction), after any selection: whether a call whose selection keeps
@@ -69,7 +69,7 @@ constexpr bool is_probe_rule(SelectionRule rule) {
 struct SelectionParams {
   // The threshold of `rule`; alpha = 0 keeps every visible block (dense). 0.003 with one selection per query head:
   // the pooled-means row max that kept SmolLM2-135M within 1 point of dense on every key-value layout and format
-  // at 4K and 8K (worst -0.4 points; 0.03 lost 5.2, 0.1 per KV group 14, bench/accuracy/NOTES.md), at the price
+  // at 4K and 8K (worst -0.4 points; 0.03 lost 5.2, 0.1 per KV group 14, docs/design/selection.md), at the price
   // of density (0.89 at 8K there, where the dense rule then runs most calls dense).
   float alpha = 0.003f;
   // kProbeRowMax / kProbeRowMass only: the threshold of their pooled-means row-max term, which covers the rows
@@ -77,11 +77,11 @@ struct SelectionParams {
   // with it.
   float mean_alpha = 0.5f;
   // kKeyMax only: the rank r of its residual basis, 16 or 32 (and <= the head dim): the score GEMM at rank 16 costs
-  // 1/8 of Q K^T; 16 dimensions missed almost as little mass as exact maxima (0.032 vs 0.028, bench/accuracy/NOTES.md;
+  // 1/8 of Q K^T; 16 dimensions missed almost as little mass as exact maxima (0.032 vs 0.028, docs/design/selection.md;
   // docs/design/key_max_spec.md).
   int key_rank = 16;
   // How a tile's scores are thresholded (SelectionRule above). The per-row rule is the default: on a real pretrained
-  // LM (SmolLM2-135M, bench/accuracy/NOTES.md) tile energy loses 47 points of copy top-1 at 8K, row max 2.
+  // LM (SmolLM2-135M, docs/design/selection.md) tile energy loses 47 points of copy top-1 at 8K, row max 2.
   SelectionRule rule = SelectionRule::kRowMax;
   int block_size = 128;   // tokens per key block; a positive multiple of 64
   int sink = 256;         // the blocks holding the first `sink` tokens are always kept
