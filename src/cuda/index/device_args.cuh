@@ -188,6 +188,21 @@ inline QArgs q_args(const LaunchInputs& li, bool vec16) {
   return QArgs{li.q, li.q_stride[0], li.q_stride[1], vec16, descale_arg(li.q_descale)};
 }
 
+// The index stage's kernel instantiations: f(T{}, std::integral_constant<int, D>{}) for FP8 e4m3 at head dim 128
+// (its only head dim, build.cu) and bfloat16 / float16 at head dim 64 or 128.
+template <class F>
+void with_index_types(DType dtype, int head_dim, F&& f) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == DType::kFloat8E4M3) {
+    f(__nv_fp8_e4m3{}, D128{});
+  } else if (dtype == DType::kBFloat16) {
+    if (head_dim == 128) f(__nv_bfloat16{}, D128{}); else f(__nv_bfloat16{}, D64{});
+  } else {
+    if (head_dim == 128) f(__half{}, D128{}); else f(__half{}, D64{});
+  }
+}
+
 // Launchers, one per role (each file's kernels stay private to it). All on `stream`, no host synchronisation.
 // plan.cu: prefix sums of tiles, blocks and capacity over the batch into d; counters reset.
 void launch_plan(cudaStream_t stream, const SeqArgs& seq, const SeqLimits& limits, const VirtualHeads& heads,

@@ -728,16 +728,7 @@ void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams
       launch_all<T, kD, 16>(stream, bd, heads, p.batch, p.num_kv_heads, seq, qa, kv, sel, d);
     }
   };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.dtype == DType::kFloat8E4M3) {
-    launch(__nv_fp8_e4m3{}, D128{});
-  } else if (p.head_dim == 128) {
-    bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
-  } else {
-    bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
-  }
+  with_index_types(p.dtype, p.head_dim, launch);
   check_cuda(cudaGetLastError(), "key_max kernels launch");
 }
 

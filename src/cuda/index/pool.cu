@@ -230,15 +230,7 @@ void launch_pooling(cudaStream_t stream, DType dtype, int head_dim, bool vec16, 
                                                                d.cu_blocks, out(tag));
       }
     };
-    using D64 = std::integral_constant<int, 64>;
-    using D128 = std::integral_constant<int, 128>;
-    if (dtype == DType::kFloat8E4M3) {
-      launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
-    } else if (dtype == DType::kBFloat16) {
-      head_dim == 128 ? launch(__nv_bfloat16{}, D128{}) : launch(__nv_bfloat16{}, D64{});
-    } else {
-      head_dim == 128 ? launch(__half{}, D128{}) : launch(__half{}, D64{});
-    }
+    with_index_types(dtype, head_dim, launch);
     check_cuda(cudaGetLastError(), "pool_vec_kernel launch");
     return;
   }

@@ -370,16 +370,7 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
     };
     vec16 ? run(std::true_type{}) : run(std::false_type{});
   };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  const bool bf16 = dtype == DType::kBFloat16;
-  if (dtype == DType::kFloat8E4M3) {
-    launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
-  } else if (head_dim == 128) {
-    bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
-  } else {
-    bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
-  }
+  with_index_types(dtype, head_dim, launch);
 }
 
 }  // namespace sparse_prefill::cuda::index_stage

@@ -441,7 +441,6 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
                    const SelectArgs& sel, const DeviceIndex& d) {
   if (bd.max_tiles <= 0) return;
   const dim3 grid(unsigned(bd.max_tiles), unsigned(heads.kv));
-  const bool bf16 = p.dtype == DType::kBFloat16;
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
@@ -470,15 +469,7 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
       launch_score<T, kD, false>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
     }
   };
-  using D64 = std::integral_constant<int, 64>;
-  using D128 = std::integral_constant<int, 128>;
-  if (p.dtype == DType::kFloat8E4M3) {
-    launch(__nv_fp8_e4m3{}, D128{});  // FP8: head dim 128 only (build.cu)
-  } else if (p.head_dim == 128) {
-    bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
-  } else {
-    bf16 ? launch(__nv_bfloat16{}, D64{}) : launch(__half{}, D64{});
-  }
+  with_index_types(p.dtype, p.head_dim, launch);
   check_cuda(cudaGetLastError(), "score_select_kernel launch");
 }
 
