@@ -317,8 +317,9 @@ PYEOF
          --out-dir /tmp/calibrate --out "$OUT/calibrate_h200.json") > "$OUT/calibrate.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -8 "$OUT/calibrate.log"
-      for d in smollm2 heldout llama8b; do
+      for d in smollm2 heldout llama8b; do   # the command's own log too: cut at its limit, it says where time went
         [[ -f /tmp/calibrate/$d/report.md ]] && cp /tmp/calibrate/$d/report.md "$OUT/calibrate_${d}_report.md"
+        [[ -f /tmp/calibrate/$d.log ]] && cp /tmp/calibrate/$d.log "$OUT/calibrate_${d}.log"
       done
       ;;
     retrieval)

@@ -68,9 +68,9 @@ def test_train_and_eval_end_to_end(tmp_path):
     json.dump({"rows": [{"model": "other", "task": "copy", "L": 1, "config": "dense"}]}, open(out, "w"))
     R.main(["eval", "--ckpt", ck, "--device", "cpu", "--lengths", "512", "--n-seq", "1", "--out", out,
             "--configs", "dense_sp,default,sp:alpha=0,emu:default,emu:alpha=0,oracle_0.5,dense_torch", "--n-boot",
-            "200"])
+            "200", "--min-dense-metric", "0"])  # 5 steps: chance-level, let through on purpose
     R.main(["eval", "--ckpt", ck, "--device", "cpu", "--lengths", "512", "--n-seq", "1", "--out", out,
-            "--configs", "default", "--index-cost", "--index-L", "512"])  # merged: same key replaced, others kept
+            "--configs", "default", "--index-cost", "--index-L", "512", "--min-dense-metric", "0"])  # merged: same key replaced, others kept
     doc = json.load(open(out))
     rows = doc["rows"]
     keys = [(r["model"], r["task"], r["L"], r["config"]) for r in rows]
@@ -90,6 +90,24 @@ def test_train_and_eval_end_to_end(tmp_path):
         assert r["dense_metric"] == mine["dense"]["metric"] and r["commit"] and r["date"]
         assert r["model_arch"] == model.name and r["ci_low"] <= r["diff"] <= r["ci_high"]
     assert mine["sp:alpha=0"]["density"] == 1.0
+    assert meta["learned"] is False  # 5 steps at chance: the checkpoint says so ...
+    before = json.load(open(out))["rows"]
+    with pytest.raises(SystemExit, match="min-dense-metric"):  # ... and the default eval refuses it, writing nothing
+        R.main(["eval", "--ckpt", ck, "--device", "cpu", "--lengths", "512", "--n-seq", "1", "--out", out,
+                "--configs", "oracle_0.7"])
+    assert json.load(open(out))["rows"] == before
+
+
+def test_training_stage_advance():
+    """The curriculum's rule: a stage moves on at 0.9 running accuracy or at its deadline, but the first one only
+    once its plateau is broken (>= LEARNED) or at 60 % of the budget; the last never moves on."""
+    dl = [0.25, 0.6, float("inf")]
+    adv = lambda stage, acc, prog, steps=100: R.advance(stage, 3, steps, acc, prog, dl)  # noqa: E731
+    assert adv(0, 0.95, 0.1) and not adv(0, 0.95, 0.1, steps=10)
+    assert not adv(0, 0.0, 0.3) and not adv(0, 0.4, 0.59)       # past the deadline at chance: wait
+    assert adv(0, 0.6, 0.3) and adv(0, 0.0, 0.6)                # broken plateau, or out of time
+    assert not adv(1, 0.0, 0.5) and adv(1, 0.0, 0.61)           # later stages: the deadline alone
+    assert not adv(2, 1.0, 0.99)
 
 
 def _sharp_model(seed=0):
