@@ -101,13 +101,12 @@ def custom_op_chunked():
     @torch.library.custom_op("sp_bench::chunked_prefill", mutates_args=("mean_k", "mean_v"))
     def chunked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 block_table: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                final_chunk: bool, union: bool = False, alpha: float = 0.1, block_size: int = 128, sink: int = 256,
-                window: int = 512, last_n: int = 2, correction: Optional[bool] = None,
-                softmax_scale: Optional[float] = None, return_lse: bool = False, mean_k: Optional[torch.Tensor] = None,
-                mean_v: Optional[torch.Tensor] = None, head_subgroups: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+                final_chunk: bool, softmax_scale: Optional[float] = None, return_lse: bool = False,
+                mean_k: Optional[torch.Tensor] = None,
+                mean_v: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        # the library's default selection (the variants here pass none)
         return spt._chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q,
-                                   max_seqlen_k, final_chunk, union, alpha, block_size, sink, window, last_n,
-                                   correction, softmax_scale, return_lse, mean_k, mean_v, head_subgroups)
+                                   max_seqlen_k, final_chunk, softmax_scale, return_lse, mean_k, mean_v)
 
     chunked.register_fake(spt._fake_chunked)
     return torch.ops.sp_bench.chunked_prefill.default

@@ -45,8 +45,7 @@ from ._call import (_DESCALES, _FP8, LaunchOptions, _Call, _as_bool, _as_float, 
 from ._dense import attention, attention_path, attention_workspace_bytes
 from ._index import (Index, build_index, chunked_prefill_workspace_bytes, index_workspace_bytes, pool_kv,
                      sparse_prefill_workspace_bytes, union_index)
-from ._selection import (_C_DEFAULTS, _D, _RULE_NAMES, _RULES, SELECTION_DEFAULTS, Selection, _as_head_subgroups,
-                         _as_rule)
+from ._selection import (_D, _RULE_NAMES, _RULES, SELECTION_DEFAULTS, Selection, _as_head_subgroups, _as_rule)
 from ._sparse import (MeanCache, _check_index, chunked_prefill, mean_cache, sparse_attention,
                       sparse_attention_workspace_bytes, sparse_prefill)
 

@@ -10,9 +10,8 @@ import numpy as np
 from . import _C
 from ._arrays import ArrayLib, to_numpy
 from ._call import LaunchOptions, _Call, _as_int, _as_int32, _kv_arrays, _mean_cache_arrays
-from ._selection import _KEYWORD_NAMES, _LIBRARY_DEFAULT, Selection, _selection
+from ._selection import Selection, _selection, selection_keywords
 
-_SELECTION_KEYWORDS = set(_KEYWORD_NAMES)
 
 
 class Index:
@@ -217,17 +216,12 @@ def _from_numpy(lib: ArrayLib, a: Optional[np.ndarray]) -> Any:
     return None if a is None else lib.from_numpy(a)
 
 
-def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                alpha: float = _LIBRARY_DEFAULT, block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT,
-                window: int = _LIBRARY_DEFAULT, last_n: int = _LIBRARY_DEFAULT, correction: bool = _LIBRARY_DEFAULT,
-                causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
-                stream=None, final_chunk: bool = _LIBRARY_DEFAULT, union: bool = _LIBRARY_DEFAULT,
-                head_subgroups: int = _LIBRARY_DEFAULT,
-                workspace=None, mean_cache=None, options: Optional[LaunchOptions] = None,
-                rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
-                dense_fraction: float = _LIBRARY_DEFAULT, key_rank: int = _LIBRARY_DEFAULT,
-                selection: Optional[Selection] = None) -> Index:
+@selection_keywords
+def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                softmax_scale: Optional[float] = None, block_table=None, seqused_k=None, stream=None, workspace=None,
+                mean_cache=None, options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None,
+                v_descale=None, qkv_dtype=None, selection: Optional[Selection] = None,
+                **selection_keywords) -> Index:
     """The block selection: pooled block means, per-row scores, a threshold per tile, CSR index.
 
     Every packed row r of a (sequence, KV head, 128-row PackGQA query tile) scores each key block J it sees as
@@ -240,9 +234,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             or paged with block_table / seqused_k and cu_seqlens_k=None; FP8 with the descales, or as uint8 bit
             patterns with qkv_dtype='float8_e4m3fn'). attention()'s `window` mask does not apply here.
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
-        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
-            dense_fraction, final_chunk, union, max_kept_blocks: see "Selection arguments" below; default: the
-            library default (shown as <library default>).
+        the selection keywords (one per field of sp.Selection; the signature lists them): see "Selection
+            arguments" below; default: the library default (shown as <library default>).
         workspace: CUDA inputs only: a 1-D array of q's library on q's device of at least index_workspace_bytes(...)
             bytes, 256-byte aligned, in which the index lives (the call then allocates nothing and can be captured in
             a CUDA graph; the index lives there until the buffer is reused). Default: a workspace array allocated in
@@ -327,8 +320,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                             (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), stream, options)
-    sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
-                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
+    sel = _selection(selection, selection_keywords)
     mode = "union" if sel.union else "tile"
     mean_k, mean_v, mean_bs = _mean_cache_arrays(mean_cache, call)
     if not call.lib.cuda:
@@ -344,68 +336,60 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     return Index._device(dev, ws, call.lib, call.arrays["cu_seqlens_q"], mode)
 
 
-def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                          block_size: int = _LIBRARY_DEFAULT, block_table=None, seqused_k=None,
-                          union: bool = _LIBRARY_DEFAULT, head_subgroups: int = _LIBRARY_DEFAULT, causal: bool = True,
-                          softmax_scale: Optional[float] = None,
+@selection_keywords
+def index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table=None,
+                          seqused_k=None, causal: bool = True, softmax_scale: Optional[float] = None,
                           options: Optional[LaunchOptions] = None, qkv_dtype=None,
-                          selection: Optional[Selection] = None, **keywords) -> int:
+                          selection: Optional[Selection] = None, **selection_keywords) -> int:
     """Bytes of the `workspace` of build_index() on these arrays (read for their shapes only: no device access);
     0 for CPU arrays.
 
     Args:
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
             softmax_scale, options, qkv_dtype: as in build_index() (shapes are read, not values).
-        selection, block_size, union, head_subgroups, **keywords: the selection of the build: a Selection, or the
-            selection arguments (build_index(), "Selection arguments"; default: the library default), not both;
-            those that do not change the size may be left out, max_kept_blocks does (pass the build's own).
+        selection, or the selection keywords: the selection of the build (see build_index(), "Selection arguments";
+            default: the library default), not both; those that do not change the size (block_size, union,
+            head_subgroups and max_kept_blocks do) may be left out.
     """
     call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k), qkv_dtype=qkv_dtype)
     inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, options)
-    unknown = set(keywords) - _SELECTION_KEYWORDS
-    if unknown:
-        name = sorted(unknown)[0]
-        raise TypeError(f"{name}: not a selection argument (build_index(), \"Selection arguments\")")
-    sel = _selection(selection, block_size=block_size, union=union, head_subgroups=head_subgroups, **keywords)
+    sel = _selection(selection, selection_keywords)
     return int(_C.index_workspace_bytes(inputs, sel._params))
 
 
+@selection_keywords
 def sparse_prefill_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                                   block_size: int = _LIBRARY_DEFAULT, block_table=None, seqused_k=None,
-                                   union: bool = _LIBRARY_DEFAULT,
-                                   head_subgroups: int = _LIBRARY_DEFAULT, causal: bool = True,
+                                   block_table=None, seqused_k=None, causal: bool = True,
                                    softmax_scale: Optional[float] = None, options: Optional[LaunchOptions] = None,
-                                   qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
+                                   qkv_dtype=None, selection: Optional[Selection] = None,
+                                   **selection_keywords) -> int:
     """Bytes of the `workspace` of sparse_prefill() (the index and its launch state); 0 for CPU arrays.
 
     Args:
-        as index_workspace_bytes(): sparse_prefill()'s arrays and selection (build_index(), "Selection arguments");
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_size, block_table, seqused_k, union,
-        head_subgroups, causal, softmax_scale, options, qkv_dtype, selection, **keywords.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
+            softmax_scale, options, qkv_dtype, selection: as in index_workspace_bytes(), with sparse_prefill()'s
+            arrays; the selection keywords: see build_index(), "Selection arguments".
     """
     return index_workspace_bytes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
-                                 head_subgroups=head_subgroups, causal=causal, softmax_scale=softmax_scale,
-                                 options=options, qkv_dtype=qkv_dtype, selection=selection, **keywords)
+                                 block_table=block_table, seqused_k=seqused_k, causal=causal,
+                                 softmax_scale=softmax_scale, options=options, qkv_dtype=qkv_dtype,
+                                 selection=selection, **selection_keywords)
 
 
+@selection_keywords
 def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int,
-                                    max_seqlen_k: int, block_size: int = _LIBRARY_DEFAULT,
-                                    union: bool = _LIBRARY_DEFAULT, head_subgroups: int = _LIBRARY_DEFAULT,
-                                    options: Optional[LaunchOptions] = None,
-                                    qkv_dtype=None, selection: Optional[Selection] = None, **keywords) -> int:
+                                    max_seqlen_k: int, options: Optional[LaunchOptions] = None, qkv_dtype=None,
+                                    selection: Optional[Selection] = None, **selection_keywords) -> int:
     """Bytes of the `workspace` of chunked_prefill(); 0 for CPU arrays.
 
     Args:
-        as index_workspace_bytes() with chunked_prefill()'s arrays: q, k_cache, v_cache, cu_seqlens_q, block_table,
-        seqused_k, max_seqlen_q, max_seqlen_k, block_size, union, head_subgroups, options, qkv_dtype, selection,
-        **keywords (build_index(), "Selection arguments").
+        q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, options, qkv_dtype,
+            selection: as in index_workspace_bytes(), with chunked_prefill()'s arrays; the selection keywords: see
+            build_index(), "Selection arguments".
     """
     return index_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k,
-                                 block_size=block_size, block_table=block_table, seqused_k=seqused_k, union=union,
-                                 head_subgroups=head_subgroups, options=options, qkv_dtype=qkv_dtype,
-                                 selection=selection, **keywords)
-
+                                 block_table=block_table, seqused_k=seqused_k, options=options, qkv_dtype=qkv_dtype,
+                                 selection=selection, **selection_keywords)
 
 
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

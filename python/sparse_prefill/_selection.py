@@ -3,7 +3,8 @@ SelectionParams{}), and _selection(), which turns a call's `selection=` or its s
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import inspect
+from typing import Any
 
 from . import _C
 from ._call import _as_bool, _as_float, _as_int, _as_int32
@@ -11,19 +12,6 @@ from ._call import _as_bool, _as_float, _as_int, _as_int32
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
 _RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3, "key_max": 4}
 _RULE_NAMES = {v: k for k, v in _RULES.items()}
-# SelectionParams{} read field by field: its fields are the binding's, so no second list of defaults exists in C++
-_PARAMS = _C.SelectionParams()
-_C_DEFAULTS = {name: getattr(_PARAMS, name) for name in (
-    "alpha", "mean_alpha", "key_rank", "rule", "block_size", "sink", "window", "last_n", "correction",
-    "head_subgroups", "dense_fraction")}
-SELECTION_DEFAULTS = dict(_C_DEFAULTS, alpha=round(_C_DEFAULTS["alpha"], 7),  # the float32 0.1f as 0.1
-                          mean_alpha=round(_C_DEFAULTS["mean_alpha"], 7),
-                          dense_fraction=round(_C_DEFAULTS["dense_fraction"], 7),
-                          rule=_RULE_NAMES[_C_DEFAULTS["rule"]])
-"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set): alpha, mean_alpha,
-key_rank, rule, block_size, sink, window, last_n, correction, head_subgroups, dense_fraction. Every function's keyword
-defaults and Selection's are these; what each argument means: build_index(), "Selection arguments"."""
-_D = SELECTION_DEFAULTS
 
 
 def _as_rule(value: Any) -> int:
@@ -51,12 +39,47 @@ def _as_max_kept_blocks(value: Any) -> int:
     return n
 
 
-# The fields in the order of the selection keywords, with their defaults (union, final_chunk and max_kept_blocks are
-# not in SELECTION_DEFAULTS; theirs are SelectionParams{}'s too, max_kept_blocks -1 as None).
-_FIELDS = ("alpha", "rule", "mean_alpha", "key_rank", "block_size", "sink", "window", "last_n", "correction",
-           "head_subgroups", "dense_fraction", "final_chunk", "union", "max_kept_blocks")
-_DEFAULTS = dict(_D, final_chunk=_PARAMS.final_chunk, union=_PARAMS.union_lists,
-                 max_kept_blocks=None if _PARAMS.max_kept_blocks == -1 else _PARAMS.max_kept_blocks)
+class _Field:
+    """One selection field as Python sees it: its keyword, the binding's attribute, its default (Python's spelling)
+    and `to_c(value)`, which checks the value's type and returns what SelectionParams holds."""
+
+    __slots__ = ("name", "c_name", "default", "to_c", "to_py")
+
+    def __init__(self, c_name: str):
+        c_default = getattr(_PARAMS, c_name)
+        self.c_name = c_name
+        self.name = _PY_NAMES.get(c_name, c_name)
+        self.to_py = lambda c: c                              # the binding's value -> the keyword's
+        if c_name in _SPECIAL:
+            self.to_c, self.to_py = _SPECIAL[c_name]
+        elif isinstance(c_default, bool):
+            self.to_c = lambda v, n=self.name: _as_bool(n, v)
+        elif isinstance(c_default, int):
+            self.to_c = lambda v, n=self.name: _as_int32(n, v)
+        else:
+            self.to_c = lambda v, n=self.name: _as_float(n, v)
+            c_default = round(c_default, 7)  # a C++ float's default as the decimal it was written as (0.003f)
+        self.default = self.to_py(c_default)
+
+
+# SelectionParams{} read field by field (the binding's SELECTION_FIELDS, from core/selection_fields.h: the one list of
+# the fields and the one place their defaults are set). Python spells three of them its own way: `union` (C++
+# union_lists, a keyword of C++), `rule` by name, `max_kept_blocks` None for the causal bound (-1).
+_PARAMS = _C.SelectionParams()
+_PY_NAMES = {"union_lists": "union"}
+_SPECIAL = {"rule": (_as_rule, lambda c: _RULE_NAMES[c]),
+            "head_subgroups": (_as_head_subgroups, lambda c: c),
+            "max_kept_blocks": (_as_max_kept_blocks, lambda c: None if c == -1 else c)}
+_TABLE = tuple(_Field(c) for c in _C.SELECTION_FIELDS)
+_FIELDS = tuple(f.name for f in _TABLE)
+_FIELD_SET = frozenset(_FIELDS)
+_DEFAULTS = {f.name: f.default for f in _TABLE}
+SELECTION_DEFAULTS = dict(_DEFAULTS)
+"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set), one entry per field of
+sp.Selection: alpha, mean_alpha, key_rank, rule, block_size, sink, window, last_n, correction, final_chunk, union,
+head_subgroups, dense_fraction, max_kept_blocks. Every function's selection keywords and Selection's default to these;
+what each argument means: build_index(), "Selection arguments"."""
+_D = SELECTION_DEFAULTS
 
 
 class _LibraryDefault:
@@ -83,9 +106,9 @@ class Selection:
         out = sp.sparse_prefill(q, k, v, cu_q, cu_k, max_q, max_k, selection=sel)
         sel2 = sel.replace(block_size=256)
 
-    Every field is a keyword, defaulting to sp.SELECTION_DEFAULTS (the C++ SelectionParams{}); what each one means:
-    build_index(), "Selection arguments": alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n,
-    correction, head_subgroups, dense_fraction, final_chunk, union, max_kept_blocks. Types and every range that
+    Every field is a keyword, defaulting to sp.SELECTION_DEFAULTS (the C++ SelectionParams{}, whose list of fields
+    is the one declaration: the signature shows them); what each one means: build_index(), "Selection arguments".
+    Types and every range that
     needs no shapes are checked here, once (TypeError / ValueError naming the field); the call checks what needs them
     (head_subgroups dividing Hq // Hkv; key_rank <= the head dim). The functions' selection keywords are a shorthand
     that builds one. Pass the selection either as `selection=` or as the selection keywords (a keyword left out is
@@ -96,36 +119,20 @@ class Selection:
 
     __slots__ = _FIELDS + ("_params", "_flipped")
 
-    def __init__(self, *, alpha: float = _D["alpha"], rule: str = _D["rule"], mean_alpha: float = _D["mean_alpha"],
-                 key_rank: int = _D["key_rank"], block_size: int = _D["block_size"], sink: int = _D["sink"],
-                 window: int = _D["window"], last_n: int = _D["last_n"], correction: bool = _D["correction"],
-                 head_subgroups: int = _D["head_subgroups"], dense_fraction: float = _D["dense_fraction"],
-                 final_chunk: bool = True, union: bool = False, max_kept_blocks: Optional[int] = None):
-        s = object.__setattr__
-        s(self, "alpha", _as_float("alpha", alpha))
-        rule_code = _as_rule(rule)
-        s(self, "rule", rule)
-        s(self, "mean_alpha", _as_float("mean_alpha", mean_alpha))
-        s(self, "key_rank", _as_int32("key_rank", key_rank))
-        s(self, "block_size", _as_int32("block_size", block_size))
-        s(self, "sink", _as_int32("sink", sink))
-        s(self, "window", _as_int32("window", window))
-        s(self, "last_n", _as_int32("last_n", last_n))
-        s(self, "correction", _as_bool("correction", correction))
-        s(self, "head_subgroups", _as_head_subgroups(head_subgroups))
-        s(self, "dense_fraction", _as_float("dense_fraction", dense_fraction))
-        s(self, "final_chunk", _as_bool("final_chunk", final_chunk))
-        s(self, "union", _as_bool("union", union))
-        budget = _as_max_kept_blocks(max_kept_blocks)
-        s(self, "max_kept_blocks", None if budget < 0 else budget)
-        params = _C.SelectionParams(alpha=self.alpha, mean_alpha=self.mean_alpha, key_rank=self.key_rank,
-                                    rule=rule_code, block_size=self.block_size, sink=self.sink, window=self.window,
-                                    last_n=self.last_n, correction=self.correction, final_chunk=self.final_chunk,
-                                    union_lists=self.union, head_subgroups=self.head_subgroups,
-                                    dense_fraction=self.dense_fraction, max_kept_blocks=budget)
+    def __init__(self, **fields: Any):
+        unknown = fields.keys() - _FIELD_SET
+        if unknown:
+            name = sorted(unknown)[0]
+            raise TypeError(f"{name}: not a field of Selection (fields: {', '.join(_FIELDS)})")
+        c_values = {}
+        for f in _TABLE:
+            value = fields.get(f.name, f.default)
+            c_values[f.c_name] = f.to_c(value)     # TypeError / ValueError naming the field
+            object.__setattr__(self, f.name, f.to_py(c_values[f.c_name]))
+        params = _C.SelectionParams(**c_values)
         params.check()  # the library's shape-free checks (ValueError naming the field)
-        s(self, "_params", params)
-        s(self, "_flipped", None)  # the copy with the other final_chunk, made on first use (chunked_prefill)
+        object.__setattr__(self, "_params", params)
+        object.__setattr__(self, "_flipped", None)  # the copy with the other final_chunk, made on first use
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{name}: a Selection is immutable; use selection.replace({name}=...)")
@@ -175,29 +182,23 @@ _DEFAULT_SELECTION = Selection()
 _KEYWORD_SELECTIONS: dict = {}
 
 
-def _selection(selection: Any, alpha=_LIBRARY_DEFAULT, block_size=_LIBRARY_DEFAULT, sink=_LIBRARY_DEFAULT,
-               window=_LIBRARY_DEFAULT, last_n=_LIBRARY_DEFAULT, correction=_LIBRARY_DEFAULT,
-               final_chunk=_LIBRARY_DEFAULT, union=_LIBRARY_DEFAULT, head_subgroups=_LIBRARY_DEFAULT,
-               rule=_LIBRARY_DEFAULT, max_kept_blocks=_LIBRARY_DEFAULT, mean_alpha=_LIBRARY_DEFAULT,
-               dense_fraction=_LIBRARY_DEFAULT, key_rank=_LIBRARY_DEFAULT) -> Selection:
-    """The call's Selection: `selection` when given (every selection keyword must then be left out: _LIBRARY_DEFAULT),
-    else one built from the keywords, those left out at their defaults (the defaults' own Selection when all are)."""
-    kw = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
-          max_kept_blocks, mean_alpha, dense_fraction, key_rank)
+def _selection(selection: Any, keywords: dict) -> Selection:
+    """The call's Selection: `selection` when given (`keywords`, the selection keywords the call passed, must then be
+    empty), else the one the keywords build, those left out at their defaults (the defaults' own Selection when none
+    is passed). A keyword that is not a field is a TypeError naming it."""
     if selection is None:
-        if all(a is _LIBRARY_DEFAULT for a in kw):  # every keyword left out
+        if not keywords:  # every keyword left out
             return _DEFAULT_SELECTION
         # The keywords' Selection, made once per distinct value: the key holds the types too, so that 1, 1.0 and
-        # True (equal, one hash) do not share a Selection that validated only one of them (keywords left out are
-        # the sentinel in the key: resolved only when the Selection is made)
+        # True (equal, one hash) do not share a Selection that validated only one of them
         try:
-            key = kw + tuple(map(type, kw))
+            key = tuple((n, v, type(v)) for n, v in keywords.items())
             sel = _KEYWORD_SELECTIONS.get(key)
         except TypeError:  # an unhashable value: Selection() names it
             key = sel = None
         if sel is None:
-            sel = Selection(**{name: d if a is _LIBRARY_DEFAULT else a
-                               for name, a, d in zip(_KEYWORD_NAMES, kw, _KEYWORD_DEFAULTS)})
+            _check_keywords(keywords)
+            sel = Selection(**keywords)
             if key is not None:
                 if len(_KEYWORD_SELECTIONS) >= 256:
                     _KEYWORD_SELECTIONS.clear()
@@ -205,15 +206,36 @@ def _selection(selection: Any, alpha=_LIBRARY_DEFAULT, block_size=_LIBRARY_DEFAU
         return sel
     if not isinstance(selection, Selection):
         raise TypeError(f"selection: expected a sparse_prefill.Selection, got {type(selection).__name__}")
-    for name, value in zip(_KEYWORD_NAMES, kw):
+    _check_keywords(keywords)
+    for name, value in keywords.items():
         # any passed keyword, even one equal to the default or to the Selection's field: which one was meant is a guess
-        if value is not _LIBRARY_DEFAULT:
-            raise ValueError(f"{name}: given both as a keyword ({value!r}) and through selection= "
-                             f"({getattr(selection, name)!r}); pass one or the other, whatever the keyword's value "
-                             f"(to change the Selection: selection.replace({name}=...))")
+        raise ValueError(f"{name}: given both as a keyword ({value!r}) and through selection= "
+                         f"({getattr(selection, name)!r}); pass one or the other, whatever the keyword's value "
+                         f"(to change the Selection: selection.replace({name}=...))")
     return selection
 
 
-_KEYWORD_NAMES = ("alpha", "block_size", "sink", "window", "last_n", "correction", "final_chunk", "union",
-                  "head_subgroups", "rule", "max_kept_blocks", "mean_alpha", "dense_fraction", "key_rank")
-_KEYWORD_DEFAULTS = tuple(_DEFAULTS[n] for n in _KEYWORD_NAMES)
+def _check_keywords(keywords: dict) -> None:
+    unknown = keywords.keys() - _FIELD_SET
+    if unknown:
+        name = sorted(unknown)[0]
+        raise TypeError(f"{name}: unexpected keyword argument (neither a parameter of the function nor a selection "
+                        f"argument: {', '.join(_FIELDS)})")
+
+
+def selection_keywords(fn):
+    """Decorates a function that takes the selection as `selection=None, **selection_keywords`: its signature (help(),
+    inspect) then lists every selection field it does not name itself as a keyword-only parameter whose default is
+    <library default>, so that the functions show the keywords without restating them."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named = {p.name for p in params}
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_LIBRARY_DEFAULT)
+               for f in _TABLE if f.name not in named]
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
+
+
+Selection.__init__.__signature__ = inspect.Signature(
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for f in _TABLE])

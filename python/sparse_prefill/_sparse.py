@@ -11,7 +11,7 @@ from . import _C
 from ._arrays import ArrayLib, library_of, to_numpy
 from ._call import LaunchOptions, _Call, _as_bool, _as_int, _kv_arrays, _mean_cache_arrays
 from ._index import Index, build_index
-from ._selection import _LIBRARY_DEFAULT, Selection, _selection
+from ._selection import Selection, _selection, selection_keywords
 
 
 def sparse_attention_workspace_bytes(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -85,17 +85,12 @@ def sparse_attention(q, k, v, index: Index, cu_seqlens_q, cu_seqlens_k, max_seql
     return call.result(out_c, lse, out_ret, return_lse)
 
 
-def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                   alpha: float = _LIBRARY_DEFAULT, block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT,
-                   window: int = _LIBRARY_DEFAULT, last_n: int = _LIBRARY_DEFAULT,
-                   correction: bool = _LIBRARY_DEFAULT, causal: bool = True, softmax_scale: Optional[float] = None,
-                   out=None, return_lse: bool = False, return_index: bool = False, block_table=None, seqused_k=None,
-                   stream=None, final_chunk: bool = _LIBRARY_DEFAULT, union: bool = _LIBRARY_DEFAULT, mean_cache=None,
-                   head_subgroups: int = _LIBRARY_DEFAULT, workspace=None, options: Optional[LaunchOptions] = None,
-                   rule: str = _LIBRARY_DEFAULT, q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
-                   max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT, mean_alpha: float = _LIBRARY_DEFAULT,
-                   dense_fraction: float = _LIBRARY_DEFAULT, key_rank: int = _LIBRARY_DEFAULT,
-                   selection: Optional[Selection] = None):
+@selection_keywords
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                   softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
+                   return_index: bool = False, block_table=None, seqused_k=None, stream=None, mean_cache=None,
+                   workspace=None, options: Optional[LaunchOptions] = None, q_descale=None, k_descale=None,
+                   v_descale=None, qkv_dtype=None, selection: Optional[Selection] = None, **selection_keywords):
     """Block-sparse prefill in one call: build_index() + sparse_attention(). On CUDA the index never leaves the
     device and no host synchronisation happens.
 
@@ -105,8 +100,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
             (no sliding-window mask here).
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords below
             build.
-        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
-            dense_fraction, final_chunk, union, max_kept_blocks: the selection as keywords; default: the library
+        the selection keywords (one per field of sp.Selection; the signature lists them): default: the library
             default (shown as <library default>); see build_index(), "Selection arguments" (with a max_kept_blocks
             budget, pass the same value to sparse_prefill_workspace_bytes()). Pass the selection either as
             `selection=` or as the selection keywords (a keyword left out is the library default,
@@ -122,8 +116,7 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     Returns:
         out; (out, lse) with return_lse; (out, index) with return_index; (out, lse, index) with both.
     """
-    sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, final_chunk, union,
-                     head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
+    sel = _selection(selection, selection_keywords)
     if not _as_bool("return_index", return_index):
         call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                                 (q_descale, k_descale, v_descale)), out, qkv_dtype=qkv_dtype)
@@ -201,16 +194,12 @@ def mean_cache(k_cache, block_size: int = 128):
     return MeanCache(lib.zeros((slots, hkv, d), "float32"), lib.zeros((slots, hkv, d), "float32"), block_size)
 
 
+@selection_keywords
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                    *, final_chunk: bool, union: bool = _LIBRARY_DEFAULT, alpha: float = _LIBRARY_DEFAULT,
-                    block_size: int = _LIBRARY_DEFAULT, sink: int = _LIBRARY_DEFAULT, window: int = _LIBRARY_DEFAULT,
-                    last_n: int = _LIBRARY_DEFAULT, correction: bool = _LIBRARY_DEFAULT,
-                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, stream=None,
-                    mean_cache=None, head_subgroups: int = _LIBRARY_DEFAULT, workspace=None,
-                    options: Optional[LaunchOptions] = None, rule: str = _LIBRARY_DEFAULT, q_descale=None,
-                    k_descale=None, v_descale=None, qkv_dtype=None, max_kept_blocks: Optional[int] = _LIBRARY_DEFAULT,
-                    mean_alpha: float = _LIBRARY_DEFAULT, dense_fraction: float = _LIBRARY_DEFAULT,
-                    key_rank: int = _LIBRARY_DEFAULT, selection: Optional[Selection] = None):
+                    *, final_chunk: bool, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
+                    stream=None, mean_cache=None, workspace=None, options: Optional[LaunchOptions] = None,
+                    q_descale=None, k_descale=None, v_descale=None, qkv_dtype=None,
+                    selection: Optional[Selection] = None, **selection_keywords):
     """One chunked-prefill step over a paged KV cache: for each sequence b, its chunk of queries
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] (the last positions of what the cache holds: the chunk's own K/V must already
     be appended) against its whole cache of seqused_k[b] tokens, causal bottom-right, block-sparse.
@@ -228,12 +217,12 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
             per-tile lists (FlashPrefill V2; faster on all 36 measured steps of bench/results/chunked_h200.json,
             hence the default).
         selection: a Selection (sp.Selection(...)), the selection as one value; default: the one the keywords build.
-        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
-            dense_fraction, max_kept_blocks: the selection as keywords; default: the library default (shown as
-            <library default>); see build_index(), "Selection arguments"; as in sparse_prefill(), any of them
-            passed together with `selection=` (union too) is a ValueError naming it. With head_subgroups > 1 the
-            union is per (sequence, sub-group) (CompactAttention's option for large groups; on the topic workload at
-            128K it lowered the union density by a few % only, bench/results/chunked_subgroups_h200.json).
+        the selection keywords (one per field of sp.Selection but final_chunk, a parameter here): default: the
+            library default (shown as <library default>); see build_index(), "Selection arguments"; as in
+            sparse_prefill(), any of them passed together with `selection=` is a ValueError naming it. With
+            head_subgroups > 1 the union is per (sequence, sub-group) (CompactAttention's option for large groups;
+            on the topic workload at 128K it lowered the union density by a few % only,
+            bench/results/chunked_subgroups_h200.json).
         mean_cache: the pair from mean_cache(k_cache, block_size), passed to every step of the prompt from its first
             chunk on: the step reads the means of the blocks before its chunk from it and writes the blocks its chunk
             completes, so selection costs O(chunk + cache / block_size) instead of re-pooling the whole cache.
@@ -250,14 +239,8 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     Returns:
         out, or (out, lse) when return_lse is True.
     """
-    final_chunk = _as_bool("final_chunk", final_chunk)
-    if selection is None:
-        sel = _selection(None, alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups,
-                         rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
-    else:  # final_chunk is the step's, whatever the Selection says (not a selection keyword here: left out)
-        sel = _selection(selection, alpha, block_size, sink, window, last_n, correction, _LIBRARY_DEFAULT, union,
-                         head_subgroups, rule, max_kept_blocks, mean_alpha, dense_fraction, key_rank)
-        sel = sel._with_final_chunk(final_chunk)
+    # final_chunk is the step's, whatever a Selection says (a parameter here, not a selection keyword)
+    sel = _selection(selection, selection_keywords)._with_final_chunk(_as_bool("final_chunk", final_chunk))
     if block_table is None or seqused_k is None:
         raise ValueError("block_table: chunked_prefill runs over a paged KV cache; pass block_table and seqused_k")
     call = _Call(_kv_arrays(q, k_cache, v_cache, cu_seqlens_q, None, block_table, seqused_k,

@@ -7,8 +7,10 @@
                               final_chunk=False, mean_cache=means)
 
 The wrappers take the arguments and defaults of sparse_prefill.attention / sparse_prefill / chunked_prefill (torch
-tensors only; no `stream` (the current torch stream is used), no `workspace` (see below), no `return_index`) and
-call these operators, each with a fake (meta) implementation for tracing:
+tensors only; `selection=` or the selection keywords, as there; no `stream` (the current torch stream is used), no
+`workspace` (see below), no `return_index`) and call these operators, each with a fake (meta) implementation for
+tracing. The operators take the selection's fields as keyword-only arguments (rule as its int: 0 tile_energy,
+1 row_max, 2 probe_row_max, 3 probe_row_mass, 4 key_max; max_kept_blocks -1 for None):
 
     torch.ops.sparse_prefill.attention(...)           -> (out, lse)
     torch.ops.sparse_prefill.attention_out(..., out)  -> lse          (out written in place; mutates_args=out)
@@ -47,6 +49,8 @@ from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _C
 from . import _api
+from ._selection import _TABLE as _SELECTION_TABLE
+from ._selection import _selection, selection_keywords
 
 __all__ = ["attention", "sparse_prefill", "chunked_prefill", "OPS"]
 
@@ -55,14 +59,10 @@ _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
-# The selection's defaults (sparse_prefill.SELECTION_DEFAULTS, from the C++ SelectionParams{}): the schemas and
-# wrappers below take theirs from here. They are the values themselves, not the numpy API's <library default>
-# sentinel (sparse_prefill._selection._LIBRARY_DEFAULT, which tells a keyword passed from one left out so that a
-# keyword beside `selection=` raises): a torch.library schema holds only typed values (float, int, bool), and these
-# operators and wrappers take no `selection=`, so every call resolves to one set of values and nothing is ambiguous.
-# A wrapper that takes `selection=` must make that check itself, with the sentinel, before calling the operator.
-_D = _api.SELECTION_DEFAULTS
-_RULE_D = _api._as_rule(_D["rule"])
+# The selection: the operators' schemas list its fields keyword-only (_selection_schema(), from the library's one
+# table, defaults the C++ SelectionParams{}'s), the kernels take them as **fields, and the wrappers take `selection=`
+# or the selection keywords as the public functions do (checked by the same _selection(), with its <library default>
+# sentinel: a keyword beside `selection=` raises) and pass the fields that differ from the defaults.
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -124,26 +124,27 @@ def _sparse_workspace(inputs, sel, sel_key, q, k, cu_seqlens_q, cu_seqlens_k, bl
 _selections: dict = {}
 
 
-def _selection_of(key: tuple) -> Any:
-    """The Selection of an operator's selection arguments (alpha, block_size, sink, window, last_n, correction,
-    final_chunk, union, head_subgroups, rule, mean_alpha, dense_fraction, key_rank), made and validated once per
-    distinct value (the schema fixes their types, so equal keys are equal selections)."""
+def _selection_of(fields: dict) -> Any:
+    """The Selection of an operator call's selection arguments (`fields`: those the dispatcher passed, i.e. the ones
+    that differ from the schema's defaults; rule as its int, max_kept_blocks -1 for None), made and validated once
+    per distinct value (the schema fixes their types, so equal keys are equal selections); with its cache key."""
+    key = frozenset(fields.items())
     sel = _selections.get(key)
     if sel is None:
-        (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule, mean_alpha,
-         dense_fraction, key_rank) = key
-        name = _api._RULE_NAMES.get(rule)
-        if name is None:
-            known = ", ".join(f"{i} ({n!r})" for i, n in sorted(_api._RULE_NAMES.items()))
-            raise ValueError(f"rule: must be one of {known}, got {rule}")
-        sel = _api.Selection(alpha=alpha, block_size=block_size, sink=sink, window=window, last_n=last_n,
-                             correction=correction, final_chunk=final_chunk, union=union,
-                             head_subgroups=head_subgroups, rule=name, mean_alpha=mean_alpha,
-                             dense_fraction=dense_fraction, key_rank=key_rank)
+        kw = dict(fields)
+        if "rule" in kw:
+            name = _api._RULE_NAMES.get(kw["rule"])
+            if name is None:
+                known = ", ".join(f"{i} ({n!r})" for i, n in sorted(_api._RULE_NAMES.items()))
+                raise ValueError(f"rule: must be one of {known}, got {kw['rule']}")
+            kw["rule"] = name
+        if kw.get("max_kept_blocks") == -1:
+            kw["max_kept_blocks"] = None
+        sel = _api.Selection(**kw)
         if len(_selections) >= 1024:
             _selections.clear()
         _selections[key] = sel
-    return sel
+    return sel, key
 
 
 def _check_int32(name: str, value: int) -> None:
@@ -219,13 +220,9 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                           window, return_lse, block_table, seqused_k, out, q_descale, k_descale, v_descale)
 
 
-def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
-                last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk, union,
-                mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
-                dense_fraction, key_rank) -> torch.Tensor:
-    sel_key = (alpha, block_size, sink, window, last_n, correction, final_chunk, union, head_subgroups, rule,
-               mean_alpha, dense_fraction, key_rank)
-    sel = _selection_of(sel_key)
+def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
+                block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, fields) -> torch.Tensor:
+    sel, sel_key = _selection_of(fields)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
     inputs = _C.Inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
@@ -246,30 +243,23 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return lse
 
 
-def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
-                   sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
-                   block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                   head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                   mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+# The selection arguments are keyword-only in the schemas (_SELECTION_SCHEMA): the kernels take them as **fields.
+def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
+                   return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None, q_descale=None,
+                   k_descale=None, v_descale=None, **fields):
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
-    lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink, window,
-                      last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k, final_chunk,
-                      union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale, mean_alpha,
-                      dense_fraction, key_rank)
+    lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, fields)
     return out, lse
 
 
-def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"],
-                       block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True,
-                       softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, final_chunk=True,
-                       union=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
-                       q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
-                       dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
+                       softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, mean_k=None,
+                       mean_v=None, q_descale=None, k_descale=None, v_descale=None, **fields):
     _check_out(out)
-    return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                       window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                       final_chunk, union, mean_k, mean_v, head_subgroups, rule, out, q_descale, k_descale, v_descale,
-                       mean_alpha, dense_fraction, key_rank)
+    return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                       return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
+                       fields)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -291,32 +281,26 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 
 
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-                    final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
-                    correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                    head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                    mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+                    final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
+                    k_descale=None, v_descale=None, **fields):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
-    lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                      window, last_n, correction, True, softmax_scale,
-                      return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+    lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, True, softmax_scale,
+                      return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
+                      dict(fields, final_chunk=final_chunk))
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
-                        final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
-                        correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                        head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                        mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+                        final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
+                        k_descale=None, v_descale=None, **fields):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
-    return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                       window, last_n, correction, True, softmax_scale,
-                       return_lse, block_table, seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, rule,
-                      out, q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+    return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, True, softmax_scale,
+                       return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
+                       dict(fields, final_chunk=final_chunk))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -341,35 +325,27 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return _fake_lse(q, return_lse)
 
 
-def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha=_D["alpha"], block_size=_D["block_size"],
-                 sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None, return_lse=False,
-                 block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None, mean_v=None,
-                 head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                 mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
+                 return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None, q_descale=None,
+                 k_descale=None, v_descale=None, **fields):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
-def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha=_D["alpha"], block_size=_D["block_size"],
-                     sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"], causal=True, softmax_scale=None,
-                     return_lse=False, block_table=None, seqused_k=None, final_chunk=True, union=False, mean_k=None,
-                     mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                     mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
+                     softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None,
+                     q_descale=None, k_descale=None, v_descale=None, **fields):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
-                  union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"], correction=_D["correction"],
-                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, head_subgroups=_D["head_subgroups"], rule=_RULE_D,
-                  q_descale=None, k_descale=None, v_descale=None, mean_alpha=_D["mean_alpha"],
-                  dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+                  softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None, k_descale=None,
+                  v_descale=None, **fields):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
-                      final_chunk, union=False, alpha=_D["alpha"], block_size=_D["block_size"], sink=_D["sink"], window=_D["window"], last_n=_D["last_n"],
-                      correction=_D["correction"], softmax_scale=None, return_lse=False, mean_k=None, mean_v=None,
-                      head_subgroups=_D["head_subgroups"], rule=_RULE_D, q_descale=None, k_descale=None, v_descale=None,
-                      mean_alpha=_D["mean_alpha"], dense_fraction=_D["dense_fraction"], key_rank=_D["key_rank"]):
+                      final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
+                      k_descale=None, v_descale=None, **fields):
     return _fake_lse(q, return_lse)
 
 
@@ -382,21 +358,31 @@ _ATTN_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seq
 _FP8_OPTS = "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None"
 _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -1], bool return_lse=False, "
               "Tensor? block_table=None, Tensor? seqused_k=None, " + _FP8_OPTS)
-_SEL_OPTS = (f"float alpha={_D['alpha']!r}, int block_size={_D['block_size']}, int sink={_D['sink']}, "
-             f"int window={_D['window']}, int last_n={_D['last_n']}, bool correction={_D['correction']}")
-_SPARSE_OPTS = (f"{_SEL_OPTS}, bool causal=True, float? softmax_scale=None, bool return_lse=False, "
-                "Tensor? block_table=None, Tensor? seqused_k=None, bool final_chunk=True, bool union=False, "
-                f"Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, int head_subgroups={_D['head_subgroups']}, "
-                f"int rule={_RULE_D}, "
-                f"{_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
-                f"float dense_fraction={_D['dense_fraction']!r}, int key_rank={_D['key_rank']}")
+
+
+def _selection_schema(exclude=()) -> str:
+    """The selection arguments of a schema, keyword-only, from the library's one table of fields (sp.Selection's,
+    read from the C++ SelectionParams): `rule` as its int, `max_kept_blocks` -1 for None."""
+    out = []
+    for f in _SELECTION_TABLE:
+        if f.name in exclude:
+            continue
+        if f.name == "rule":
+            out.append(f"int rule={_api._as_rule(f.default)}")
+        elif f.name == "max_kept_blocks":
+            out.append(f"int max_kept_blocks={-1 if f.default is None else f.default}")
+        else:
+            out.append(f"{type(f.default).__name__} {f.name}={f.default!r}")
+    return "*, " + ", ".join(out)
+
+
+_MEANS = "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None"
+_SPARSE_OPTS = (f"bool causal=True, float? softmax_scale=None, bool return_lse=False, Tensor? block_table=None, "
+                f"Tensor? seqused_k=None, {_MEANS}, {_FP8_OPTS}, {_selection_schema()}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
-_CHUNK_OPTS = (f"bool final_chunk, bool union=False, {_SEL_OPTS}, float? softmax_scale=None, "
-               "bool return_lse=False, Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None, "
-               f"int head_subgroups={_D['head_subgroups']}, "
-               f"int rule={_RULE_D}, {_FP8_OPTS}, float mean_alpha={_D['mean_alpha']!r}, "
-               f"float dense_fraction={_D['dense_fraction']!r}, int key_rank={_D['key_rank']}")
+_CHUNK_OPTS = (f"bool final_chunk, float? softmax_scale=None, bool return_lse=False, {_MEANS}, {_FP8_OPTS}, "
+               f"{_selection_schema(exclude=('final_chunk',))}")
 
 _SCHEMAS = {
     "attention": (f"{_ATTN_ARGS}, {_ATTN_OPTS}) -> (Tensor, Tensor)", _attention_kernel, _fake_attention),
@@ -470,68 +456,85 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     return (out, lse) if return_lse else out
 
 
-def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, alpha: float = _D["alpha"],
-                   block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                   last_n: int = _D["last_n"], correction: bool = _D["correction"], causal: bool = True, softmax_scale: Optional[float] = None, out=None,
-                   return_lse: bool = False, block_table=None, seqused_k=None, final_chunk: bool = True,
-                   union: bool = False, mean_cache=None, head_subgroups: int = _D["head_subgroups"],
-                   rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
-                   mean_alpha: float = _D["mean_alpha"],
-                    dense_fraction: float = _D["dense_fraction"], key_rank: int = _D["key_rank"]):
+_op_fields_of: dict = {}
+
+
+def _op_fields(selection, keywords: dict) -> dict:
+    """The operator's selection arguments for a wrapper's `selection=` or selection keywords (as the public
+    functions take them, checked the same way: _selection): the fields that differ from the defaults, rule as its int,
+    max_kept_blocks -1 for None. Cached per Selection (the keywords' Selections are cached by _selection)."""
+    sel = _selection(selection, keywords)
+    hit = _op_fields_of.get(id(sel))
+    if hit is not None and hit[0] is sel:
+        return hit[1]
+    fields = {}
+    for f in _SELECTION_TABLE:
+        value = getattr(sel, f.name)
+        if value != f.default:
+            fields[f.name] = (_api._as_rule(value) if f.name == "rule" else
+                              -1 if f.name == "max_kept_blocks" and value is None else value)
+    if len(_op_fields_of) >= 1024:
+        _op_fields_of.clear()
+    _op_fields_of[id(sel)] = (sel, fields)
+    return fields
+
+
+@selection_keywords
+def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                   softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, block_table=None,
+                   seqused_k=None, mean_cache=None, q_descale=None, k_descale=None, v_descale=None, selection=None,
+                   **selection_keywords):
     """sparse_prefill.sparse_prefill (without return_index) through torch.ops.sparse_prefill.sparse_prefill(_out).
 
     Args:
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, return_lse,
             block_table, seqused_k, mean_cache, q_descale, k_descale, v_descale: as in sparse_prefill.sparse_prefill().
-        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
-            dense_fraction, final_chunk, union: the selection; see sparse_prefill.build_index(), "Selection arguments".
+        selection, or the selection keywords: as in sparse_prefill.sparse_prefill(), not both (see build_index(),
+            "Selection arguments").
 
     Returns:
         out, or (out, lse) when return_lse is True.
     """
+    fields = _op_fields(selection, selection_keywords)
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
-        out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, block_size, sink,
-                              window, last_n, correction, causal, softmax_scale, return_lse, block_table, seqused_k,
-                              final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+        out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                              return_lse, block_table, seqused_k, mean_k, mean_v, q_descale, k_descale, v_descale,
+                              **fields)
     else:
-        lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, alpha, block_size,
-                             sink, window, last_n, correction, causal, softmax_scale, return_lse, block_table,
-                             seqused_k, final_chunk, union, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                             q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+        lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal,
+                             softmax_scale, return_lse, block_table, seqused_k, mean_k, mean_v, q_descale, k_descale,
+                             v_descale, **fields)
     return (out, lse) if return_lse else out
 
 
+@selection_keywords
 def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q: int, max_seqlen_k: int,
-                    *, final_chunk: bool, union: bool = False, alpha: float = _D["alpha"],
-                    block_size: int = _D["block_size"], sink: int = _D["sink"], window: int = _D["window"],
-                    last_n: int = _D["last_n"], correction: bool = _D["correction"],
-                    softmax_scale: Optional[float] = None, out=None, return_lse: bool = False, mean_cache=None,
-                    head_subgroups: int = _D["head_subgroups"], rule: str = _D["rule"], q_descale=None, k_descale=None, v_descale=None,
-                    mean_alpha: float = _D["mean_alpha"],
-                    dense_fraction: float = _D["dense_fraction"], key_rank: int = _D["key_rank"]):
+                    *, final_chunk: bool, softmax_scale: Optional[float] = None, out=None, return_lse: bool = False,
+                    mean_cache=None, q_descale=None, k_descale=None, v_descale=None, selection=None,
+                    **selection_keywords):
     """sparse_prefill.chunked_prefill through torch.ops.sparse_prefill.chunked_prefill(_out).
 
     Args:
-        q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk, union,
+        q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
             softmax_scale, out, return_lse, mean_cache, q_descale, k_descale, v_descale: as in
-            sparse_prefill.chunked_prefill().
-        alpha, rule, mean_alpha, key_rank, block_size, sink, window, last_n, correction, head_subgroups,
-            dense_fraction: the selection; see sparse_prefill.build_index(), "Selection arguments".
+            sparse_prefill.chunked_prefill() (final_chunk is the step's, whatever a `selection` says).
+        selection, or the selection keywords: as in sparse_prefill.chunked_prefill(), not both (see build_index(),
+            "Selection arguments").
 
     Returns:
         out, or (out, lse) when return_lse is True.
     """
+    fields = _op_fields(selection, selection_keywords)
+    if "final_chunk" in fields:  # the step's final_chunk wins over a Selection's (not in the chunked schemas)
+        fields = {n: v for n, v in fields.items() if n != "final_chunk"}
     mean_k, mean_v = _mean_pair(mean_cache)
     if out is None:
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-                               final_chunk, union, alpha, block_size, sink, window, last_n, correction, softmax_scale,
-                               return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                               q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+                               final_chunk, softmax_scale, return_lse, mean_k, mean_v, q_descale, k_descale,
+                               v_descale, **fields)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
-                              out, final_chunk, union, alpha, block_size, sink, window, last_n, correction,
-                              softmax_scale, return_lse, mean_k, mean_v, head_subgroups, _api._as_rule(rule),
-                              q_descale, k_descale, v_descale, mean_alpha, dense_fraction, key_rank)
+                              out, final_chunk, softmax_scale, return_lse, mean_k, mean_v, q_descale, k_descale,
+                              v_descale, **fields)
     return (out, lse) if return_lse else out

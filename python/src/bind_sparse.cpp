@@ -154,6 +154,11 @@ void bind_sparse(nb::module_& m) {
       // dividing Hq / Hkv).
       .def("check", [](const sp::SelectionParams& p) { sp::check_selection_params(p); })
       .def("__repr__", &selection_repr);
+  // The field names in their order: the Python side's table of the selection (sparse_prefill/_selection.py) reads
+  // them here, so that the list exists once.
+  nb::list field_names;
+  sp::for_each_selection_field([&](const char* name, auto, sp::FieldCheck) { field_names.append(name); });
+  m.attr("SELECTION_FIELDS") = nb::tuple(field_names);
 
   // A host index's arrays (host, or copied to q's device) as sparse_attention reads them (sp::BlockIndexView).
   nb::class_<IndexArrays>(m, "IndexArrays")

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import sparse_prefill as sp
+from sparse_prefill.integrations.core import SELECTION_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,8 +289,7 @@ class LibrarySpy:
     library function each adapter call reached and with which selection keywords, then makes the call."""
 
     SPIED = ("attention", "sparse_prefill", "chunked_prefill")
-    SELECTION = ("alpha", "block_size", "sink", "window", "last_n", "correction", "rule", "union", "head_subgroups",
-                 "mean_alpha", "key_rank", "dense_fraction")
+    SELECTION = SELECTION_FIELDS  # the adapters' selection keywords (the library's table less two)
 
     def __init__(self, module=sp):
         self._module = module

@@ -25,6 +25,18 @@ def test_defaults_come_from_the_library(monkeypatch):
     assert library_selection_defaults()["sink"] == lib.sink
 
 
+def test_config_declares_every_selection_field():
+    """The adapters' selection is the library's table (sp.SELECTION_DEFAULTS) less final_chunk and max_kept_blocks:
+    a field added to the C++ list reaches SELECTION_FIELDS by itself, and SparsePrefillConfig must declare it."""
+    import dataclasses
+    from sparse_prefill.integrations.core import SELECTION_FIELDS
+    assert set(SELECTION_FIELDS) == set(sp.SELECTION_DEFAULTS) - {"final_chunk", "max_kept_blocks"}
+    declared = {f.name for f in dataclasses.fields(SparsePrefillConfig)}
+    assert set(SELECTION_FIELDS) <= declared, set(SELECTION_FIELDS) - declared
+    c = SparsePrefillConfig.load(environ={})
+    assert c.selection() == {n: getattr(sp.Selection(), n) for n in SELECTION_FIELDS}
+
+
 def test_precedence_kwargs_env_file(tmp_path):
     f = tmp_path / "sp.json"
     f.write_text(json.dumps({"alpha": 0.3, "dense_layers": 2, "final_chunk": "never", "correction": False}))

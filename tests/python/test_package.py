@@ -273,10 +273,12 @@ def test_selection_defaults_come_from_the_library():
     assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.003
     assert D["head_subgroups"] == 0 and D["dense_fraction"] == 0.85
     p = sp._C.SelectionParams()
-    c = {k: getattr(p, k) for k in D}
-    floats = ("rule", "alpha", "mean_alpha", "dense_fraction")  # float32 in C++, rounded to 7 digits in Python
+    assert list(D) == [{"union_lists": "union"}.get(k, k) for k in sp._C.SELECTION_FIELDS]  # one list, C++'s order
+    c = {k: getattr(p, {"union": "union_lists"}.get(k, k)) for k in D}
+    assert (c["rule"], c["max_kept_blocks"]) == (sp._api._as_rule(D["rule"]), -1) and D["max_kept_blocks"] is None
+    floats = ("rule", "max_kept_blocks", "alpha", "mean_alpha", "dense_fraction")  # float32 in C++, 7 digits here
     assert {k: v for k, v in D.items() if k not in floats} == {k: v for k, v in c.items() if k not in floats}
-    assert all(abs(D[k] - c[k]) < 1e-7 for k in floats[1:])
+    assert all(abs(D[k] - c[k]) < 1e-7 for k in floats[2:])
     fns = [sp.build_index, sp.sparse_prefill, sp.chunked_prefill]
     try:
         import sparse_prefill.torch_ops as spt
@@ -284,19 +286,18 @@ def test_selection_defaults_come_from_the_library():
         for name in ("sparse_prefill", "chunked_prefill"):
             schema = {a.name: a.default_value for a in spt.OPS[name]._schema.arguments}
             assert schema["correction"] == D["correction"] and schema["rule"] == sp._api._as_rule(D["rule"])
-            assert abs(schema["alpha"] - D["alpha"]) < 1e-7
+            assert abs(schema["alpha"] - D["alpha"]) < 1e-7 and schema["max_kept_blocks"] == -1
     except ImportError:
         pass
-    # the numpy API's selection keywords default to the <library default> sentinel (a keyword passed beside
-    # selection= is then told from one left out) and resolve to D; the torch wrappers take no selection= and show D
+    # the selection keywords (numpy API and torch wrappers) default to the <library default> sentinel (a keyword
+    # passed beside selection= is then told from one left out) and resolve to D
     from sparse_prefill._selection import _LIBRARY_DEFAULT, _selection
-    keys = ("alpha", "rule", "block_size", "sink", "window", "last_n", "correction", "head_subgroups", "mean_alpha",
-            "key_rank", "dense_fraction")
-    resolved = _selection(None)
-    assert {key: getattr(resolved, key) for key in keys} == {key: D[key] for key in keys}
+    resolved = _selection(None, {})
+    assert {key: getattr(resolved, key) for key in D} == D
     for fn in fns:
         params = inspect.signature(fn).parameters
-        numpy_api = fn.__module__.startswith("sparse_prefill._")
-        for key in keys:
-            want = _LIBRARY_DEFAULT if numpy_api else D[key]
-            assert params[key].default is want or params[key].default == want, (fn.__qualname__, key)
+        for key in D:
+            if key == "final_chunk" and fn.__name__ == "chunked_prefill":
+                assert params[key].default is inspect.Parameter.empty  # the step's, required
+                continue
+            assert params[key].default is _LIBRARY_DEFAULT, (fn.__qualname__, key)

@@ -146,14 +146,19 @@ def test_a_keyword_beside_selection_is_an_error(call):
 # Every public function that takes both selection= and selection keywords, with the keywords it takes (chunked_prefill:
 # its final_chunk is the step's, required, and not a selection keyword; the *_workspace_bytes() functions take the
 # others through **keywords)
-_ALL_KEYWORDS = ("alpha", "rule", "mean_alpha", "key_rank", "block_size", "sink", "window", "last_n", "correction",
-                 "head_subgroups", "dense_fraction", "final_chunk", "union", "max_kept_blocks")
+_ALL_KEYWORDS = tuple(sp.SELECTION_DEFAULTS)  # the library's one table of fields (C++ selection_fields.h)
 _ENTRY_POINTS = ("build_index", "sparse_prefill", "chunked_prefill", "index_workspace_bytes",
                  "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes")
 # a valid value other than the library's default, per keyword
 _OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, key_rank=32, block_size=64, sink=0, window=0, last_n=1,
               correction=True, head_subgroups=1, dense_fraction=1.0, final_chunk=False, union=True,
               max_kept_blocks=1000)
+
+
+def test_every_field_has_a_value_to_test():
+    """A field added to the C++ list reaches every signature by itself; the tests here need a non-default value."""
+    assert set(_OTHER) == set(_ALL_KEYWORDS)
+    assert all(_OTHER[k] != sp.SELECTION_DEFAULTS[k] for k in _OTHER)
 
 
 def _keywords_of(name):
@@ -220,7 +225,7 @@ def test_selection_keywords_default_to_the_library_default():
             if keyword in params:  # the *_workspace_bytes() functions take the rest through **keywords
                 assert params[keyword].default is _LIBRARY_DEFAULT, (name, keyword)
         assert "<library default>" in str(inspect.signature(getattr(sp, name)))
-    assert _selection(None) is _selection(None) == sp.Selection()
+    assert _selection(None, {}) is _selection(None, {}) == sp.Selection()
     assert {k: getattr(sp.Selection(), k) for k in sp.SELECTION_DEFAULTS} == sp.SELECTION_DEFAULTS
 
 

@@ -123,14 +123,28 @@ def test_operators_registered():
 
 def test_kernel_and_fake_defaults_match_the_schema():
     """The dispatcher leaves out trailing arguments equal to their defaults when it calls a Python kernel: every
-    kernel and fake implementation must default them to the schema's values."""
+    kernel and fake implementation must default them to the schema's values. The selection's fields are the schemas'
+    keyword-only arguments, the library's table exactly (chunked: final_chunk is the step's positional one), at its
+    defaults (a kernel takes them as **fields and resolves the ones left out through sp.Selection's defaults)."""
     import inspect
+    D = sp.SELECTION_DEFAULTS
     for name, (_, kernel, fake) in spt._SCHEMAS.items():
         schema = spt.OPS[name]._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        selection = {a.name: a for a in schema.arguments if a.kwarg_only}
+        if "sparse" in name or "chunked" in name:
+            assert set(selection) == set(D) - ({"final_chunk"} if "chunked" in name else set()), name
+            for key, a in selection.items():
+                want = (sp._api._as_rule(D[key]) if key == "rule" else -1 if key == "max_kept_blocks" else D[key])
+                assert a.default_value == pytest.approx(want, abs=1e-7), (name, key)
+        else:
+            assert not selection, name
         for fn in (kernel, fake):
             params = inspect.signature(fn).parameters
-            assert list(params) == [a.name for a in schema.arguments], (name, fn.__name__)
-            for a in schema.arguments:
+            named = [p for p in params.values() if p.kind is not p.VAR_KEYWORD]
+            assert [p.name for p in named] == [a.name for a in positional], (name, fn.__name__)
+            assert any(p.kind is p.VAR_KEYWORD for p in params.values()) == bool(selection), (name, fn.__name__)
+            for a in positional:
                 p = params[a.name]
                 if a.has_default_value():
                     want = a.default_value
@@ -243,6 +257,34 @@ def test_chunked_prefill_equals_public(device, union, final_chunk):
     _equal(m_op[0], m_ref[0])
     _equal(m_op[1], m_ref[1])
     assert m_op[0].abs().sum() > 0  # the step wrote the blocks its chunk completes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrappers_take_selection_as_the_public_functions(device):
+    """selection= or the selection keywords, not both, as sp.sparse_prefill / sp.chunked_prefill take them; the
+    operator's keyword-only fields reach the same selection (rule by its int, max_kept_blocks -1 for None)."""
+    args, kw = sparse_problem(device)
+    tensors = {k: v for k, v in kw.items() if k in ("block_table", "seqused_k")}
+    sel = sp.Selection(alpha=0.3, block_size=128, sink=0, rule="key_max", max_kept_blocks=4096)
+    ref = sp.sparse_prefill(*args, selection=sel, **tensors)
+    _equal(spt.sparse_prefill(*args, selection=sel, **tensors), ref)
+    _equal(spt.sparse_prefill(*args, **sel.as_dict(), **tensors), ref)
+    out, _ = spt.OPS["sparse_prefill"](*args, rule=4, alpha=0.3, sink=0, max_kept_blocks=4096, **tensors)
+    _equal(out, ref)
+    with pytest.raises(ValueError, match="^alpha: given both"):
+        spt.sparse_prefill(*args, selection=sel, alpha=0.3, **tensors)
+    with pytest.raises(TypeError, match="^alpah: unexpected keyword"):
+        spt.sparse_prefill(*args, alpah=0.3, **tensors)
+    with pytest.raises(ValueError, match="^rule: must be one of 0"):
+        spt.OPS["sparse_prefill"](*args, rule=9, **tensors)
+    # chunked: the step's final_chunk wins over the Selection's, as in sp.chunked_prefill
+    cargs = chunk_problem(device)
+    pruning = dict(alpha=0.5, sink=0, window=0, dense_fraction=1.0)  # final_chunk then changes the blocks kept
+    csel = sp.Selection(final_chunk=False, **pruning)
+    ref = sp.chunked_prefill(*cargs, final_chunk=True, **pruning)
+    _equal(sp.chunked_prefill(*cargs, final_chunk=True, selection=csel), ref)
+    _equal(spt.chunked_prefill(*cargs, final_chunk=True, selection=csel), ref)
+    assert not torch.equal(spt.chunked_prefill(*cargs, final_chunk=False, selection=csel), ref)  # it matters here
 
 
 @pytest.mark.parametrize("device", DEVICES)
