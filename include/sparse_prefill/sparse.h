@@ -240,6 +240,12 @@ BlockIndex to_host(const DeviceBlockIndex& index, void* stream);
 // synchronisation either way. CUDA: causal, no attention window, block_size % 128 == 0, bfloat16/float16, head dim 128.
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs);
 int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const SelectionParams& params);
+// Whether sparse_prefill (and chunked prefill: paged inputs) runs on these inputs and this device: "" when it does,
+// else why not, in the backend's own words (the NotImplementedError the call would raise: what its device's kernels
+// are not built for, e.g. a head dim, a page size, a window). Bad arguments raise ArgumentError as the call does.
+// Reads shapes, dtypes, strides and base addresses only (no device access); the output is taken as the call would
+// allocate it (contiguous, aligned).
+std::string sparse_prefill_support(const AttentionInputs& in, const SelectionParams& params);
 
 // Pooled-means cache beside a paged KV cache (chunked prefill): the means of complete key blocks, written once and
 // reused by the prompt's later chunks, so a step's selection pools only the blocks its chunk completes and the

@@ -30,7 +30,7 @@ The package's internal namespace. The code lives in modules by role, and every n
     _selection.py  Selection, SELECTION_DEFAULTS, and _selection._selection (a call's selection= or its keywords
                 as one Selection)
     _dense.py   attention, attention_path, attention_workspace_bytes
-    _index.py   Index, build_index, the index workspace sizes, union_index, pool_kv
+    _index.py   Index, build_index, the index workspace sizes, sparse_support, union_index, pool_kv
     _sparse.py  sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, MeanCache / mean_cache,
                 chunked_prefill
 Each module looks the extension up as its own global `_C`: code that replaces `_C` (bench/bench_host_overhead.py
@@ -44,7 +44,7 @@ from ._call import (_DESCALES, _FP8, LaunchOptions, _Call, _as_bool, _as_float, 
                     _kv_arrays, _launch_options, _mean_cache_arrays, check_errors)
 from ._dense import attention, attention_path, attention_workspace_bytes
 from ._index import (Index, build_index, chunked_prefill_workspace_bytes, index_workspace_bytes, pool_kv,
-                     sparse_prefill_workspace_bytes, union_index)
+                     sparse_prefill_workspace_bytes, sparse_support, union_index)
 from ._selection import (_D, _RULE_NAMES, _RULES, SELECTION_DEFAULTS, Selection, _as_head_subgroups, _as_rule)
 from ._sparse import (MeanCache, _check_index, chunked_prefill, mean_cache, sparse_attention,
                       sparse_attention_workspace_bytes, sparse_prefill)
@@ -55,5 +55,5 @@ _MODULES = (_call, _dense, _index, _selection, _sparse)
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
            "MeanCache", "Selection", "SELECTION_DEFAULTS", "check_errors",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
-           "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes"]
+           "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes", "sparse_support"]
 

@@ -392,6 +392,30 @@ def chunked_prefill_workspace_bytes(q, k_cache, v_cache, cu_seqlens_q, block_tab
                                  selection=selection, **selection_keywords)
 
 
+@selection_keywords
+def sparse_support(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table=None,
+                   seqused_k=None, causal: bool = True, softmax_scale: Optional[float] = None, q_descale=None,
+                   k_descale=None, v_descale=None, qkv_dtype=None, selection: Optional[Selection] = None,
+                   **selection_keywords) -> Optional[str]:
+    """Why sparse_prefill() / chunked_prefill() would not run block-sparse on these arrays and their device: None when
+    it would, else the reason in the backend's own words (the NotImplementedError message the call would raise:
+    what the device's kernels are not built for, e.g. a head dim, a page size, an attention window, a build without
+    CUDA). The one answer to "why not sparse?": the engine adapters ask it instead of restating the rules. CPU arrays:
+    always None (the CPU reference computes every valid call). Bad arguments raise as the call does.
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, causal,
+            softmax_scale, q_descale, k_descale, v_descale, qkv_dtype: as in sparse_prefill() (paged KV: chunked
+            prefill's arrays, cu_seqlens_k=None); shapes, dtypes, strides and base addresses are read, never values.
+        selection, or the selection keywords: the call's selection (see build_index(), "Selection arguments").
+    """
+    call = _Call(_kv_arrays(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                            (q_descale, k_descale, v_descale)), qkv_dtype=qkv_dtype)
+    inputs = call.inputs(max_seqlen_q, max_seqlen_k, causal, softmax_scale, (-1, -1), 0, None)
+    reason = _C.sparse_prefill_support(inputs, _selection(selection, selection_keywords)._params)
+    return reason or None
+
+
 def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                 causal: bool = True, softmax_scale: Optional[float] = None, block_table=None, seqused_k=None,
                 stream=None, qkv_dtype=None) -> Index:

@@ -290,6 +290,11 @@ void bind_sparse(nb::module_& m) {
           return sp::sparse_prefill_workspace_bytes(inputs.in, selection);
         },
         nb::arg("inputs"), nb::arg("selection"));
+  m.def("sparse_prefill_support",
+        [](const Inputs& inputs, const sp::SelectionParams& selection) {
+          return sp::sparse_prefill_support(inputs.in, selection);
+        },
+        nb::arg("inputs"), nb::arg("selection"));
 
   m.def("build_index",
         [](const Inputs& inputs, const sp::SelectionParams& selection) {

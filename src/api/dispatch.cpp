@@ -266,6 +266,24 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
   sparse_prefill_impl(in, params, outs, nullptr);
 }
 
+std::string sparse_prefill_support(const AttentionInputs& in, const SelectionParams& requested) {
+  const auto [p, params] = validate_selection(in, requested, nullptr);
+  if (p.device == Device::kCPU) return {};  // the reference computes every valid call
+  // sparse_prefill_impl's checks, in its order, with the output the call allocates (q's shape, contiguous: the
+  // alignment checks then read q, k and v only)
+  AttentionOutputs outs;
+  outs.out = make_view(nullptr, p.out_dtype, {in.q.shape[0], in.q.shape[1], in.q.shape[2]}, p.device,
+                       in.q.device_id);
+  try {
+    cuda::check_sparse_supported(in, p, params.block_size);
+    cuda::check_attention_supported(in, outs, p);
+    cuda::check_index_supported(in, p);
+  } catch (const NotImplementedError& e) {
+    return e.what();
+  }
+  return {};
+}
+
 void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, const AttentionOutputs& outs,
                     const MeanCache& cache) {
   sparse_prefill_impl(in, params, outs, &cache);

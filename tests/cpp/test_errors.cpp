@@ -369,8 +369,24 @@ TEST_F(Errors, AllOnCudaInCpuOnlyBuild) {
   };
   expect_clean_refusal([&] { attention(in, o); }, "attention");
   expect_clean_refusal([&] { build_index(in, SelectionParams{}); }, "build_index");
+  // the support question answers without raising: the backend's own reason (here: no CUDA backend)
+  const std::string why = sparse_prefill_support(in, SelectionParams{});
+  EXPECT_NE(why.find("no CUDA backend"), std::string::npos) << why;
 }
 #endif
+
+// sparse_prefill_support: "" where the call runs sparse (the CPU reference: every valid call), an ArgumentError for
+// a bad argument as the call raises it.
+TEST_F(Errors, SparsePrefillSupport) {
+  SelectionParams p;
+  EXPECT_EQ(sparse_prefill_support(C->in, p), "");
+  EXPECT_EQ(sparse_prefill_support(P->in, p), "");
+  p.block_size = 100;
+  EXPECT_ARG_ERROR(sparse_prefill_support(C->in, p), "block_size");
+  AttentionInputs in = C->in;
+  in.max_seqlen_q = -1;
+  EXPECT_ARG_ERROR(sparse_prefill_support(in, SelectionParams{}), "max_seqlen_q");
+}
 
 // ---- window, scale ----------------------------------------------------------------------------------------------
 TEST_F(Errors, Window) {

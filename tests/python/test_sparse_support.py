@@ -1,0 +1,81 @@
+"""sp.sparse_support: the one answer to "why would this call not run sparse?", in the backend's own words (the
+NotImplementedError the call would raise); None where it runs sparse. CPU: every valid call (the reference). CUDA:
+each refusal of src/cuda/support.cpp, and None exactly where sparse_prefill / chunked_prefill then run."""
+
+import numpy as np
+import pytest
+
+import sparse_prefill as sp
+from conftest import make_varlen, to_paged
+
+
+def _contiguous(rng, d=64, dtype=np.float32):
+    q, k, v, cu_q, cu_k = make_varlen(rng, [70, 200], [70, 200], d=d, dtype=dtype)
+    return (q, k, v, cu_q, cu_k, 200, 200)
+
+
+def test_cpu_runs_every_valid_call(rng):
+    args = _contiguous(rng)
+    assert sp.sparse_support(*args) is None
+    assert sp.sparse_support(*args, rule="key_max", alpha=0.1, block_size=64) is None
+    assert sp.sparse_support(*args, selection=sp.Selection(union=True), causal=False) is None
+    q, k, v, cu_q, cu_k = make_varlen(rng, [37, 130], [337, 650])
+    kc, vc, bt, used = to_paged(rng, k, v, cu_k, 16)
+    assert sp.sparse_support(q, kc, vc, cu_q, None, 130, 650, block_table=bt, seqused_k=used) is None
+
+
+def test_bad_arguments_raise_as_the_call_does(rng):
+    args = _contiguous(rng)
+    with pytest.raises(ValueError, match="^block_size"):
+        sp.sparse_support(*args, block_size=100)
+    with pytest.raises(ValueError, match="^max_seqlen_q"):
+        sp.sparse_support(*args[:5], -1, args[6])
+    with pytest.raises(ValueError, match="^alpha: given both"):
+        sp.sparse_support(*args, selection=sp.Selection(), alpha=0.1)
+    with pytest.raises(TypeError, match="^alpah: unexpected keyword"):
+        sp.sparse_support(*args, alpah=0.1)
+
+
+torch = pytest.importorskip("torch")
+_CUDA = torch.cuda.is_available() and sp.with_cuda
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a GPU and a CUDA build")
+def test_cuda_reasons_are_the_calls_refusals(rng):
+    """Each case: sparse_support's reason is the message of the NotImplementedError that sparse_prefill raises on the
+    same arrays (one source); None: the call runs."""
+    dev = "cuda"
+
+    def t(a, dtype=torch.bfloat16):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+
+    def i32(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+    def case(d=128, dtype=torch.bfloat16, page=None, **kw):
+        q, k, v, cu_q, cu_k = make_varlen(rng, [70, 200], [300, 700], d=d)
+        if page is None:
+            return (t(q, dtype), t(k, dtype), t(v, dtype), i32(cu_q), i32(cu_k), 200, 700), kw
+        kc, vc, bt, used = to_paged(rng, k, v, cu_k, page)
+        return (t(q, dtype), t(kc, dtype), t(vc, dtype), i32(cu_q), None, 200, 700), dict(
+            kw, block_table=i32(bt), seqused_k=i32(used))
+
+    cases = {
+        "runs": (case(), None),
+        "runs paged": (case(page=64), None),
+        "head dim 64": (case(d=64), "head dim 128"),
+        "float32": (case(dtype=torch.float32), "bfloat16"),
+        "page 32": (case(page=32), "page_size"),
+        "block 64": (case(block_size=64), "block_size"),
+        "not causal": (case(causal=False), "causal"),
+    }
+    for name, ((args, kw), want) in cases.items():
+        why = sp.sparse_support(*args, **kw)
+        if want is None:
+            assert why is None, (name, why)
+            sp.sparse_prefill(*args, **kw)  # runs
+            continue
+        assert why is not None and want in why, (name, why)
+        with pytest.raises(NotImplementedError) as e:
+            sp.sparse_prefill(*args, **kw)
+        assert str(e.value) == why, name
