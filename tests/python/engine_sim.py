@@ -56,6 +56,38 @@ def on_cuda(*values):
 BF16_ROUNDING = 2 ** -8 + 1e-4   # relative: bfloat16's unit roundoff, + float32 summation-order noise
 
 
+def cuda_sparse_support(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
+                        seqused_k=None, causal=True, softmax_scale=None, q_descale=None, k_descale=None,
+                        v_descale=None, qkv_dtype=None, selection=None, **keywords):
+    """What a CUDA build's sp.sparse_support answers, for replays of the adapters' CUDA decisions on the CPU (where
+    the library answers None: the reference runs everything): src/cuda/support.cpp's refusals of a sparse call, in
+    its order, with its messages. test_sparse_support.py checks it against the real answers on the GPU."""
+    sel = selection if selection is not None else sp.Selection(**keywords)
+    d = q.shape[-1]
+    if d != 128:
+        return f"CUDA sparse attention is built for head dim 128 only, got {d}"
+    if block_table is not None and k.shape[1] % 64:
+        return ("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size "
+                f"{k.shape[1]}")
+    if not causal:
+        return "CUDA sparse attention supports causal attention without an attention window only"
+    if sel.block_size % 128:
+        return ("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key kernel steps); "
+                f"got block_size {sel.block_size}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return ("q: CUDA attention supports bfloat16, float16 and float8_e4m3fn inputs only, got "
+                f"{str(q.dtype).replace('torch.', '')}")
+    return None
+
+
+def replay_cuda(monkeypatch):
+    """The adapters decide as on CUDA while the arrays stay on the CPU: core._on_cuda says True and sp.sparse_support
+    answers as a CUDA build does (cuda_sparse_support)."""
+    from sparse_prefill.integrations import core
+    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(sp, "sparse_support", cuda_sparse_support)
+
+
 def tolerance(device, ref, v_max, fp8):
     """How far an output may be from the CPU reference `ref` computed on the very values the kernel read (the cache's
     contents, dequantised for FP8). CPU: float32 accumulation noise (a float32 model) or the bfloat16 output rounding

@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
+from engine_sim import replay_cuda  # noqa: E402
 from sparse_prefill.integrations import SparsePrefillConfig, VarlenDispatch, library_selection_defaults  # noqa: E402
 from sparse_prefill.integrations.core import layer_index  # noqa: E402
 
@@ -200,7 +201,7 @@ def test_dispatch_fp8_sparse_on_the_cpu_equals_the_library_call():
 def test_dispatch_fp8_on_cuda_runs_sparse_and_dense_where_16_bits_do(monkeypatch):
     """The CUDA decision replayed on the CPU (core._on_cuda): FP8 prefill runs block-sparse, without a warning, and
     runs dense exactly where a bf16 call of the same shape does (the CUDA sparse kernels' constraints)."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     monkeypatch.setattr(core, "_warned", set())
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128)
     q8, k8, v8, ds = _fp8_case(d=128)
@@ -217,28 +218,47 @@ def test_dispatch_fp8_on_cuda_runs_sparse_and_dense_where_16_bits_do(monkeypatch
     ref = sp.sparse_prefill(q8, k8, v8, cu_q, cu_k, 301, 333, final_chunk=True, **cfg.selection(), **full)
     assert torch.equal(_bits(out), _bits(ref))
     # what still runs dense, FP8 or not, with the same reason as a bf16 call of that shape: short keys, a sliding
-    # window, pages of 32 (the kernels load pages of a multiple of 64 by TMA), block_size 64, dense_layers
-    qb, kb = q8.to(torch.bfloat16), k8.to(torch.bfloat16)
-    cases = [(VarlenDispatch(SparsePrefillConfig.load(environ={}, block_size=128)), k8, 301, 333, {},
+    # window, pages of 32 (the kernels load pages of a multiple of 64 by TMA), block_size 64, dense_layers, head dim
+    # 64; the kernels' reasons are the library's (sp.sparse_support, here as a CUDA build answers it)
+    def paged(x, page):
+        n = -(-x.shape[0] // page) * page
+        return torch.cat([x, x[:n - x.shape[0]]]).reshape(n // page, page, *x.shape[1:])  # the tail: unread rows
+
+    def decide(d, q, k, v, kw, page=None, descales=None):
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        extra = dict(descales or {})
+        if page is None:
+            d(q, k, v, cu_q, cu_k, 301, 333, out=out, **kw, **extra)
+        else:
+            kc, vc = paged(k, page), paged(v, page)
+            bt = torch.arange(kc.shape[0], dtype=torch.int32)[None]
+            used = torch.tensor([333], dtype=torch.int32)
+            d(q, kc, vc, cu_q, None, 301, 333, out=out, block_table=bt, seqused_k=used, **kw, **extra)
+        return d.last_path, d.last_reason
+
+    qb, kb, vb = q8.to(torch.bfloat16), k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    cfg = dict(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0)
+    cases = [(VarlenDispatch(SparsePrefillConfig.load(environ={}, block_size=128)), {}, None,
               "max_seqlen_k 333 < min_sparse_kv_len 8192"),
-             (disp, k8, 301, 333, dict(window=(63, 0)), "sliding window"),
-             (disp, k8[:320].reshape(10, 32, 2, 128), 301, 333, dict(paged=True), "page size 32"),
-             (VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
-                                                      block_size=64)), k8, 301, 333, {}, "block_size 64"),
-             (VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
-                                                      block_size=128, dense_layers=1)), k8, 301, 333,
-              dict(layer_idx=0), "layer 0 < dense_layers 1")]
-    for d, k, mq, mk, kw, want in cases:
-        why = d.sparse_reason(q8, k, mq, mk, **kw)
-        assert why is not None and want in why and why == d.sparse_reason(qb, k.to(torch.bfloat16), mq, mk, **kw)
-    assert disp.sparse_reason(q8, k8[:320].reshape(5, 64, 2, 128), 301, 333, paged=True) is None
-    assert "head dim 64" in disp.sparse_reason(*_fp8_case(d=64)[:2], 301, 333)
+             (disp, dict(window=(63, 0)), None, "sliding window"),
+             (disp, {}, 32, "got page_size 32"),
+             (VarlenDispatch(SparsePrefillConfig.load(**cfg, block_size=64)), {}, None, "got block_size 64"),
+             (VarlenDispatch(SparsePrefillConfig.load(**cfg, block_size=128, dense_layers=1)), dict(layer_idx=0),
+              None, "layer 0 < dense_layers 1")]
+    for d, kw, page, want in cases:
+        path, why = decide(d, q8, k8, v8, kw, page, ds)
+        assert path == "dense" and why is not None and want in why, (want, why)
+        assert decide(d, qb, kb, vb, kw, page) == (path, why)
+    assert decide(disp, q8, k8, v8, {}, 64, ds) == ("sparse", None)
+    q64, k64, v64, ds64 = _fp8_case(d=64)
+    path, why = decide(disp, q64, k64, v64, {}, None, ds64)
+    assert path == "dense" and "head dim 128 only, got 64" in why
 
 
 def test_fp8_kernel_reason(monkeypatch):
     q = torch.zeros(3, 4, 64, dtype=F8)
     assert core.fp8_kernel_reason(q, 64, 16) is None        # the CPU computes everything
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     assert "head dim 64" in core.fp8_kernel_reason(q, 64, 64)
     assert "page size 16" in core.fp8_kernel_reason(q, 128, 16)
     assert core.fp8_kernel_reason(q, 128, 128) is None and core.fp8_kernel_reason(q, 128) is None

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
-from engine_sim import LibrarySpy  # noqa: E402
+from engine_sim import LibrarySpy, replay_cuda  # noqa: E402
 from sparse_prefill.integrations import SparsePrefillConfig, VarlenDispatch  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_cuda_head_dim_64_is_padded_to_128(monkeypatch):
     """On CUDA the sparse kernels take head dim 128: contiguous 16-bit calls of head dim 64 (the transformers adapter)
     run zero-padded, with the model's softmax scale, and give the head-dim-64 result. Replayed on the CPU by replacing
     core._on_cuda; paged and FP8 calls of head dim 64 still run dense (no padding of an engine's cache)."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     seen = []
     real = sp.sparse_prefill
 
@@ -147,8 +147,13 @@ def test_cuda_head_dim_64_is_padded_to_128(monkeypatch):
     dense = sp.attention(q, k, v, cu, cu, L, L, return_lse=False)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
     assert (out.float() - dense.float()).abs().max() > 0.05   # sparse really ran (topic data)
-    paged = k[:1024].reshape(16, 64, 2, 64)
-    assert "head dim 64" in disp.sparse_reason(q, paged, L, L, paged=True)
+    # an engine's paged cache is never padded: the library's answer for head dim 64 sends it to dense
+    kc, vc = k[:1024].reshape(16, 64, 2, 64), v[:1024].reshape(16, 64, 2, 64)
+    bt, used = torch.arange(16, dtype=torch.int32)[None], torch.tensor([1024], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    disp(q, kc, vc, cu, None, L, L, out=out, block_table=bt, seqused_k=used)
+    assert disp.last_path == "dense" and "head dim 128 only, got 64" in disp.last_reason
+    torch.testing.assert_close(out.float(), dense.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_transformers_adapter_passes_the_layer_index(monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
 from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
                         LibrarySpy, check_selection_rows, layer_config, next_token, on_cuda, reference_attention,
-                        reference_rows, same_bits)
+                        reference_rows, replay_cuda, same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import sglang as sps
@@ -531,7 +531,7 @@ def test_fp8_on_cuda_runs_sparse_and_short_extends_dense(monkeypatch, poisoned_o
     """The dispatch's CUDA decisions replayed on the CPU: FP8 extends run block-sparse (head dim 128, block_size 128,
     pages of 64), without a warning; what runs dense is what runs dense for a 16-bit pool (here extends whose
     chunks are all below min_sparse_q_len=90), dense FP8 attention; every call == its direct call bit for bit."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     monkeypatch.setattr(core, "_warned", set())
     seen = []
     real = core.VarlenDispatch.sparse_reason
@@ -551,7 +551,7 @@ def test_fp8_on_cuda_runs_sparse_and_short_extends_dense(monkeypatch, poisoned_o
 def test_fp8_head_dim_64_on_cuda_goes_to_fa3(monkeypatch):
     """No CUDA FP8 kernel for head dim 64: the FA3 delegate serves those extend calls (it writes through the wrapped
     pool, so the mean cache stays valid), announced once naming kv_cache_dtype."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     monkeypatch.setattr(core, "_warned", set())
     FakeFA3Backend.calls.clear()
     with pytest.warns(RuntimeWarning, match="kv_cache_dtype='fp8_e4m3': FP8 with head dim 64.*FA3"):

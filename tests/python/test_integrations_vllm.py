@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import sparse_prefill as sp  # noqa: E402
 from engine_sim import (DEVICES, F8, GEOMETRY, Engine, Request, Tables, cache_rows, compare_rows,  # noqa: E402
                         LibrarySpy, check_selection_rows, fp8_quant, layer_config, next_token, on_cuda,
-                        reference_attention, reference_rows, same_bits)
+                        reference_attention, reference_rows, replay_cuda, same_bits)
 from sparse_prefill.integrations import SparsePrefillConfig  # noqa: E402
 from sparse_prefill.integrations import core  # noqa: E402
 from sparse_prefill.integrations import vllm as spv
@@ -561,7 +561,7 @@ def test_fp8_on_cuda_runs_sparse_and_dense_layers_dense(monkeypatch):
     """The dispatch's CUDA decisions replayed on the CPU: FP8 prefill runs block-sparse (head dim 128, block_size 128,
     pages of 64), without a warning; what runs dense is what runs dense for a 16-bit cache (here dense_layers=1:
     layer 0), dense FP8 attention; every call == its direct library call bit for bit."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     monkeypatch.setattr(core, "_warned", set())
     import warnings
     with warnings.catch_warnings():
@@ -575,7 +575,7 @@ def test_fp8_on_cuda_runs_sparse_and_dense_layers_dense(monkeypatch):
 def test_fp8_head_dim_64_on_cuda_goes_to_flash_attention(monkeypatch):
     """No CUDA FP8 kernel at all for head dim 64: the whole layer call goes to vLLM's FlashAttention (which serves
     FP8 at every head size), announced once naming kv_cache_dtype; results stay exact."""
-    monkeypatch.setattr(core, "_on_cuda", lambda t: True)
+    replay_cuda(monkeypatch)
     monkeypatch.setattr(core, "_warned", set())
     FakeFlashAttentionImpl.calls.clear()
     with pytest.warns(RuntimeWarning, match="kv_cache_dtype='fp8_e4m3': FP8 with head dim 64.*FlashAttention"):

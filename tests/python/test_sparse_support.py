@@ -79,3 +79,31 @@ def test_cuda_reasons_are_the_calls_refusals(rng):
         with pytest.raises(NotImplementedError) as e:
             sp.sparse_prefill(*args, **kw)
         assert str(e.value) == why, name
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a GPU and a CUDA build")
+def test_the_replays_stand_in_answers_as_the_cuda_build(rng):
+    """engine_sim.cuda_sparse_support (the adapters' CPU replays of CUDA decisions) gives the CUDA build's answers."""
+    from engine_sim import cuda_sparse_support
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+            for page in (None, 32, 64):
+                for kw in ({}, dict(block_size=64), dict(causal=False)):
+                    q, k, v, cu_q, cu_k = make_varlen(rng, [70, 200], [300, 700], d=d)
+                    extra = {}
+                    if page is not None:
+                        k, v, bt, used = to_paged(rng, k, v, cu_k, page)
+                        cu_k, extra = None, dict(block_table=bt, seqused_k=used)
+                    arrays = [torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k, v)]
+                    if dtype == torch.float8_e4m3fn:
+                        arrays = [x.to(dtype) for x in arrays]
+                        extra.update({n: torch.ones(2, 2) for n in ("q_descale", "k_descale", "v_descale")})
+                    else:
+                        arrays = [x.to(dtype) for x in arrays]
+                    cuda = [x.cuda() for x in arrays]
+                    dev = {n: torch.from_numpy(np.ascontiguousarray(x)).cuda() if not torch.is_tensor(x)
+                           else x.cuda() for n, x in extra.items()}
+                    cu = [None if c is None else torch.from_numpy(c).cuda() for c in (cu_q, cu_k)]
+                    real = sp.sparse_support(*cuda, *cu, 200, 700, **dev, **kw)
+                    stand_in = cuda_sparse_support(*arrays, cu_q, cu_k, 200, 700, **extra, **kw)
+                    assert real == stand_in, (d, dtype, page, kw, real, stand_in)

@@ -8,10 +8,10 @@ Everything here needs torch (imported lazily, on first use); nothing imports an 
 
 Configuration sources, strongest first: keyword arguments, `SPARSE_PREFILL_<FIELD>` environment variables (e.g.
 `SPARSE_PREFILL_ALPHA=0.05`), the JSON file named by `config_file=` or `SPARSE_PREFILL_CONFIG`, and the library's own
-defaults. The selection defaults (alpha, block_size, sink, window, last_n, correction, rule, union, head_subgroups,
-mean_alpha, key_rank, dense_fraction) are the library's (library_selection_defaults(): sp.SELECTION_DEFAULTS), so the
-adapters follow the library when its defaults change; nothing here keeps a second copy of them. Per-layer settings (`layers`: a layer index -> selection
-overrides, or dense) come from the file or keyword arguments only; `python -m sparse_prefill.calibrate` writes them.
+defaults. The selection defaults (SELECTION_FIELDS: the library's fields but final_chunk and max_kept_blocks) are the
+library's (library_selection_defaults(): sp.SELECTION_DEFAULTS), so the adapters follow the library when its defaults
+change; nothing here keeps a second copy of them. Per-layer settings (`layers`: a layer index -> selection overrides,
+or dense) come from the file or keyword arguments only; `python -m sparse_prefill.calibrate` writes them.
 """
 
 from __future__ import annotations
@@ -400,10 +400,12 @@ class VarlenDispatch:
     never synchronises the host (the lengths it needs come as host ints: max_seqlen_q / max_seqlen_k).
 
     Sparse runs when: the layer is not dense (layer_idx >= dense_layers and no `"dense": true` in `layers`),
-    max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len, causal, no sliding window and no softcap, and
-    (CUDA) head dim 128 (or below 128 for contiguous 16-bit inputs, zero-padded to 128: the transformers adapter's
-    calls), bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens. Everything else runs
-    dense `sp.attention` (any page size, windows, decode rows). A sparse call's selection is
+    max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len, causal, no sliding window and no softcap
+    (`sparse_reason`), and (CUDA) the library's kernels take the call: `sp.sparse_support` on the arrays it would get
+    (today head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens; contiguous
+    16-bit inputs of head dim < 128 are zero-padded to 128 first: the transformers adapter's calls). The reason, either
+    kind, is `last_reason`. Everything else runs dense `sp.attention` (any page size, windows, decode rows). A sparse
+    call's selection is
     `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied. A sparse call whose
     max_seqlen_k exceeds LONG_PROMPT_FACTOR times the longest of `config.validated_lengths` warns once per process
     (dense calls run no calibrated setting, so they never warn).
@@ -425,6 +427,7 @@ class VarlenDispatch:
         self._dense_ws: dict = {}
         self._sparse_ws: dict = {}
         self._ws_bytes: dict = {}
+        self._support: dict = {}
         self.calls = {"sparse": 0, "dense": 0}
         self.last_path: Optional[str] = None
         self.last_reason: Optional[str] = None
@@ -432,7 +435,9 @@ class VarlenDispatch:
     # -- the decision ------------------------------------------------------------------------------------------------
     def sparse_reason(self, q, k, max_seqlen_q: int, max_seqlen_k: int, *, layer_idx: Optional[int] = 0,
                       paged: bool = False, window=(-1, -1), softcap: float = 0.0, causal: bool = True) -> Optional[str]:
-        """None when the call runs sparse, else why it runs dense (for logs and tests; reads shapes only)."""
+        """None when the configuration sends the call to sparse, else why it runs dense (for logs and tests; reads
+        shapes only): the layer, the lengths, causal, the window, the softcap. What the device's kernels take is the
+        library's question (sp.sparse_support, asked by __call__ on the arrays it would pass): not restated here."""
         c = self.config
         if not causal:
             return "not causal"
@@ -453,19 +458,22 @@ class VarlenDispatch:
             return "sliding window"
         if softcap:
             return "softcap"
-        if _on_cuda(q):
-            import torch
-            # the CUDA backend's check_sparse_supported (and, for FP8, check_fp8_supported: the same head dim and
-            # page constraints), so that a call the dispatch sends to sparse never raises there
-            if q.shape[-1] != 128 and (paged or q.dtype == torch.float8_e4m3fn or q.shape[-1] > 128):
-                return f"head dim {q.shape[-1]} (the sparse CUDA kernels take 128)"
-            if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-                return f"dtype {q.dtype}"
-            if c.block_size % 128:
-                return f"block_size {c.block_size} (CUDA sparse needs a multiple of 128)"
-            if paged and k.shape[1] % 64:
-                return f"page size {k.shape[1]} (CUDA sparse needs a multiple of 64)"
         return None
+
+    def _backend_reason(self, q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_k, softmax_scale, descales,
+                        sel) -> Optional[str]:
+        """sp.sparse_support on the arrays the sparse call would get, cached per shapes, strides, dtypes, 16-byte
+        alignment and selection (an engine's layers repeat them; a call costs a few microseconds)."""
+        key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), v.stride(), cu_q.shape,
+               (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, block_table is None, tuple(sorted(sel.items())))
+        if key in self._support:
+            return self._support[key]
+        why = sp.sparse_support(q, k, v, cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k,
+                                softmax_scale=softmax_scale, **descales, **sel)
+        if len(self._support) > 256:
+            self._support.clear()
+        self._support[key] = why
+        return why
 
     # -- workspaces --------------------------------------------------------------------------------------------------
     def _dense_workspace(self, q):
@@ -523,9 +531,25 @@ class VarlenDispatch:
         paged = block_table is not None
         reason = "forced dense" if force_dense else self.sparse_reason(
             q, k, max_q, max_k, layer_idx=layer_idx, paged=paged, window=window, softcap=softcap, causal=causal)
-        self.last_reason = reason
         fp8 = q.dtype == torch.float8_e4m3fn
         descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale) if fp8 else {}
+        d = q.shape[-1]
+        if reason is None:
+            c = self.config
+            sel = c.selection(layer_idx)
+            sq, sk, sv, scale = q, k, v, softmax_scale
+            if _on_cuda(q) and d < 128 and not paged and q.dtype in (torch.bfloat16, torch.float16):
+                # the adapters' own step for contiguous 16-bit inputs of head dim < 128 (never an engine's paged
+                # cache): zero-padded to the sparse kernels' 128, which adds 0 to every q.k and to the pooled means
+                # (the same selection, exact outputs), at the cost of padded copies of q, k, v; the scale stays the
+                # model's
+                pad = (0, 128 - d)
+                sq, sk, sv = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
+                scale = d ** -0.5 if softmax_scale is None else softmax_scale
+            if _on_cuda(q):  # what the device's kernels take: the library's answer, on the arrays the call gets
+                reason = self._backend_reason(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
+                                              seqused_k, scale, descales, sel)
+        self.last_reason = reason
         target = out
         if fp8 and out.dtype != torch.bfloat16:      # FP8 attention writes bfloat16 (an fp16/fp32 model's buffer)
             out = torch.empty(out.shape, dtype=torch.bfloat16, device=out.device)
@@ -538,33 +562,24 @@ class VarlenDispatch:
         else:
             self.last_path = "sparse"
             self.calls["sparse"] += 1
-            c = self.config
             if c.validated_lengths and max_k > LONG_PROMPT_FACTOR * c.validated_lengths[-1]:
                 warn_once(f"validated_lengths {c.validated_lengths[-1]}",
                           f"sparse_prefill: a prompt of {max_k} tokens runs settings validated at lengths up to "
                           f"{c.validated_lengths[-1]} (validated_lengths in the configuration): more than "
                           f"{LONG_PROMPT_FACTOR:g}x longer, where the selection keeps fewer blocks and its accuracy "
                           "was not measured; calibrate at this length (python -m sparse_prefill.calibrate --lengths)")
-            sel = c.selection(layer_idx)
             if final_chunk is None:
                 final_chunk = c.final_chunk == "always"
-            d = q.shape[-1]
-            if _on_cuda(q) and d < 128:
-                # contiguous 16-bit inputs of head dim < 128 (sparse_reason lets no other through): zero-padded to
-                # the kernels' 128, which adds 0 to every q.k and to the pooled means (the same selection, exact
-                # outputs), at the cost of padded copies of q, k, v; the scale stays the model's
-                pad = (0, 128 - d)
-                q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-                softmax_scale = d ** -0.5 if softmax_scale is None else softmax_scale
-                out = torch.empty(q.shape, dtype=out.dtype, device=out.device)
-            ws = self._sparse_workspace(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k,
+            if sq.shape[-1] != d:
+                out = torch.empty(sq.shape, dtype=out.dtype, device=out.device)
+            ws = self._sparse_workspace(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k,
                                         sel)
             if paged:
-                sp.chunked_prefill(q, k, v, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
-                                   final_chunk=final_chunk, softmax_scale=softmax_scale, out=out,
+                sp.chunked_prefill(sq, sk, sv, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
+                                   final_chunk=final_chunk, softmax_scale=scale, out=out,
                                    mean_cache=mean_cache, workspace=ws, **sel, **descales)
             else:
-                sp.sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=softmax_scale,
+                sp.sparse_prefill(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale,
                                   out=out, workspace=ws, final_chunk=final_chunk, **sel, **descales)
             if out.shape[-1] != d:
                 out = out[..., :d]
