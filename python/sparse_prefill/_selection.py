@@ -74,11 +74,14 @@ _TABLE = tuple(_Field(c) for c in _C.SELECTION_FIELDS)
 _FIELDS = tuple(f.name for f in _TABLE)
 _FIELD_SET = frozenset(_FIELDS)
 _DEFAULTS = {f.name: f.default for f in _TABLE}
-SELECTION_DEFAULTS = dict(_DEFAULTS)
-"""The selection's defaults, read from the C++ SelectionParams{} (the one place they are set), one entry per field of
-sp.Selection: alpha, mean_alpha, key_rank, rule, block_size, sink, window, last_n, correction, final_chunk, union,
-head_subgroups, dense_fraction, max_kept_blocks. Every function's selection keywords and Selection's default to these;
-what each argument means: build_index(), "Selection arguments"."""
+# The fields a call sets for itself rather than a tuning (a chunk's final_chunk, union mode, the id budget): not in
+# SELECTION_DEFAULTS, so that **SELECTION_DEFAULTS beside them (chunked_prefill's required final_chunk) never collides.
+_PER_CALL = ("final_chunk", "union", "max_kept_blocks")
+SELECTION_DEFAULTS = {n: d for n, d in _DEFAULTS.items() if n not in _PER_CALL}
+"""The selection's tuning defaults, read from the C++ SelectionParams{} (the one place they are set): every field of
+sp.Selection but the per-call final_chunk (True), union (False) and max_kept_blocks (None), whose defaults are
+Selection()'s. Every function's selection keywords and Selection's default to these; what each argument means:
+build_index(), "Selection arguments"."""
 _D = SELECTION_DEFAULTS
 
 

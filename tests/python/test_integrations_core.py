@@ -27,11 +27,11 @@ def test_defaults_come_from_the_library(monkeypatch):
 
 
 def test_config_declares_every_selection_field():
-    """The adapters' selection is the library's table (sp.SELECTION_DEFAULTS) less final_chunk and max_kept_blocks:
+    """The adapters' selection is the library's table (sp.Selection's fields) less final_chunk and max_kept_blocks:
     a field added to the C++ list reaches SELECTION_FIELDS by itself, and SparsePrefillConfig must declare it."""
     import dataclasses
     from sparse_prefill.integrations.core import SELECTION_FIELDS
-    assert set(SELECTION_FIELDS) == set(sp.SELECTION_DEFAULTS) - {"final_chunk", "max_kept_blocks"}
+    assert set(SELECTION_FIELDS) == set(sp.Selection().as_dict()) - {"final_chunk", "max_kept_blocks"}
     declared = {f.name for f in dataclasses.fields(SparsePrefillConfig)}
     assert set(SELECTION_FIELDS) <= declared, set(SELECTION_FIELDS) - declared
     c = SparsePrefillConfig.load(environ={})

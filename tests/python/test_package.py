@@ -269,7 +269,8 @@ def test_selection_defaults_come_from_the_library():
     """One source for the selection's defaults: the C++ SelectionParams{} (sp.SELECTION_DEFAULTS); every public
     function's keyword defaults (numpy API and torch wrappers) and the torch schemas are those."""
     import inspect
-    D = sp.SELECTION_DEFAULTS
+    D = sp.Selection().as_dict()  # every field; SELECTION_DEFAULTS holds all but the per-call three
+    assert sp.SELECTION_DEFAULTS == {k: v for k, v in D.items() if k not in ("final_chunk", "union", "max_kept_blocks")}
     assert D["rule"] == "row_max" and D["correction"] is False and D["alpha"] == 0.003
     assert D["head_subgroups"] == 0 and D["dense_fraction"] == 0.85
     p = sp._C.SelectionParams()

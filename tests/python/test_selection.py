@@ -146,7 +146,7 @@ def test_a_keyword_beside_selection_is_an_error(call):
 # Every public function that takes both selection= and selection keywords, with the keywords it takes (chunked_prefill:
 # its final_chunk is the step's, required, and not a selection keyword; the *_workspace_bytes() functions take the
 # others through **keywords)
-_ALL_KEYWORDS = tuple(sp.SELECTION_DEFAULTS)  # the library's one table of fields (C++ selection_fields.h)
+_ALL_KEYWORDS = tuple(sp.Selection().as_dict())  # the library's one table of fields (C++ selection_fields.h)
 _ENTRY_POINTS = ("build_index", "sparse_prefill", "chunked_prefill", "index_workspace_bytes",
                  "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes")
 # a valid value other than the library's default, per keyword
@@ -158,7 +158,7 @@ _OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, key_rank=32, bloc
 def test_every_field_has_a_value_to_test():
     """A field added to the C++ list reaches every signature by itself; the tests here need a non-default value."""
     assert set(_OTHER) == set(_ALL_KEYWORDS)
-    assert all(_OTHER[k] != sp.SELECTION_DEFAULTS[k] for k in _OTHER)
+    assert all(_OTHER[k] != getattr(sp.Selection(), k) for k in _OTHER)
 
 
 def _keywords_of(name):

@@ -127,7 +127,7 @@ def test_kernel_and_fake_defaults_match_the_schema():
     keyword-only arguments, the library's table exactly (chunked: final_chunk is the step's positional one), at its
     defaults (a kernel takes them as **fields and resolves the ones left out through sp.Selection's defaults)."""
     import inspect
-    D = sp.SELECTION_DEFAULTS
+    D = sp.Selection().as_dict()  # every field at its default
     for name, (_, kernel, fake) in spt._SCHEMAS.items():
         schema = spt.OPS[name]._schema
         positional = [a for a in schema.arguments if not a.kwarg_only]

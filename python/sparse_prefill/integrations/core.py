@@ -28,11 +28,11 @@ import sparse_prefill as sp
 __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch", "layer_index",
            "check_kv_cache_dtype", "fp8_descale", "quantize_query", "fp8_kernel_reason", "FP8_MAX"]
 
-# The selection parameters the adapters pass through to the library: the library's fields (sp.SELECTION_DEFAULTS,
-# read from the C++ list), but final_chunk (the engine's own setting below: engines do not say whether a chunk ends
+# The selection parameters the adapters pass through to the library: the library's fields (sp.Selection's, read
+# from the C++ list), but final_chunk (the engine's own setting below: engines do not say whether a chunk ends
 # its prompt) and max_kept_blocks (the adapters size their workspaces by the causal bound). SparsePrefillConfig
 # declares one dataclass field for each (tests/python/test_integrations_core.py checks that they agree).
-SELECTION_FIELDS = tuple(n for n in sp.SELECTION_DEFAULTS if n not in ("final_chunk", "max_kept_blocks"))
+SELECTION_FIELDS = tuple(n for n in sp.Selection().as_dict() if n not in ("final_chunk", "max_kept_blocks"))
 # The adapters warn (once) when a sparse call's keys exceed this many times the longest length a calibrated file was
 # validated at (`validated_lengths`): the selections keep a smaller share of the blocks as prompts grow, so accuracy
 # measured at L says less the further past L a prompt goes; 2x is the next length a calibration would measure (lengths
@@ -44,10 +44,12 @@ LAYER_FIELDS = tuple(f for f in SELECTION_FIELDS if f != "block_size") + ("dense
 
 
 def library_selection_defaults() -> dict:
-    """The library's default selection: sp.SELECTION_DEFAULTS (from the C++ SelectionParams{}). Not
-    sp.sparse_prefill's signature: its selection keywords default to a sentinel, <library default>, so that a keyword
-    passed beside selection= is told from one left out."""
-    return {name: sp.SELECTION_DEFAULTS[name] for name in SELECTION_FIELDS}
+    """The library's default selection: sp.SELECTION_DEFAULTS (from the C++ SelectionParams{}), and sp.Selection()'s
+    fields for the per-call one that table does not hold (union). Not sp.sparse_prefill's signature: its selection
+    keywords default to a sentinel, <library default>, so that a keyword passed beside selection= is told from one
+    left out."""
+    sel = sp.Selection()
+    return {name: sp.SELECTION_DEFAULTS.get(name, getattr(sel, name)) for name in SELECTION_FIELDS}
 
 
 def _env_name(field: str) -> str:
