@@ -100,8 +100,10 @@ struct SelectionParams {
   // Sub-groups of a GQA group (CompactAttention's option for large groups): the g = Hq / Hkv query heads of each KV
   // head are split into head_subgroups groups of g / head_subgroups heads, each selected (and, with union_lists,
   // unioned) on its own. Must divide g. The index is then over Hkv * head_subgroups virtual KV heads (BlockIndex).
-  // 0 (the default): one selection per query head, head_subgroups = g. The heads of a KV group attend to different
-  // blocks, so one selection for the group keeps the union of what each head needs.
+  // 0 (the default): one selection per query head, S = g. The heads of a KV group attend to different blocks, so one
+  // selection for the group keeps the union of what each head needs. This field is the request and the library
+  // never rewrites it; the S an index was built with (0 resolved to g) is IndexBinding::head_subgroups (and
+  // BlockIndex / BlockIndexView::head_subgroups).
   int head_subgroups = 0;
   // The dense rule, after any selection: a call whose selection keeps at least this fraction of its visible blocks
   // keeps them all and runs as dense attention (exact; in (0, 1], 1 turns the rule off: the selection as selected). Near full
@@ -131,7 +133,7 @@ struct IndexBinding {
   bool causal = true;
   int window_left = -1, window_right = -1;
   float softmax_scale = 0.f;       // resolved
-  int block_size = 0, head_subgroups = 1;
+  int block_size = 0, head_subgroups = 1;  // head_subgroups: the index's S, resolved (SelectionParams' 0 is g)
   bool union_lists = false, split_kv = true;
   float dense_fraction = 1.f;  // SelectionParams::dense_fraction (union_index applies it to the union it lowers)
   // Built with the correction, hence with V means (BlockIndex::v_mean): a device index built without them cannot
@@ -157,9 +159,10 @@ struct IndexBinding {
 // cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
 // v_mean only with the correction (the only reader): an index built with correction = false has none (empty), so
 // its build does not read V.
-// Head sub-groups (SelectionParams::head_subgroups = S): the index is over Hkv * S virtual KV heads. Virtual head v
-// holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads, group_size, the segment
-// order above and the pooled means' head axis are all in virtual heads (the means of v are those of K/V head v / S).
+// Head sub-groups (S: SelectionParams::head_subgroups resolved, 0 -> g): the index is over Hkv * S virtual KV heads.
+// Virtual head v holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads,
+// group_size, the segment order above and the pooled means' head axis are all in virtual heads (the means of v are
+// those of K/V head v / S).
 struct BlockIndex {
   IndexBinding binding;   // what it was built for
   int block_size = 128;

@@ -97,8 +97,8 @@ void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu
 
 namespace {
 
-// The problem of a selection call (parameters, inputs, head sub-groups, and the mean cache when given) and the
-// parameters resolved for it: head_subgroups 0 (one selection per query head) becomes the group size g.
+// The problem of a selection call (parameters, inputs, head sub-groups, and the mean cache when given) and its
+// parameters, as requested (head_subgroups 0: one per query head; the index's resolved S is its binding's).
 struct SelectionCall {
   Problem p;
   SelectionParams params;
@@ -111,8 +111,7 @@ SelectionCall validate_selection(const AttentionInputs& in, const SelectionParam
     throw ArgumentError("key_rank", "must be <= the head dim " + std::to_string(c.p.head_dim) + " under rule "
                                     "kKeyMax, got " + std::to_string(params.key_rank));
   }
-  c.params.head_subgroups = resolve_head_subgroups(params.head_subgroups, c.p.group_size);
-  check_head_subgroups(c.params.head_subgroups, c.p.group_size, "head_subgroups");
+  if (params.head_subgroups != 0) check_head_subgroups(params.head_subgroups, c.p.group_size, "head_subgroups");
   if (cache) validate_mean_cache(in, c.p, c.params.block_size, *cache);
   return c;
 }
@@ -126,17 +125,16 @@ void check_device_v_means(const DeviceBlockIndex& index) {
   }
 }
 
-// A device index as the backend reads it: its params with head_subgroups as built (the binding's; a caller may pass
-// the requested 0, one selection per query head). Any other value than the built one is an error.
-DeviceBlockIndex as_built(const DeviceBlockIndex& index) {
-  DeviceBlockIndex d = index;
-  if (d.params.head_subgroups != 0 && d.params.head_subgroups != d.binding.head_subgroups) {
-    throw ArgumentError("index", "its head_subgroups (" + std::to_string(d.params.head_subgroups) +
+// A device index's params are its request (head_subgroups 0: one per query head); the backend reads the resolved S
+// from its binding. A request that resolves to another S than the built one is an error.
+const DeviceBlockIndex& as_built(const DeviceBlockIndex& index) {
+  const int requested = index.params.head_subgroups;
+  if (requested != 0 && requested != index.binding.head_subgroups) {
+    throw ArgumentError("index", "its head_subgroups (" + std::to_string(requested) +
                                      ") differ from those it was built with (" +
-                                     std::to_string(d.binding.head_subgroups) + ")");
+                                     std::to_string(index.binding.head_subgroups) + ")");
   }
-  d.params.head_subgroups = d.binding.head_subgroups;
-  return d;
+  return index;
 }
 
 [[noreturn]] void device_index_on_cpu() {
@@ -206,7 +204,7 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& r
 void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, const AttentionOutputs& outs,
                       bool reuse_index) {
   const Problem p = validate_inputs(in, &outs);
-  const DeviceBlockIndex index = as_built(given);
+  const DeviceBlockIndex& index = as_built(given);
   if (p.device == Device::kCPU) device_index_on_cpu();
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);

@@ -71,7 +71,6 @@ void check_selection_params(const SelectionParams& params) {
   });
 }
 
-int resolve_head_subgroups(int subgroups, int group_size) { return subgroups == 0 ? group_size : subgroups; }
 
 void check_head_subgroups(int subgroups, int group_size, const char* name) {
   if (subgroups < 1) throw ArgumentError(name, "must be >= 1, got " + std::to_string(subgroups));

@@ -26,8 +26,6 @@ void check_descale_values(const TensorView& host_descale, const char* name);
 // Head sub-groups (SelectionParams::head_subgroups, BlockIndex::head_subgroups): S >= 1 dividing the GQA group size
 // g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.head_subgroups").
 void check_head_subgroups(int subgroups, int group_size, const char* name);
-// SelectionParams::head_subgroups as the index uses it: 0 (one selection per query head) is the group size g.
-int resolve_head_subgroups(int subgroups, int group_size);
 
 // validate_index.cpp: the index and the mean cache.
 // Checks an index view against a resolved (host-readable) problem: head sub-groups, segment count, ranges, ascending

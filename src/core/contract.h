@@ -23,7 +23,11 @@ void check_same_device(const TensorView& t, const TensorView& ref, const char* n
 // the message) and, when need > 0, 256-byte aligned.
 void check_workspace(const TensorView& w, const TensorView& q, int64_t need, const std::string& sized_by);
 
-// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h).
+// SelectionParams::head_subgroups is the request (0: one selection per query head); the index's S (IndexBinding,
+// BlockIndex) is this, resolved where a binding is made (bind_index) and by the reference, which has none.
+inline int resolve_head_subgroups(int requested, int group_size) { return requested == 0 ? group_size : requested; }
+
+// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h); its head_subgroups resolved.
 IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 // Throws ArgumentError naming the first argument of the call that differs from what the index was built for (the
 // data addresses only when !reuse_index). An unset binding passes.

@@ -78,12 +78,13 @@ void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size
 }
 
 BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means) {
-  if (params.head_subgroups > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
-    const VirtualHeadCopies virt = virtual_head_copies(in, p, params.head_subgroups);
+  const int S = resolve_head_subgroups(params.head_subgroups, p.group_size);  // the request's S
+  if (S > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
+    const VirtualHeadCopies virt = virtual_head_copies(in, p, S);
     SelectionParams one = params;
     one.head_subgroups = 1;
     BlockIndex index = build_index(virt.in, virt.p, one, v_means);
-    index.head_subgroups = params.head_subgroups;
+    index.head_subgroups = S;
     return index;
   }
   BlockIndex index;

@@ -27,7 +27,7 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   std::vector<int32_t> cu_tiles(batch + 1);
   unsigned long long counters[kNumCounters] = {};
   BlockIndex idx;
-  const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, params.head_subgroups);
+  const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, b.head_subgroups);
   idx.binding = b;
   idx.block_size = params.block_size;
   idx.group_size = heads.group;
