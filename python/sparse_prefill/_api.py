@@ -25,7 +25,7 @@ A valid call that a backend does not implement (e.g. a CUDA path not built yet) 
 The package's internal namespace. The code lives in modules by role, and every name that other code uses
 (sparse_prefill/__init__.py, torch_ops.py, workload.py, the tests and benchmarks) is imported here, so
 `sparse_prefill._api.<name>` and `from ._api import ...` keep working:
-    _call.py    argument coercion (_as_int, _as_int32, _as_bool, _as_float, _as_window), LaunchOptions,
+    _call.py    argument coercion (_as_int, _as_int32, _as_bool, _as_float, _as_window), LaunchOptions, make_inputs,
                 check_errors, _Call (one call's arrays and its _C.Inputs), _kv_arrays, _mean_cache_arrays
     _selection.py  Selection, SELECTION_DEFAULTS, and _selection._selection (a call's selection= or its keywords
                 as one Selection)
@@ -55,5 +55,6 @@ _MODULES = (_call, _dense, _index, _selection, _sparse)
 __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "chunked_prefill", "mean_cache",
            "MeanCache", "Selection", "SELECTION_DEFAULTS", "check_errors",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
-           "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes", "sparse_support"]
+           "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes",
+           "chunked_prefill_workspace_bytes", "sparse_support"]
 

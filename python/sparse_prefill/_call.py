@@ -74,6 +74,16 @@ def _as_window(window: Any) -> Tuple[int, int]:
     return left, right
 
 
+def make_inputs(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_k, block_table, seqused_k, causal,
+                softmax_scale, window_left, window_right, stream, options, q_descale, k_descale, v_descale) -> Any:
+    """The one place a call's _C.Inputs is made (the public functions through _Call.inputs, the torch operators
+    directly): arrays as the extension takes them (DLPack capsules or None), scalars already checked."""
+    return _C.Inputs(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_k=cu_seqlens_k,
+                     block_table=block_table, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
+                     window_left=window_left, window_right=window_right, stream=stream, options=options,
+                     q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+
 class LaunchOptions:
     """CUDA kernel choices the library otherwise makes from the shapes, for A/B benchmarks and tests (the defaults are
     the measured best, docs/design/dense_kernel.md). Pass as `options=` to any compute function; ignored on the CPU.
@@ -276,12 +286,11 @@ class _Call:
         left, right = _as_window(window)
         c = self.c
         d = self._data
-        return _C.Inputs(d("q", a["q"]), d("k", a["k"]), d("v", a["v"]), c(a["cu_seqlens_q"]), max_q, max_k,
-                         cu_seqlens_k=c(a.get("cu_seqlens_k")), block_table=c(a.get("block_table")),
-                         seqused_k=c(a.get("seqused_k")), causal=_as_bool("causal", causal), softmax_scale=scale,
-                         window_left=left, window_right=right, stream=resolve_stream(stream, self.lib),
-                         options=_launch_options(options), q_descale=c(a.get("q_descale")),
-                         k_descale=c(a.get("k_descale")), v_descale=c(a.get("v_descale")))
+        return make_inputs(d("q", a["q"]), d("k", a["k"]), d("v", a["v"]), c(a["cu_seqlens_q"]), max_q, max_k,
+                           c(a.get("cu_seqlens_k")), c(a.get("block_table")), c(a.get("seqused_k")),
+                           _as_bool("causal", causal), scale, left, right, resolve_stream(stream, self.lib),
+                           _launch_options(options), c(a.get("q_descale")), c(a.get("k_descale")),
+                           c(a.get("v_descale")))
 
     def c(self, x: Any) -> Any:
         """An array as handed to the extension: torch tensors as DLPack capsules made by torch's C++ exporter

@@ -49,6 +49,7 @@ from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _C
 from . import _api
+from ._call import make_inputs as _make_inputs
 from ._selection import _TABLE as _SELECTION_TABLE
 from ._selection import _selection, selection_keywords
 
@@ -194,11 +195,9 @@ def _run_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     else:
         stream, ws = 0, None
     lse = _lse_for(q, return_lse)
-    inputs = _C.Inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
-                       max_seqlen_k, cu_seqlens_k=_dl(cu_seqlens_k), block_table=_dl(block_table),
-                       seqused_k=_dl(seqused_k), causal=causal, softmax_scale=softmax_scale, window_left=left,
-                       window_right=right, stream=stream, q_descale=_dl(q_descale), k_descale=_dl(k_descale),
-                       v_descale=_dl(v_descale))
+    inputs = _make_inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
+                          max_seqlen_k, _dl(cu_seqlens_k), _dl(block_table), _dl(seqused_k), causal, softmax_scale,
+                          left, right, stream, None, _dl(q_descale), _dl(k_descale), _dl(v_descale))
     _C.attention(inputs, _to_dlpack(out), _to_dlpack(lse) if return_lse else None, workspace=_dl(ws))
     return lse
 
@@ -225,11 +224,10 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     sel, sel_key = _selection_of(fields)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
-    inputs = _C.Inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
-                       max_seqlen_k, cu_seqlens_k=_dl(cu_seqlens_k), block_table=_dl(block_table),
-                       seqused_k=_dl(seqused_k), causal=causal, softmax_scale=softmax_scale,
-                       stream=_raw_stream(dev) if dev >= 0 else 0, q_descale=_dl(q_descale),
-                       k_descale=_dl(k_descale), v_descale=_dl(v_descale))
+    inputs = _make_inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
+                          max_seqlen_k, _dl(cu_seqlens_k), _dl(block_table), _dl(seqused_k), causal, softmax_scale,
+                          -1, -1, _raw_stream(dev) if dev >= 0 else 0, None, _dl(q_descale), _dl(k_descale),
+                          _dl(v_descale))
     lse_c = _to_dlpack(lse) if return_lse else None
     ws = None
     if dev >= 0:
