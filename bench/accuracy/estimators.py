@@ -18,13 +18,18 @@ Estimator families (names in the output): mean_a{alpha} the library's row max on
 the same on means of n-key sub-blocks (max over a block's sub-blocks); mv_c{c}_a{alpha} mean + c sigma (sigma^2 =
 q^2 . per-channel key variance: a block's optimistic score); exact_a{alpha} the row max on exact block maxima of
 q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k projected onto the top-r principal
-directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); oracle_{F} the exact per-row mass target.
+directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); kmx{r}_a{alpha} / kmx{r}_{F} the row max
+test / the mass target F on the library's key_max scores at rank r (emulate.key_max_scores: pooled mean + the best
+key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
+oracle_{F} the exact per-row mass target.
 """
 import argparse
 import math
 import sys
 
 import torch
+
+from accuracy import emulate
 
 B = 128       # key block
 TILE = 128    # query positions per tile (per query head)
@@ -127,6 +132,15 @@ def candidates(names):
                 lg = ((x["q"] @ U) @ (x["k"] @ U).T) * x["scale"]
                 return row_max(block_max(lg.masked_fill(~x["causal"], -math.inf)), x["sees"], a)
             out[name] = f
+        elif kind.startswith("kmx"):  # the library's key_max scores at rank r: kmx{r}_a{alpha} its ratio rule,
+            r = int(kind[3:])         # kmx{r}_{F} a per-row mass target F on their softmax (rowcum)
+            if rest[0].startswith("a"):
+                a = float(rest[0][1:])
+                out[name] = lambda x, r=r, a=a: row_max(x["kms"][r], x["sees"], a)
+            else:
+                F = float(rest[0])
+                out[name] = lambda x, r=r, F=F: rowcum(torch.softmax(x["kms"][r].masked_fill(~x["sees"], -math.inf),
+                                                                     -1), F, x["al_rows"])
         elif kind == "maxcum":
             F = float(rest[0])
             out[name] = lambda x, F=F: rowcum(torch.softmax(block_max(x["lgm"]).masked_fill(~x["sees"], -math.inf),
@@ -145,6 +159,9 @@ SETS = {
     "exact": ["exact_a0.1", "exact_a0.2", "exact_a0.3", "exact_a0.5", "pca8_a0.1", "pca16_a0.1", "maxcum_0.7",
               "maxcum_0.8", "maxcum_0.9"],
     "oracle": ["oracle_0.5", "oracle_0.7", "oracle_0.8", "oracle_0.9"],
+    "keymax": ["kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kmx16_0.5", "kmx16_0.7", "kmx16_0.8", "kmx16_0.9",
+               "maxcum_0.5", "maxcum_0.7", "maxcum_0.9"],
+    "keymax32": ["kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "kmx32_0.7", "kmx32_0.8", "kmx32_0.9"],
 }
 
 
@@ -168,10 +185,13 @@ def score(args):
     acc = {n: dict(kept=0, visible=0, miss=0.0, n=0, low50=0, err=0.0, ans_miss=0.0, ans_n=0, ans_low50=0)
            for n in names}
     layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
+    ranks = sorted({int(n.split("_")[0][3:]) for n in names if n.startswith("kmx")})
     for layer in layers:
         q, k, v = (t.float() for t in cap[layer])
         Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
         g, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+        # the library's key_max scores (emulate.key_max_scores: float64, its basis), natural-log units
+        kms = {r: emulate.key_max_scores(q, k, scale, B, r).float() for r in ranks}
         for h in range(Hq):
             lg = (q[:, h] @ k[:, h // g].T) * scale
             lgm = lg.masked_fill(~causal, -math.inf)
@@ -180,7 +200,7 @@ def score(args):
             Ob = torch.einsum("rjb,jbd->rjd", P.view(L, nb, B), v[:, h // g].reshape(nb, B, -1))
             od = Ob.sum(1)
             x = dict(L=L, lg=lg, lgm=lgm, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
-                     scale=scale, causal=causal)
+                     scale=scale, causal=causal, kms={r: s[:, h] for r, s in kms.items()})
             for n, f in cands.items():
                 keep = (tile_any(f(x) & sees, T) & vis) | al
                 kr = keep[tile_of]
