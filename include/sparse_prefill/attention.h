@@ -82,6 +82,12 @@ int64_t attention_workspace_bytes(int head_dim);
 // out = softmax(q k^T * scale + mask) v. Rows that see no key get zeros and lse = -inf.
 void attention(const AttentionInputs& in, const AttentionOutputs& outs);
 
+// Whether the CUDA backend's FP8 (float8_e4m3fn) attention kernels, dense and block-sparse, are built for this head
+// dim and KV layout (page_size 0: contiguous KV; else the page size of a paged cache): "" when they are, else why not
+// (the NotImplementedError message a call would raise). By dimensions alone, for engines that set a layer up before
+// its first call; the CPU reference computes every FP8 configuration.
+std::string fp8_attention_support(int head_dim, int64_t page_size);
+
 // Which kernel attention() runs for these inputs (after in.options): kDenseKernel or kSplitKV on CUDA; the CPU
 // reference reports kDenseKernel. For tests and benchmarks; validates like attention().
 LaunchOptions::DensePath attention_path(const AttentionInputs& in);

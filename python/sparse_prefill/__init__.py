@@ -56,7 +56,7 @@ del _load_extension
 from ._api import (SELECTION_DEFAULTS, Index, LaunchOptions, MeanCache, Selection, attention, attention_path,
                    attention_workspace_bytes, build_index, check_errors, chunked_prefill, chunked_prefill_workspace_bytes, index_workspace_bytes, mean_cache, pool_kv,
                    sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, sparse_prefill_workspace_bytes,
-                   sparse_support, union_index)
+                   sparse_support, union_index, fp8_attention_support)
 from . import workload
 from .fp8 import quantize_fp8
 
@@ -66,7 +66,7 @@ with_cuda: bool = bool(_C.with_cuda)
 __version__ = "0.1.0"
 
 __all__ = ["quantize_fp8", "attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
-           "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "sparse_support", "chunked_prefill",
+           "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "sparse_support", "fp8_attention_support", "chunked_prefill",
            "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "Selection", "LaunchOptions",
            "check_errors",
            "workload", "with_cuda", "__version__", "SELECTION_DEFAULTS"]

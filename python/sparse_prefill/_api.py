@@ -29,7 +29,7 @@ The package's internal namespace. The code lives in modules by role, and every n
                 check_errors, _Call (one call's arrays and its _C.Inputs), _kv_arrays, _mean_cache_arrays
     _selection.py  Selection, SELECTION_DEFAULTS, and _selection._selection (a call's selection= or its keywords
                 as one Selection)
-    _dense.py   attention, attention_path, attention_workspace_bytes
+    _dense.py   attention, attention_path, attention_workspace_bytes, fp8_attention_support
     _index.py   Index, build_index, the index workspace sizes, sparse_support, union_index, pool_kv
     _sparse.py  sparse_attention, sparse_attention_workspace_bytes, sparse_prefill, MeanCache / mean_cache,
                 chunked_prefill
@@ -42,7 +42,7 @@ from __future__ import annotations
 from . import _call, _dense, _index, _selection, _sparse
 from ._call import (_DESCALES, _FP8, LaunchOptions, _Call, _as_bool, _as_float, _as_int, _as_int32, _as_window,
                     _kv_arrays, _launch_options, _mean_cache_arrays, check_errors)
-from ._dense import attention, attention_path, attention_workspace_bytes
+from ._dense import attention, attention_path, attention_workspace_bytes, fp8_attention_support
 from ._index import (Index, build_index, chunked_prefill_workspace_bytes, index_workspace_bytes, pool_kv,
                      sparse_prefill_workspace_bytes, sparse_support, union_index)
 from ._selection import (_D, _RULE_NAMES, _RULES, SELECTION_DEFAULTS, Selection, _as_head_subgroups, _as_rule)
@@ -56,5 +56,5 @@ __all__ = ["attention", "build_index", "sparse_attention", "sparse_prefill", "ch
            "MeanCache", "Selection", "SELECTION_DEFAULTS", "check_errors",
            "union_index", "pool_kv", "Index", "LaunchOptions", "attention_path", "attention_workspace_bytes",
            "index_workspace_bytes", "sparse_attention_workspace_bytes", "sparse_prefill_workspace_bytes",
-           "chunked_prefill_workspace_bytes", "sparse_support"]
+           "chunked_prefill_workspace_bytes", "sparse_support", "fp8_attention_support"]
 

@@ -1,11 +1,12 @@
-"""Dense attention: attention(), attention_path(), attention_workspace_bytes() (conventions: sparse_prefill._api)."""
+"""Dense attention: attention(), attention_path(), attention_workspace_bytes(), fp8_attention_support() (conventions:
+sparse_prefill._api)."""
 
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 from . import _C
-from ._call import LaunchOptions, _Call, _as_bool, _as_int32, _kv_arrays
+from ._call import LaunchOptions, _Call, _as_bool, _as_int, _as_int32, _kv_arrays
 
 
 def attention_workspace_bytes(head_dim: int = 128) -> int:
@@ -76,6 +77,22 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     out_c, lse, out_ret = call.outputs(out, return_lse)
     _C.attention(inputs, call.c_out(out_c), call.c(lse), workspace=call.c(call.workspace(workspace)))
     return call.result(out_c, lse, out_ret, return_lse)
+
+
+def fp8_attention_support(head_dim: int, page_size: Optional[int] = None) -> Optional[str]:
+    """Whether the CUDA backend's FP8 (float8_e4m3fn) attention kernels, dense and block-sparse, are built for this
+    head dim and KV layout: None when they are, else why not (the NotImplementedError message a call would raise; in
+    a build without CUDA, that it has none). By dimensions alone, for engines that set a layer up before its first
+    call. The CPU reference computes every FP8 configuration.
+
+    Args:
+        head_dim: D.
+        page_size: the page size of a paged KV cache; None for contiguous KV.
+    """
+    page = 0 if page_size is None else _as_int("page_size", page_size)
+    if page_size is not None and page < 1:
+        raise ValueError(f"page_size: must be >= 1 (None: contiguous KV), got {page}")
+    return _C.fp8_attention_support(_as_int32("head_dim", head_dim), page) or None
 
 
 def attention_path(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,

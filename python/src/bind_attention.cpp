@@ -99,6 +99,7 @@ void bind_attention(nb::module_& m) {
         },
         nb::arg("inputs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("workspace").none() = nb::none());
   m.def("attention_workspace_bytes", &sp::attention_workspace_bytes, nb::arg("head_dim"));
+  m.def("fp8_attention_support", &sp::fp8_attention_support, nb::arg("head_dim"), nb::arg("page_size"));
   m.def("attention_path",
         [](const Inputs& inputs) {
           return sp::attention_path(inputs.in) == sp::LaunchOptions::DensePath::kSplitKV ? "split_kv" : "dense";

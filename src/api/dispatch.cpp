@@ -81,6 +81,13 @@ LaunchOptions::DensePath attention_path(const AttentionInputs& in) {
   return LaunchOptions::DensePath::kDenseKernel;
 }
 
+std::string fp8_attention_support(int head_dim, int64_t page_size) {
+  if (page_size < 0) {
+    throw ArgumentError("page_size", "must be >= 0 (0: contiguous KV), got " + std::to_string(page_size));
+  }
+  return cuda::fp8_attention_support(head_dim, page_size);
+}
+
 int64_t attention_workspace_bytes(int head_dim) {
   check_head_dim(head_dim, "head_dim");
   return cuda::attention_workspace_bytes(head_dim);

@@ -22,16 +22,9 @@ void require_aligned(const TensorView& t, const char* name, int first_dim, int l
                               std::to_string(per16) + " elements");
 }
 
-// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: head dim 128, contiguous KV
-// or paged KV with page_size % 64 == 0 (TMA loads).
 void check_fp8_supported(const Problem& p) {
-  if (p.head_dim != 128)
-    throw NotImplementedError("CUDA FP8 attention is built for head dim 128 only, got head dim " +
-                              std::to_string(p.head_dim) + " (FP8 runs on the CPU reference for any head dim)");
-  if (gathered_pages(p))
-    throw NotImplementedError("CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async "
-                              "gather of other page sizes is not built for FP8); got page_size " +
-                              std::to_string(p.page_size));
+  const std::string why = fp8_attention_support(p.head_dim, p.paged ? p.page_size : 0);
+  if (!why.empty()) throw NotImplementedError(why);
 }
 
 void require_contiguous(const TensorView& t, const char* name) {
@@ -40,6 +33,18 @@ void require_contiguous(const TensorView& t, const char* name) {
 }
 
 }  // namespace
+
+// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: head dim 128, contiguous KV
+// or paged KV with page_size % 64 == 0 (TMA loads).
+std::string fp8_attention_support(int head_dim, int64_t page_size) {
+  if (head_dim != 128)
+    return "CUDA FP8 attention is built for head dim 128 only, got head dim " + std::to_string(head_dim) +
+           " (FP8 runs on the CPU reference for any head dim)";
+  if (page_size > 0 && page_size % 64 != 0)  // gathered_pages
+    return "CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async gather of other page "
+           "sizes is not built for FP8); got page_size " + std::to_string(page_size);
+  return {};
+}
 
 void check_attention_supported(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !is_fp8(p))

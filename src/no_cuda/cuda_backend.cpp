@@ -18,6 +18,9 @@ void check_attention_supported(const AttentionInputs&, const AttentionOutputs&, 
 void check_sparse_supported(const AttentionInputs&, const Problem&, int) { absent("sparse_attention"); }
 void check_index_view_supported(const BlockIndexView&) { absent("sparse_attention"); }
 void check_index_supported(const AttentionInputs&, const Problem&) { absent("build_index"); }
+std::string fp8_attention_support(int, int64_t) {
+  return "FP8 attention on CUDA: this build has no CUDA backend (nvcc was not found when it was configured)";
+}
 
 void attention(const AttentionInputs&, const AttentionOutputs&, const Problem&) { absent("attention"); }
 int64_t attention_workspace_bytes(int) { return 0; }  // nothing to size

@@ -372,6 +372,14 @@ TEST_F(Errors, AllOnCudaInCpuOnlyBuild) {
   // the support question answers without raising: the backend's own reason (here: no CUDA backend)
   const std::string why = sparse_prefill_support(in, SelectionParams{});
   EXPECT_NE(why.find("no CUDA backend"), std::string::npos) << why;
+  EXPECT_NE(fp8_attention_support(128, 0).find("no CUDA backend"), std::string::npos);
+}
+#else
+TEST_F(Errors, Fp8AttentionSupport) {  // support.cpp's FP8 constraint, by dimensions
+  EXPECT_EQ(fp8_attention_support(128, 0), "");
+  EXPECT_EQ(fp8_attention_support(128, 64), "");
+  EXPECT_NE(fp8_attention_support(64, 0).find("head dim 128 only, got head dim 64"), std::string::npos);
+  EXPECT_NE(fp8_attention_support(128, 16).find("got page_size 16"), std::string::npos);
 }
 #endif
 
@@ -386,6 +394,7 @@ TEST_F(Errors, SparsePrefillSupport) {
   AttentionInputs in = C->in;
   in.max_seqlen_q = -1;
   EXPECT_ARG_ERROR(sparse_prefill_support(in, SelectionParams{}), "max_seqlen_q");
+  EXPECT_ARG_ERROR(fp8_attention_support(128, -1), "page_size");
 }
 
 // ---- window, scale ----------------------------------------------------------------------------------------------

@@ -80,12 +80,25 @@ def cuda_sparse_support(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return None
 
 
+def cuda_fp8_attention_support(head_dim, page_size=None):
+    """What a CUDA build's sp.fp8_attention_support answers (src/cuda/support.cpp), for the replays; checked against
+    the real one on the GPU (test_sparse_support.py)."""
+    if head_dim != 128:
+        return (f"CUDA FP8 attention is built for head dim 128 only, got head dim {head_dim} (FP8 runs on the CPU "
+                "reference for any head dim)")
+    if page_size is not None and page_size % 64:
+        return ("CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async gather of other "
+                f"page sizes is not built for FP8); got page_size {page_size}")
+    return None
+
+
 def replay_cuda(monkeypatch):
-    """The adapters decide as on CUDA while the arrays stay on the CPU: core._on_cuda says True and sp.sparse_support
-    answers as a CUDA build does (cuda_sparse_support)."""
+    """The adapters decide as on CUDA while the arrays stay on the CPU: core._on_cuda says True, and sp.sparse_support
+    and sp.fp8_attention_support answer as a CUDA build does (the stand-ins above)."""
     from sparse_prefill.integrations import core
     monkeypatch.setattr(core, "_on_cuda", lambda t: True)
     monkeypatch.setattr(sp, "sparse_support", cuda_sparse_support)
+    monkeypatch.setattr(sp, "fp8_attention_support", cuda_fp8_attention_support)
 
 
 def tolerance(device, ref, v_max, fp8):

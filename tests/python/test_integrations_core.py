@@ -260,7 +260,7 @@ def test_fp8_kernel_reason(monkeypatch):
     assert core.fp8_kernel_reason(q, 64, 16) is None        # the CPU computes everything
     replay_cuda(monkeypatch)
     assert "head dim 64" in core.fp8_kernel_reason(q, 64, 64)
-    assert "page size 16" in core.fp8_kernel_reason(q, 128, 16)
+    assert "page_size 16" in core.fp8_kernel_reason(q, 128, 16)
     assert core.fp8_kernel_reason(q, 128, 128) is None and core.fp8_kernel_reason(q, 128) is None
 
 

@@ -81,10 +81,29 @@ def test_cuda_reasons_are_the_calls_refusals(rng):
         assert str(e.value) == why, name
 
 
+def test_fp8_attention_support_names_what_is_not_built():
+    if not sp.with_cuda:
+        assert "no CUDA backend" in sp.fp8_attention_support(128)
+        return
+    assert sp.fp8_attention_support(128) is None and sp.fp8_attention_support(128, 64) is None
+    assert "head dim 128 only, got head dim 64" in sp.fp8_attention_support(64)
+    assert "got page_size 16" in sp.fp8_attention_support(128, 16)
+
+
+def test_fp8_attention_support_checks_its_arguments():
+    with pytest.raises(ValueError, match="^page_size"):
+        sp.fp8_attention_support(128, 0)
+    with pytest.raises(TypeError, match="^head_dim"):
+        sp.fp8_attention_support(128.0)
+
+
 @pytest.mark.skipif(not _CUDA, reason="needs a GPU and a CUDA build")
 def test_the_replays_stand_in_answers_as_the_cuda_build(rng):
     """engine_sim.cuda_sparse_support (the adapters' CPU replays of CUDA decisions) gives the CUDA build's answers."""
-    from engine_sim import cuda_sparse_support
+    from engine_sim import cuda_fp8_attention_support, cuda_sparse_support
+    for d in (64, 96, 128):
+        for page in (None, 16, 32, 64, 128):
+            assert sp.fp8_attention_support(d, page) == cuda_fp8_attention_support(d, page), (d, page)
     for d in (64, 128):
         for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn):
             for page in (None, 32, 64):

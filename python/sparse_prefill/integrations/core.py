@@ -381,16 +381,12 @@ def quantize_query(q, q_scale=None):
 
 def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Optional[str]:
     """None when the library has an FP8 attention kernel for a call on q's device (the CPU backend computes every
-    configuration; CUDA builds dense and block-sparse FP8 for head dim 128, contiguous KV or pages of a multiple of
-    64 tokens), else
-    why not. The adapters hand such calls to the engine's own FlashAttention, which serves every FP8 configuration."""
+    configuration), else why not: on CUDA the backend's own answer (sp.fp8_attention_support, src/cuda/support.cpp:
+    today head dim 128, contiguous KV or pages of a multiple of 64 tokens). The adapters hand such calls to the
+    engine's own FlashAttention, which serves every FP8 configuration."""
     if not _on_cuda(q):
         return None
-    if head_dim != 128:
-        return f"FP8 with head dim {head_dim} (CUDA FP8 attention is built for head dim 128)"
-    if page_size is not None and page_size % 64:
-        return f"FP8 with page size {page_size} (CUDA FP8 attention needs pages of a multiple of 64 tokens)"
-    return None
+    return sp.fp8_attention_support(head_dim, page_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
