@@ -162,6 +162,7 @@ SETS = {
     "keymax": ["kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kmx16_0.5", "kmx16_0.7", "kmx16_0.8", "kmx16_0.9",
                "maxcum_0.5", "maxcum_0.7", "maxcum_0.9"],
     "keymax32": ["kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "kmx32_0.7", "kmx32_0.8", "kmx32_0.9"],
+    "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
 }
 
 
