@@ -6,7 +6,8 @@ row maximum (what a warpgroup of 64 rows scores), and kept.
 A block is a candidate for row r iff pooled_rJ + |Q'_r| radius_J >= m_r + log2(alpha), radius_J = max_j |K'_j|.
 A tighter bound, for comparison (--split c): the first c coordinates of Q' against each block's per-coordinate key
 range (a box), the rest against the radius of the keys' other coordinates.
-Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c]     (default 16384 0.03 0; seconds at 16K)"""
+Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r]
+(default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
 import sys
@@ -22,10 +23,14 @@ B, RANK, HQ, HKV = 128, 16, 8, 2
 
 def main():
     argv = sys.argv[1:]
-    split = 0
+    split, rank = 0, RANK
     if "--split" in argv:
         i = argv.index("--split")
         split = int(argv[i + 1])
+        del argv[i:i + 2]
+    if "--rank" in argv:
+        i = argv.index("--rank")
+        rank = int(argv[i + 1])
         del argv[i:i + 2]
     L = int(argv[0]) if len(argv) > 0 else 16384
     alpha = float(argv[1]) if len(argv) > 1 else 0.03
@@ -34,7 +39,7 @@ def main():
     q, k = q.float(), k.float()
     scale = math.log2(math.e) / math.sqrt(q.shape[-1])
     nb, la, inf = (L + B - 1) // B, math.log2(alpha), torch.tensor(-float("inf"))
-    P = emulate.key_basis(k, RANK, B).float()   # [Hkv, D, r]: the library's basis
+    P = emulate.key_basis(k, rank, B).float()   # [Hkv, D, r]: the library's basis
     kbar = emulate.library_means(k, B).float()  # [nb, Hkv, D]
     pos = torch.arange(L)
     last = pos // B
