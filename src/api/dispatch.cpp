@@ -1,13 +1,15 @@
-// The public entry points: validate once, ask the backend whether it supports the call, then dispatch by device (CPU
-// reference or CUDA backend; a build without CUDA links src/no_cuda/, whose entry points say so).
+// The public entry points: validate once, ask the call's backend (core/backend.h: backend_for(p.device), the CPU
+// reference or CUDA; a build without CUDA links src/no_cuda/, whose checks say so) whether it supports the call, then
+// run it there.
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "api/validate.h"
+#include "core/backend.h"
+#include "core/contract.h"
 #include "core/problem.h"
-#include "cuda/cuda_backend.h"
 #include "reference/reference.h"
 #include "sparse_prefill/sparse.h"
 
@@ -30,54 +32,56 @@ Problem validate_host(const AttentionInputs& in, const AttentionOutputs* outs, c
 // host-resolved problem (p.seqs filled) for the index check.
 void checked_before(const AttentionInputs& in, const Problem& p, const BlockIndexView* view = nullptr) {
   if (!in.options.checked || p.device == Device::kCPU) return;
+  const Backend& be = backend_for(p.device);
   std::vector<int32_t> cu_q, cu_k, bt, used;
-  const TensorView h_cu_q = cuda::download_int32(in.cu_seqlens_q, in.stream, cu_q);
+  const TensorView h_cu_q = be.download_int32(in.cu_seqlens_q, in.stream, cu_q);
   std::optional<TensorView> h_cu_k, h_bt, h_used;
-  if (in.cu_seqlens_k) h_cu_k = cuda::download_int32(*in.cu_seqlens_k, in.stream, cu_k);
-  if (in.block_table) h_bt = cuda::download_int32(*in.block_table, in.stream, bt);
-  if (in.seqused_k) h_used = cuda::download_int32(*in.seqused_k, in.stream, used);
+  if (in.cu_seqlens_k) h_cu_k = be.download_int32(*in.cu_seqlens_k, in.stream, cu_k);
+  if (in.block_table) h_bt = be.download_int32(*in.block_table, in.stream, bt);
+  if (in.seqused_k) h_used = be.download_int32(*in.seqused_k, in.stream, used);
   Problem hp = p;
   hp.device = Device::kCPU;
   validate_values(in, h_cu_q, h_cu_k ? &*h_cu_k : nullptr, h_bt ? &*h_bt : nullptr, h_used ? &*h_used : nullptr, hp);
   for (const auto& [t, name] : {std::pair{&in.q_descale, "q_descale"}, std::pair{&in.k_descale, "k_descale"},
                                 std::pair{&in.v_descale, "v_descale"}}) {
     std::vector<int32_t> bits;  // float32 values moved as 4-byte words
-    if (t->has_value()) check_descale_values(cuda::download_int32(**t, in.stream, bits), name);
+    if (t->has_value()) check_descale_values(be.download_int32(**t, in.stream, bits), name);
   }
   if (view == nullptr) return;
   std::vector<int32_t> s0, s1, ids, cu_blocks;
   BlockIndexView hv = *view;
-  hv.segment_start = cuda::download_int32(view->segment_start, in.stream, s0);
-  hv.segment_end = cuda::download_int32(view->segment_end, in.stream, s1);
-  hv.block_ids = cuda::download_int32(view->block_ids, in.stream, ids);
-  hv.cu_blocks = cuda::download_int32(view->cu_blocks, in.stream, cu_blocks);
+  hv.segment_start = be.download_int32(view->segment_start, in.stream, s0);
+  hv.segment_end = be.download_int32(view->segment_end, in.stream, s1);
+  hv.block_ids = be.download_int32(view->block_ids, in.stream, ids);
+  hv.cu_blocks = be.download_int32(view->cu_blocks, in.stream, cu_blocks);
   hv.k_mean.device = Device::kCPU;  // shapes only: validate_index never reads the means
   if (!is_absent(hv.v_mean)) hv.v_mean.device = Device::kCPU;
   validate_index(hp, hv);
 }
 // ... and after it: the kernels' own checks (the device error word), synchronising in.stream.
 void checked_after(const AttentionInputs& in, const Problem& p) {
-  if (in.options.checked && p.device != Device::kCPU) check_errors(in.stream);
+  if (!in.options.checked || p.device == Device::kCPU) return;
+  if (std::optional<ArgumentError> e = backend_for(p.device).take_device_error(in.stream)) throw *e;
 }
 
 }  // namespace
 
-void check_errors(void* stream) {
-  if (std::optional<ArgumentError> e = cuda::take_device_error(stream)) throw *e;
+void check_errors(void* stream) {  // the device error word is the CUDA backend's (device_checks.h)
+  if (std::optional<ArgumentError> e = cuda_backend().take_device_error(stream)) throw *e;
 }
 
 void attention(const AttentionInputs& in, const AttentionOutputs& outs) {
   const Problem p = validate_inputs(in, &outs);
-  if (p.device == Device::kCPU) return reference::attention(in, outs, p);
+  const Backend& be = backend_for(p.device);
   checked_before(in, p);
-  cuda::check_attention_supported(in, outs, p);
-  cuda::attention(in, outs, p);
+  be.check_attention(in, outs, p);
+  be.attention(in, outs, p);
   checked_after(in, p);
 }
 
 LaunchOptions::DensePath attention_path(const AttentionInputs& in) {
   const Problem p = validate_inputs(in, nullptr);
-  if (p.device != Device::kCPU && cuda::dense_uses_full_list(in, p)) return LaunchOptions::DensePath::kSplitKV;
+  if (backend_for(p.device).dense_uses_full_list(in, p)) return LaunchOptions::DensePath::kSplitKV;
   return LaunchOptions::DensePath::kDenseKernel;
 }
 
@@ -85,12 +89,12 @@ std::string fp8_attention_support(int head_dim, int64_t page_size) {
   if (page_size < 0) {
     throw ArgumentError("page_size", "must be >= 0 (0: contiguous KV), got " + std::to_string(page_size));
   }
-  return cuda::fp8_attention_support(head_dim, page_size);
+  return cuda_backend().fp8_attention_support(head_dim, page_size);
 }
 
-int64_t attention_workspace_bytes(int head_dim) {
+int64_t attention_workspace_bytes(int head_dim) {  // the workspace of CUDA attention (the CPU needs none)
   check_head_dim(head_dim, "head_dim");
-  return cuda::attention_workspace_bytes(head_dim);
+  return cuda_backend().attention_workspace_bytes(head_dim);
 }
 
 void pool_kv(const AttentionInputs& in, int block_size, std::vector<int32_t>& cu_blocks, std::vector<float>& k_mean,
@@ -144,24 +148,15 @@ const DeviceBlockIndex& as_built(const DeviceBlockIndex& index) {
   return index;
 }
 
-[[noreturn]] void device_index_on_cpu() {
-  throw NotImplementedError("the device index is built for CUDA inputs; on the CPU build_index() returns the index "
-                            "on the host");
-}
-
 }  // namespace
 
 BlockIndex build_index(const AttentionInputs& in, const SelectionParams& requested) {
   const auto [p, params] = validate_selection(in, requested, nullptr);
-  BlockIndex index;
-  if (p.device == Device::kCPU) {
-    index = reference::build_index(in, p, params);
-  } else {
-    checked_before(in, p);
-    cuda::check_index_supported(in, p);
-    index = cuda::build_index_to_host(in, p, params);
-    checked_after(in, p);
-  }
+  const Backend& be = backend_for(p.device);
+  checked_before(in, p);
+  be.check_index(in, p);
+  BlockIndex index = be.build_index(in, p, params);
+  checked_after(in, p);
   index.binding = bind_index(in, p, params);
   return index;
 }
@@ -171,25 +166,23 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   const Problem p = validate_inputs(in, &outs);
   check_binding(index.binding, in, p, reuse_index);
   validate_index(p, index);
-  if (p.device == Device::kCPU) return reference::sparse_attention(in, index, outs, p);
+  const Backend& be = backend_for(p.device);
   checked_before(in, p, &index);
-  cuda::check_sparse_supported(in, p, index.block_size);
-  cuda::check_attention_supported(in, outs, p);
-  cuda::check_index_view_supported(index);
-  cuda::sparse_attention(in, index, outs, p);
+  be.check_sparse(in, p, index.block_size);
+  be.check_attention(in, outs, p);
+  be.check_index_view(index);
+  be.sparse_attention(in, index, outs, p);
   checked_after(in, p);
 }
 
 int64_t sparse_attention_workspace_bytes(const AttentionInputs& in, const BlockIndexView& index) {
   const Problem p = validate_inputs(in, nullptr);
-  if (p.device == Device::kCPU) return 0;
-  return int64_t(cuda::sparse_attention_workspace_bytes(in, index, p));
+  return int64_t(backend_for(p.device).sparse_attention_workspace_bytes(in, index, p));
 }
 
 int64_t index_workspace_bytes(const AttentionInputs& in, const SelectionParams& requested) {
   const auto [p, params] = validate_selection(in, requested, nullptr);
-  if (p.device == Device::kCPU) return 0;
-  return int64_t(cuda::index_workspace_bytes(in, p, params));
+  return int64_t(backend_for(p.device).index_workspace_bytes(in, p, params));
 }
 
 int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const SelectionParams& params) {
@@ -199,11 +192,12 @@ int64_t sparse_prefill_workspace_bytes(const AttentionInputs& in, const Selectio
 DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& requested,
                              const TensorView& workspace, const MeanCache* mean_cache) {
   const auto [p, params] = validate_selection(in, requested, nullptr, mean_cache);
-  if (p.device == Device::kCPU) device_index_on_cpu();
+  if (p.device == Device::kCPU) no_device_index();
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
+  const Backend& be = backend_for(p.device);
   checked_before(in, p);
-  cuda::check_index_supported(in, p);
-  cuda::build_index(in, p, params, workspace, mean_cache);
+  be.check_index(in, p);
+  be.build_index(in, p, params, workspace, mean_cache);
   checked_after(in, p);
   return index;
 }
@@ -212,7 +206,7 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, 
                       bool reuse_index) {
   const Problem p = validate_inputs(in, &outs);
   const DeviceBlockIndex& index = as_built(given);
-  if (p.device == Device::kCPU) device_index_on_cpu();
+  if (p.device == Device::kCPU) no_device_index();
   if (!index.binding.set) throw ArgumentError("index", "is not a built device index (its binding is unset)");
   check_binding(index.binding, in, p, reuse_index);
   check_device_v_means(index);
@@ -224,10 +218,11 @@ void sparse_attention(const AttentionInputs& in, const DeviceBlockIndex& given, 
                                      dtype_name(p.dtype) + " inputs (build the index on these arrays, or with "
                                      "correction=False)");
   }
+  const Backend& be = backend_for(p.device);
   checked_before(in, p);
-  cuda::check_sparse_supported(in, p, index.params.block_size);
-  cuda::check_attention_supported(in, outs, p);
-  cuda::sparse_attention(in, outs, p, index);
+  be.check_sparse(in, p, index.params.block_size);
+  be.check_attention(in, outs, p);
+  be.sparse_attention(in, outs, p, index);
   checked_after(in, p);
 }
 
@@ -237,12 +232,12 @@ std::pair<int64_t, int64_t> index_counts(const DeviceBlockIndex& index, void* st
 }
 
 IndexStats index_stats(const DeviceBlockIndex& index, void* stream) {
-  return cuda::index_stats(as_built(index), stream);
+  return backend_for(index.binding.device).index_stats(as_built(index), stream);
 }
 
 BlockIndex to_host(const DeviceBlockIndex& index, void* stream) {
   check_device_v_means(index);
-  return cuda::to_host(as_built(index), stream);
+  return backend_for(index.binding.device).to_host(as_built(index), stream);
 }
 
 namespace {
@@ -250,18 +245,13 @@ namespace {
 void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& requested, const AttentionOutputs& outs,
                          const MeanCache* cache) {
   const auto [p, params] = validate_selection(in, requested, &outs, cache);
-  if (p.device == Device::kCPU) {
-    // The cache keeps V means for later steps (which may use the correction) even when this one does not.
-    BlockIndex index = reference::build_index(in, p, params, /*v_means=*/cache != nullptr);
-    if (cache) reference::write_mean_cache(p, in, index, *cache);
-    return reference::sparse_attention(in, view_of(index), outs, p);
-  }
+  const Backend& be = backend_for(p.device);
   checked_before(in, p);
   // the kernel's checks before the index stage's: nothing launches for a call the kernel cannot run
-  cuda::check_sparse_supported(in, p, params.block_size);
-  cuda::check_attention_supported(in, outs, p);
-  cuda::check_index_supported(in, p);
-  cuda::sparse_prefill(in, params, outs, p, cache);
+  be.check_sparse(in, p, params.block_size);
+  be.check_attention(in, outs, p);
+  be.check_index(in, p);
+  be.sparse_prefill(in, params, outs, p, cache);
   checked_after(in, p);
 }
 
@@ -273,16 +263,16 @@ void sparse_prefill(const AttentionInputs& in, const SelectionParams& params, co
 
 std::string sparse_prefill_support(const AttentionInputs& in, const SelectionParams& requested) {
   const auto [p, params] = validate_selection(in, requested, nullptr);
-  if (p.device == Device::kCPU) return {};  // the reference computes every valid call
   // sparse_prefill_impl's checks, in its order, with the output the call allocates (q's shape, contiguous: the
   // alignment checks then read q, k and v only)
   AttentionOutputs outs;
   outs.out = make_view(nullptr, p.out_dtype, {in.q.shape[0], in.q.shape[1], in.q.shape[2]}, p.device,
                        in.q.device_id);
+  const Backend& be = backend_for(p.device);
   try {
-    cuda::check_sparse_supported(in, p, params.block_size);
-    cuda::check_attention_supported(in, outs, p);
-    cuda::check_index_supported(in, p);
+    be.check_sparse(in, p, params.block_size);
+    be.check_attention(in, outs, p);
+    be.check_index(in, p);
   } catch (const NotImplementedError& e) {
     return e.what();
   }
