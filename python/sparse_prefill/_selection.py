@@ -20,6 +20,15 @@ def _as_rule(value: Any) -> int:
     return _RULES[value]
 
 
+def _rule_name(code: int) -> str:
+    """The extension's rule int -> the keyword's name (ValueError naming `rule` for an int that is no rule)."""
+    name = _RULE_NAMES.get(code)
+    if name is None:
+        known = ", ".join(f"{i} ({n!r})" for i, n in sorted(_RULE_NAMES.items()))
+        raise ValueError(f"rule: must be one of {known}, got {code}")
+    return name
+
+
 def _as_head_subgroups(value: Any) -> int:
     s = _as_int32("head_subgroups", value)
     if s < 0:
@@ -40,8 +49,9 @@ def _as_max_kept_blocks(value: Any) -> int:
 
 
 class _Field:
-    """One selection field as Python sees it: its keyword, the binding's attribute, its default (Python's spelling)
-    and `to_c(value)`, which checks the value's type and returns what SelectionParams holds."""
+    """One selection field as Python sees it: its keyword, the binding's attribute, its default (Python's spelling),
+    `to_c(value)`, which checks the value's type and returns what SelectionParams holds (the spelling the torch
+    operators take too), and `to_py(c)`, back to the keyword's spelling."""
 
     __slots__ = ("name", "c_name", "default", "to_c", "to_py")
 
@@ -67,10 +77,11 @@ class _Field:
 # union_lists, a keyword of C++), `rule` by name, `max_kept_blocks` None for the causal bound (-1).
 _PARAMS = _C.SelectionParams()
 _PY_NAMES = {"union_lists": "union"}
-_SPECIAL = {"rule": (_as_rule, lambda c: _RULE_NAMES[c]),
+_SPECIAL = {"rule": (_as_rule, _rule_name),
             "head_subgroups": (_as_head_subgroups, lambda c: c),
             "max_kept_blocks": (_as_max_kept_blocks, lambda c: None if c == -1 else c)}
 _TABLE = tuple(_Field(c) for c in _C.SELECTION_FIELDS)
+_FIELD_OF = {f.name: f for f in _TABLE}
 _FIELDS = tuple(f.name for f in _TABLE)
 _FIELD_SET = frozenset(_FIELDS)
 _DEFAULTS = {f.name: f.default for f in _TABLE}

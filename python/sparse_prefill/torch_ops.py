@@ -50,6 +50,7 @@ from torch.utils.dlpack import to_dlpack as _to_dlpack
 from . import _C
 from . import _api
 from ._call import make_inputs as _make_inputs
+from ._selection import _FIELD_OF
 from ._selection import _TABLE as _SELECTION_TABLE
 from ._selection import _selection, selection_keywords
 
@@ -132,16 +133,7 @@ def _selection_of(fields: dict) -> Any:
     key = frozenset(fields.items())
     sel = _selections.get(key)
     if sel is None:
-        kw = dict(fields)
-        if "rule" in kw:
-            name = _api._RULE_NAMES.get(kw["rule"])
-            if name is None:
-                known = ", ".join(f"{i} ({n!r})" for i, n in sorted(_api._RULE_NAMES.items()))
-                raise ValueError(f"rule: must be one of {known}, got {kw['rule']}")
-            kw["rule"] = name
-        if kw.get("max_kept_blocks") == -1:
-            kw["max_kept_blocks"] = None
-        sel = _api.Selection(**kw)
+        sel = _api.Selection(**{n: _FIELD_OF[n].to_py(v) for n, v in fields.items()})
         if len(_selections) >= 1024:
             _selections.clear()
         _selections[key] = sel
@@ -361,17 +353,8 @@ _ATTN_OPTS = ("bool causal=True, float? softmax_scale=None, int[2] window=[-1, -
 def _selection_schema(exclude=()) -> str:
     """The selection arguments of a schema, keyword-only, from the library's one table of fields (sp.Selection's,
     read from the C++ SelectionParams): `rule` as its int, `max_kept_blocks` -1 for None."""
-    out = []
-    for f in _SELECTION_TABLE:
-        if f.name in exclude:
-            continue
-        if f.name == "rule":
-            out.append(f"int rule={_api._as_rule(f.default)}")
-        elif f.name == "max_kept_blocks":
-            out.append(f"int max_kept_blocks={-1 if f.default is None else f.default}")
-        else:
-            out.append(f"{type(f.default).__name__} {f.name}={f.default!r}")
-    return "*, " + ", ".join(out)
+    defaults = [(f.name, f.to_c(f.default)) for f in _SELECTION_TABLE if f.name not in exclude]
+    return "*, " + ", ".join(f"{type(c).__name__} {name}={c!r}" for name, c in defaults)
 
 
 _MEANS = "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None"
@@ -465,12 +448,7 @@ def _op_fields(selection, keywords: dict) -> dict:
     hit = _op_fields_of.get(id(sel))
     if hit is not None and hit[0] is sel:
         return hit[1]
-    fields = {}
-    for f in _SELECTION_TABLE:
-        value = getattr(sel, f.name)
-        if value != f.default:
-            fields[f.name] = (_api._as_rule(value) if f.name == "rule" else
-                              -1 if f.name == "max_kept_blocks" and value is None else value)
+    fields = {f.name: f.to_c(getattr(sel, f.name)) for f in _SELECTION_TABLE if getattr(sel, f.name) != f.default}
     if len(_op_fields_of) >= 1024:
         _op_fields_of.clear()
     _op_fields_of[id(sel)] = (sel, fields)

@@ -531,12 +531,11 @@ class VarlenDispatch:
             q, k, max_q, max_k, layer_idx=layer_idx, paged=paged, window=window, softcap=softcap, causal=causal)
         fp8 = q.dtype == torch.float8_e4m3fn
         descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale) if fp8 else {}
-        d = q.shape[-1]
+        d, c, on_cuda = q.shape[-1], self.config, _on_cuda(q)
         if reason is None:
-            c = self.config
             sel = c.selection(layer_idx)
             sq, sk, sv, scale = q, k, v, softmax_scale
-            if _on_cuda(q) and d < 128 and not paged and q.dtype in (torch.bfloat16, torch.float16):
+            if on_cuda and d < 128 and not paged and q.dtype in (torch.bfloat16, torch.float16):
                 # the adapters' own step for contiguous 16-bit inputs of head dim < 128 (never an engine's paged
                 # cache): zero-padded to the sparse kernels' 128, which adds 0 to every q.k and to the pooled means
                 # (the same selection, exact outputs), at the cost of padded copies of q, k, v; the scale stays the
@@ -544,7 +543,7 @@ class VarlenDispatch:
                 pad = (0, 128 - d)
                 sq, sk, sv = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
                 scale = d ** -0.5 if softmax_scale is None else softmax_scale
-            if _on_cuda(q):  # what the device's kernels take: the library's answer, on the arrays the call gets
+            if on_cuda:  # what the device's kernels take: the library's answer, on the arrays the call gets
                 reason = self._backend_reason(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table,
                                               seqused_k, scale, descales, sel)
         self.last_reason = reason
