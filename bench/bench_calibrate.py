@@ -61,9 +61,11 @@ def smollm2(args, rows):
         doc = json.load(open(os.path.join(out, "calibration.json")))
         rec = next((r for r in doc["results"] if r["name"] == doc["recommended"]), None)
         row.update(choice(doc), lengths=doc["lengths"],
-                   density=rec["cost"] if rec else 1.0, worst_drop=rec and rec["worst_drop"],
+                   density=density(rec) if rec else 1.0, cost=rec["cost"] if rec else 1.0,
+                   worst_drop=rec and rec["worst_drop"],
                    worst_nll=rec and rec["worst_nll"],
-                   results=[dict(name=r["name"], kind=r["kind"], density=r["cost"], passes=r["passes"],
+                   results=[dict(name=r["name"], kind=r["kind"], density=density(r), cost=r["cost"],
+                                 index_share=r.get("index_share"), passes=r["passes"],
                                  worst_drop=r["worst_drop"], worst_nll=r["worst_nll"]) for r in doc["results"]])
     row["meets_target"] = rc == 0 and secs <= 180
     rows.append(row)
@@ -73,6 +75,11 @@ def smollm2(args, rows):
                      {"confirmation": conf.get("outcome"), "first_choice": conf.get("first"),
                       "confirm_s": conf.get("seconds")}), flush=True)
     return row
+
+
+def density(r):
+    """A calibration result's density at the longest length: its cost less its index stage's share."""
+    return r["cost"] - (r.get("index_share") or 0.0)
 
 
 def choice(doc):
@@ -93,8 +100,8 @@ def confirmation(doc):
     cal = c.get("calibration", {})
     return dict(outcome=c["outcome"], first=c["first"], confirmed=c["confirmed"], order=c["order"],
                 n_prompts=c["n_prompts"], max_confirm=c["max_confirm"], seconds=c["seconds"], reason=c.get("reason"),
-                measured=[dict(name=r["name"], holds=r["passes"], density=r["cost"],
-                               calibration_density=cal.get(r["name"], {}).get("cost"),
+                measured=[dict(name=r["name"], holds=r["passes"], cost=r["cost"],
+                               calibration_cost=cal.get(r["name"], {}).get("cost"),
                                worst_drop=r["worst_drop"], worst_nll=r["worst_nll"],
                                calibration_worst_drop=cal.get(r["name"], {}).get("worst_drop"),
                                calibration_worst_nll=cal.get(r["name"], {}).get("worst_nll"))
@@ -121,7 +128,7 @@ def heldout(args, rows):
         file_row, adapter_row = doc["results"]
         gaps = [abs(adapter_row["lengths"][L]["tasks"][v]["metric"] - t["metric"])
                 for L, r in file_row["lengths"].items() for v, t in r["tasks"].items()]
-        row.update(worst_drop=file_row["worst_drop"], worst_nll=file_row["worst_nll"], density=file_row["cost"],
+        row.update(worst_drop=file_row["worst_drop"], worst_nll=file_row["worst_nll"], density=density(file_row),
                    heldout_worst_drop=file_row["worst_drop"]["diff"] if file_row["worst_drop"] else None,
                    adapter_worst_drop=adapter_row["worst_drop"], adapter_max_metric_gap=max(gaps),
                    adapter_calls={L: r.get("adapter_calls") for L, r in adapter_row["lengths"].items()},

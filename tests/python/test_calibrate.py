@@ -105,7 +105,9 @@ def test_end_to_end_files_and_rows(calibrated):
             assert t["unit"] == ("%" if t is row["tasks"]["nll"] else "points")
         ld = row["layer_density"]
         assert len(ld) == 3 and all(0 < d <= 1 for d in ld) and row["density"] == pytest.approx(np.mean(ld))
-        assert r["cost"] == row["density"]
+        # the cost: the density plus the index stage's share of dense attention's time (none for the oracle)
+        assert r["cost"] == pytest.approx(row["density"] + r["index_share"])
+        assert (r["index_share"] == 0.0) == (r["kind"] == "oracle") and r["index_share"] >= 0.0
         if r["kind"] == "uniform":
             assert ld[1] == 1.0 and min(ld[0], ld[2]) < 0.8      # the diffuse layer dense, the others sparse
         if r["kind"] == "per-layer":
@@ -451,9 +453,13 @@ def test_choice_ties_keep_the_most_accurate():
     def r(name, cost, drop, nll=0.0, kind="uniform"):
         return dict(name=name, kind=kind, passes=True, cost=cost, worst_drop=dict(diff=-drop, low=-drop, high=-drop),
                     worst_nll=dict(diff=nll, low=nll, high=nll))
-    # equal cost (every candidate at density 1): the smallest worst top-1 drop, not the first measured
-    assert S.choose([r("alpha=0.1", 1.0, 3.0), r("default", 1.0, 0.5), r("alpha=0.001", 1.0, 0.0)])["name"] == \
+    # equal cost: the smallest worst top-1 drop, not the first measured
+    assert S.choose([r("alpha=0.1", 0.9, 3.0), r("default", 0.9, 0.5), r("alpha=0.001", 0.9, 0.0)])["name"] == \
         "alpha=0.001"
+    # a setting that costs dense attention's time or more (density plus index share >= 1) is never the choice: the
+    # all-dense setting is exact and no slower
+    assert S.choose([r("slow", 1.0, 0.0), r("slower", 1.3, 0.0)]) is None
+    assert S.choose([r("slow", 1.02, 0.0), r("cheap", 0.95, 0.9)])["name"] == "cheap"
     # within COST_TIE of the cheapest counts as equal; a real cost difference goes to the cheaper passing setting
     assert S.choose([r("a", 0.50, 0.8), r("b", 0.50 * (1 + S.COST_TIE / 2), 0.1)])["name"] == "b"
     assert S.choose([r("a", 0.50, 0.8), r("b", 0.60, 0.1)])["name"] == "a"
@@ -472,10 +478,15 @@ def test_no_pruning_writes_the_default_and_says_so(model_dir, tmp_path, monkeypa
     out = tmp_path / "out"
     lines = []
     doc = main([model_dir, "--lengths", "1024", "--tokenizer", "bytes", "--out", str(out), "--device", "cpu",
-                "--candidates", "alpha=0.1,default,alpha=0.001", "--oracle", "", "--max-evals", "0",
+                "--candidates", "alpha=0.1,default,alpha=0.001", "--oracle", "0.5,0.9", "--max-evals", "2",
                 "--layouts", "spread", "--tasks", "kv,nll", "--min-scored", "30", "--n-boot", "200"],
                log=lines.append)
-    assert all(r["cost"] == 1.0 for r in doc["results"])               # every candidate kept every block
+    uniform = [r for r in doc["results"] if r["kind"] == "uniform"]
+    assert len(uniform) == 3 and all(r["lengths"][1024]["density"] == 1.0 for r in uniform)   # every block kept
+    assert all(r["cost"] > 1.0 for r in uniform)                        # dense attention plus an index stage
+    # nothing any plan of them could prune: no probe, no plans, one oracle fraction (the highest) for the report
+    assert [r["name"] for r in doc["results"] if r["kind"] != "uniform"] == ["oracle F=0.9"]
+    assert doc["probe"] is None and "no per-layer plan of these candidates can prune" in "\n".join(lines)
     assert doc["recommended"] == "default" and set(doc["plan"].values()) == {"default"}
     assert doc["no_pruning"] and doc["lowest_density"] == 1.0
     written = json.load(open(out / "sparse_prefill.json"))
@@ -489,6 +500,40 @@ def test_no_pruning_writes_the_default_and_says_so(model_dir, tmp_path, monkeypa
     assert "nothing was pruned" in md and "default selection" in md
     assert report.NO_FIGURE in text and report.NO_FIGURE in md and not (out / "calibration.png").exists()
     assert "matplotlib" in report.NO_FIGURE
+
+
+def test_index_cost_counts_and_can_make_dense_the_choice(model_dir, tmp_path, monkeypatch):
+    """A setting's cost is its density plus its index stage's time over dense attention's: with index stages
+    timed at half of dense attention's in every layer, no candidate of the tiny model (densities 0.67-0.74) is
+    cheaper than dense attention, so the file runs every layer dense and the log says why; a plan's share counts
+    only its sparse layers."""
+    def time_index(self, candidates):
+        self.timing = {layer: {"attention": 2.0, "index": {n: 1.0 for n, _ in candidates}} for layer in range(3)}
+        return self.timing
+    monkeypatch.setattr(S.Calibration, "time_index", time_index)
+    lines = []
+    doc = main([model_dir, *TINY, "--out", str(tmp_path / "out"), "--oracle", "", "--max-evals", "0"],
+               log=lines.append)
+    uniform = [r for r in doc["results"] if r["kind"] == "uniform"]
+    assert uniform and all(r["index_share"] == pytest.approx(0.5) for r in uniform)
+    assert all(r["cost"] == pytest.approx(r["lengths"][1024]["density"] + 0.5) for r in uniform)
+    assert all(r["cost"] > 1.0 for r in uniform)
+    assert any(r["passes"] for r in uniform) and doc["recommended"] is None
+    assert doc["config"]["dense_layers"] == 3 and not doc["no_pruning"]
+    assert "cheaper than dense attention" in "\n".join(lines)
+    cal = S.Calibration.__new__(S.Calibration)
+    time_index(cal, [("a", None)])
+    assert cal.index_share({"0": "a", "1": "dense", "2": "a"}) == pytest.approx(1 / 3)
+    assert cal.index_share(None) == 0.0
+
+
+def test_plans_can_prune():
+    def r(layers, kind="uniform"):
+        return dict(kind=kind, lengths={1024: dict(layer_density=layers)})
+    # each candidate prunes a different layer: a plan taking the sparsest per layer prunes 1/3 on average
+    assert S.plans_can_prune([r([1.0, 1.0, 0.0]), r([0.0, 1.0, 1.0])])
+    assert not S.plans_can_prune([r([1.0, 1.0, 0.9]), r([0.95, 1.0, 1.0])])     # 0.95 on average: NO_PRUNING
+    assert not S.plans_can_prune([r([0.1, 0.1, 0.1], kind="oracle")])            # the oracle is no candidate
 
 
 def test_pruned_nothing_margin():

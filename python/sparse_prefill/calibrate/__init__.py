@@ -8,18 +8,24 @@ It loads a transformers model from a local folder or GGUF file (nothing is downl
 the library (dense `sp.attention` as the reference, `sp.sparse_prefill` for each candidate setting; on the CPU the
 library's exact CPU reference), and measures on generated prompts (key-value recall in several layouts and copying,
 with your text as filler when given, and next-token NLL over your text):
-  - each candidate selection (default: row max at alpha 0.1, 0.03, 0.01, the library default 0.003, 0.001; one
-    selection per query head) in every layer, and the exact oracle at a few mass fractions (the density a selection
-    that knew the attention would need);
+  - per layer, on one prompt at the longest length, the time of each candidate's index stage (sp.build_index) and
+    of dense attention on the same inputs: a setting's cost is its density plus its index share (index time over
+    dense attention's), its time relative to dense attention;
+  - each candidate selection (default: the per-key rule 'key_max' at alpha 0.3, 0.1, 0.03, then row max at alpha
+    0.01, the library default 0.003, 0.001; one selection per query head) in every layer, and the exact oracle at a
+    few mass fractions (the density a selection that knew the attention would need);
   - per layer, each candidate's output error and density against dense attention on the same inputs;
   - per-layer plans (each layer its cheapest candidate within an error budget, dense where none is), searched for
-    the cheapest that passes.
+    the cheapest that passes; skipped, with the oracle measured at its highest fraction only, when no plan of the
+    candidates could prune more than 5 % (each layer's sparsest candidate, averaged over layers).
+A setting that costs as much as dense attention or more (its index stage costs more than its pruning saves) is never
+the recommendation: the all-dense setting is exact and no slower.
 Every accuracy is a difference to dense on the same tokens with a paired bootstrap 95 % interval. The cheapest setting
 whose top-1 accuracy stays within --max-drop points and NLL within --max-nll % of dense on every task and length is
 written as DIR/sparse_prefill.json (a `layers` entry per layer that differs, {"dense": true} where a layer needs
 dense attention), with DIR/report.md, DIR/calibration.json and DIR/calibration.png (when matplotlib is installed;
 else the log and the report say why it is missing). The choice is safe:
-  - ties: costs (density at the longest length) within 2 % of the cheapest are equal (search.COST_TIE); of those the
+  - ties: costs (density plus index share at the longest length) within 2 % of the cheapest are equal (search.COST_TIE); of those the
     most accurate wins: the smallest worst top-1 drop against dense, then the smallest NLL increase;
   - nothing pruned: when no setting dropped more than 5 % of the key blocks at any length (search.NO_PRUNING; short
     prompts are covered by the always-kept blocks), the lengths cannot tell settings apart: the log and the report

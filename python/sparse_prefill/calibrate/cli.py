@@ -18,7 +18,13 @@ from . import search as S
 from . import tasks as T
 from .tasks import UsageError
 
-CANDIDATES = "alpha=0.1,alpha=0.03,alpha=0.01,default,alpha=0.001"
+# The default candidates: the per-key rule at three ratios (on SmolLM2 at 8K the calibration chose key_max alpha 0.03,
+# density 0.70, held on other prompts, where every row-max setting that pruned failed there:
+# bench/lab/results/calibrate_smollm2_keymax_h100.json; on the retrieval subject alpha 0.3 keeps dense accuracy at
+# 0.47 / 0.57 of the blocks, the oracle's density: bench/lab/results/accuracy_retrieval_rank32_seed*_h100.json), then
+# the pooled row-max rule from the library's default to denser (cheap index stages, for models where the per-key
+# index does not pay).
+CANDIDATES = "rule=key_max;alpha=0.3,rule=key_max;alpha=0.1,rule=key_max;alpha=0.03,alpha=0.01,default,alpha=0.001"
 EXTRA = "pip install 'sparse-prefill[hf]' (in a clone: pip install '.[hf]')"     # pyproject.toml's extra hf
 
 
@@ -226,18 +232,28 @@ def run(args, log=print) -> dict:
         chosen, out_config = None, None
     else:
         geometry = {k: getattr(base_config, k) for k in ("block_size", "sink", "window", "last_n")}
-        for i, (name, settings) in enumerate(args.candidates.items()):
-            cfg = SparsePrefillConfig(**{**args.base, **settings})
-            configs[name] = cfg
-            log(f"{name} in every layer [{2 + i}/{evals}]")
-            r = cal.evaluate(name, "uniform", R.Route("config", config=cfg), cfg)
+        for name, settings in args.candidates.items():
+            configs[name] = SparsePrefillConfig(**{**args.base, **settings})
             plan_of[name] = {str(i): name for i in range(n_layers)}
-            results.append(r)
-        for frac in args.oracle:
+        t1 = time.time()
+        cal.time_index(list(configs.items()))
+        log(f"index stages timed beside dense attention, every layer, one prompt at L={max(args.lengths)} "
+            f"({time.time() - t1:.1f} s): index / dense time " +
+            ", ".join(f"{n} {cal.index_share(plan_of[n]):.3f}" for n in configs))
+        for i, (name, cfg) in enumerate(configs.items()):
+            log(f"{name} in every layer [{2 + i}/{evals}]")
+            results.append(cal.evaluate(name, "uniform", R.Route("config", config=cfg), cfg, plan=plan_of[name]))
+        search_plans = bool(args.max_evals) and S.plans_can_prune(results)
+        oracle = args.oracle if search_plans or not args.oracle else [max(args.oracle)]
+        if not search_plans and args.max_evals:
+            log(f"no per-layer plan of these candidates can prune more than {S.NO_PRUNING:.0%} of the key blocks "
+                "(each layer's sparsest candidate, averaged over layers): no probe or plans; "
+                + (f"the oracle at F={oracle[0]} only (is anything prunable at these lengths?)" if oracle else ""))
+        for frac in oracle:
             log(f"the exact oracle at F={frac} (per query head, in chunks)")
             results.append(cal.evaluate(f"oracle F={frac}", "oracle", R.Route(
                 "oracle", frac=frac, oracle_geometry=geometry, mem_bytes=args.oracle_mem_gb * 2**30)))
-        if args.max_evals:
+        if search_plans:
             log("probe: every candidate beside dense attention in every layer, on one prompt per task and length")
             probe = cal.probe([(n, configs[n]) for n in args.candidates])
             levels = S.plans(probe, list(args.candidates), n_layers)
@@ -255,15 +271,17 @@ def run(args, log=print) -> dict:
                 cfg = S.plan_config(plan, args.candidates, args.base)
                 configs[name] = cfg
                 plan_of[name] = {str(layer): n or "dense" for layer, n in plan.items()}
-                r = cal.evaluate(name, "per-layer", R.Route("config", config=cfg), cfg)
+                r = cal.evaluate(name, "per-layer", R.Route("config", config=cfg), cfg, plan=plan_of[name])
                 r["plan"] = plan_of[name]
                 return r
 
             log(f"{len(levels)} per-layer plans (error budgets); binary search, at most {args.max_evals} measured")
             results += S.search(levels, measure, args.max_evals, log)
         chosen = S.choose(results)
-        # nothing pruned: the measurements rank no setting, so the library's default selection (over --base)
-        no_pruning = chosen is not None and S.pruned_nothing(results)
+        # nothing pruned: the measurements rank no setting, so the library's default selection (over --base), when
+        # some setting kept the tolerance (at density ~1 each costs dense attention plus its index stage: > 1)
+        no_pruning = S.pruned_nothing(results) and any(
+            r["passes"] for r in results if r["kind"] in ("uniform", "per-layer"))
         if no_pruning:
             note = (f"nothing was pruned: no setting dropped more than {S.NO_PRUNING:.0%} of the key blocks at "
                     f"--lengths {','.join(map(str, args.lengths))} (lowest density "
@@ -276,8 +294,12 @@ def run(args, log=print) -> dict:
             confirmation = dict(outcome="skipped", reason="nothing was pruned: the library's default selection")
         elif chosen is None:
             out_config = SparsePrefillConfig(**args.base, dense_layers=n_layers)
-            confirmation = dict(outcome="skipped", reason="no setting within the tolerance on the calibration "
-                                "prompts: every layer dense")
+            passed = [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer")]
+            note = ("no setting within the tolerance on the calibration prompts: every layer dense" if not passed else
+                    "no setting within the tolerance is cheaper than dense attention (its density plus its index "
+                    f"stage's share: cheapest {min(r['cost'] for r in passed):.3f}): every layer dense")
+            log(note)
+            confirmation = dict(outcome="skipped", reason=note)
         elif not args.max_confirm:
             out_config = configs[chosen["name"]]
             confirmation = dict(outcome="skipped", reason="--max-confirm 0, measured only on the prompts it was "
@@ -285,7 +307,8 @@ def run(args, log=print) -> dict:
             log(f"not confirmed on other prompts (--max-confirm 0): {chosen['name']} was chosen on the same prompts "
                 "it was compared on")
         else:
-            confirmation, confirmed = _confirm(args, model, tok, texts, variants, results, chosen, configs, log)
+            confirmation, confirmed = _confirm(args, model, tok, texts, variants, results, chosen, configs, plan_of,
+                                               cal.timing, log)
             if confirmed is None:
                 # nothing holds on independent prompts, the densest passing setting included (the last one
                 # confirmed): as when nothing passes at all, every layer runs dense. The library's default is no
@@ -335,15 +358,16 @@ def run(args, log=print) -> dict:
         log(f"no setting held on the confirmation prompts: {paths['config']} runs every layer dense; report "
             f"{paths['report']} ({doc['seconds']:.0f} s)")
     elif chosen:
-        log(f"recommended: {chosen['name']} (density {chosen['cost']:.3f} at L={max(args.lengths)}; "
+        log(f"recommended: {chosen['name']} ({S.cost_text(chosen)} at L={max(args.lengths)}; "
             f"{report.worst_short(chosen)} on the calibration prompts; {report.confirmation_summary(confirmation)}) "
             f"-> {paths['config']}; report {paths['report']} ({doc['seconds']:.0f} s)")
     else:
-        log(f"no setting within the tolerance: {paths['config']} runs every layer dense; report {paths['report']}")
+        log(f"{note or 'no setting within the tolerance'}: {paths['config']} runs every layer dense; report "
+            f"{paths['report']}")
     return doc
 
 
-def _confirm(args, model, tok, texts, variants, results, chosen, configs, log):
+def _confirm(args, model, tok, texts, variants, results, chosen, configs, plan_of, timing, log):
     """(the confirmation record of calibration.json, the calibration result of the setting that held or None): the
     passing settings in S.confirmation_order measured on the confirmation split (tasks.CONFIRM) until one passes."""
     t0 = time.time()
@@ -359,9 +383,10 @@ def _confirm(args, model, tok, texts, variants, results, chosen, configs, log):
     cal = S.Calibration(model, sets, n_boot=args.n_boot, seed=args.seed, max_drop=args.max_drop,
                         max_nll=args.max_nll, strict=args.strict, log=log)
     cal.measure_dense()
+    cal.timing = timing                          # the calibration's timings: the same settings, the same layers
     confirmed, done = S.confirm(
         order, lambda r: cal.evaluate(r["name"], r["kind"], R.Route("config", config=configs[r["name"]]),
-                                      configs[r["name"]]), log)
+                                      configs[r["name"]], plan=plan_of.get(r["name"])), log)
     rec = dict(split=T.CONFIRM, seed=args.seed, filler=source, prompts=counts, n_prompts=n_prompts,
                max_confirm=args.max_confirm, first=chosen["name"], order=[r["name"] for r in order],
                calibration={r["name"]: dict(worst_drop=r.get("worst_drop"), worst_nll=r.get("worst_nll"),

@@ -11,6 +11,7 @@ import os
 from typing import List, Optional
 
 from ..integrations.core import LONG_PROMPT_FACTOR
+from .search import cost_text
 
 NO_FIGURE = "calibration.png not written: matplotlib is not installed (pip install matplotlib)"
 
@@ -88,7 +89,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
         bound = -doc["tolerance"]["max_drop"] if key == "worst_drop" else doc["tolerance"]["max_nll"]
         ax.axhline(bound, color="red", lw=0.8, ls=":")
         ax.axhline(0, color="gray", lw=0.5)
-        ax.set_xlabel(f"density at L={doc['lengths'][-1]} (mean over layers)")
+        ax.set_xlabel(f"cost at L={doc['lengths'][-1]}: density (mean over layers) + index time / dense time")
         ax.set_ylabel(label)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
@@ -145,7 +146,7 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
         elif rec is None:
             out.append("No setting stayed within the tolerance: the written file runs every layer dense.")
         else:
-            out.append(f"**{rec['name']}** ({rec['kind']}): density {rec['cost']:.3f} at L={lengths[-1]}; worst "
+            out.append(f"**{rec['name']}** ({rec['kind']}): {cost_text(rec)} at L={lengths[-1]}; worst "
                        f"top-1 {_fmt(rec['worst_drop'], 'pt')}; NLL {_fmt(rec['worst_nll'], '%')} on the "
                        "calibration prompts.")
             out += ["", f"Confirmation: {confirmation_summary(conf)}."]
@@ -159,13 +160,20 @@ def markdown(doc: dict, figure: Optional[str], figure_note: Optional[str] = None
                 f"prompt is more than {LONG_PROMPT_FACTOR:g}x the longest of them.", ""]
     if doc.get("confirmation", {}) and doc["confirmation"].get("results"):
         out += confirmation_table(doc["confirmation"], lengths)
-    out += ["## Settings measured", "", "| setting | kind | " + " | ".join(f"density L={L}" for L in lengths)
-            + " | worst top-1 [95 % CI] | NLL [95 % CI] | within tolerance |", "|" + "---|" * (len(lengths) + 5)]
+    out += ["## Settings measured", "", "Cost: the density at the longest length plus the index stage's time over "
+            "dense attention's (timed per layer on one prompt); a setting is recommended only below 1, the cost of "
+            "dense attention.", "",
+            "| setting | kind | " + " | ".join(f"density L={L}" for L in lengths)
+            + f" | index share L={lengths[-1]} | cost | worst top-1 [95 % CI] | NLL [95 % CI] | within tolerance |",
+            "|" + "---|" * (len(lengths) + 7)]
     for r in results:
         ok = "yes" if r.get("passes") else "no"
         if r.get("passes") and not r.get("passes_ci"):
             ok += " (interval crosses)"
+        share, cost = r.get("index_share"), r.get("cost")
         out.append(f"| {r['name']} | {r['kind']} | " + " | ".join(_density(r, L) for L in lengths)
+                   + (f" | {share:.3f}" if share is not None else " | -")
+                   + (f" | {cost:.3f}" if cost is not None else " | -")
                    + f" | {_fmt(r.get('worst_drop'), 'pt')} | {_fmt(r.get('worst_nll'), '%')} | {ok} |")
     if rec is not None:
         out += ["", f"## Per task ({rec['name']})", "", "| L | task | dense | setting | difference [95 % CI] | tokens |",
@@ -213,7 +221,7 @@ def confirmation_table(c: dict, lengths) -> List[str]:
            "Prompts per length (scored tokens): " + "; ".join(
                f"L={L}: " + ", ".join(f"{v} {n['prompts']} ({n['tokens']})" for v, n in c["prompts"][str(L)].items())
                for L in lengths), "",
-           f"| setting | density L={lengths[-1]} (calibration / confirmation prompts) | calibration prompts | "
+           f"| setting | cost L={lengths[-1]} (calibration / confirmation prompts) | calibration prompts | "
            "confirmation prompts | holds |", "|---|---|---|---|---|"]
     for r in c["results"]:
         cal = c["calibration"].get(r["name"], {})

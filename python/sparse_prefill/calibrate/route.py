@@ -8,6 +8,8 @@ transformers that sends every layer's attention where the current Route says:
   oracle   the exact oracle at mass fraction F (oracle.py), blocks counted per layer
   probe    dense attention, and on the same inputs each candidate setting's sparse attention: its relative error
            against dense and its density, per layer (what the per-layer search ranks layers by)
+  time     dense attention, and on the same inputs the time of dense attention (sp.attention) and of each
+           candidate's index stage (sp.build_index), per layer: what a setting's cost adds to its density
   adapter  the transformers adapter itself (sparse_prefill.integrations.transformers) with a configuration: the
            round trip of a written file
 Head dims the kernels do not take are zero-padded (64 on the CPU reference when D < 64, else 128; 128 on CUDA, where
@@ -30,7 +32,8 @@ NAME = "sparse_prefill_calibrate"
 
 class Route:
     """What the attention function does for the next forwards (see the module docstring) and what it counted:
-    `blocks[layer] = [kept, visible]`, `probe[layer][candidate] = [err^2, ref^2, kept, visible]`."""
+    `blocks[layer] = [kept, visible]`, `probe[layer][candidate] = [err^2, ref^2, kept, visible]`,
+    `timing[layer] = {"attention": seconds of dense attention, "index": {candidate: seconds of its index stage}}`."""
 
     def __init__(self, kind: str = "dense", config=None, frac: Optional[float] = None, candidates=None,
                  oracle_geometry=None, mem_bytes: float = 2 << 30, dispatch=None):
@@ -45,6 +48,7 @@ class Route:
             self.adapter = make_attention_forward(dispatch)
         self.blocks: Dict[int, List[int]] = {}
         self.probe: Dict[int, Dict[str, List[float]]] = {}
+        self.timing: Dict[int, dict] = {}
 
     def count(self, layer: int, kept: int, visible: int) -> None:
         c = self.blocks.setdefault(layer, [0, 0])
@@ -82,6 +86,33 @@ def _sparse(q, k, v, scale, selection):
     cu = _cu(L, q.device)
     out, index = sp.sparse_prefill(q, k, v, cu, cu, L, L, softmax_scale=scale, return_index=True, **selection)
     return out, index.kept_blocks, index.visible_blocks
+
+
+def _index(q, k, v, scale, selection):
+    L = q.shape[0]
+    cu = _cu(L, q.device)
+    return sp.build_index(q, k, v, cu, cu, L, L, softmax_scale=scale, **selection)
+
+
+# Runs of each timed call (after one warm-up), their median taken: at 32K a dense layer of an 8B model is ~15 ms and
+# its index stage 0.4-7 ms on an H100, so three runs cost ~0.1 s per layer and resolve the few-% shares that decide.
+TIME_RUNS = 3
+
+
+def _seconds(fn, cuda: bool) -> float:
+    """Median wall time of fn() over TIME_RUNS runs after a warm-up (synchronized on CUDA: the kernels' time)."""
+    import time
+    import torch
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    times = []
+    for _ in range(TIME_RUNS):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def _cu(L, device):
@@ -124,6 +155,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             s[1] += ref
             s[2] += kept
             s[3] += vis
+    elif R.kind == "time":
+        out = _dense(q, k, v, scale)
+        cell = R.timing.setdefault(layer, {"attention": 0.0, "index": {}})
+        cell["attention"] = _seconds(lambda: _dense(q, k, v, scale), q.is_cuda)
+        for name, cfg in R.candidates:
+            if not cfg.layer_dense(layer):
+                sel = cfg.selection(layer)
+                cell["index"][name] = _seconds(lambda: _index(q, k, v, scale, sel), q.is_cuda)
     else:
         raise ValueError(f"route kind {R.kind!r}")
     return out[..., :D].to(query.dtype).unsqueeze(0), None

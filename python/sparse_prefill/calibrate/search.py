@@ -1,9 +1,13 @@
 """Measuring settings on the prompts, and the search for the cheapest one within tolerance.
 
 A setting is a SparsePrefillConfig (what the adapters load): a uniform candidate (the same selection in every
-layer), a per-layer plan (a selection or dense per layer), or the all-dense fallback. Its cost is its density at the
-longest length: the mean over layers of kept / visible key blocks (a dense layer counts 1), which is what the sparse
-kernels' time follows.
+layer), a per-layer plan (a selection or dense per layer), or the all-dense fallback. Its cost is its time relative to
+dense attention at the longest length: its density (the mean over layers of kept / visible key blocks, a dense layer
+counting 1: what the sparse kernels' time follows) plus its index share (the time of its index stage, summed over its
+sparse layers, over dense attention's summed over all layers; each timed once per layer on the same inputs, the
+first prompt at the longest length: Calibration.time_index). A selection whose index costs more than its pruning
+saves costs more than 1, dense attention's cost: the per-key rule ('key_max') prunes like the oracle but its index
+stage is 5-30x the pooled rule's, so density alone would rank it too cheap (bench/results/selection_keymax_v4_h100.json).
 
 The search:
   1. every uniform candidate and every oracle fraction is measured on all prompts (accuracy, NLL, density per layer);
@@ -92,6 +96,7 @@ class Calibration:
         self.n_layers = int(model.config.num_hidden_layers)
         self.dense = None
         self.dense_seconds = 0.0
+        self.timing: Dict[int, dict] = {}    # Route.timing of time_index: seconds per layer
 
     # -- forwards ---------------------------------------------------------------------------------------------------
     def _run(self, route, L: int, prompts_of=None):
@@ -116,10 +121,34 @@ class Calibration:
         self.dense_seconds = time.time() - t0
         return self.dense
 
-    def evaluate(self, name: str, kind: str, route, config: Optional[SparsePrefillConfig] = None) -> dict:
-        """Accuracy, NLL (with paired bootstrap intervals) and density per layer of `route` on every prompt."""
+    def time_index(self, candidates: Sequence[tuple]) -> Dict[int, dict]:
+        """Per layer, the seconds of dense attention and of each candidate's index stage on the same inputs (the
+        first prompt of the first variant at the longest length, dense attention in every layer): index_share's
+        table."""
+        L = self.lengths[-1]
+        route = R.Route("time", candidates=list(candidates))
+        R.ROUTE = route
+        p = next(iter(self.sets[L].values()))[0]
+        R.logits_at(self.model, p["ids"], p["pos"] - 1)
+        self.timing = route.timing
+        return self.timing
+
+    def index_share(self, plan: Optional[Dict[str, str]]) -> float:
+        """The index stages' time of a plan {layer: candidate or 'dense'} over dense attention's, all layers summed
+        (0 without a plan or timings: the oracle and the all-dense setting have no index stage)."""
+        if not plan or not self.timing:
+            return 0.0
+        dense = sum(c["attention"] for c in self.timing.values())
+        index = sum(self.timing[int(layer)]["index"].get(name, 0.0) for layer, name in plan.items()
+                    if int(layer) in self.timing)
+        return index / dense if dense > 0 else 0.0
+
+    def evaluate(self, name: str, kind: str, route, config: Optional[SparsePrefillConfig] = None,
+                 plan: Optional[Dict[str, str]] = None) -> dict:
+        """Accuracy, NLL (with paired bootstrap intervals) and density per layer of `route` on every prompt; its
+        cost adds the index share of `plan` ({layer: candidate or 'dense'}: what the route runs)."""
         t0 = time.time()
-        res = dict(name=name, kind=kind, lengths={})
+        res = dict(name=name, kind=kind, lengths={}, index_share=self.index_share(plan))
         if config is not None:
             res["config"] = config.file_dict()
         for L in self.lengths:
@@ -163,7 +192,8 @@ class Calibration:
                     ok_ci &= t["high"] <= self.max_nll
         longest = res["lengths"][max(res["lengths"])]
         res.update(worst_drop=drop, worst_nll=nll, passes_point=bool(ok), passes_ci=bool(ok_ci),
-                   passes=bool(ok_ci if self.strict else ok), cost=longest["density"])
+                   passes=bool(ok_ci if self.strict else ok),
+                   cost=None if longest["density"] is None else longest["density"] + res.get("index_share", 0.0))
 
     # -- the probe pass ---------------------------------------------------------------------------------------------
     def probe(self, candidates: Sequence[tuple]) -> Dict[int, Dict[str, dict]]:
@@ -198,9 +228,17 @@ def verdict_line(res: dict, max_drop: float, max_nll: float) -> str:
     if n:
         out.append(f"NLL {n['diff']:+.2f} % [{n['low']:+.2f}, {n['high']:+.2f}] (L={n['L']})")
     if res.get("cost") is not None:
-        out.append(f"density {res['cost']:.3f}")
+        out.append(cost_text(res))
     out.append("PASS" if res["passes"] else f"fails (--max-drop {max_drop}, --max-nll {max_nll})")
     return "; ".join(out)
+
+
+def cost_text(res: dict) -> str:
+    """'density 0.704' or, with an index stage, 'cost 0.812 = density 0.704 + index 0.108'."""
+    share = res.get("index_share") or 0.0
+    if not share:
+        return f"density {res['cost']:.3f}"
+    return f"cost {res['cost']:.3f} = density {res['cost'] - share:.3f} + index {share:.3f}"
 
 
 # -- plans ------------------------------------------------------------------------------------------------------------
@@ -256,8 +294,8 @@ def search(levels: List[dict], measure, max_evals: int, log=print) -> List[dict]
     return done
 
 
-# Two costs within this relative distance are equal: the kernels' time follows density, and 2 % is below what the
-# benchmarks resolve between runs (the A/B gate of bench/ is 2 %), so the more accurate setting is worth it.
+# Two costs within this relative distance are equal: 2 % is below what the benchmarks resolve between runs (the A/B
+# gate of bench/ is 2 %), so the more accurate setting is worth it.
 COST_TIE = 0.02
 # A calibration prunes nothing when no setting drops more than this share of the visible key blocks at any length
 # (short prompts: the always-kept sink, window and last tiles cover most of them). Below 5 % pruned, the accuracy
@@ -274,11 +312,18 @@ def accuracy_key(r: dict) -> tuple:
     return (drop, nll)
 
 
+def worth_it(results: Sequence[dict]) -> List[dict]:
+    """The settings a recommendation can be: uniform or per-layer, passing, and cheaper than dense attention (cost
+    < 1; one whose index stage costs more than its pruning saves is slower than the all-dense setting, which is
+    exact)."""
+    return [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer") and r["cost"] < 1.0]
+
+
 def choose(results: Sequence[dict]) -> Optional[dict]:
-    """The cheapest passing setting, or None. Passing settings whose cost is within COST_TIE (relative) of the
-    cheapest are equal in cost: of those the most accurate wins (accuracy_key), then uniform before per-layer, then
-    the cheaper, then the order measured."""
-    ok = [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer")]
+    """The cheapest passing setting cheaper than dense attention (worth_it), or None. Passing settings whose cost
+    is within COST_TIE (relative) of the cheapest are equal in cost: of those the most accurate wins (accuracy_key),
+    then uniform before per-layer, then the cheaper, then the order measured."""
+    ok = worth_it(results)
     if not ok:
         return None
     cheapest = min(r["cost"] for r in ok)
@@ -291,6 +336,19 @@ def lowest_density(results: Sequence[dict]) -> Optional[float]:
     dens = [row["density"] for r in results if r["kind"] in ("uniform", "per-layer")
             for row in r["lengths"].values() if row.get("density") is not None]
     return min(dens) if dens else None
+
+
+def plans_can_prune(results: Sequence[dict]) -> bool:
+    """Whether a per-layer plan of the uniform candidates could prune more than NO_PRUNING at some length: the
+    mean over layers of the sparsest candidate's density per layer (the densest-case plan's density, as measured
+    with each candidate in every layer) below 1 - NO_PRUNING. When not, the probe and the plans are not measured:
+    they could only write the library's default (pruned_nothing)."""
+    uniform = [r for r in results if r["kind"] == "uniform"]
+    for L in (uniform[0]["lengths"] if uniform else {}):
+        per_layer = [r["lengths"][L]["layer_density"] for r in uniform if r["lengths"][L].get("layer_density")]
+        if per_layer and float(np.mean(np.min(per_layer, axis=0))) < 1.0 - NO_PRUNING:
+            return True
+    return False
 
 
 def pruned_nothing(results: Sequence[dict]) -> bool:
@@ -331,7 +389,7 @@ def confirmation_order(results: Sequence[dict], chosen: dict, cap: int = CONFIRM
         return []
     seen = {_same_setting(chosen)}
     order = [chosen]
-    ok = [r for r in results if r["passes"] and r["kind"] in ("uniform", "per-layer")]
+    ok = worth_it(results)
     tied = min(r["cost"] for r in ok) * (1 + COST_TIE) + 1e-9 if ok else chosen["cost"]   # choose()'s equal costs
     rest = sorted((r for r in ok if r["cost"] > max(tied, chosen["cost"])),
                   key=lambda r: (r["cost"], accuracy_key(r), r["kind"] != "uniform"))
@@ -351,7 +409,7 @@ def confirm(order: Sequence[dict], measure, log=print) -> Tuple[Optional[dict], 
     calibration result of the first that passed, or None when none did; the confirmation results as measured)."""
     done: List[dict] = []
     for i, r in enumerate(order):
-        log(f"confirmation {i + 1}/{len(order)}: {r['name']} (density {r['cost']:.3f}) on the confirmation prompts")
+        log(f"confirmation {i + 1}/{len(order)}: {r['name']}, {cost_text(r)}, on the confirmation prompts")
         c = measure(r)
         done.append(c)
         if c["passes"]:
