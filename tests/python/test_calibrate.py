@@ -8,6 +8,7 @@ validated_lengths in the file, the missing hf extra and matplotlib, and the piec
 paired bootstrap, per-layer plans, the search and the confirmation order."""
 
 import json
+import math
 import os
 import sys
 
@@ -370,6 +371,55 @@ def test_oracle_chunks_and_full_mass():
     dense = sp.attention(q, k, v, cu, cu, 1500, 1500, softmax_scale=0.125, return_lse=False)
     assert kept1 <= vis1
     torch.testing.assert_close(full, dense, atol=2e-5, rtol=1e-4)
+
+
+def naive_oracle(q, k, v, scale, frac, block_size, sink, window, last_n):
+    """The oracle as its docstring states it, on whole [L, L] matrices in float64: the chunked one's reference."""
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    nb = -(-L // block_size)
+    tiles = -(-L // 128)
+    out = torch.zeros(L, Hq, v.shape[2], dtype=torch.float64)
+    kept = visible = 0
+    blk = torch.arange(L) // block_size
+    for h in range(Hq):
+        s = (q[:, h].double() @ k[:, h // g].double().T) * scale
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
+        p = torch.softmax(s, 1)
+        mass = torch.zeros(L, nb, dtype=torch.float64).index_add_(1, blk, p)
+        for t in range(tiles):
+            r0, r1 = t * 128, min(L, t * 128 + 128)
+            vis = [j for j in range(nb) if j * block_size <= r1 - 1]
+            always = {j for j in vis if j * block_size < sink or min(L, (j + 1) * block_size) - 1 > r0 - 1
+                      or t >= tiles - last_n or (window > 0 and min(L, (j + 1) * block_size) - 1 >= r0 - window + 1)}
+            keep = set(always)
+            for r in range(r0, r1):
+                got = sum(float(mass[r, j]) for j in always)
+                for j in sorted((j for j in vis if j not in always), key=lambda j: -float(mass[r, j])):
+                    if got >= frac or mass[r, j] <= 0:
+                        break
+                    keep.add(j)
+                    got += float(mass[r, j])
+            cols = torch.zeros(L, dtype=torch.bool)
+            for j in keep:
+                cols[j * block_size:(j + 1) * block_size] = True
+            pk = p[r0:r1] * cols[None]
+            out[r0:r1, h] = (pk @ v[:, h // g].double()) / pk.sum(1, keepdim=True)
+            kept += len(keep)
+            visible += len(vis)
+    return out, kept, visible
+
+
+@pytest.mark.parametrize("L,frac", [(389, 0.5), (1001, 0.8)])
+def test_oracle_matches_the_naive_statement(L, frac):
+    """Fresh inputs (the topic workload, whose tiles agree on few blocks, at a seed of its own), odd lengths, GQA:
+    the chunked oracle keeps what the naive statement keeps and computes the same attention."""
+    q, k, v = (torch.from_numpy(x) for x in sp.workload.topic(L, 4, 2, 32, seed=L, block=32))
+    geo = dict(block_size=32, sink=32, window=64, last_n=1)
+    got, kept, vis = oracle_attention(q, k, v, 0.3, frac, mem_bytes=128 * (L + 128) * 16, **geo)   # 128-row chunks
+    want, kept_n, vis_n = naive_oracle(q, k, v, 0.3, frac, **geo)
+    assert (kept, vis) == (kept_n, vis_n) and kept < vis
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
 
 
 def test_paired_bootstrap():

@@ -61,23 +61,30 @@ def oracle_attention(q, k, v, scale: float, frac: float, block_size: int = 128, 
             always |= (lk[None] >= (first_pos - window + 1)[:, None]) & vis
         always &= vis
         pos = torch.arange(c0, c1, device=dev)
-        causal = torch.arange(K, device=dev)[None] > pos[:, None]
+        # keys a row does not see: only in the chunk's own key range [c0, K) (the rows before c0 see all of [0, c0))
+        causal = torch.arange(c0, K, device=dev)[None] > pos[:, None]
         row_tile = (pos - c0) // 128
+        # Passes over the [n, K] float32 matrix, what its time is (on a GPU at 32K: ~10 s per 8B-shaped prompt): the
+        # product, the max, the shift and exp (in place), the block sums, the mask of kept blocks and the product
+        # with V. The scale is folded into q, the causal mask touches only the chunk's own keys and the softmax
+        # denominator is the kept blocks' mass: 10 passes where the direct formulation takes 16.
         for h in range(Hq):
-            e = (q[c0:c1, h].float() @ kf[:K, h // g].T).mul_(scale).masked_fill_(causal, -math.inf)
+            e = (q[c0:c1, h].float() * scale) @ kf[:K, h // g].T
+            e[:, c0:].masked_fill_(causal, -math.inf)
             e = e.sub_(e.amax(1, keepdim=True)).exp_()             # key 0 is visible to every row: finite
-            mass = e.view(n, nbc, block_size).sum(-1)
-            mass = mass / mass.sum(1, keepdim=True)
+            mass = e.view(n, nbc, block_size).sum(-1)              # unnormalised: sum_j exp(s_rj - max_r)
+            total = mass.sum(1, keepdim=True)
             al = always[row_tile]
-            order = torch.where(al, torch.full_like(mass, 2.0), mass).argsort(1, descending=True)
+            order = torch.where(al, torch.full_like(mass, 3.0 * total.max()), mass).argsort(1, descending=True)
             sorted_mass = mass.gather(1, order)
-            take = ((sorted_mass.cumsum(1) - sorted_mass) < frac) & (sorted_mass > 0)
+            take = ((sorted_mass.cumsum(1) - sorted_mass) < frac * total) & (sorted_mass > 0)
             rows = torch.zeros_like(take).scatter_(1, order, take)
             if n % 128:                                            # the last chunk: whole tiles for the union
                 rows = torch.cat([rows, rows.new_zeros(len(t) * 128 - n, nbc)])
             keep = rows.view(len(t), 128, nbc).any(1) | always      # the union over each tile's rows
-            e.view(n, nbc, block_size).mul_(keep[row_tile][..., None])
-            out[c0:c1, h] = (e @ vf[:K, h // g]) / e.sum(1, keepdim=True)
+            row_keep = keep[row_tile]
+            e.view(n, nbc, block_size).mul_(row_keep[..., None])
+            out[c0:c1, h] = (e @ vf[:K, h // g]) / (mass * row_keep).sum(1, keepdim=True)
             kept += int((keep & vis).sum())
             visible += int(vis.sum())
     return out, kept, visible
