@@ -20,8 +20,8 @@ from .tasks import UsageError
 
 # The default candidates: the per-key rule at three ratios (on SmolLM2 at 8K the calibration chose key_max alpha 0.03,
 # density 0.70, held on other prompts, where every row-max setting that pruned failed there:
-# bench/lab/results/calibrate_smollm2_keymax_h100.json; on the retrieval subject alpha 0.3 keeps dense accuracy at
-# 0.47 / 0.57 of the blocks, the oracle's density: bench/lab/results/accuracy_retrieval_rank32_seed*_h100.json), then
+# bench/results/calibrate_keymax_h100.json; on the retrieval subject alpha 0.3 keeps dense accuracy at
+# 0.47 / 0.57 of the blocks, the oracle's density: bench/results/accuracy_retrieval_keymax_seed*_h100.json), then
 # the pooled row-max rule from the library's default to denser (cheap index stages, for models where the per-key
 # index does not pay).
 CANDIDATES = "rule=key_max;alpha=0.3,rule=key_max;alpha=0.1,rule=key_max;alpha=0.03,alpha=0.01,default,alpha=0.001"
