@@ -42,6 +42,7 @@ machine). They are forward only: autograd passes through them, so their outputs 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -386,6 +387,14 @@ for _name, (_schema, _kernel, _fake) in _SCHEMAS.items():
     # rather than a silently wrong gradient)
     _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 del _name, _schema, _kernel, _fake
+# torch's dispatcher keeps the Python kernels registered above (and the closures register_fake wraps the fakes in)
+# until the process ends, even once _lib is destroyed, and with them this module's globals. At exit the interpreter
+# wipes the globals of the modules still alive after it empties sys.modules; a module nothing else holds is freed
+# before that, and its globals, held from C++, then outlive the teardown unwiped: _selections, _op_fields_of and,
+# through the imported _selection, sparse_prefill._selection's _PARAMS and _DEFAULT_SELECTION kept their
+# _C.SelectionParams past nanobind's leak check ("nanobind: leaked N instances", printed at exit). The module holds
+# itself, so that it is still alive then and its globals are wiped with the others'.
+_THIS_MODULE = sys.modules[__name__]
 
 _ops = getattr(torch.ops, _NS)
 OPS = {name: getattr(_ops, name).default for name in _SCHEMAS}

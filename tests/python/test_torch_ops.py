@@ -110,6 +110,50 @@ def test_import_sparse_prefill_does_not_import_torch():
     assert "sparse_prefill.chunked_prefill" in r.stdout
 
 
+
+_EXIT_SCRIPT = """
+import sys
+import torch
+import sparse_prefill as sp
+import sparse_prefill.torch_ops as spt
+
+dev = sys.argv[1]
+dt = torch.float32 if dev == "cpu" else torch.bfloat16
+L, C, HQ, HKV, D, PAGE = 512, 128, 4, 2, 128, 64
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(L, h, D, generator=g).to(dev, dt) for h in (HQ, HKV, HKV))
+cu = torch.tensor([0, L], dtype=torch.int32, device=dev)
+kc, vc = k.reshape(L // PAGE, PAGE, HKV, D), v.reshape(L // PAGE, PAGE, HKV, D)
+bt = torch.arange(L // PAGE, dtype=torch.int32, device=dev).reshape(1, -1)
+qc, cuq = q[L - C:].contiguous(), torch.tensor([0, C], dtype=torch.int32, device=dev)
+su = torch.tensor([L], dtype=torch.int32, device=dev)
+paged = (qc, kc, vc, cuq, bt, su, C, L)
+sp.sparse_prefill(q, k, v, cu, cu, L, L, alpha=0.05)
+sp.sparse_prefill(q, k, v, cu, cu, L, L, selection=sp.Selection(alpha=0.02))
+sp.chunked_prefill(*paged, final_chunk=False)
+sp.chunked_prefill(*paged, final_chunk=True, alpha=0.06)
+spt.sparse_prefill(q, k, v, cu, cu, L, L, alpha=0.03)
+spt.chunked_prefill(*paged, final_chunk=False)
+spt.chunked_prefill(*paged, final_chunk=False, selection=sp.Selection(rule="tile_energy"))
+torch.ops.sparse_prefill.chunked_prefill(*paged, False, alpha=0.07)
+print("calls done")
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exit_leaves_no_extension_object(device):
+    """A process that calls the operators and the public functions with selections and exits frees every _C object
+    before nanobind's leak check, which prints "nanobind: leaked N instances" at exit otherwise. torch's dispatcher
+    keeps the registered kernels, and so torch_ops' globals (its Selection caches; through _selection, the module's
+    _PARAMS and default Selection), past the interpreter's teardown unless the module stays alive for it to wipe."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(sp.__file__)))
+    env = dict(os.environ, PYTHONPATH=pkg + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, device], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "calls done" in r.stdout
+    assert "nanobind: leaked" not in r.stderr, r.stderr
+
 def test_operators_registered():
     for name in ("attention", "attention_out", "sparse_prefill", "sparse_prefill_out", "chunked_prefill",
                  "chunked_prefill_out"):
