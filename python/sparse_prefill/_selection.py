@@ -131,7 +131,7 @@ class Selection:
     `final_chunk=` is the step's, not a selection keyword: it overrides the Selection's.
     """
 
-    __slots__ = _FIELDS + ("_params", "_flipped")
+    __slots__ = _FIELDS + ("_params", "_flipped", "_op")
 
     def __init__(self, **fields: Any):
         unknown = fields.keys() - _FIELD_SET
@@ -147,6 +147,7 @@ class Selection:
         params.check()  # the library's shape-free checks (ValueError naming the field)
         object.__setattr__(self, "_params", params)
         object.__setattr__(self, "_flipped", None)  # the copy with the other final_chunk, made on first use
+        object.__setattr__(self, "_op", None)       # the torch operators' arguments (_op_fields), made on first use
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{name}: a Selection is immutable; use selection.replace({name}=...)")
@@ -193,7 +194,16 @@ def _rebuild(fields: dict) -> Selection:
 
 
 _DEFAULT_SELECTION = Selection()
-_KEYWORD_SELECTIONS: dict = {}
+# The one cache of Selections made from field values, so that each distinct selection is converted and validated once:
+# keyed by a tuple for a call's selection keywords (_selection) and by a frozenset for the torch operators' arguments
+# (_selection_of_op_fields); a tuple never equals a frozenset, so the two spellings share the dict without a tag.
+_SELECTIONS: dict = {}
+
+
+def _remember(key: Any, sel: Selection) -> None:
+    if len(_SELECTIONS) >= 1024:  # bounded: a caller sweeping values never grows it without end
+        _SELECTIONS.clear()
+    _SELECTIONS[key] = sel
 
 
 def _selection(selection: Any, keywords: dict) -> Selection:
@@ -207,16 +217,14 @@ def _selection(selection: Any, keywords: dict) -> Selection:
         # True (equal, one hash) do not share a Selection that validated only one of them
         try:
             key = tuple((n, v, type(v)) for n, v in keywords.items())
-            sel = _KEYWORD_SELECTIONS.get(key)
+            sel = _SELECTIONS.get(key)
         except TypeError:  # an unhashable value: Selection() names it
             key = sel = None
         if sel is None:
             _check_keywords(keywords)
             sel = Selection(**keywords)
             if key is not None:
-                if len(_KEYWORD_SELECTIONS) >= 256:
-                    _KEYWORD_SELECTIONS.clear()
-                _KEYWORD_SELECTIONS[key] = sel
+                _remember(key, sel)
         return sel
     if not isinstance(selection, Selection):
         raise TypeError(f"selection: expected a sparse_prefill.Selection, got {type(selection).__name__}")
@@ -227,6 +235,30 @@ def _selection(selection: Any, keywords: dict) -> Selection:
                          f"({getattr(selection, name)!r}); pass one or the other, whatever the keyword's value "
                          f"(to change the Selection: selection.replace({name}=...))")
     return selection
+
+
+def _selection_of_op_fields(fields: dict) -> tuple:
+    """The Selection of a torch operator call's selection arguments (`fields`: those the dispatcher passed, i.e. the
+    ones that differ from the schema's defaults, in the binding's spelling: rule as its int, max_kept_blocks -1 for
+    None), from the cache above (the schema fixes each argument's type, so equal keys are equal selections); with its
+    key, which the operators' workspace-size cache reuses."""
+    key = frozenset(fields.items())
+    sel = _SELECTIONS.get(key)
+    if sel is None:
+        sel = Selection(**{n: _FIELD_OF[n].to_py(v) for n, v in fields.items()})
+        _remember(key, sel)
+    return sel, key
+
+
+def _op_fields(sel: Selection) -> dict:
+    """A Selection as the torch operators' selection arguments: the fields that differ from the defaults, in the
+    binding's spelling (rule as its int, max_kept_blocks -1 for None). Made once per Selection and kept on it (callers
+    pass it as **fields and never change it)."""
+    fields = sel._op
+    if fields is None:
+        fields = {f.name: f.to_c(getattr(sel, f.name)) for f in _TABLE if getattr(sel, f.name) != f.default}
+        object.__setattr__(sel, "_op", fields)
+    return fields
 
 
 def _check_keywords(keywords: dict) -> None:

@@ -27,13 +27,14 @@ tensors (mean_k, mean_v) instead of the pair `mean_cache`.
 Workspace rule: on CUDA every operator takes the library's scratch memory from torch's caching allocator
 (torch.empty on q's device, sized by the shape-only *_workspace_bytes functions) and passes it as `workspace`, so a
 call allocates nothing outside torch and can be captured in a torch.cuda.CUDAGraph (the scratch then lives in the
-graph's private pool). On the CPU no workspace is needed.
+graph's private pool). On the CPU no workspace is needed. The sizes are cached per shape in one dict (_ws_bytes).
 
 Host cost: the operators are the launch path of engines (a chunked step at 128K takes ~55 us of GPU time), so their
 Python side is kept short: the tensors go to the extension as DLPack capsules made by torch's C to_dlpack (~1.3 us
 per array, against ~6 us when the extension calls Tensor.__dlpack__, on a CPU-only test machine), the generic
 array-library detection of sparse_prefill._api is skipped (the schema already guarantees torch tensors, ints,
-floats and bools; the extension validates shapes, dtypes and devices once in C++), and workspace sizes are cached
+floats and bools; the extension validates shapes, dtypes and devices once in C++), the selection arguments find
+their Selection in the library's one selection cache (sparse_prefill._selection), and workspace sizes are cached
 per shape. The operators are registered through torch.library.Library (a CompositeExplicitAutograd kernel) and
 torch.library.register_fake; torch.library.custom_op would add a Python autograd layer and an aliasing check to
 every call (~8-10 us on the CPU-only machine; bench/bench_host_overhead.py --custom-op compares both on the GPU
@@ -51,9 +52,9 @@ from torch.utils.dlpack import to_dlpack as _to_dlpack
 from . import _C
 from . import _api
 from ._call import make_inputs as _make_inputs
-from ._selection import _FIELD_OF
 from ._selection import _TABLE as _SELECTION_TABLE
-from ._selection import _selection, selection_keywords
+from ._selection import _op_fields as _fields_of_selection
+from ._selection import _selection, _selection_of_op_fields, selection_keywords
 
 __all__ = ["attention", "sparse_prefill", "chunked_prefill", "OPS"]
 
@@ -87,58 +88,49 @@ except AttributeError:  # pragma: no cover - CPU-only torch builds
         return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
-_attention_ws_cache: dict = {}
+# The workspace policy of the operators, and through them of the engine adapters (integrations.core): a call's scratch
+# memory is a torch.empty from torch's caching allocator on q's device, sized by the shape-only *_workspace_bytes
+# functions. Sizes depend on shapes and parameters only, never on values, so they are cached here, in the one dict of
+# workspace sizes: (head_dim, device) for attention, a call's shapes and selection for the sparse operators (tuples of
+# two and of 13 entries: the two kinds of key never meet).
+_ws_bytes: dict = {}
+
+
+def _remember_bytes(key: tuple, n: int) -> None:
+    if len(_ws_bytes) >= 4096:  # engines step through many lengths: keep the cache bounded
+        _ws_bytes.clear()
+    _ws_bytes[key] = n
+
+
+def _scratch(n: int, q: torch.Tensor) -> torch.Tensor:
+    # int32 elements: the extension accepts float / int32 arrays only (not uint8); 256-byte alignment is guaranteed by
+    # torch's allocator
+    return torch.empty(((n + 3) // 4 or 1,), dtype=_I32, device=q.device)
 
 
 def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> Optional[torch.Tensor]:
     if head_dim not in (64, 128):
         return None  # the call itself raises, naming q's head dim
     key = (head_dim, device_index)
-    n = _attention_ws_cache.get(key)
+    n = _ws_bytes.get(key)
     if n is None:
         with torch.cuda.device(device_index):
             n = int(_api.attention_workspace_bytes(head_dim))
-        _attention_ws_cache[key] = n
-    # int32 elements: the extension accepts float / int32 arrays only (not uint8); 256-byte alignment is guaranteed by
-    # torch's allocator
-    return torch.empty(((n + 3) // 4,), dtype=_I32, device=q.device)
-
-
-_sparse_ws_cache: dict = {}
+        _remember_bytes(key, n)
+    return _scratch(n, q)
 
 
 def _sparse_workspace(inputs, sel, sel_key, q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, device_index) -> torch.Tensor:
-    # The size depends on shapes and parameters only, never on values: cached per shape (an engine's steps repeat
-    # their shapes, up to the lengths bounds).
     key = (q.shape, k.shape, q.dtype, k.dtype, cu_seqlens_q.shape,
            None if cu_seqlens_k is None else cu_seqlens_k.shape, None if block_table is None else block_table.shape,
            max_seqlen_q, max_seqlen_k, causal, softmax_scale, sel_key, device_index)
-    n = _sparse_ws_cache.get(key)
+    n = _ws_bytes.get(key)
     if n is None:
         with torch.cuda.device(device_index):
             n = int(_C.sparse_prefill_workspace_bytes(inputs, sel._params))
-        if len(_sparse_ws_cache) >= 4096:  # engines step through many lengths: keep the cache bounded
-            _sparse_ws_cache.clear()
-        _sparse_ws_cache[key] = n
-    return torch.empty(((n + 3) // 4 or 1,), dtype=_I32, device=q.device)
-
-
-_selections: dict = {}
-
-
-def _selection_of(fields: dict) -> Any:
-    """The Selection of an operator call's selection arguments (`fields`: those the dispatcher passed, i.e. the ones
-    that differ from the schema's defaults; rule as its int, max_kept_blocks -1 for None), made and validated once
-    per distinct value (the schema fixes their types, so equal keys are equal selections); with its cache key."""
-    key = frozenset(fields.items())
-    sel = _selections.get(key)
-    if sel is None:
-        sel = _api.Selection(**{n: _FIELD_OF[n].to_py(v) for n, v in fields.items()})
-        if len(_selections) >= 1024:
-            _selections.clear()
-        _selections[key] = sel
-    return sel, key
+        _remember_bytes(key, n)
+    return _scratch(n, q)
 
 
 def _check_int32(name: str, value: int) -> None:
@@ -214,7 +206,7 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
                 block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, fields) -> torch.Tensor:
-    sel, sel_key = _selection_of(fields)
+    sel, sel_key = _selection_of_op_fields(fields)  # the library's one selection cache (_selection.py)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
     inputs = _make_inputs(_to_dlpack(q), _to_dlpack(k), _to_dlpack(v), _to_dlpack(cu_seqlens_q), max_seqlen_q,
@@ -390,8 +382,8 @@ del _name, _schema, _kernel, _fake
 # torch's dispatcher keeps the Python kernels registered above (and the closures register_fake wraps the fakes in)
 # until the process ends, even once _lib is destroyed, and with them this module's globals. At exit the interpreter
 # wipes the globals of the modules still alive after it empties sys.modules; a module nothing else holds is freed
-# before that, and its globals, held from C++, then outlive the teardown unwiped: _selections, _op_fields_of and,
-# through the imported _selection, sparse_prefill._selection's _PARAMS and _DEFAULT_SELECTION kept their
+# before that, and its globals, held from C++, then outlive the teardown unwiped: through the functions imported from
+# sparse_prefill._selection, its _SELECTIONS (the selection cache), _PARAMS and _DEFAULT_SELECTION kept their
 # _C.SelectionParams past nanobind's leak check ("nanobind: leaked N instances", printed at exit). The module holds
 # itself, so that it is still alive then and its globals are wiped with the others'.
 _THIS_MODULE = sys.modules[__name__]
@@ -446,22 +438,11 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen
     return (out, lse) if return_lse else out
 
 
-_op_fields_of: dict = {}
-
-
 def _op_fields(selection, keywords: dict) -> dict:
     """The operator's selection arguments for a wrapper's `selection=` or selection keywords (as the public
     functions take them, checked the same way: _selection): the fields that differ from the defaults, rule as its int,
-    max_kept_blocks -1 for None. Cached per Selection (the keywords' Selections are cached by _selection)."""
-    sel = _selection(selection, keywords)
-    hit = _op_fields_of.get(id(sel))
-    if hit is not None and hit[0] is sel:
-        return hit[1]
-    fields = {f.name: f.to_c(getattr(sel, f.name)) for f in _SELECTION_TABLE if getattr(sel, f.name) != f.default}
-    if len(_op_fields_of) >= 1024:
-        _op_fields_of.clear()
-    _op_fields_of[id(sel)] = (sel, fields)
-    return fields
+    max_kept_blocks -1 for None (kept on the Selection; the keywords' Selections are cached by _selection)."""
+    return _fields_of_selection(_selection(selection, keywords))
 
 
 @selection_keywords

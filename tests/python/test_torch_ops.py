@@ -331,6 +331,26 @@ def test_wrappers_take_selection_as_the_public_functions(device):
     assert not torch.equal(spt.chunked_prefill(*cargs, final_chunk=False, selection=csel), ref)  # it matters here
 
 
+def test_one_selection_cache():
+    """The operators' selection arguments and the functions' keywords reach Selections through one cache
+    (_selection._SELECTIONS): the operator's kernel finds the Selection a wrapper's keywords made there, and a
+    Selection's operator arguments are made once and kept on it. torch_ops keeps no dict of its own."""
+    from sparse_prefill import _selection
+    args, kw = sparse_problem("cpu")
+    _selection._SELECTIONS.clear()
+    spt.sparse_prefill(*args, alpha=0.37, **kw)
+    by_keywords = {k: s for k, s in _selection._SELECTIONS.items() if isinstance(k, tuple)}
+    by_op = {k: s for k, s in _selection._SELECTIONS.items() if isinstance(k, frozenset)}
+    assert len(by_keywords) == 1 and len(by_op) == 1
+    (sel,), (op_sel,) = by_keywords.values(), by_op.values()
+    assert sel == op_sel and sel.alpha == 0.37 and sel.block_size == 128
+    assert _selection._op_fields(sel) is _selection._op_fields(sel) == {"alpha": 0.37}
+    spt.sparse_prefill(*args, alpha=0.37, **kw)       # the same selection again: no new entry
+    assert len(_selection._SELECTIONS) == 2
+    assert not [n for n, v in vars(spt).items() if isinstance(v, dict) and v and n != "OPS" and
+                any(isinstance(x, sp.Selection) for x in v.values())]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_errors_name_the_argument(device):
     args, kw = dense_problem(device, 64)
