@@ -27,7 +27,9 @@ tensors (mean_k, mean_v) instead of the pair `mean_cache`.
 Workspace rule: on CUDA every operator takes the library's scratch memory from torch's caching allocator
 (torch.empty on q's device, sized by the shape-only *_workspace_bytes functions) and passes it as `workspace`, so a
 call allocates nothing outside torch and can be captured in a torch.cuda.CUDAGraph (the scratch then lives in the
-graph's private pool). On the CPU no workspace is needed. The sizes are cached per shape in one dict (_ws_bytes).
+graph's private pool). On the CPU no workspace is needed. The sizes are cached per shape in one dict (_ws_bytes). The
+engine adapters (sparse_prefill.integrations: VarlenDispatch) run their calls through these operators, so they follow
+the same rule and keep no buffer of their own.
 
 Host cost: the operators are the launch path of engines (a chunked step at 128K takes ~55 us of GPU time), so their
 Python side is kept short: the tensors go to the extension as DLPack capsules made by torch's C to_dlpack (~1.3 us

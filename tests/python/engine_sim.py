@@ -330,13 +330,16 @@ def layer_config(config, layer):
 
 
 class LibrarySpy:
-    """Stands in for the sparse_prefill module inside integrations.core (monkeypatch core.sp with it): records which
-    library function each adapter call reached and with which selection keywords, then makes the call."""
+    """Stands in for sparse_prefill.torch_ops inside integrations.core (monkeypatch core.spt with it: the adapters'
+    one path into the library's compute): records which operator wrapper each adapter call reached and with which
+    selection keywords, then makes the call."""
 
     SPIED = ("attention", "sparse_prefill", "chunked_prefill")
     SELECTION = SELECTION_FIELDS  # the adapters' selection keywords (the library's table less two)
 
-    def __init__(self, module=sp):
+    def __init__(self, module=None):
+        if module is None:
+            import sparse_prefill.torch_ops as module
         self._module = module
         self.calls = []
 

@@ -94,7 +94,7 @@ def _qkv(L=640, hq=4, hkv=2, d=64, dtype=torch.float32, seed=3):
 
 def test_dispatch_applies_each_layers_selection(monkeypatch):
     spy = LibrarySpy()
-    monkeypatch.setattr(core, "sp", spy)
+    monkeypatch.setattr(core, "spt", spy)
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=64, sink=64,
                                    window=64, dense_fraction=1.0,
                                    layers={"1": {"alpha": 0.5, "head_subgroups": 1}, "2": {"dense": True}})
@@ -124,16 +124,17 @@ def test_cuda_head_dim_64_is_padded_to_128(monkeypatch):
     """On CUDA the sparse kernels take head dim 128: contiguous 16-bit calls of head dim 64 (the transformers adapter)
     run zero-padded, with the model's softmax scale, and give the head-dim-64 result. Replayed on the CPU by replacing
     core._on_cuda; paged and FP8 calls of head dim 64 still run dense (no padding of an engine's cache)."""
+    import sparse_prefill.torch_ops as spt
     replay_cuda(monkeypatch)
     seen = []
-    real = sp.sparse_prefill
+    real = spt.sparse_prefill
 
-    @functools.wraps(real)     # core reads the selection defaults from the signature
+    @functools.wraps(real)
     def spy(q, *args, **kwargs):
         seen.append((q.shape[-1], kwargs.get("softmax_scale")))
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(sp, "sparse_prefill", spy)
+    monkeypatch.setattr(spt, "sparse_prefill", spy)   # the adapters' sparse call (core calls the operators)
     cfg = SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0, block_size=128, sink=128,
                                    window=128, dense_fraction=1.0, alpha=0.3)
     q, k, v, cu = _qkv(L=1024, dtype=torch.bfloat16)
@@ -143,7 +144,7 @@ def test_cuda_head_dim_64_is_padded_to_128(monkeypatch):
     out = torch.full_like(q, float("nan"))
     disp(q, k, v, cu, cu, L, L, out=out)
     assert disp.last_path == "sparse" and seen == [(128, 64 ** -0.5)]
-    ref = real(q, k, v, cu, cu, L, L, **cfg.selection())
+    ref = sp.sparse_prefill(q, k, v, cu, cu, L, L, **cfg.selection())
     dense = sp.attention(q, k, v, cu, cu, L, L, return_lse=False)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
     assert (out.float() - dense.float()).abs().max() > 0.05   # sparse really ran (topic data)
@@ -171,7 +172,7 @@ def test_transformers_adapter_passes_the_layer_index(monkeypatch, tmp_path):
     dispatch = sphf.register("sp_layers_test", config_file=str(path), environ={}, min_sparse_kv_len=0)
     m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), attn_implementation="sp_layers_test")
     spy = LibrarySpy()
-    monkeypatch.setattr(core, "sp", spy)
+    monkeypatch.setattr(core, "spt", spy)
     with torch.no_grad():
         m(input_ids=torch.randint(0, 128, (1, 700), generator=torch.Generator().manual_seed(1)), use_cache=False)
     assert [c[0] for c in spy.calls] == ["sparse_prefill", "attention", "sparse_prefill"]

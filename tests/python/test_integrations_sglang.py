@@ -433,10 +433,10 @@ def test_sparse_selection_and_separate_decode_batches(device):
 
 def test_per_layer_settings_reach_each_layer(monkeypatch):
     """Per-layer settings (`layers`; the layer index is layer.layer_id): layer 0's extend calls reach
-    sp.chunked_prefill with layer 0's own selection, layer 1's (dense in `layers`) run sp.attention; every call
+    the chunked_prefill operator with layer 0's own selection, layer 1's (dense in `layers`) dense attention; every call
     equals the direct library call with that layer's settings bit for bit."""
     spy = LibrarySpy()
-    monkeypatch.setattr(core, "sp", spy)
+    monkeypatch.setattr(core, "spt", spy)
     cfg = _config(layers={0: {"alpha": 0.5, "head_subgroups": 1, "dense_fraction": 1.0}, 1: {"dense": True}})
     worst, eng, backend, checks = run(cfg, mixed=False, check_means=False, steps=30, exact=True)
     check_selection_rows(checks, "cpu", sparse=True)

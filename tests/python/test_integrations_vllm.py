@@ -442,10 +442,10 @@ def test_dense_layers_and_short_chunks_run_dense_attention(device):
 
 def test_per_layer_settings_reach_each_layer(monkeypatch):
     """Per-layer settings (`layers`, what sparse_prefill.calibrate writes; the layer index from layer.layer_name):
-    layer 0's prefill calls reach sp.chunked_prefill with layer 0's own selection, layer 1's (dense in `layers`) run
-    sp.attention; every call equals the direct library call with that layer's settings bit for bit."""
+    layer 0's prefill calls reach the chunked_prefill operator with layer 0's own selection, layer 1's (dense in
+    `layers`) run dense attention; every call equals the direct library call with that layer's settings bit for bit."""
     spy = LibrarySpy()
-    monkeypatch.setattr(core, "sp", spy)
+    monkeypatch.setattr(core, "spt", spy)
     cfg = _config(layers={"0": {"alpha": 0.5, "head_subgroups": 1, "dense_fraction": 1.0}, "1": {"dense": True}})
     assert cfg.alpha != 0.5 and cfg.head_subgroups != 1          # the top level differs from layer 0's entry
     worst, eng, state, checks = _run(cfg, exact=True, check_means=False)
@@ -588,14 +588,15 @@ def test_fp8_head_dim_64_on_cuda_goes_to_flash_attention(monkeypatch):
 def test_fp8_descales_are_views_of_the_layer_scales(monkeypatch):
     """The library gets q quantised with layer._q_scale and [num_prefills, Hkv] descales that are stride-0 views of
     the layer's own scale tensors (no copy, no host read), for each layer its own."""
+    import sparse_prefill.torch_ops as spt
     seen = []
-    original = sp.chunked_prefill
+    original = spt.chunked_prefill
 
     def spy(q, *args, **kwargs):
         seen.append((q, kwargs))
         return original(q, *args, **kwargs)
 
-    monkeypatch.setattr(sp, "chunked_prefill", spy)
+    monkeypatch.setattr(spt, "chunked_prefill", spy)  # the adapters' paged sparse call (core calls the operators)
     tables = Tables(seed=51)
     state = spv.engine_state(reset=True, config=_config())
     impl = Impl(tables.hq, tables.d, tables.d ** -0.5, tables.hkv, kv_cache_dtype="fp8_e4m3")

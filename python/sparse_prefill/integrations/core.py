@@ -393,16 +393,30 @@ def fp8_kernel_reason(q, head_dim: int, page_size: Optional[int] = None) -> Opti
 # The varlen dispatch
 # ---------------------------------------------------------------------------------------------------------------------
 
+spt = None  # sparse_prefill.torch_ops once _ops() imported it (the contract tests replace it with a spy)
+
+
+def _ops():
+    """sparse_prefill.torch_ops, the adapters' one path into the library's compute: the torch operators (imported on
+    first use: it imports torch and registers torch.ops.sparse_prefill.*, which building a configuration needs not)."""
+    global spt
+    if spt is None:
+        from .. import torch_ops
+        spt = torch_ops
+    return spt
+
+
 class VarlenDispatch:
-    """One attention call of an engine: picks sparse or dense, writes `out` in place, uses preallocated workspaces,
-    never synchronises the host (the lengths it needs come as host ints: max_seqlen_q / max_seqlen_k).
+    """One attention call of an engine: picks sparse or dense, writes `out` in place, allocates only from torch's
+    caching allocator, never synchronises the host (the lengths it needs come as host ints: max_seqlen_q /
+    max_seqlen_k).
 
     Sparse runs when: the layer is not dense (layer_idx >= dense_layers and no `"dense": true` in `layers`),
     max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len, causal, no sliding window and no softcap
     (`sparse_reason`), and (CUDA) the library's kernels take the call: `sp.sparse_support` on the arrays it would get
     (today head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens; contiguous
     16-bit inputs of head dim < 128 are zero-padded to 128 first: the transformers adapter's calls). The reason, either
-    kind, is `last_reason`. Everything else runs dense `sp.attention` (any page size, windows, decode rows). A sparse
+    kind, is `last_reason`. Everything else runs dense attention (any page size, windows, decode rows). A sparse
     call's selection is
     `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied. A sparse call whose
     max_seqlen_k exceeds LONG_PROMPT_FACTOR times the longest of `config.validated_lengths` warns once per process
@@ -415,16 +429,15 @@ class VarlenDispatch:
     FP8 configurations without any CUDA kernel (head dim 64, pages of other sizes) never reach the dispatch: the
     adapters give them to the engine's FlashAttention (`fp8_kernel_reason`).
 
-    Workspaces: one `attention_workspace_bytes(D)` buffer per device, and one sparse buffer per device sized by
-    `sparse_prefill_workspace_bytes` (computed from shapes once per distinct shape and cached: the layers of one
-    engine step share it) that grows when a larger step comes; `reserve_sparse()` preallocates it for the largest step.
+    The calls run through the torch operators (sparse_prefill.torch_ops: torch.ops.sparse_prefill.attention_out,
+    sparse_prefill_out, chunked_prefill_out, into `out`), so an adapter's step is what an engine capturing or compiling
+    it sees, and its scratch memory follows the operators' workspace rule: a torch.empty from torch's caching allocator
+    per call, sized by the shape-only *_workspace_bytes functions (sizes cached per shape in torch_ops), which a
+    torch.cuda.CUDAGraph capture takes from the graph's pool; the dispatch keeps no buffer of its own.
     """
 
     def __init__(self, config: Optional[SparsePrefillConfig] = None):
         self.config = config if config is not None else SparsePrefillConfig.load()
-        self._dense_ws: dict = {}
-        self._sparse_ws: dict = {}
-        self._ws_bytes: dict = {}
         self._support: dict = {}
         self.calls = {"sparse": 0, "dense": 0}
         self.last_path: Optional[str] = None
@@ -473,48 +486,6 @@ class VarlenDispatch:
         self._support[key] = why
         return why
 
-    # -- workspaces --------------------------------------------------------------------------------------------------
-    def _dense_workspace(self, q):
-        if not q.is_cuda or q.shape[-1] not in (64, 128):
-            return None  # an unsupported head dim: the call itself raises, naming q
-        key = (q.device.index, q.shape[-1])
-        ws = self._dense_ws.get(key)
-        if ws is None:
-            import torch
-            n = int(sp.attention_workspace_bytes(q.shape[-1]))
-            ws = torch.empty(max((n + 3) // 4, 1), dtype=torch.int32, device=q.device)
-            self._dense_ws[key] = ws
-        return ws
-
-    def _sparse_workspace(self, q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_k, selection):
-        if not q.is_cuda:
-            return None
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, tuple(cu_q.shape), max_q, max_k,
-               None if block_table is None else tuple(block_table.shape), tuple(sorted(selection.items())))
-        nbytes = self._ws_bytes.get(key)
-        if nbytes is None:
-            nbytes = int(sp.sparse_prefill_workspace_bytes(
-                q, k, v, cu_q, cu_k, max_q, max_k, block_table=block_table, seqused_k=seqused_k, **selection))
-            if len(self._ws_bytes) > 256:
-                self._ws_bytes.clear()
-            self._ws_bytes[key] = nbytes
-        return self._buffer(q.device, nbytes)
-
-    def _buffer(self, device, nbytes: int):
-        ws = self._sparse_ws.get(device.index)
-        if ws is None or ws.numel() * 4 < nbytes:
-            import torch
-            # grow by 1/8 more than asked so that a slowly growing cache does not reallocate every step
-            n = max((nbytes + nbytes // 8 + 3) // 4, 1)
-            ws = torch.empty(n, dtype=torch.int32, device=device)
-            self._sparse_ws[device.index] = ws
-        return ws
-
-    def reserve_sparse(self, device, nbytes: int) -> None:
-        """Preallocate the sparse workspace (e.g. before an engine's memory profiling)."""
-        import torch
-        self._buffer(torch.device(device), int(nbytes))
-
     # -- the call ----------------------------------------------------------------------------------------------------
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, out,
                  layer_idx: Optional[int] = 0, softmax_scale: Optional[float] = None, block_table=None,
@@ -553,9 +524,9 @@ class VarlenDispatch:
         if reason is not None:
             self.last_path = "dense"
             self.calls["dense"] += 1
-            sp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,
-                         softmax_scale=softmax_scale, window=tuple(window), out=out, block_table=block_table,
-                         seqused_k=seqused_k, workspace=self._dense_workspace(q), **descales)
+            _ops().attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=causal,
+                             softmax_scale=softmax_scale, window=tuple(window), out=out, block_table=block_table,
+                             seqused_k=seqused_k, **descales)
         else:
             self.last_path = "sparse"
             self.calls["sparse"] += 1
@@ -569,15 +540,13 @@ class VarlenDispatch:
                 final_chunk = c.final_chunk == "always"
             if sq.shape[-1] != d:
                 out = torch.empty(sq.shape, dtype=out.dtype, device=out.device)
-            ws = self._sparse_workspace(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table, seqused_k,
-                                        sel)
             if paged:
-                sp.chunked_prefill(sq, sk, sv, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
-                                   final_chunk=final_chunk, softmax_scale=scale, out=out,
-                                   mean_cache=mean_cache, workspace=ws, **sel, **descales)
+                _ops().chunked_prefill(sq, sk, sv, cu_seqlens_q, block_table, seqused_k, max_q, max_k,
+                                       final_chunk=final_chunk, softmax_scale=scale, out=out, mean_cache=mean_cache,
+                                       **sel, **descales)
             else:
-                sp.sparse_prefill(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale,
-                                  out=out, workspace=ws, final_chunk=final_chunk, **sel, **descales)
+                _ops().sparse_prefill(sq, sk, sv, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale,
+                                      out=out, final_chunk=final_chunk, **sel, **descales)
             if out.shape[-1] != d:
                 out = out[..., :d]
         if target is not out:

@@ -58,7 +58,7 @@ def register() -> None:
 
 
 class _EngineState:
-    """One per process: the configuration, the dispatch (workspaces) and the mean caches of every layer."""
+    """One per process: the configuration, the dispatch and the mean caches of every layer."""
 
     def __init__(self, config: Optional[SparsePrefillConfig] = None):
         self.config = config if config is not None else SparsePrefillConfig.load()
