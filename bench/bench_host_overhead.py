@@ -16,7 +16,9 @@ Per variant (row):
                      replay's own launch);
   eager_over_graph   eager_us / graph_us (issue 14 target for the torch op: <= 1.3).
 Variants: public (sp.chunked_prefill), public_out (out=), public_ws (out= and a workspace allocated once, CUDA), op
-(torch_ops.chunked_prefill), op_out (out=), op_kernel_direct (the operator's kernel without the torch dispatcher), with
+(torch_ops.chunked_prefill), op_out (out=), adapter / adapter_dense (an engine adapter's step into out=:
+integrations.core.VarlenDispatch, sparse and forced dense), op_kernel_direct (the operator's kernel without the torch
+dispatcher), with
 --custom-op custom_op (the operator's kernel registered through torch.library.custom_op), and with --no-mean-cache
 the same without the mean cache.
 
@@ -47,7 +49,9 @@ import torch
 
 from _common import RESULTS, add_plot_only, plot_only, topic, try_plot, write_results
 
-sp = spt = None  # sparse_prefill and sparse_prefill.torch_ops, imported by main() (--help, --plot-only: not needed)
+# sparse_prefill, sparse_prefill.torch_ops and the adapters' dispatch, imported by main() (--help, --plot-only: not
+# needed)
+sp = spt = VarlenDispatch = SparsePrefillConfig = None
 
 PAGE, BLOCK = 64, 128
 
@@ -129,6 +133,14 @@ def variants(step, use_means, custom_op=None):
         ws = torch.empty(((n + 3) // 4 or 1,), dtype=torch.int32, device=step.q.device)  # allocated once
         v["public_ws" + sfx] = lambda: sp.chunked_prefill(*a, final_chunk=False, mean_cache=mc, out=out,
                                                           workspace=ws)
+    # an engine adapter's step (integrations.core.VarlenDispatch, as vLLM / SGLang call it): sparse, and forced dense
+    disp = VarlenDispatch(SparsePrefillConfig.load(environ={}, min_sparse_q_len=1, min_sparse_kv_len=0,
+                                                   final_chunk="never"))
+    q, kc, vc, cu, bt, used, C, L = a
+    v["adapter" + sfx] = lambda: disp(q, kc, vc, cu, None, C, L, out=out, block_table=bt, seqused_k=used,
+                                      mean_cache=mc)
+    v["adapter_dense" + sfx] = lambda: disp(q, kc, vc, cu, None, C, L, out=out, block_table=bt, seqused_k=used,
+                                            force_dense=True)
     # the operator's kernel called without the dispatcher: what dispatching through torch.ops costs per call
     v["op_kernel_direct" + sfx] = lambda: spt._chunked_out_kernel(*a, out, False, mean_k=mk, mean_v=mv)
     if custom_op is not None:
@@ -247,9 +259,10 @@ def main():
     args = ap.parse_args()
     if args.plot_only:
         return plot_only(plot, args.plot_only)
-    global sp, spt
+    global sp, spt, VarlenDispatch, SparsePrefillConfig
     import sparse_prefill as sp
     import sparse_prefill.torch_ops as spt
+    from sparse_prefill.integrations.core import SparsePrefillConfig, VarlenDispatch
     if args.quick:
         args.batches, args.loop = min(args.batches, 40), min(args.loop, 200)
     dev = args.device
