@@ -22,7 +22,8 @@ tracing. The operators take the selection's fields as keyword-only arguments (ru
 out is [total_q, Hq, D] in q's dtype (bfloat16 for float8_e4m3fn inputs, which take q_descale, k_descale and
 v_descale as the public functions do); lse is [Hq, total_q] float32 when return_lse is set, else an empty [0]
 float32 tensor (an operator returns the same structure on every call). The mean cache travels as two optional
-tensors (mean_k, mean_v) instead of the pair `mean_cache`.
+tensors (mean_k, mean_v) and the block size it was made for (mean_block_size, a MeanCache's; 0: not known) instead of
+the pair `mean_cache`.
 
 Workspace rule: on CUDA every operator takes the library's scratch memory from torch's caching allocator
 (torch.empty on q's device, sized by the shape-only *_workspace_bytes functions) and passes it as `workspace`, so a
@@ -207,7 +208,8 @@ def _attention_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
-                block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, fields) -> torch.Tensor:
+                block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, mean_block_size,
+                fields) -> torch.Tensor:
     sel, sel_key = _selection_of_op_fields(fields)  # the library's one selection cache (_selection.py)
     dev = q.get_device()
     lse = _lse_for(q, return_lse)
@@ -221,7 +223,7 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         ws = _dl(_sparse_workspace(inputs, sel, sel_key, q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q,
                                    max_seqlen_k, causal, softmax_scale, dev))
     _C.sparse_prefill(inputs, sel._params, _to_dlpack(out), lse_c, mean_k=_dl(mean_k), mean_v=_dl(mean_v),
-                      workspace=ws)
+                      workspace=ws, mean_block_size=mean_block_size)
     if mean_k is not None:
         _increment_version(mean_k)
         _increment_version(mean_v)
@@ -231,20 +233,21 @@ def _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 # The selection arguments are keyword-only in the schemas (_SELECTION_SCHEMA): the kernels take them as **fields.
 def _sparse_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
                    return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None, q_descale=None,
-                   k_descale=None, v_descale=None, **fields):
+                   k_descale=None, v_descale=None, mean_block_size=0, **fields):
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                      return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale, fields)
+                      return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
+                      mean_block_size, fields)
     return out, lse
 
 
 def _sparse_out_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
                        softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, mean_k=None,
-                       mean_v=None, q_descale=None, k_descale=None, v_descale=None, **fields):
+                       mean_v=None, q_descale=None, k_descale=None, v_descale=None, mean_block_size=0, **fields):
     _check_out(out)
     return _run_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                        return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
-                       fields)
+                       mean_block_size, fields)
 
 
 def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
@@ -267,25 +270,25 @@ def _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k) -> None:
 
 def _chunked_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                     final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
-                    k_descale=None, v_descale=None, **fields):
+                    k_descale=None, v_descale=None, mean_block_size=0, **fields):
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     out = torch.empty(q.shape, dtype=_out_dtype(q), device=q.device)
     lse = _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, True, softmax_scale,
                       return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
-                      dict(fields, final_chunk=final_chunk))
+                      mean_block_size, dict(fields, final_chunk=final_chunk))
     return out, lse
 
 
 def _chunked_out_kernel(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                         final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
-                        k_descale=None, v_descale=None, **fields):
+                        k_descale=None, v_descale=None, mean_block_size=0, **fields):
     _check_out(out)
     if q.get_device() < 0:
         _check_chunks_on_host(cu_seqlens_q, seqused_k, max_seqlen_k)
     return _run_sparse(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, True, softmax_scale,
                        return_lse, block_table, seqused_k, mean_k, mean_v, out, q_descale, k_descale, v_descale,
-                       dict(fields, final_chunk=final_chunk))
+                       mean_block_size, dict(fields, final_chunk=final_chunk))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -312,25 +315,25 @@ def _fake_attention_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def _fake_sparse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True, softmax_scale=None,
                  return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None, q_descale=None,
-                 k_descale=None, v_descale=None, **fields):
+                 k_descale=None, v_descale=None, mean_block_size=0, **fields):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_sparse_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal=True,
                      softmax_scale=None, return_lse=False, block_table=None, seqused_k=None, mean_k=None, mean_v=None,
-                     q_descale=None, k_descale=None, v_descale=None, **fields):
+                     q_descale=None, k_descale=None, v_descale=None, mean_block_size=0, **fields):
     return _fake_lse(q, return_lse)
 
 
 def _fake_chunked(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, final_chunk,
                   softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None, k_descale=None,
-                  v_descale=None, **fields):
+                  v_descale=None, mean_block_size=0, **fields):
     return q.new_empty(q.shape, dtype=_out_dtype(q)), _fake_lse(q, return_lse)
 
 
 def _fake_chunked_out(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k, out,
                       final_chunk, softmax_scale=None, return_lse=False, mean_k=None, mean_v=None, q_descale=None,
-                      k_descale=None, v_descale=None, **fields):
+                      k_descale=None, v_descale=None, mean_block_size=0, **fields):
     return _fake_lse(q, return_lse)
 
 
@@ -353,11 +356,15 @@ def _selection_schema(exclude=()) -> str:
 
 
 _MEANS = "Tensor(a!)? mean_k=None, Tensor(b!)? mean_v=None"
+# the block size a MeanCache was made for (the library then refuses a call selecting with another one); 0: not known.
+# After the FP8 descales, so that the positions of the arguments before it stay as they were.
+_MEAN_BLOCK = "int mean_block_size=0"
 _SPARSE_OPTS = (f"bool causal=True, float? softmax_scale=None, bool return_lse=False, Tensor? block_table=None, "
-                f"Tensor? seqused_k=None, {_MEANS}, {_FP8_OPTS}, {_selection_schema()}")
+                f"Tensor? seqused_k=None, {_MEANS}, {_FP8_OPTS}, {_MEAN_BLOCK}, {_selection_schema()}")
 _CHUNK_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_table, Tensor seqused_k, "
                "SymInt max_seqlen_q, SymInt max_seqlen_k")
 _CHUNK_OPTS = (f"bool final_chunk, float? softmax_scale=None, bool return_lse=False, {_MEANS}, {_FP8_OPTS}, "
+               f"{_MEAN_BLOCK}, "
                f"{_selection_schema(exclude=('final_chunk',))}")
 
 _SCHEMAS = {
@@ -407,12 +414,13 @@ _chunked_out_op = OPS["chunked_prefill_out"]
 # ---------------------------------------------------------------------------------------------------------------------
 
 def _mean_pair(mean_cache) -> tuple:
+    """(k_mean, v_mean, the block size the cache was made for or 0), as sparse_prefill._call._mean_cache_arrays."""
     if mean_cache is None:
-        return None, None
+        return None, None, 0
     if not isinstance(mean_cache, (tuple, list)) or len(mean_cache) != 2:
         raise TypeError(f"mean_cache: expected a pair (k_mean, v_mean) as returned by mean_cache(), got "
                         f"{type(mean_cache).__name__}")
-    return mean_cache[0], mean_cache[1]
+    return mean_cache[0], mean_cache[1], int(getattr(mean_cache, "block_size", 0))
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
@@ -464,15 +472,15 @@ def sparse_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out, or (out, lse) when return_lse is True.
     """
     fields = _op_fields(selection, selection_keywords)
-    mean_k, mean_v = _mean_pair(mean_cache)
+    mean_k, mean_v, mean_bs = _mean_pair(mean_cache)
     if out is None:
         out, lse = _sparse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               return_lse, block_table, seqused_k, mean_k, mean_v, q_descale, k_descale, v_descale,
-                              **fields)
+                              mean_bs, **fields)
     else:
         lse = _sparse_out_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal,
                              softmax_scale, return_lse, block_table, seqused_k, mean_k, mean_v, q_descale, k_descale,
-                             v_descale, **fields)
+                             v_descale, mean_bs, **fields)
     return (out, lse) if return_lse else out
 
 
@@ -496,13 +504,13 @@ def chunked_prefill(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, m
     fields = _op_fields(selection, selection_keywords)
     if "final_chunk" in fields:  # the step's final_chunk wins over a Selection's (not in the chunked schemas)
         fields = {n: v for n, v in fields.items() if n != "final_chunk"}
-    mean_k, mean_v = _mean_pair(mean_cache)
+    mean_k, mean_v, mean_bs = _mean_pair(mean_cache)
     if out is None:
         out, lse = _chunked_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                                final_chunk, softmax_scale, return_lse, mean_k, mean_v, q_descale, k_descale,
-                               v_descale, **fields)
+                               v_descale, mean_bs, **fields)
     else:
         lse = _chunked_out_op(q, k_cache, v_cache, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k,
                               out, final_chunk, softmax_scale, return_lse, mean_k, mean_v, q_descale, k_descale,
-                              v_descale, **fields)
+                              v_descale, mean_bs, **fields)
     return (out, lse) if return_lse else out

@@ -304,6 +304,28 @@ def test_chunked_prefill_equals_public(device, union, final_chunk):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_mean_cache_block_size_reaches_the_library(device):
+    """A MeanCache remembers the block size it was made for; the wrappers pass it to the operators
+    (mean_block_size), so a step selecting with another block size raises the library's error naming mean_cache, as
+    sp.chunked_prefill does (the operators took the two tensors only, and such a step went through whenever the slot
+    counts agreed)."""
+    args = chunk_problem(device)
+    means = sp.mean_cache(args[1], block_size=256)
+    with pytest.raises(ValueError) as ref:
+        sp.chunked_prefill(*args, final_chunk=False, mean_cache=means, block_size=128)
+    assert str(ref.value).startswith("mean_cache")
+    with pytest.raises(ValueError) as got:
+        spt.chunked_prefill(*args, final_chunk=False, mean_cache=means, block_size=128)
+    assert str(got.value) == str(ref.value)
+    with pytest.raises(ValueError) as got:
+        spt.OPS["chunked_prefill"](*args, False, mean_k=means[0], mean_v=means[1], mean_block_size=256)
+    assert str(got.value) == str(ref.value)
+    # a plain pair (an engine's own tensors, e.g. MeanCacheTracker's) carries no block size: 0, not checked
+    ref = sp.chunked_prefill(*args, final_chunk=False, mean_cache=tuple(_zero_means(args[1])))
+    _equal(spt.chunked_prefill(*args, final_chunk=False, mean_cache=tuple(_zero_means(args[1]))), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_wrappers_take_selection_as_the_public_functions(device):
     """selection= or the selection keywords, not both, as sp.sparse_prefill / sp.chunked_prefill take them; the
     operator's keyword-only fields reach the same selection (rule by its int, max_kept_blocks -1 for None)."""
