@@ -72,11 +72,21 @@ FIRST = "alpha=0.01;head_subgroups=1"      # the tiny model's choice on the cali
 SAFER = "alpha=0.9"                        # the other passing setting, denser (0.74)
 
 
+def fixed_index_time(self, candidates):
+    """Calibration.time_index with every index stage at 1 % of dense attention's time in every layer: the choices of
+    the tests below then do not follow this machine's timing noise (the real timing: test_index_cost_*)."""
+    self.timing = {layer: {"attention": 1.0, "index": {n: 0.01 for n, _ in candidates}}
+                   for layer in range(self.n_layers)}
+    return self.timing
+
+
 @pytest.fixture(scope="module")
 def calibrated(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("calib"))
     lines = []
-    doc = main([model_dir, *TINY, "--out", out], log=lines.append)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S.Calibration, "time_index", fixed_index_time)
+        doc = main([model_dir, *TINY, "--out", out], log=lines.append)
     return doc, out, lines
 
 
@@ -108,7 +118,8 @@ def test_end_to_end_files_and_rows(calibrated):
         assert len(ld) == 3 and all(0 < d <= 1 for d in ld) and row["density"] == pytest.approx(np.mean(ld))
         # the cost: the density plus the index stage's share of dense attention's time (none for the oracle)
         assert r["cost"] == pytest.approx(row["density"] + r["index_share"])
-        assert (r["index_share"] == 0.0) == (r["kind"] == "oracle") and r["index_share"] >= 0.0
+        sparse_layers = 3 if r["kind"] != "per-layer" else sum(n != "dense" for n in r["plan"].values())
+        assert r["index_share"] == pytest.approx(0.0 if r["kind"] == "oracle" else 0.01 * sparse_layers / 3)
         if r["kind"] == "uniform":
             assert ld[1] == 1.0 and min(ld[0], ld[2]) < 0.8      # the diffuse layer dense, the others sparse
         if r["kind"] == "per-layer":
@@ -119,7 +130,7 @@ def test_end_to_end_files_and_rows(calibrated):
     # the recommendation: the cheapest setting within the tolerance
     ok = [r for r in doc["results"] if r["passes"] and r["kind"] != "oracle"]
     rec = next(r for r in doc["results"] if r["name"] == doc["recommended"])
-    assert rec["passes"] and rec["cost"] == min(r["cost"] for r in ok)
+    assert rec["passes"] and rec["cost"] <= min(r["cost"] for r in ok) * (1 + S.COST_TIE)   # ties: most accurate
     report = open(os.path.join(out, "report.md")).read()
     assert "## Recommendation" in report and doc["recommended"] in report and "## Per layer" in report
     assert not doc["no_pruning"] and doc["lowest_density"] < 0.8 and "nothing was pruned" not in text
@@ -168,6 +179,7 @@ def _failing_on_confirmation(monkeypatch, names):
     T_confirmation_sets = T.confirmation_sets
     monkeypatch.setattr(T, "confirmation_sets", sets)
     monkeypatch.setattr(S.Calibration, "evaluate", forced)
+    monkeypatch.setattr(S.Calibration, "time_index", fixed_index_time)    # the choices of `calibrated`
     return made
 
 
@@ -441,6 +453,10 @@ def test_plans_search_and_choice():
              1: {"a": dict(err=0.9, density=0.7), "b": dict(err=0.95, density=0.4)}}
     levels = S.plans(probe, ["a", "b"], 2)
     assert levels == [{0: "a", 1: None}, {0: "b", 1: None}, {0: "b", 1: "a"}, {0: "b", 1: "b"}]
+    # with index shares: a layer takes its cheapest candidate by density plus share, and dense where every candidate
+    # within the budget costs dense attention's or more
+    shares = {0: {"a": 0.1, "b": 0.5}, 1: {"a": 0.35, "b": 0.65}}
+    assert S.plans(probe, ["a", "b"], 2, layer_share=shares) == [{0: "a", 1: None}]
     measured = []
 
     def measure(plan, i):

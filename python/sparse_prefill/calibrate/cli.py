@@ -256,7 +256,7 @@ def run(args, log=print) -> dict:
         if search_plans:
             log("probe: every candidate beside dense attention in every layer, on one prompt per task and length")
             probe = cal.probe([(n, configs[n]) for n in args.candidates])
-            levels = S.plans(probe, list(args.candidates), n_layers)
+            levels = S.plans(probe, list(args.candidates), n_layers, layer_share=cal.layer_shares())
 
             def measure(plan, i):
                 name = f"per-layer plan {i + 1}"

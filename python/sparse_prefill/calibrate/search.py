@@ -143,6 +143,11 @@ class Calibration:
                     if int(layer) in self.timing)
         return index / dense if dense > 0 else 0.0
 
+    def layer_shares(self) -> Dict[int, Dict[str, float]]:
+        """{layer: {candidate: its index time over dense attention's in that layer}} (empty without timings)."""
+        return {layer: {n: t / c["attention"] for n, t in c["index"].items()}
+                for layer, c in self.timing.items() if c["attention"] > 0}
+
     def evaluate(self, name: str, kind: str, route, config: Optional[SparsePrefillConfig] = None,
                  plan: Optional[Dict[str, str]] = None) -> dict:
         """Accuracy, NLL (with paired bootstrap intervals) and density per layer of `route` on every prompt; its
@@ -243,9 +248,12 @@ def cost_text(res: dict) -> str:
 
 # -- plans ------------------------------------------------------------------------------------------------------------
 
-def plans(probe: Dict[int, Dict[str, dict]], names: Sequence[str], n_layers: int, max_levels: int = 16) -> List[dict]:
+def plans(probe: Dict[int, Dict[str, dict]], names: Sequence[str], n_layers: int, max_levels: int = 16,
+          layer_share: Optional[Dict[int, Dict[str, float]]] = None) -> List[dict]:
     """Per-layer plans {layer: candidate name or None (dense)} for increasing error budgets, cheapest last; a
-    layer takes its cheapest candidate (probe density; the earlier name on ties) within the budget."""
+    layer takes its cheapest candidate within the budget (cost: probe density plus the candidate's index share in
+    that layer, `layer_share[layer][name]`, 0 when not given; the earlier name on ties), and runs dense where none
+    is within the budget or every one costs more than dense attention (1: exact, and no slower)."""
     errors = sorted({c["err"] for per in probe.values() for c in per.values()})
     if len(errors) > max_levels:
         errors = [errors[int(round(i * (len(errors) - 1) / (max_levels - 1)))] for i in range(max_levels)]
@@ -254,7 +262,10 @@ def plans(probe: Dict[int, Dict[str, dict]], names: Sequence[str], n_layers: int
         plan = {}
         for layer in range(n_layers):
             per = probe.get(layer, {})
-            ok = [(per[n]["density"], i, n) for i, n in enumerate(names) if n in per and per[n]["err"] <= budget]
+            share = (layer_share or {}).get(layer, {})
+            ok = [(per[n]["density"] + share.get(n, 0.0), i, n) for i, n in enumerate(names)
+                  if n in per and per[n]["err"] <= budget]
+            ok = [c for c in ok if c[0] <= 1.0]        # over 1: slower than the layer's dense attention
             plan[layer] = min(ok)[2] if ok else None
         if not out or plan != out[-1]:
             out.append(plan)
