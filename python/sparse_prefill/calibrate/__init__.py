@@ -15,7 +15,8 @@ with your text as filler when given, and next-token NLL over your text):
     0.01, the library default 0.003, 0.001; one selection per query head) in every layer, and the exact oracle at a
     few mass fractions (the density a selection that knew the attention would need);
   - per layer, each candidate's output error and density against dense attention on the same inputs;
-  - per-layer plans (each layer its cheapest candidate within an error budget, dense where none is), searched for
+  - per-layer plans (each layer its cheapest candidate within an error budget, by density plus its index share in
+    that layer; dense where none is or each costs more than the layer's dense attention), searched for
     the cheapest that passes; skipped, with the oracle measured at its highest fraction only, when no plan of the
     candidates could prune more than 5 % (each layer's sparsest candidate, averaged over layers).
 A setting that costs as much as dense attention or more (its index stage costs more than its pruning saves) is never
