@@ -185,8 +185,9 @@ class SparsePrefillConfig:
         return layer_idx < self.dense_layers or bool(self.layers.get(layer_idx, {}).get("dense", False))
 
     def selection(self, layer_idx: Optional[int] = None) -> dict:
-        """The selection keywords for sp.sparse_prefill / sp.chunked_prefill: the top level, with the entry of
-        `layers` for layer_idx applied (None: the top level alone)."""
+        """The selection keywords of a sparse call (sp.sparse_prefill's / sp.chunked_prefill's, which the torch
+        operators' wrappers the dispatch calls take too): the top level, with the entry of `layers` for layer_idx
+        applied (None: the top level alone)."""
         sel = {name: getattr(self, name) for name in SELECTION_FIELDS}
         if layer_idx is not None:
             sel.update((k, v) for k, v in self.layers.get(layer_idx, {}).items() if k != "dense")
