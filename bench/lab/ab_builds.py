@@ -10,7 +10,7 @@ fall on both. Every row times one call with CUDA events (median of --iters after
 (contiguous, paged with TMA pages of 64, paged with pages of 16 through the cp.async gather), the split-KV short-
 query path, sparse_prefill on the topic workload (index + sparse attention), a chunked-prefill last chunk and the
 index stage alone (sp.build_index: `index_tile_energy`, FlashPrefill V2's rule as issue 16 states its targets,
-`index_row_max`, the library default) and the sparse kernel alone over bench_sparse.py's random 128-query-block
+`index_row_max`, the library default, `index_key_max`, the per-key rule at alpha 0.1) and the sparse kernel alone over bench_sparse.py's random 128-query-block
 masks at 5 %, 20 % and 50 % (`sparse_random_5`, `sparse_random_20`, `sparse_random_50`: 5 % where the per-tile fill and drain weigh, the high densities where L2 reuse
 decides) and over bench_sparse.py's own selection at 8K / 32K / 128K (`sparse_fpv2`: FlashPrefill V2's rule, no
 correction, the issue 16 headline's attention); the speed reference shapes of DESIGN.md (Hq 32, Hkv 8, D 128, bf16).
@@ -38,7 +38,7 @@ HQ, HKV, D = 32, 8, 128
 # The index rows too: at 32K the row-max index is ~0.4 ms of kernels, and one call's host prologue (before the first
 # launch) counts in its event timing; the 2026-12-06 A/B measured index_row_max@32768 at 1.06-1.08 with its kernels'
 # SASS identical to the base's, which the graph rows can tell from a host difference.
-GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max")
+GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max", "index_key_max")
 
 
 def rows_of(quick):
@@ -49,7 +49,7 @@ def rows_of(quick):
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
     r += [(f"sparse_random_{d}", 65536, 0) for d in (5, 20, 50)]
     r += [("sparse_fpv2", L, 0) for L in (8192, 32768, 131072)]
-    r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max") for L in (32768, 131072)]
+    r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max", "index_key_max") for L in (32768, 131072)]
     return r
 
 
