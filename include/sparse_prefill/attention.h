@@ -5,6 +5,10 @@
 
 namespace sparse_prefill {
 
+// The head dims every call takes (q, k and v's last dimension), on every backend: the one list the checks, the Python
+// package (sparse_prefill.HEAD_DIMS) and the engine adapters read.
+inline constexpr int kHeadDims[] = {64, 128};
+
 // Kernel choices the library otherwise makes from the shapes; benchmarks and tests pin them for A/B runs. The
 // defaults are the measured best (docs/design/dense_kernel.md, docs/design/sparse_kernel.md).
 struct LaunchOptions {

@@ -63,10 +63,14 @@ from .fp8 import quantize_fp8
 with_cuda: bool = bool(_C.with_cuda)
 """True when the extension was built with the CUDA backend."""
 
+HEAD_DIMS: tuple = tuple(_C.HEAD_DIMS)
+"""The head dims every call takes (q, k and v's last dimension), on every backend: the C++ list the checks read
+(include/sparse_prefill/attention.h kHeadDims). The engine adapters route other head dims to their own attention."""
+
 __version__ = "0.1.0"
 
 __all__ = ["quantize_fp8", "attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "sparse_support", "fp8_attention_support", "chunked_prefill",
            "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "Selection", "LaunchOptions",
            "check_errors",
-           "workload", "with_cuda", "__version__", "SELECTION_DEFAULTS"]
+           "workload", "with_cuda", "HEAD_DIMS", "__version__", "SELECTION_DEFAULTS"]

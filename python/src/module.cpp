@@ -71,6 +71,11 @@ NB_MODULE(_C, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("tile_rows") = sp::kTileRows;
+  {
+    nb::list dims;
+    for (const int d : sp::kHeadDims) dims.append(d);
+    m.attr("HEAD_DIMS") = nb::tuple(dims);  // include/sparse_prefill/attention.h: the head dims every call takes
+  }
   // core/geometry.h, the one definition of the call's geometry (C++ layers, CUDA kernels, and Index here).
   nb::module_ geo = m.def_submodule("geometry", "tiles, PackGQA rows, virtual heads (core/geometry.h)");
   geo.attr("tile_rows") = sp::geometry::kTileRows;

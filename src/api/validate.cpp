@@ -136,9 +136,12 @@ void check_descale_values(const TensorView& d, const char* name) {
 }
 
 void check_head_dim(int64_t head_dim, const char* name) {
-  if (head_dim != 64 && head_dim != 128) {
-    throw ArgumentError(name, "unsupported head dim " + std::to_string(head_dim) + " (supported: 64, 128)");
+  std::string supported;
+  for (const int d : kHeadDims) {
+    if (head_dim == d) return;
+    supported += (supported.empty() ? "" : ", ") + std::to_string(d);
   }
+  throw ArgumentError(name, "unsupported head dim " + std::to_string(head_dim) + " (supported: " + supported + ")");
 }
 
 Problem validate_inputs(const AttentionInputs& in, const AttentionOutputs* outs) {

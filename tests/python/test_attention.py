@@ -121,6 +121,20 @@ def test_workspace_is_accepted_and_ignored_on_cpu(rng):
             sp.attention_workspace_bytes(bad)
 
 
+def test_head_dims_are_what_every_call_takes(rng):
+    """sp.HEAD_DIMS (the library's one list, read by the engine adapters) is exactly what a call accepts, and the
+    error for any other head dim names the list."""
+    assert sp.HEAD_DIMS == (64, 128)
+    supported = ", ".join(map(str, sp.HEAD_DIMS))
+    for d in (16, 32, 48, 64, 96, 128, 160, 256):
+        q, k, v, cu_q, cu_k = make_varlen(rng, [5], [9], d=d)
+        if d in sp.HEAD_DIMS:
+            assert np.isfinite(sp.attention(q, k, v, cu_q, cu_k, 5, 9)).all()
+        else:
+            with pytest.raises(ValueError, match=rf"^q: unsupported head dim {d} \(supported: {supported}\)"):
+                sp.attention(q, k, v, cu_q, cu_k, 5, 9)
+
+
 def test_out_strided_view(rng):
     # out may be a view with strided leading dimensions as long as the last one is contiguous
     q, k, v, cu_q, cu_k = make_varlen(rng, [12], [20], hq=2, hkv=1)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from .. import HEAD_DIMS
 from .core import (SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
                    fp8_kernel_reason, quantize_query, warn_once)
 from .mean_cache import MeanCacheTracker
@@ -169,7 +170,7 @@ def make_backend_class(base, fa3_factory):
                 return "softcap"
             if getattr(layer, "is_cross_attention", False):
                 return "cross attention"
-            if layer.head_dim not in (64, 128) or getattr(layer, "v_head_dim", layer.head_dim) != layer.head_dim:
+            if layer.head_dim not in HEAD_DIMS or getattr(layer, "v_head_dim", layer.head_dim) != layer.head_dim:
                 return "head dim"
             if any(kwargs.get(k) is not None for k in ("sinks", "q_rope", "k_rope", "score_mod", "rel_bias")):
                 return "extra inputs"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import HEAD_DIMS
 from .core import SparsePrefillConfig, VarlenDispatch, warn_once
 
 __all__ = ["register", "attention_forward", "make_attention_forward", "varlen_layout"]
@@ -109,8 +110,8 @@ def varlen_layout(attention_mask, B: int, Lq: int, Lk: int, device):
 def _unsupported(query, dropout, kwargs) -> Optional[str]:
     import torch
     d = query.shape[-1]
-    if d not in (64, 128):
-        return f"head dim {d} (the kernels take 64 and 128)"
+    if d not in HEAD_DIMS:
+        return f"head dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
     if query.is_cuda and query.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {query.dtype} on CUDA (bf16/fp16 only)"
     if dropout:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from .. import HEAD_DIMS
 from .core import (SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
                    fp8_kernel_reason, layer_index, quantize_query, warn_once)
 from .mean_cache import MeanCacheTracker
@@ -171,7 +172,7 @@ class ImplMixin:
             return "softcap"
         if getattr(self, "sinks", None) is not None:
             return "sinks"
-        if getattr(self, "head_size", 128) not in (64, 128):
+        if getattr(self, "head_size", 128) not in HEAD_DIMS:
             return "head size"
         if self._sp_fp8 and query is not None:
             why = fp8_kernel_reason(query, int(query.shape[-1]), int(kv_cache.shape[2]))
@@ -272,7 +273,7 @@ def make_classes(fa_backend, fa_impl, fa_builder, cg_support=None, multiple_of=N
 
         @classmethod
         def get_supported_head_sizes(cls):
-            return [64, 128]
+            return list(HEAD_DIMS)
 
         @classmethod
         def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
