@@ -19,6 +19,9 @@
 namespace sparse_prefill::geometry {
 
 constexpr int kTileRows = ::sparse_prefill::kTileRows;  // packed query rows per PackGQA / selection tile
+// Keys per step of the CUDA attention kernels (their S GEMM's N): a listed key block is block_size / kKeyStep steps,
+// so the CUDA sparse paths need block_size % kKeyStep == 0.
+constexpr int kKeyStep = 128;
 
 // --- tiles and blocks ---------------------------------------------------------------------------------------------
 // Tiles of a sequence with q_len queries and group size g (packed rows q_len * g).

@@ -230,7 +230,7 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
   const Scratch ws(in, outs.workspace, need, "attention_workspace_bytes(head_dim)");
   SparseFwdArgs s;
   s.full_list = true;
-  s.block_size = 128;
+  s.block_size = geometry::kKeyStep;
   s.correction = false;
   s.launch = carve_sparse_launch_workspace(ws.ptr, num_sms(), p.head_dim, true);
   run_sparse(a, p, s, /*plan=*/true);  // the full-list path is planned by construction (more keys than queries)

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/geometry.h"
 #include "cuda/cuda_backend.h"
 
 namespace sparse_prefill::cuda {
@@ -82,9 +83,10 @@ void check_sparse_supported(const AttentionInputs& in, const Problem& p, int blo
                               std::to_string(p.page_size));
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
     throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
-  if (block_size % 128 != 0)
-    throw NotImplementedError("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key "
-                              "kernel steps); got block_size " + std::to_string(block_size));
+  if (block_size % geometry::kKeyStep != 0)
+    throw NotImplementedError("CUDA sparse attention needs block_size % " + std::to_string(geometry::kKeyStep) +
+                              " == 0 (one listed block = whole " + std::to_string(geometry::kKeyStep) +
+                              "-key kernel steps); got block_size " + std::to_string(block_size));
 }
 
 void check_index_view_supported(const BlockIndexView& index) {

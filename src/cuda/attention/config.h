@@ -28,7 +28,7 @@ struct FwdConfig {
   static constexpr int kMaxOffset = 0;        // P = exp2(s - max) in [0, 1]
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = geometry::kTileRows;  // a CTA's query rows: one PackGQA / selection tile
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = geometry::kKeyStep;
   // 3 stages (224 KiB smem, still 1 CTA/SM). Measured on the H200 against 2 stages, same process: causal 8K
   // 0.885 ms vs 0.900 (2 stages), 32K 14.68 vs 14.94, 64K 58.49 vs 59.10.
   static constexpr int kStages = 3;

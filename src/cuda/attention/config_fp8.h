@@ -51,7 +51,7 @@ struct FwdConfigFp8 {
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim == 128, "the FP8 kernel is built for head dim 128");
   static constexpr int kBlockM = geometry::kTileRows;  // a CTA's query rows: one PackGQA / selection tile
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = geometry::kKeyStep;
   static constexpr int kStages = 3;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;

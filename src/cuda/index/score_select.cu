@@ -21,6 +21,7 @@ namespace {
 constexpr int kScoreChunk = 128;     // pooled blocks scored per step: S chunk is 128 rows x 128 blocks
 constexpr int kScoreThreads = 256;   // 2 warpgroups x 64 packed rows
 constexpr int kScoreWarps = kScoreThreads / 32;
+static_assert(kTileRows == 2 * 64, "the scorer's tile is two warpgroups' m64 GEMM rows (kScoreThreads, the 2 x 1 MMA)");
 
 // The scorer's tensor-core GEMM between the tile's packed Q rows and 128 pooled keys: the attention kernel's S GEMM
 // shapes (two warpgroups of 64 rows, SS wgmma 64 x 128 x 16 atoms, 128-byte-swizzled K-major tiles), with 128 pooled
