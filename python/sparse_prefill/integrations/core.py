@@ -30,8 +30,8 @@ __all__ = ["SparsePrefillConfig", "library_selection_defaults", "VarlenDispatch"
 
 # The selection parameters the adapters pass through to the library: the library's fields (sp.Selection's, read
 # from the C++ list), but final_chunk (the engine's own setting below: engines do not say whether a chunk ends
-# its prompt) and max_kept_blocks (the adapters size their workspaces by the causal bound). SparsePrefillConfig
-# declares one dataclass field for each (tests/python/test_integrations_core.py checks that they agree).
+# its prompt) and max_kept_blocks (the adapters size their workspaces by the causal bound). SparsePrefillConfig's
+# dataclass fields for them are generated from this list (_with_selection_fields), typed by their library defaults.
 SELECTION_FIELDS = tuple(n for n in sp.Selection().as_dict() if n not in ("final_chunk", "max_kept_blocks"))
 # The adapters warn (once) when a sparse call's keys exceed this many times the longest length a calibrated file was
 # validated at (`validated_lengths`): the selections keep a smaller share of the blocks as prompts grow, so accuracy
@@ -61,12 +61,22 @@ _MEAN_CACHE = ("auto", "off")
 _FALLBACK = ("sdpa", "raise")
 
 
-@dataclasses.dataclass
+def _with_selection_fields(cls):
+    """cls as a dataclass whose first fields are SELECTION_FIELDS, each None by default (__post_init__: the library's
+    default), before the fields cls declares: the selection's fields are declared once, in the library."""
+    cls.__annotations__ = {**{name: f"Optional[{type(default).__name__}]"
+                              for name, default in library_selection_defaults().items()}, **cls.__annotations__}
+    for name in SELECTION_FIELDS:
+        setattr(cls, name, None)
+    return dataclasses.dataclass(cls)
+
+
+@_with_selection_fields
 class SparsePrefillConfig:
-    """What the adapters run. The selection fields (alpha, block_size, sink, window, last_n, correction, rule, union,
-    head_subgroups, mean_alpha, key_rank, dense_fraction) mean what sparse_prefill.build_index()'s "Selection
-    arguments" say and default to the library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the
-    engine fields:
+    """What the adapters run. The selection fields (SELECTION_FIELDS: sp.Selection's, but final_chunk and
+    max_kept_blocks; generated from the library's list) mean what sparse_prefill.build_index()'s "Selection arguments"
+    say and default to the library's defaults (library_selection_defaults(): sp.SELECTION_DEFAULTS); the engine
+    fields:
 
     dense_layers: the first N layers always run dense attention (accuracy: early layers attend broadly).
     min_sparse_q_len: a call runs sparse only when its longest query row (chunk) has at least this many tokens;
@@ -85,9 +95,8 @@ class SparsePrefillConfig:
         'raise' raises NotImplementedError.
     layers: per-layer settings, {layer index: {selection field: value, ...}} (JSON: {"3": {"alpha": 0.01}}), or
         {layer index: {"dense": true}} for a layer that always runs dense attention. An entry overrides the top-level
-        selection for that layer (alpha, sink, window, last_n, correction, rule, union, head_subgroups, mean_alpha,
-        key_rank, dense_fraction; block_size is one value for the whole model); layers without an entry use the top
-        level. Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine
+        selection for that layer (LAYER_FIELDS: the selection fields but block_size, one value for the whole model);
+        layers without an entry use the top level. Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine
         does not give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
         SPARSE_PREFILL_* variables.
     validated_lengths: the prompt lengths the settings were measured at (JSON [8192, 32768]; written by
@@ -96,18 +105,6 @@ class SparsePrefillConfig:
         there. None (files written before the field): no warning.
     """
 
-    alpha: float = None
-    block_size: int = None
-    sink: int = None
-    window: int = None
-    last_n: int = None
-    correction: Optional[bool] = None
-    rule: str = None
-    union: bool = None
-    head_subgroups: int = None
-    mean_alpha: float = None
-    key_rank: int = None
-    dense_fraction: float = None
     dense_layers: int = 0
     min_sparse_q_len: int = 128
     min_sparse_kv_len: int = 8192
@@ -118,12 +115,9 @@ class SparsePrefillConfig:
     validated_lengths: Optional[list] = None
 
     def __post_init__(self):
-        lib = library_selection_defaults()
-        for name in SELECTION_FIELDS:
-            if getattr(self, name) is None and name != "correction":
-                setattr(self, name, lib[name])
-        if self.correction is None:
-            self.correction = lib["correction"]
+        for name, default in library_selection_defaults().items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         self.layers = _layer_settings(self.layers)
         self.validated_lengths = _validated_lengths(self.validated_lengths)
         self._check()
@@ -218,8 +212,9 @@ class SparsePrefillConfig:
 
 
 _NOT_SCALAR = ("layers", "validated_lengths")
-_KINDS = {"alpha": float, "mean_alpha": float, "dense_fraction": float, "correction": bool, "union": bool,
-          "dense": bool, "rule": str, "final_chunk": str, "mean_cache": str, "fallback": str}
+# A setting's type: the selection fields' from their library defaults, the engine fields' here (int when absent).
+_KINDS = {**{name: type(default) for name, default in library_selection_defaults().items()},
+          "dense": bool, "final_chunk": str, "mean_cache": str, "fallback": str}
 
 
 def _coerce(name: str, value: Any, field: str) -> Any:
