@@ -28,7 +28,8 @@ def test_defaults_come_from_the_library(monkeypatch):
 
 def test_config_declares_every_selection_field():
     """The adapters' selection is the library's table (sp.Selection's fields) less final_chunk and max_kept_blocks:
-    a field added to the C++ list reaches SELECTION_FIELDS by itself, and SparsePrefillConfig must declare it."""
+    a field added to the C++ list reaches SELECTION_FIELDS and SparsePrefillConfig's generated fields by itself, each
+    read from a variable as its library default's type."""
     import dataclasses
     from sparse_prefill.integrations.core import SELECTION_FIELDS
     assert set(SELECTION_FIELDS) == set(sp.Selection().as_dict()) - {"final_chunk", "max_kept_blocks"}
@@ -36,6 +37,11 @@ def test_config_declares_every_selection_field():
     assert set(SELECTION_FIELDS) <= declared, set(SELECTION_FIELDS) - declared
     c = SparsePrefillConfig.load(environ={})
     assert c.selection() == {n: getattr(sp.Selection(), n) for n in SELECTION_FIELDS}
+    env = {"SPARSE_PREFILL_ALPHA": "0.25", "SPARSE_PREFILL_RULE": "key_max", "SPARSE_PREFILL_CORRECTION": "1",
+           "SPARSE_PREFILL_KEY_RANK": "32"}
+    c = SparsePrefillConfig.load(environ=env)
+    assert (c.alpha, c.rule, c.correction, c.key_rank) == (0.25, "key_max", True, 32)
+    assert [type(getattr(c, n)) for n in ("alpha", "rule", "correction", "key_rank")] == [float, str, bool, int]
 
 
 def test_precedence_kwargs_env_file(tmp_path):
