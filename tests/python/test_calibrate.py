@@ -593,6 +593,12 @@ def test_index_cost_counts_and_can_make_dense_the_choice(model_dir, tmp_path, mo
     assert cal.index_share(None) == 0.0
 
 
+def test_cost_text():
+    assert S.cost_text(dict(cost=0.704, index_share=0.0)) == "density 0.704"
+    assert S.cost_text(dict(cost=0.8, index_share=0.1)) == \
+        "cost 0.800 = density 0.700 + index 0.100 (~1.25x dense attention's speed)"
+
+
 def test_plans_can_prune():
     def r(layers, kind="uniform"):
         return dict(kind=kind, lengths={1024: dict(layer_density=layers)})
