@@ -52,7 +52,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
-from . import _C
+from . import HEAD_DIMS, _C
 from . import _api
 from ._call import make_inputs as _make_inputs
 from ._selection import _TABLE as _SELECTION_TABLE
@@ -62,7 +62,7 @@ from ._selection import _selection, _selection_of_op_fields, selection_keywords
 __all__ = ["attention", "sparse_prefill", "chunked_prefill", "OPS"]
 
 _NS = "sparse_prefill"
-_HEAD_DIMS = tuple(_C.HEAD_DIMS)
+_HEAD_DIMS = HEAD_DIMS
 _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format

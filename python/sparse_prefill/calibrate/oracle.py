@@ -47,7 +47,8 @@ def oracle_attention(q, k, v, scale: float, frac: float, block_size: int = 128, 
     tiles = (L + 127) // 128
     first_key = torch.arange(nb, device=dev) * block_size
     last_key = torch.clamp(first_key + block_size, max=L) - 1
-    kept = visible = 0
+    kept = torch.zeros((), dtype=torch.int64, device=dev)   # summed on the device, read once (no sync per head)
+    visible = 0
     for c0 in range(0, L, chunk):
         c1 = min(L, c0 + chunk)
         n, nbc = c1 - c0, (c1 + block_size - 1) // block_size
@@ -60,6 +61,7 @@ def oracle_attention(q, k, v, scale: float, frac: float, block_size: int = 128, 
         if window > 0:
             always |= (lk[None] >= (first_pos - window + 1)[:, None]) & vis
         always &= vis
+        visible += Hq * int(vis.sum())                          # the same blocks are visible to every head
         pos = torch.arange(c0, c1, device=dev)
         # keys a row does not see: only in the chunk's own key range [c0, K) (the rows before c0 see all of [0, c0))
         causal = torch.arange(c0, K, device=dev)[None] > pos[:, None]
@@ -75,7 +77,7 @@ def oracle_attention(q, k, v, scale: float, frac: float, block_size: int = 128, 
             mass = e.view(n, nbc, block_size).sum(-1)              # unnormalised: sum_j exp(s_rj - max_r)
             total = mass.sum(1, keepdim=True)
             al = always[row_tile]
-            order = torch.where(al, torch.full_like(mass, 3.0 * total.max()), mass).argsort(1, descending=True)
+            order = torch.where(al, math.inf, mass).argsort(1, descending=True)    # the always-kept blocks first
             sorted_mass = mass.gather(1, order)
             take = ((sorted_mass.cumsum(1) - sorted_mass) < frac * total) & (sorted_mass > 0)
             rows = torch.zeros_like(take).scatter_(1, order, take)
@@ -85,6 +87,5 @@ def oracle_attention(q, k, v, scale: float, frac: float, block_size: int = 128, 
             row_keep = keep[row_tile]
             e.view(n, nbc, block_size).mul_(row_keep[..., None])
             out[c0:c1, h] = (e @ vf[:K, h // g]) / (mass * row_keep).sum(1, keepdim=True)
-            kept += int((keep & vis).sum())
-            visible += int(vis.sum())
-    return out, kept, visible
+            kept += (keep & vis).sum()
+    return out, int(kept), visible
