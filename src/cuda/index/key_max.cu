@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kMomentThreads, is_fp8_v<T> ? 1 : 2) key_momen
 constexpr int kBasisPad = 4;  // C's row stride D + 4: the two rows a warp reads sit in different banks
 
 template <int D, int R>
-__global__ void __launch_bounds__(kBasisThreads, 1) key_basis_kernel(int batch, int num_kv_heads, int splits,
+__global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int batch, int num_kv_heads, int splits,
                                                                   const float* partial, float* basis) {
   static_assert(kBasisThreads % R == 0 && D % (kBasisThreads / R) == 0 && D % 32 == 0 && D % 4 == 0,
                 "every thread owns whole rows of one column of Y; warp 0 owns D / 32 rows of each column");
@@ -153,32 +153,12 @@ __global__ void __launch_bounds__(kBasisThreads, 1) key_basis_kernel(int batch, 
   float* X = C + D * kCS;       // [D][R]
   float* Y = X + D * R;         // [D][R]
   const int b = blockIdx.x, h = blockIdx.y;
-  // C = the moment kernel's slices, summed in order (each element's sum as before: the same bits). Split by split,
-  // every thread's kVec float4 of C in flight at once (64 KB per round trip at D 128): one element per thread and a
-  // split loop per element left the loads' latency serial, ~128 round trips at 32 slices.
-  constexpr int kVec = D * D / 4 / kBasisThreads;
-  static_assert(D * D % (4 * kBasisThreads) == 0, "whole float4 of C per thread");
-  const float4* part = reinterpret_cast<const float4*>(partial + (int64_t(b) * num_kv_heads + h) * D * D);
-  const int64_t split_stride = int64_t(batch) * num_kv_heads * D * D / 4;
-  float4 c[kVec];
-#pragma unroll
-  for (int v = 0; v < kVec; ++v) c[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int split = 0; split < splits; ++split) {
-    float4 x[kVec];
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) x[v] = part[split * split_stride + threadIdx.x + v * kBasisThreads];
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      c[v].x += x[v].x;
-      c[v].y += x[v].y;
-      c[v].z += x[v].z;
-      c[v].w += x[v].w;
-    }
-  }
-#pragma unroll
-  for (int v = 0; v < kVec; ++v) {
-    const int i = 4 * (threadIdx.x + v * kBasisThreads);  // row i / D, columns i % D .. + 3
-    *reinterpret_cast<float4*>(&C[(i / D) * kCS + i % D]) = c[v];
+  const float* part = partial + (int64_t(b) * num_kv_heads + h) * D * D;
+  const int64_t split_stride = int64_t(batch) * num_kv_heads * D * D;
+  for (int i = threadIdx.x; i < D * D; i += kBasisThreads) {  // C = the moment kernel's slices, summed in order
+    float c = 0.f;
+    for (int split = 0; split < splits; ++split) c += part[split * split_stride + i];
+    C[(i / D) * kCS + i % D] = c;
   }
   for (int i = threadIdx.x; i < D * R; i += kBasisThreads) X[i] = hash_unit(uint32_t(i / R), uint32_t(i % R));
   __syncthreads();
