@@ -132,90 +132,56 @@ __global__ void __launch_bounds__(kMomentThreads, is_fp8_v<T> ? 1 : 2) key_momen
 }
 
 // ---- 2. the basis: subspace iteration -------------------------------------------------------------------------------
-// One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, rows padded by 4 floats, and
-// X <- orth(C X) kKeyBasisIters times from X0 = hash_unit. Y = C X by all threads, column t % R of kBasisRows rows
-// each, C read as float4 along its row (one 16-byte read per 4 FMAs per row; X's 4 values reused by every row). The
-// orthonormalisation by warp 0, classical Gram-Schmidt twice (CGS2): column c's dots with every column before it at
-// once (independent shuffle trees), subtracted, again; then y / |y|, or 0 when |y| is 0 or NaN (the spec). CGS2 spans
-// what MGS spans, as orthogonal (Giraud, Langou, Rozloznik 2005), with c dependent shuffle trees per column instead of
-// c(c + 1) / 2. The first version (MGS: a dependent dot per pair; Y's rows read by 16-way strided scalar loads) took
-// 0.29 ms at every length on the H100 with 8 CTAs (Llama-3.1-8B's KV heads), 5 % of the index at 32K.
-constexpr int kBasisPad = 4;  // C's row stride D + 4: the two rows a warp reads sit in different banks
-
+// One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, X <- MGS(C X) kKeyBasisIters
+// times from X0 = hash_unit; the Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
 template <int D, int R>
 __global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int batch, int num_kv_heads, int splits,
                                                                   const float* partial, float* basis) {
-  static_assert(kBasisThreads % R == 0 && D % (kBasisThreads / R) == 0 && D % 32 == 0 && D % 4 == 0,
-                "every thread owns whole rows of one column of Y; warp 0 owns D / 32 rows of each column");
-  constexpr int kCS = D + kBasisPad, kGroups = kBasisThreads / R, kRows = D / kGroups, kPer = D / 32;
-  extern __shared__ __align__(16) float basis_smem[];
-  float* C = basis_smem;        // [D][kCS]
-  float* X = C + D * kCS;       // [D][R]
+  extern __shared__ float basis_smem[];
+  float* C = basis_smem;        // [D][D]
+  float* X = C + D * D;         // [D][R]
   float* Y = X + D * R;         // [D][R]
   const int b = blockIdx.x, h = blockIdx.y;
-  const float* part = partial + (int64_t(b) * num_kv_heads + h) * D * D;
-  const int64_t split_stride = int64_t(batch) * num_kv_heads * D * D;
   for (int i = threadIdx.x; i < D * D; i += kBasisThreads) {  // C = the moment kernel's slices, summed in order
     float c = 0.f;
-    for (int split = 0; split < splits; ++split) c += part[split * split_stride + i];
-    C[(i / D) * kCS + i % D] = c;
+    for (int split = 0; split < splits; ++split)
+      c += partial[((int64_t(split) * batch + b) * num_kv_heads + h) * D * D + i];
+    C[i] = c;
   }
   for (int i = threadIdx.x; i < D * R; i += kBasisThreads) X[i] = hash_unit(uint32_t(i / R), uint32_t(i % R));
   __syncthreads();
-  const int col = threadIdx.x % R, group = threadIdx.x / R;  // rows group + kGroups * k of column col
   for (int it = 0; it < kKeyBasisIters; ++it) {
-    float y[kRows] = {};
-#pragma unroll 4
-    for (int e = 0; e < D; e += 4) {
-      const float x0 = X[(e + 0) * R + col], x1 = X[(e + 1) * R + col], x2 = X[(e + 2) * R + col],
-                  x3 = X[(e + 3) * R + col];
-#pragma unroll
-      for (int k = 0; k < kRows; ++k) {
-        const float4 c = *reinterpret_cast<const float4*>(&C[(group + kGroups * k) * kCS + e]);
-        y[k] = fmaf(c.w, x3, fmaf(c.z, x2, fmaf(c.y, x1, fmaf(c.x, x0, y[k]))));
-      }
+    for (int i = threadIdx.x; i < D * R; i += kBasisThreads) {
+      const int d = i / R, col = i % R;
+      float y = 0.f;
+      for (int e2 = 0; e2 < D; ++e2) y = fmaf(C[d * D + e2], X[e2 * R + col], y);
+      Y[i] = y;
     }
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) Y[(group + kGroups * k) * R + col] = y[k];
     __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      for (int c = 0; c < R; ++c) {
-        float v[kPer];
+      constexpr int kPer = D / 32;
+      for (int col = 0; col < R; ++col) {
+        float y[kPer];
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) v[k] = Y[(lane + 32 * k) * R + c];
+        for (int k = 0; k < kPer; ++k) y[k] = Y[(lane + 32 * k) * R + col];
+        for (int prev = 0; prev < col; ++prev) {
+          float dot = 0.f;
 #pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-          float dot[R];
+          for (int k = 0; k < kPer; ++k) dot = fmaf(X[(lane + 32 * k) * R + prev], y[k], dot);
+          for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
 #pragma unroll
-          for (int p = 0; p < R; ++p) {
-            dot[p] = 0.f;
-            if (p < c) {
-#pragma unroll
-              for (int k = 0; k < kPer; ++k) dot[p] = fmaf(X[(lane + 32 * k) * R + p], v[k], dot[p]);
-            }
-          }
-#pragma unroll
-          for (int o = 16; o > 0; o /= 2)
-#pragma unroll
-            for (int p = 0; p < R; ++p)
-              if (p < c) dot[p] += __shfl_xor_sync(0xffffffffu, dot[p], o);
-#pragma unroll
-          for (int p = 0; p < R; ++p)
-            if (p < c) {
-#pragma unroll
-              for (int k = 0; k < kPer; ++k) v[k] = fmaf(-dot[p], X[(lane + 32 * k) * R + p], v[k]);
-            }
+          for (int k = 0; k < kPer; ++k) y[k] = fmaf(-dot, X[(lane + 32 * k) * R + prev], y[k]);
         }
         float nn = 0.f;
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) nn = fmaf(v[k], v[k], nn);
+        for (int k = 0; k < kPer; ++k) nn = fmaf(y[k], y[k], nn);
         for (int o = 16; o > 0; o /= 2) nn += __shfl_xor_sync(0xffffffffu, nn, o);
         // n > 0 ? y / n : 0 (the spec, as the reference): a NaN or zero column is exactly 0, never y * 0 (NaN * 0)
         const bool ok = nn > 0.f;
         const float inv = ok ? rsqrtf(nn) : 0.f;
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + c] = ok ? v[k] * inv : 0.f;
+        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + col] = ok ? y[k] * inv : 0.f;
         __syncwarp();
       }
     }
@@ -740,7 +706,7 @@ size_t key_max_smem_limit() {
 
 template <int D, int R>
 size_t key_basis_smem_bytes() {
-  return size_t(D * (D + kBasisPad) + 2 * D * R) * sizeof(float);
+  return size_t(D * D + 2 * D * R) * sizeof(float);
 }
 
 template <typename T, int D, int R>
