@@ -206,9 +206,7 @@ __global__ void __launch_bounds__(kProjectThreads) key_project_kernel(SeqArgs se
   static_assert(kCols % 2 == 0, "half2 stores");
   __shared__ __align__(16) float sP[D * R];
   __shared__ float sBar[D];
-  // Rows padded by 4 floats: 16-byte reads along a row, and the warp's 4 keys (kParts threads each, one address: a
-  // broadcast) in different banks.
-  __shared__ __align__(16) float xs[kProjectKeys][D + 4];
+  __shared__ float xs[kProjectKeys][D + 1];  // +1: the kParts threads of a key read one bank per key
   __shared__ unsigned r2_bits;               // max |K'_j|^2 of the block (non-negative floats order as their bits)
   const int64_t idx = blockIdx.x;
   const int h = blockIdx.y;
@@ -238,30 +236,11 @@ __global__ void __launch_bounds__(kProjectThreads) key_project_kernel(SeqArgs se
       xs[i * kKeysPerPass + kk][e] = j < k_len ? x[i] - sBar[e] : 0.f;
     }
     __syncthreads();
-    // Four coordinates of the key per 16-byte read and the thread's kCols basis columns per 8- or 16-byte read:
-    // (1 + 4) shared reads per 4 * kCols FMAs. The first version read both operands one float at a time, 3 reads per
-    // 2 FMAs at R 16: bound by shared-memory bandwidth (0.20 ms at 32K, 0.69 at 128K on the H100).
     float acc[kCols] = {};
-#pragma unroll 2
-    for (int d = 0; d < D; d += 4) {
-      const float4 x4 = *reinterpret_cast<const float4*>(&xs[key][d]);
-      const float xd[4] = {x4.x, x4.y, x4.z, x4.w};
+    for (int d = 0; d < D; ++d) {
+      const float xd = xs[key][d];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float* prow = &sP[(d + u) * R + c0];
-        float pc[kCols];
-        if constexpr (kCols % 4 == 0) {
-#pragma unroll
-          for (int v = 0; v < kCols / 4; ++v)
-            *reinterpret_cast<float4*>(&pc[4 * v]) = *reinterpret_cast<const float4*>(&prow[4 * v]);
-        } else {
-#pragma unroll
-          for (int v = 0; v < kCols / 2; ++v)
-            *reinterpret_cast<float2*>(&pc[2 * v]) = *reinterpret_cast<const float2*>(&prow[2 * v]);
-        }
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xd[u], pc[c], acc[c]);
-      }
+      for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xd, sP[d * R + c0 + c], acc[c]);
     }
     __half* out = proj + (int64_t(h) * key_rows + idx * block_size + j0 + key) * R + c0;
     float r2 = 0.f;
