@@ -67,7 +67,7 @@ __device__ __forceinline__ const T* key_row(const KVArgs& kv, const SeqArgs& seq
 // version (one CTA per 8 rows of C over every sampled key: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms
 // at every length on the H100, as long as the scorer at 32K.
 template <typename T, int D>
-__global__ void __launch_bounds__(kMomentThreads, is_fp8_v<T> ? 1 : 2) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size,
+__global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size,
                                                                     int num_kv_heads, const int32_t* cu_blocks,
                                                                     const float* k_mean, float* partial) {
   static_assert(D == 64 || D == 128, "patch columns c * 64 + 4 * t cover D");
@@ -80,27 +80,15 @@ __global__ void __launch_bounds__(kMomentThreads, is_fp8_v<T> ? 1 : 2) key_momen
   const int64_t keys = sampled * block_size;  // flat index f: block (f / B) * stride, key f % B of it
   const int64_t f0 = keys * split / splits, f1 = keys * (split + 1) / splits;
   const float descale = is_fp8_v<T> ? kv.k_descale.at(b, h) : 1.f;
-  const int64_t mean_row0 = cu_blocks[b];
   float acc[kT][kT] = {};
-  // f = q * block_size + r, carried as the tile advances (kMomentKeys < block_size, a multiple of kUnitKeys: a
-  // tile's key crosses at most one block boundary): no 64-bit division per load. With two per load (f / B, f % B)
-  // the divisions' calls were as many instructions as the tile's FMAs (SASS: 98 CALL.REL in the kernel).
-  static_assert(kMomentKeys < kUnitKeys, "a tile spans at most two sampled blocks");
-  int64_t q = f0 / block_size, r = f0 % block_size;
   for (int64_t f = f0; f < f1; f += kMomentKeys) {
     float x[kMomentKeys / kKeysPerPass];
 #pragma unroll
     for (int i = 0; i < kMomentKeys / kKeysPerPass; ++i) {  // every load of the tile issued before any is used
-      const int off = int(r) + i * kKeysPerPass + kk;          // the key's offset from block q's first key
-      const bool next = off >= block_size;
-      const int64_t J = (next ? q + 1 : q) * stride, j = J * block_size + (next ? off - block_size : off);
-      const T* row = f + off < f1 && j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
-      x[i] = row ? to_float(row[e]) * descale - k_mean[((mean_row0 + J) * num_kv_heads + h) * D + e] : 0.f;
-    }
-    r += kMomentKeys;
-    if (r >= block_size) {
-      r -= block_size;
-      ++q;
+      const int64_t fi = f + i * kKeysPerPass + kk, J = (fi / block_size) * stride;
+      const int64_t j = J * block_size + fi % block_size;
+      const T* row = fi < f1 && j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
+      x[i] = row ? to_float(row[e]) * descale - k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e] : 0.f;
     }
     __syncthreads();  // the previous tile's readers done
 #pragma unroll
