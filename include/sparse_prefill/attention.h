@@ -9,6 +9,19 @@ namespace sparse_prefill {
 // package (sparse_prefill.HEAD_DIMS) and the engine adapters read.
 inline constexpr int kHeadDims[] = {64, 128};
 
+// What the CUDA kernels are built for beyond kHeadDims, declared once: src/cuda/support.cpp's checks read it, and the
+// Python package exposes it (sparse_prefill.CUDA_LIMITS) to callers that choose a layout before they call (an engine's
+// page size, an adapter's dtype or head-dim padding). The CPU reference takes every dtype, head dim and page size.
+struct CudaLimits {
+  // q, k, v dtypes of every CUDA kernel (float8_e4m3fn with its descales; no float32 kernels)
+  static constexpr DType kDTypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3};
+  // head dims of the block-sparse and the FP8 kernels (16-bit dense attention takes every kHeadDims)
+  static constexpr int kSparseHeadDims[] = {128};
+  // paged KV of the block-sparse, FP8 and split-KV kernels: page_size a multiple of it (TMA boxes of 64 rows); 16-bit
+  // dense attention gathers any page size
+  static constexpr int kPageMultiple = 64;
+};
+
 // Kernel choices the library otherwise makes from the shapes; benchmarks and tests pin them for A/B runs. The
 // defaults are the measured best (docs/design/dense_kernel.md, docs/design/sparse_kernel.md).
 struct LaunchOptions {

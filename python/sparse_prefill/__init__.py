@@ -29,6 +29,8 @@ Install: `pip install .` (or `pip install -e .` for development) from the reposi
 (`bash scripts/build.sh`) writes the extension into python/sparse_prefill for `PYTHONPATH=python`.
 """
 
+from typing import NamedTuple
+
 
 def _load_extension():
     """The compiled extension sparse_prefill._C, or an ImportError that says how to build it."""
@@ -67,10 +69,24 @@ HEAD_DIMS: tuple = tuple(_C.HEAD_DIMS)
 """The head dims every call takes (q, k and v's last dimension), on every backend: the C++ list the checks read
 (include/sparse_prefill/attention.h kHeadDims). The engine adapters route other head dims to their own attention."""
 
+
+
+class CudaLimits(NamedTuple):
+    """What the CUDA kernels are built for beyond HEAD_DIMS (include/sparse_prefill/attention.h CudaLimits, the
+    values src/cuda/support.cpp's checks read), for callers that choose a layout before they call: an engine's page
+    size, an adapter's dtype or head-dim padding. The CPU reference takes every dtype, head dim and page size. Whether
+    one call runs sparse is sparse_support's answer; these are its parts that do not depend on a call."""
+    dtypes: tuple            # q, k, v dtypes of every CUDA kernel, by name ("bfloat16", ...): no float32 kernels
+    sparse_head_dims: tuple  # head dims of the block-sparse and FP8 kernels (16-bit dense attention takes HEAD_DIMS)
+    page_multiple: int       # paged KV of the block-sparse and FP8 kernels: page_size a multiple of it
+
+
+CUDA_LIMITS: CudaLimits = CudaLimits(**_C.CUDA_LIMITS)
+
 __version__ = "0.1.0"
 
 __all__ = ["quantize_fp8", "attention", "attention_path", "attention_workspace_bytes", "build_index", "index_workspace_bytes", "sparse_attention",
            "sparse_attention_workspace_bytes", "sparse_prefill", "sparse_prefill_workspace_bytes", "sparse_support", "fp8_attention_support", "chunked_prefill",
            "chunked_prefill_workspace_bytes", "union_index", "pool_kv", "mean_cache", "MeanCache", "Index", "Selection", "LaunchOptions",
            "check_errors",
-           "workload", "with_cuda", "HEAD_DIMS", "__version__", "SELECTION_DEFAULTS"]
+           "workload", "with_cuda", "HEAD_DIMS", "CUDA_LIMITS", "CudaLimits", "__version__", "SELECTION_DEFAULTS"]

@@ -76,6 +76,16 @@ NB_MODULE(_C, m) {
     for (const int d : sp::kHeadDims) dims.append(d);
     m.attr("HEAD_DIMS") = nb::tuple(dims);  // include/sparse_prefill/attention.h: the head dims every call takes
   }
+  {  // include/sparse_prefill/attention.h: what the CUDA kernels are built for (sparse_prefill.CUDA_LIMITS)
+    nb::list dtypes, sparse_dims;
+    for (const sp::DType d : sp::CudaLimits::kDTypes) dtypes.append(sp::dtype_name(d));
+    for (const int d : sp::CudaLimits::kSparseHeadDims) sparse_dims.append(d);
+    nb::dict limits;
+    limits["dtypes"] = nb::tuple(dtypes);
+    limits["sparse_head_dims"] = nb::tuple(sparse_dims);
+    limits["page_multiple"] = sp::CudaLimits::kPageMultiple;
+    m.attr("CUDA_LIMITS") = limits;
+  }
   // core/geometry.h, the one definition of the call's geometry (C++ layers, CUDA kernels, and Index here).
   nb::module_ geo = m.def_submodule("geometry", "tiles, PackGQA rows, virtual heads (core/geometry.h)");
   geo.attr("tile_rows") = sp::geometry::kTileRows;

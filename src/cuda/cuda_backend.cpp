@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <optional>
 #include <string>
 
@@ -198,7 +199,9 @@ ViewLayout view_layout(const AttentionInputs& in, const BlockIndexView& index, c
 
 bool dense_uses_full_list(const AttentionInputs& in, const Problem& p) {
   using Path = LaunchOptions::DensePath;
-  if (in.options.dense_path == Path::kDenseKernel || p.head_dim != 128) return false;  // sparse kernel: D = 128
+  // the full-list path is the sparse kernel, built for one head dim
+  static_assert(std::size(CudaLimits::kSparseHeadDims) == 1);
+  if (in.options.dense_path == Path::kDenseKernel || p.head_dim != CudaLimits::kSparseHeadDims[0]) return false;
   if (is_fp8(p)) return false;  // FP8: the dense kernel only (DenseFp8Fwd)
   if (in.window_left >= 0 || (!in.causal && in.window_right >= 0)) return false;
   if (in.max_seqlen_k <= in.max_seqlen_q) return false;  // only chunk and decode shapes

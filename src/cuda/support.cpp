@@ -2,6 +2,7 @@
 // call; the entry points (cuda_backend.cpp, index/build.cu) assume it. Each check throws NotImplementedError naming
 // what is not built.
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "core/geometry.h"
@@ -28,6 +29,35 @@ void check_fp8_supported(const Problem& p) {
   if (!why.empty()) throw NotImplementedError(why);
 }
 
+// CudaLimits (include/sparse_prefill/attention.h), read by the checks below and by their messages.
+bool cuda_dtype(DType dtype) {
+  for (const DType d : CudaLimits::kDTypes)
+    if (dtype == d) return true;
+  return false;
+}
+
+std::string cuda_dtypes() {  // "bfloat16, float16 and float8_e4m3fn"
+  constexpr size_t n = std::size(CudaLimits::kDTypes);
+  std::string names;
+  for (size_t i = 0; i < n; ++i)
+    names += std::string(i == 0 ? "" : i + 1 == n ? " and " : ", ") + dtype_name(CudaLimits::kDTypes[i]);
+  return names;
+}
+
+bool sparse_head_dim(int head_dim) {
+  for (const int d : CudaLimits::kSparseHeadDims)
+    if (head_dim == d) return true;
+  return false;
+}
+
+std::string sparse_head_dims() {
+  std::string dims;
+  for (const int d : CudaLimits::kSparseHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  return dims;
+}
+
+const std::string kPageRule = "page_size % " + std::to_string(CudaLimits::kPageMultiple) + " == 0";
+
 void require_contiguous(const TensorView& t, const char* name) {
   if (t.ndim != 1 || (t.shape[0] > 1 && t.stride[0] != 1))
     throw NotImplementedError(std::string("CUDA sparse attention: ") + name + " must be contiguous");
@@ -35,22 +65,22 @@ void require_contiguous(const TensorView& t, const char* name) {
 
 }  // namespace
 
-// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: head dim 128, contiguous KV
-// or paged KV with page_size % 64 == 0 (TMA loads).
+// What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: CudaLimits' sparse head dims,
+// contiguous KV or paged KV with page_size a multiple of CudaLimits::kPageMultiple (TMA loads).
 std::string fp8_attention_support(int head_dim, int64_t page_size) {
-  if (head_dim != 128)
-    return "CUDA FP8 attention is built for head dim 128 only, got head dim " + std::to_string(head_dim) +
-           " (FP8 runs on the CPU reference for any head dim)";
-  if (page_size > 0 && page_size % 64 != 0)  // gathered_pages
-    return "CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async gather of other page "
+  if (!sparse_head_dim(head_dim))
+    return "CUDA FP8 attention is built for head dim " + sparse_head_dims() + " only, got head dim " +
+           std::to_string(head_dim) + " (FP8 runs on the CPU reference for any head dim)";
+  if (page_size > 0 && page_size % CudaLimits::kPageMultiple != 0)  // gathered_pages
+    return "CUDA FP8 attention: paged KV needs " + kPageRule + " (TMA loads; the cp.async gather of other page "
            "sizes is not built for FP8); got page_size " + std::to_string(page_size);
   return {};
 }
 
 void check_attention_supported(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !is_fp8(p))
-    throw NotImplementedError(std::string("q: CUDA attention supports bfloat16, float16 and float8_e4m3fn inputs "
-                                          "only, got ") + dtype_name(p.dtype));
+  if (!cuda_dtype(p.dtype))
+    throw NotImplementedError("q: CUDA attention supports " + cuda_dtypes() + " inputs only, got " +
+                              dtype_name(p.dtype));
   if (is_fp8(p)) check_fp8_supported(p);
   // The head dim (64 or 128) and a mean cache's paged KV are checked once, by validate_inputs / validate_mean_cache.
   if (p.total_q > INT32_MAX || p.total_k > INT32_MAX)
@@ -76,10 +106,11 @@ void check_attention_supported(const AttentionInputs& in, const AttentionOutputs
 }
 
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
-  if (p.head_dim != 128)
-    throw NotImplementedError("CUDA sparse attention is built for head dim 128 only, got " + std::to_string(p.head_dim));
+  if (!sparse_head_dim(p.head_dim))
+    throw NotImplementedError("CUDA sparse attention is built for head dim " + sparse_head_dims() + " only, got " +
+                              std::to_string(p.head_dim));
   if (gathered_pages(p))
-    throw NotImplementedError("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size " +
+    throw NotImplementedError("CUDA sparse attention: paged KV needs " + kPageRule + " (TMA loads); got page_size " +
                               std::to_string(p.page_size));
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0)
     throw NotImplementedError("CUDA sparse attention supports causal attention without an attention window only");
@@ -103,13 +134,12 @@ void check_index_supported(const AttentionInputs& in, const Problem& p) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
   }
   const bool fp8 = is_fp8(p);
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 && !fp8) {
-    throw NotImplementedError(std::string("build_index on CUDA supports bfloat16, float16 and float8_e4m3fn inputs, "
-                                          "got ") + dtype_name(p.dtype));
+  if (!cuda_dtype(p.dtype)) {
+    throw NotImplementedError("build_index on CUDA supports " + cuda_dtypes() + " inputs, got " + dtype_name(p.dtype));
   }
-  if (fp8 && p.head_dim != 128) {  // what the sparse FP8 kernel is built for; one scorer instantiation
-    throw NotImplementedError("build_index on CUDA: float8_e4m3fn inputs need head dim 128, got head dim " +
-                              std::to_string(p.head_dim));
+  if (fp8 && !sparse_head_dim(p.head_dim)) {  // what the sparse FP8 kernel is built for; one scorer instantiation
+    throw NotImplementedError("build_index on CUDA: float8_e4m3fn inputs need head dim " + sparse_head_dims() +
+                              ", got head dim " + std::to_string(p.head_dim));
   }
   // The 16-bit scorer copies q with 4-byte cp.async at least; the FP8 one falls back to byte loads.
   if (!fp8 && !q_cp_async_aligned(in)) {

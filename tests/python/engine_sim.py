@@ -63,19 +63,19 @@ def cuda_sparse_support(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     the library answers None: the reference runs everything): src/cuda/support.cpp's refusals of a sparse call, in
     its order, with its messages. test_sparse_support.py checks it against the real answers on the GPU."""
     sel = selection if selection is not None else sp.Selection(**keywords)
-    d = q.shape[-1]
-    if d != 128:
-        return f"CUDA sparse attention is built for head dim 128 only, got {d}"
-    if block_table is not None and k.shape[1] % 64:
-        return ("CUDA sparse attention: paged KV needs page_size % 64 == 0 (TMA loads); got page_size "
-                f"{k.shape[1]}")
+    d, lim = q.shape[-1], sp.CUDA_LIMITS
+    if d not in lim.sparse_head_dims:
+        return f"CUDA sparse attention is built for head dim {', '.join(map(str, lim.sparse_head_dims))} only, got {d}"
+    if block_table is not None and k.shape[1] % lim.page_multiple:
+        return (f"CUDA sparse attention: paged KV needs page_size % {lim.page_multiple} == 0 (TMA loads); got "
+                f"page_size {k.shape[1]}")
     if not causal:
         return "CUDA sparse attention supports causal attention without an attention window only"
     if sel.block_size % 128:
         return ("CUDA sparse attention needs block_size % 128 == 0 (one listed block = whole 128-key kernel steps); "
                 f"got block_size {sel.block_size}")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-        return ("q: CUDA attention supports bfloat16, float16 and float8_e4m3fn inputs only, got "
+    if str(q.dtype).replace("torch.", "") not in lim.dtypes:
+        return (f"q: CUDA attention supports {', '.join(lim.dtypes[:-1])} and {lim.dtypes[-1]} inputs only, got "
                 f"{str(q.dtype).replace('torch.', '')}")
     return None
 
@@ -83,12 +83,13 @@ def cuda_sparse_support(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def cuda_fp8_attention_support(head_dim, page_size=None):
     """What a CUDA build's sp.fp8_attention_support answers (src/cuda/support.cpp), for the replays; checked against
     the real one on the GPU (test_sparse_support.py)."""
-    if head_dim != 128:
-        return (f"CUDA FP8 attention is built for head dim 128 only, got head dim {head_dim} (FP8 runs on the CPU "
-                "reference for any head dim)")
-    if page_size is not None and page_size % 64:
-        return ("CUDA FP8 attention: paged KV needs page_size % 64 == 0 (TMA loads; the cp.async gather of other "
-                f"page sizes is not built for FP8); got page_size {page_size}")
+    lim = sp.CUDA_LIMITS
+    if head_dim not in lim.sparse_head_dims:
+        return (f"CUDA FP8 attention is built for head dim {', '.join(map(str, lim.sparse_head_dims))} only, got head "
+                f"dim {head_dim} (FP8 runs on the CPU reference for any head dim)")
+    if page_size is not None and page_size % lim.page_multiple:
+        return (f"CUDA FP8 attention: paged KV needs page_size % {lim.page_multiple} == 0 (TMA loads; the cp.async "
+                f"gather of other page sizes is not built for FP8); got page_size {page_size}")
     return None
 
 

@@ -295,3 +295,16 @@ def test_mean_tracker_fp8_means_of_the_dequantised_cache():
     torch.testing.assert_close(vm[1], stored_v.mean(0), atol=1e-6, rtol=1e-5)
     assert (km[1] - k[:64].mean(0)).abs().max() > 1e-5        # quantised, not the values handed to the engine
     torch.testing.assert_close(km[2][:, :], (k8v[2].float() * ks)[:36].sum(0) / 64, atol=1e-6, rtol=1e-5)  # partial
+
+
+def test_cuda_limits_and_the_dispatchs_padding(monkeypatch):
+    """sp.CUDA_LIMITS is the C++ declaration (include/sparse_prefill/attention.h CudaLimits) the CUDA checks read
+    (test_sparse_support.py checks the checks against it on the GPU); the dispatch pads a contiguous 16-bit head dim
+    to the next one the sparse kernels take, read from it at call time."""
+    lim = sp.CUDA_LIMITS
+    assert lim == sp.CudaLimits(dtypes=("bfloat16", "float16", "float8_e4m3fn"), sparse_head_dims=(128,),
+                                page_multiple=64)
+    assert set(lim.sparse_head_dims) <= set(sp.HEAD_DIMS) and "float32" not in lim.dtypes
+    assert [core._padded_head_dim(d) for d in (32, 64, 128, 160)] == [128, 128, 128, 160]
+    monkeypatch.setattr(sp, "CUDA_LIMITS", lim._replace(sparse_head_dims=(64, 128)))
+    assert [core._padded_head_dim(d) for d in (32, 64, 96, 128)] == [64, 64, 128, 128]

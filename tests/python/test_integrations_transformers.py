@@ -228,3 +228,25 @@ def test_cuda_sparse_16k_within_documented_error_of_dense():
         assert d.last_path == "dense"
     assert _err(sparse.logits, dense.logits) <= 0.1
     assert _err(sparse.hidden_states[-1][:, -1024:], dense.hidden_states[-1][:, -1024:]) <= 0.1
+
+
+def test_cuda_dtypes_are_the_librarys(monkeypatch):
+    """On CUDA the adapter sends to its fallback exactly the dtypes sp.CUDA_LIMITS leaves out (float32 today), with
+    the kernels' list in the reason; FP8 queries never (it passes no descales). Read at call time, not restated."""
+    q = torch.zeros(1, 2, 3, 128, dtype=torch.float32)
+    assert sphf._unsupported(q, 0.0, {}) is None                     # the CPU reference takes float32
+    assert sphf._unsupported(q.to(torch.float8_e4m3fn), 0.0, {}) == (
+        "dtype torch.float8_e4m3fn (this adapter passes no FP8 descales)")
+
+    class OnCuda:  # what _unsupported reads of a CUDA query
+        def __init__(self, dtype):
+            self.shape, self.dtype, self.is_cuda, self.requires_grad = q.shape, dtype, True, False
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        why = sphf._unsupported(OnCuda(dtype), 0.0, {})
+        name = str(dtype).removeprefix("torch.")
+        assert (why is None) == (name in sp.CUDA_LIMITS.dtypes), (dtype, why)
+    assert "(the CUDA kernels take bfloat16, float16, float8_e4m3fn)" in sphf._unsupported(OnCuda(torch.float32), 0, {})
+    monkeypatch.setattr(sphf, "CUDA_LIMITS", sp.CUDA_LIMITS._replace(dtypes=("float16",)))
+    assert "dtype torch.bfloat16 on CUDA" in sphf._unsupported(OnCuda(torch.bfloat16), 0.0, {})
+    assert sphf._unsupported(OnCuda(torch.float16), 0.0, {}) is None

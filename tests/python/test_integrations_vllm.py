@@ -673,3 +673,12 @@ def test_vllm_conformance():
         theirs = inspect.signature(getattr(FlashAttentionImpl, name)).parameters
         assert list(theirs)[: len(list(ours)) - 1] == list(ours)[: len(theirs)][: len(theirs)] or set(theirs) <= set(
             ours) | {"kwargs"}, (name, vllm.__version__)
+
+
+def test_kernel_block_sizes_are_the_librarys_page_rule(monkeypatch):
+    """The kernel block sizes vLLM may choose follow sp.CUDA_LIMITS.page_multiple (the C++ declaration the CUDA
+    support checks read), not a restated 64: with another multiple the backend offers its multiples."""
+    m = sp.CUDA_LIMITS.page_multiple
+    assert Backend.get_supported_kernel_block_sizes() == [m, 2 * m, 4 * m]
+    monkeypatch.setattr(spv, "CUDA_LIMITS", sp.CUDA_LIMITS._replace(page_multiple=32))
+    assert Backend.get_supported_kernel_block_sizes() == [32, 64, 128]

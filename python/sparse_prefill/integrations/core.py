@@ -402,6 +402,13 @@ def _ops():
     return spt
 
 
+def _padded_head_dim(d: int) -> int:
+    """The head dim a CUDA sparse call of head dim d runs at: d where the sparse kernels take it, else the smallest
+    larger one they take (the adapters zero-pad to it), else d (the library's answer then says why not)."""
+    dims = sp.CUDA_LIMITS.sparse_head_dims
+    return d if d in dims else min((h for h in dims if h > d), default=d)
+
+
 class VarlenDispatch:
     """One attention call of an engine: picks sparse or dense, writes `out` in place, allocates only from torch's
     caching allocator, never synchronises the host (the lengths it needs come as host ints: max_seqlen_q /
@@ -502,12 +509,13 @@ class VarlenDispatch:
         if reason is None:
             sel = c.selection(layer_idx)
             sq, sk, sv, scale = q, k, v, softmax_scale
-            if on_cuda and d < 128 and not paged and q.dtype in (torch.bfloat16, torch.float16):
-                # the adapters' own step for contiguous 16-bit inputs of head dim < 128 (never an engine's paged
-                # cache): zero-padded to the sparse kernels' 128, which adds 0 to every q.k and to the pooled means
-                # (the same selection, exact outputs), at the cost of padded copies of q, k, v; the scale stays the
-                # model's
-                pad = (0, 128 - d)
+            padded = _padded_head_dim(d) if on_cuda and not paged and q.dtype.itemsize == 2 else d
+            if padded != d:
+                # the adapters' own step for contiguous 16-bit inputs of a head dim the sparse kernels are not built
+                # for (never an engine's paged cache): zero-padded to the next one they take (CUDA_LIMITS), which
+                # adds 0 to every q.k and to the pooled means (the same selection, exact outputs), at the cost of
+                # padded copies of q, k, v; the scale stays the model's
+                pad = (0, padded - d)
                 sq, sk, sv = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
                 scale = d ** -0.5 if softmax_scale is None else softmax_scale
             if on_cuda:  # what the device's kernels take: the library's answer, on the arrays the call gets

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import HEAD_DIMS
+from .. import CUDA_LIMITS, HEAD_DIMS
 from .core import SparsePrefillConfig, VarlenDispatch, warn_once
 
 __all__ = ["register", "attention_forward", "make_attention_forward", "varlen_layout"]
@@ -112,8 +112,10 @@ def _unsupported(query, dropout, kwargs) -> Optional[str]:
     d = query.shape[-1]
     if d not in HEAD_DIMS:
         return f"head dim {d} (the kernels take {', '.join(map(str, HEAD_DIMS))})"
-    if query.is_cuda and query.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {query.dtype} on CUDA (bf16/fp16 only)"
+    if query.dtype.itemsize == 1:
+        return f"dtype {query.dtype} (this adapter passes no FP8 descales)"
+    if query.is_cuda and str(query.dtype).removeprefix("torch.") not in CUDA_LIMITS.dtypes:
+        return f"dtype {query.dtype} on CUDA (the CUDA kernels take {', '.join(CUDA_LIMITS.dtypes)})"
     if dropout:
         return f"dropout {dropout}"
     if torch.is_grad_enabled() and query.requires_grad:

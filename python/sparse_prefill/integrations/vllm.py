@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .. import HEAD_DIMS
+from .. import CUDA_LIMITS, HEAD_DIMS
 from .core import (SparsePrefillConfig, VarlenDispatch, check_kv_cache_dtype, fp8_descale,
                    fp8_kernel_reason, layer_index, quantize_query, warn_once)
 from .mean_cache import MeanCacheTracker
@@ -269,7 +269,8 @@ def make_classes(fa_backend, fa_impl, fa_builder, cg_support=None, multiple_of=N
 
         @staticmethod
         def get_supported_kernel_block_sizes():
-            return [multiple_of(64)] if multiple_of is not None else [64, 128, 256]
+            m = CUDA_LIMITS.page_multiple   # the sparse kernels' page rule (sp.CUDA_LIMITS)
+            return [multiple_of(m)] if multiple_of is not None else [m, 2 * m, 4 * m]
 
         @classmethod
         def get_supported_head_sizes(cls):

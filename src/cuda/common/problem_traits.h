@@ -11,7 +11,7 @@
 namespace sparse_prefill::cuda {
 
 // Paged KV whose pages are too small for TMA boxes: only the dense kernel's cp.async gather producer loads it.
-inline bool gathered_pages(const Problem& p) { return p.paged && p.page_size % 64 != 0; }
+inline bool gathered_pages(const Problem& p) { return p.paged && p.page_size % CudaLimits::kPageMultiple != 0; }
 inline bool is_fp8(const Problem& p) { return p.dtype == DType::kFloat8E4M3; }
 // q as the 16-bit scorer's 4-byte cp.async reads it.
 inline bool q_cp_async_aligned(const AttentionInputs& in) {
