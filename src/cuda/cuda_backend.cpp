@@ -23,7 +23,8 @@
 namespace sparse_prefill::cuda {
 namespace {
 
-// The attention kernel's launch arguments: the call's packed inputs (launch_inputs.h) and what only the kernel reads.
+// The attention kernel's launch arguments: the call's packed inputs (launch_inputs.h, held as they are) and what only
+// the kernel reads: the outputs and the shape.
 FwdArgs make_fwd_args(const LaunchInputs& li, const AttentionInputs& in, const AttentionOutputs& outs,
                       const Problem& p) {
   // What the kernels support was checked by the API layer (check_attention_supported, support.cpp).
@@ -31,65 +32,33 @@ FwdArgs make_fwd_args(const LaunchInputs& li, const AttentionInputs& in, const A
                  "a dtype the attention kernels are not built for");
 
   FwdArgs a;
-  a.q = li.q;
-  a.k = li.k;
-  a.v = li.v;
+  a.in = li;
   a.out = outs.out.data;
-  a.lse = outs.lse ? outs.lse->ptr<float>() : nullptr;
-  a.q_row_stride = li.q_stride[0];
-  a.q_head_stride = li.q_stride[1];
   a.o_row_stride = outs.out.stride[0];
   a.o_head_stride = outs.out.stride[1];
   if (outs.lse) {
+    a.lse = outs.lse->ptr<float>();
     a.lse_head_stride = outs.lse->stride[0];
     a.lse_row_stride = outs.lse->stride[1];
   }
-  if (li.paged) {
-    a.k_row_stride = li.k_stride[1];
-    a.k_head_stride = li.k_stride[2];
-    a.v_row_stride = li.v_stride[1];
-    a.v_head_stride = li.v_stride[2];
-    a.block_table = li.block_table;
-    a.block_table_stride = li.block_table_stride[0];
-    a.seqused_k = li.seqused_k;
-    a.page_size = int(li.page_size);
-    a.total_k_rows = int(li.num_pages * li.page_size);
-    a.num_pages = int(li.num_pages);
-  } else {
-    a.k_row_stride = li.k_stride[0];
-    a.k_head_stride = li.k_stride[1];
-    a.v_row_stride = li.v_stride[0];
-    a.v_head_stride = li.v_stride[1];
-    a.cu_seqlens_k = li.cu_seqlens_k;
-    a.total_k_rows = int(p.total_k);
-  }
-  a.cu_seqlens_q = li.cu_seqlens_q;
   a.batch = p.batch;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.head_dim = p.head_dim;
   a.total_q = int(p.total_q);
+  a.total_k_rows = int(li.paged ? li.num_pages * li.page_size : p.total_k);
   a.max_seqlen_q = int(std::min<int64_t>(in.max_seqlen_q, INT32_MAX));
-  a.limits = li.limits;
   a.softmax_scale = p.softmax_scale;
   a.causal = in.causal;
   a.window_left = in.window_left;
   a.window_right = in.window_right;
-  a.stream = li.stream;
-  const auto set_descale = [](const Descale& d, const float*& ptr, int64_t (&stride)[2]) {
-    ptr = d.ptr;
-    stride[0] = d.stride[0];
-    stride[1] = d.stride[1];
-  };
-  set_descale(li.q_descale, a.q_descale, a.q_descale_stride);
-  set_descale(li.k_descale, a.k_descale, a.k_descale_stride);
-  set_descale(li.v_descale, a.v_descale, a.v_descale_stride);
   if (a.total_k_rows == 0) {
     // No key at all: every tile is empty (zeros, lse = -inf) and no K/V load is issued, but the TMA descriptors
-    // still need a valid non-empty domain: describe q's memory instead.
-    a.k = a.v = a.q;
-    a.k_row_stride = a.v_row_stride = a.q_row_stride;
-    a.k_head_stride = a.v_head_stride = a.q_head_stride;
+    // still need a valid non-empty domain: describe q's memory instead (K / V's token and head strides as q's).
+    const int r = li.paged ? 1 : 0;
+    a.in.k = a.in.v = a.in.q;
+    a.in.k_stride[r] = a.in.v_stride[r] = li.q_stride[0];
+    a.in.k_stride[r + 1] = a.in.v_stride[r + 1] = li.q_stride[1];
     a.total_k_rows = 1;
   }
   return a;

@@ -166,13 +166,13 @@ struct Descaled : Inner<Config> {
   static Params to_params(const FwdArgs& a, const SparseFwdArgs* s, MakeTma&& make_tma, const KvParams& kv) {
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_params(a, s, make_tma, kv);
-    p.q = a.q_descale;
-    p.k = a.k_descale;
-    p.v = a.v_descale;
+    p.q = a.in.q_descale.ptr;
+    p.k = a.in.k_descale.ptr;
+    p.v = a.in.v_descale.ptr;
     for (int i = 0; i < 2; ++i) {
-      p.q_stride[i] = a.q_descale_stride[i];
-      p.k_stride[i] = a.k_descale_stride[i];
-      p.v_stride[i] = a.v_descale_stride[i];
+      p.q_stride[i] = a.in.q_descale.stride[i];
+      p.k_stride[i] = a.in.k_descale.stride[i];
+      p.v_stride[i] = a.in.v_descale.stride[i];
     }
     return p;
   }

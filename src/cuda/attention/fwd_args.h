@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cuda/common/device_checks.h"
+#include "cuda/common/launch_inputs.h"
 #include "cuda/split_kv/split_kv.h"
 
 namespace sparse_prefill::cuda {
@@ -17,39 +18,30 @@ struct LaunchGate {
   unsigned long long run_if = 0;
 };
 
+// One attention launch: the call's packed inputs as given (LaunchInputs: q, k, v and their strides, the sequence
+// arrays, the page table, the descales, the limits, the stream; launch_inputs.h, shared with the index stage), the
+// outputs and the shape. The kernels address K / V per token whatever the layout: k_row_stride() and k_head_stride()
+// (contiguous [total_k, Hkv, D]: row, head; paged [num_pages, page_size, Hkv, D]: slot, head, pages being dense along
+// page_size) over total_k_rows token rows.
 struct FwdArgs {
-  // q [total_q, Hq, D]; k, v contiguous [total_k, Hkv, D] or paged [num_pages, page_size, Hkv, D]; out like q.
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  void* out = nullptr;
+  LaunchInputs in;
+  void* out = nullptr;                   // like q: [total_q, Hq, D]
   float* lse = nullptr;                  // [Hq, total_q] or null
-  int64_t q_row_stride = 0, q_head_stride = 0;   // elements
-  int64_t k_row_stride = 0, k_head_stride = 0;   // per KV row (paged: per token inside the page buffer)
-  int64_t v_row_stride = 0, v_head_stride = 0;
   int64_t o_row_stride = 0, o_head_stride = 0;
   int64_t lse_head_stride = 0, lse_row_stride = 0;
-  const int* cu_seqlens_q = nullptr;     // [B+1]
-  const int* cu_seqlens_k = nullptr;     // [B+1] (contiguous KV)
-  const int* block_table = nullptr;      // [B, max_pages] (paged KV)
-  const int* seqused_k = nullptr;        // [B] (paged KV)
-  int64_t block_table_stride = 0;
   int batch = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   int total_q = 0, total_k_rows = 0;     // total_k_rows: rows of the K row space (paged: num_pages * page_size)
   int max_seqlen_q = 0;
-  int page_size = 0;                     // 0 = contiguous KV
-  int num_pages = 0;                     // paged KV: pages of the cache
-  SeqLimits limits;                      // what a sequence's span may be (device_checks.h): kernel, plan, combine
   float softmax_scale = 0.f;
-  // FP8 inputs: float32 descales [B, Hkv] (null = 1) and their (batch, KV head) strides in elements (0 broadcasts).
-  const float* q_descale = nullptr;
-  const float* k_descale = nullptr;
-  const float* v_descale = nullptr;
-  int64_t q_descale_stride[2] = {0, 0}, k_descale_stride[2] = {0, 0}, v_descale_stride[2] = {0, 0};
   bool causal = true;
   int window_left = -1, window_right = -1;
-  void* stream = nullptr;                // cudaStream_t
   LaunchGate gate;
+
+  int64_t k_row_stride() const { return in.k_stride[in.paged ? 1 : 0]; }
+  int64_t k_head_stride() const { return in.k_stride[in.paged ? 2 : 1]; }
+  int64_t v_row_stride() const { return in.v_stride[in.paged ? 1 : 0]; }
+  int64_t v_head_stride() const { return in.v_stride[in.paged ? 2 : 1]; }
+  int page_size() const { return int(in.page_size); }  // 0 = contiguous KV
 };
 
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):

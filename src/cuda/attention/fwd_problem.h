@@ -32,9 +32,9 @@ struct FwdProblem {
   // query head.
   static FwdProblem make(const FwdArgs& a, bool pack_gqa, int head_subgroups, int block_m) {
     FwdProblem p;
-    p.cu_seqlens_q = a.cu_seqlens_q;
-    p.cu_seqlens_k = a.cu_seqlens_k;
-    p.seqused_k = a.page_size > 0 ? a.seqused_k : nullptr;
+    p.cu_seqlens_q = a.in.cu_seqlens_q;
+    p.cu_seqlens_k = a.in.cu_seqlens_k;
+    p.seqused_k = a.page_size() > 0 ? a.in.seqused_k : nullptr;
     p.total_q = a.total_q;
     p.total_k_rows = a.total_k_rows;
     p.batch = a.batch;
@@ -51,7 +51,7 @@ struct FwdProblem {
     p.window_left = a.window_left;
     p.window_right = a.causal ? 0 : a.window_right;
     p.err = device_error_word();
-    p.limits = a.limits;
+    p.limits = a.in.limits;
     return p;
   }
 };

@@ -40,8 +40,8 @@ struct KvCpAsyncGather {
   };
   template <class MakeGmem>
   static Params to_params(const FwdArgs& a, MakeGmem&&) {
-    return {a.k, a.v, a.k_row_stride, a.k_head_stride, a.v_row_stride, a.v_head_stride,
-            a.block_table, a.block_table_stride, a.page_size, a.num_pages};
+    return {a.in.k, a.in.v, a.k_row_stride(), a.k_head_stride(), a.v_row_stride(), a.v_head_stride(),
+            a.in.block_table, a.in.block_table_stride[0], a.page_size(), int(a.in.num_pages)};
   }
   __device__ __forceinline__ static void prefetch(const Params&) {}
   template <class PipeParams>

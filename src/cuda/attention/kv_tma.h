@@ -37,24 +37,24 @@ struct KvTma {
     using namespace cute;
     Params p;
     const auto kv_tile = select<1, 2>(typename Config::TileShapeQK{});
-    p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride, a.k_head_stride),
+    p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.in.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride(), a.k_head_stride()),
                             take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
-    p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
+    p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.in.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride(), a.v_head_stride()),
                             take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
-    p.half_boxes = (a.page_size > 0 && a.page_size % kBlockN == kHalfN) ? 1 : 0;
+    p.half_boxes = (a.page_size() > 0 && a.page_size() % kBlockN == kHalfN) ? 1 : 0;
     if (p.half_boxes) {
       const auto half_tile = Shape<Int<kHalfN>, Int<kHeadDim>>{};
       p.tma_k_half = make_tma_copy(SM90_TMA_LOAD{},
-                                   gmem(a.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride, a.k_head_stride),
+                                   gmem(a.in.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride(), a.k_head_stride()),
                                    typename Config::SmemLayoutKHalf{}, half_tile, _1{});
       p.tma_v_half = make_tma_copy(SM90_TMA_LOAD{},
-                                   gmem(a.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride, a.v_head_stride),
+                                   gmem(a.in.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride(), a.v_head_stride()),
                                    typename Config::SmemLayoutKHalf{}, half_tile, _1{});
     }
-    p.block_table = a.block_table;
-    p.block_table_stride = a.block_table_stride;
-    p.page_size = a.page_size;
-    p.num_pages = a.num_pages;
+    p.block_table = a.in.block_table;
+    p.block_table_stride = a.in.block_table_stride[0];
+    p.page_size = a.page_size();
+    p.num_pages = int(a.in.num_pages);
     return p;
   }
   __device__ __forceinline__ static void prefetch(const Params& p) {

@@ -24,7 +24,7 @@ void launch_fwd(const FwdArgs& a, const SparseFwdArgs* sparse) {
     throw std::runtime_error(std::string("sparse_prefill cuda: cudaFuncSetAttribute: ") + cudaGetErrorString(attr_err));
   // Sparse: the counters (tile counter, plan) were zeroed and the plan built on the stream by run_split_plan.
   fwd_device_kernel<Kernel><<<Kernel::grid(params), Config::kNumThreads, Config::kSmemBytes,
-                              static_cast<cudaStream_t>(a.stream)>>>(params);
+                              static_cast<cudaStream_t>(a.in.stream)>>>(params);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("sparse_prefill cuda: forward launch failed: ") + cudaGetErrorString(err));
@@ -39,7 +39,7 @@ void run_fwd(const FwdArgs& a, const SparseFwdArgs* sparse = nullptr) {
     throw std::runtime_error("sparse_prefill cuda: no block-sparse kernel for head dim " + std::to_string(kHeadDim));
   if (a.total_q == 0 || a.batch == 0) return;
   // Paged KV: page_size % 64 == 0 the TMA KV source (whole or half boxes), other page sizes the cp.async gather.
-  const bool gather = a.page_size > 0 && a.page_size % Config::kHalfN != 0;
+  const bool gather = a.page_size() > 0 && a.page_size() % Config::kHalfN != 0;
   if (gather && sparse != nullptr)
     throw std::logic_error("sparse_prefill internal error: page_size: not a multiple of 64 reached the block-sparse "
                            "kernel (check_sparse_supported refuses it)");
@@ -64,7 +64,7 @@ template <int kHeadDim>
 void run_fwd_fp8(const FwdArgs& a, const SparseFwdArgs* sparse) {
   using Config = FwdConfigFp8<kHeadDim>;
   if (a.total_q == 0 || a.batch == 0) return;
-  if (a.page_size > 0 && a.page_size % Config::kHalfN != 0)
+  if (a.page_size() > 0 && a.page_size() % Config::kHalfN != 0)
     throw std::logic_error("sparse_prefill internal error: page_size: not a multiple of 64 reached the FP8 kernel "
                            "(check_attention_supported refuses it)");
   if (sparse != nullptr) {

@@ -21,7 +21,7 @@ struct QTma {
   template <class MakeGmem>
   static Params to_params(const FwdArgs& a, MakeGmem&& gmem) {
     using namespace cute;
-    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.total_q, a.num_q_heads, a.q_row_stride, a.q_head_stride),
+    return {make_tma_copy(SM90_TMA_LOAD{}, gmem(a.in.q, a.total_q, a.num_q_heads, a.in.q_stride[0], a.in.q_stride[1]),
                           typename Config::SmemLayoutQ{}, select<0, 2>(typename Config::TileShapeQK{}), _1{})};
   }
   __device__ __forceinline__ static void prefetch(const Params& p) {
@@ -70,7 +70,7 @@ struct QPackGqaGather {
     int64_t q_row_stride, q_head_stride;  // elements
   };
   template <class MakeGmem>
-  static Params to_params(const FwdArgs& a, MakeGmem&&) { return {a.q, a.q_row_stride, a.q_head_stride}; }
+  static Params to_params(const FwdArgs& a, MakeGmem&&) { return {a.in.q, a.in.q_stride[0], a.in.q_stride[1]}; }
   __device__ __forceinline__ static void prefetch(const Params&) {}
 
   struct Producer {

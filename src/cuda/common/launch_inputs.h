@@ -1,7 +1,8 @@
 // One call's inputs as the launches read them: pointers, strides, page table, descales and sequence arrays, packed
-// once per call (launch_inputs) from the validated AttentionInputs and Problem. The attention kernel's FwdArgs
-// (cuda_backend.cpp, make_fwd_args) and the index stage's SeqArgs / KVArgs / QArgs (index/device_args.cuh) are
-// derived from it, so the two stages cannot read different strides, pages or descales. Plain C++ (no CUDA headers).
+// once per call (launch_inputs) from the validated AttentionInputs and Problem. The attention kernel's FwdArgs holds
+// it (FwdArgs::in, attention/fwd_args.h; make_fwd_args adds the outputs and the shape) and the index stage's SeqArgs /
+// KVArgs / QArgs (index/device_args.cuh) are derived from it, so the two stages cannot read different strides, pages
+// or descales. Plain C++ (no CUDA headers).
 #pragma once
 
 #include <cstdint>

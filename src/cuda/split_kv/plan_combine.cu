@@ -298,13 +298,13 @@ SparseLaunchWorkspace carve_sparse_launch_workspace(void* base, int num_sms, int
 void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   const SparseLaunchWorkspace& w = s.launch;
   if (w.counters == nullptr) return;
-  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  cudaStream_t stream = static_cast<cudaStream_t>(a.in.stream);
   check_cuda(cudaMemsetAsync(w.counters, 0, LW::kCounters * sizeof(int), stream), "cudaMemsetAsync (sparse counters)");
   if (!w.plan || a.total_q == 0 || a.batch == 0) return;
   PlanArgs p;
-  p.cu_q = a.cu_seqlens_q;
-  p.cu_k = a.cu_seqlens_k;
-  p.seqused_k = a.page_size > 0 ? a.seqused_k : nullptr;
+  p.cu_q = a.in.cu_seqlens_q;
+  p.cu_k = a.in.cu_seqlens_k;
+  p.seqused_k = a.page_size() > 0 ? a.in.seqused_k : nullptr;
   p.cu_tiles = s.cu_tiles;
   p.seg_start = s.segment_start;
   p.seg_end = s.segment_end;
@@ -314,7 +314,7 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   p.full_list = s.full_list ? 1 : 0;
   p.overflow_marks = s.overflow_marks ? 1 : 0;
   p.causal = a.causal ? 1 : 0;
-  p.limits = a.limits;
+  p.limits = a.in.limits;
   p.num_segments = s.num_segments;
   p.num_block_ids = s.num_block_ids;
   p.mean_rows = int(std::max<int64_t>(s.mean_rows, 1));
@@ -342,7 +342,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   if (a.head_dim != 128) throw std::runtime_error("sparse_prefill cuda: split combine is built for head dim 128");
   CombineArgs c;
   c.order = TileOrder::of(a, s);
-  c.cu_q = a.cu_seqlens_q;
+  c.cu_q = a.in.cu_seqlens_q;
   c.counters = w.counters;
   c.split_tiles = w.split_tiles;
   c.o_partial = w.o_partial;
@@ -353,7 +353,7 @@ void run_split_combine(const FwdArgs& a, const SparseFwdArgs& s, bool bf16) {
   c.o_hs = a.o_head_stride;
   c.l_hs = a.lse_head_stride;
   c.l_rs = a.lse_row_stride;
-  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  cudaStream_t stream = static_cast<cudaStream_t>(a.in.stream);
   const int grid = w.max_split_units;  // 2 CTAs of 8 warps per SM
   if (bf16)
     split_combine_kernel<__nv_bfloat16, 128><<<grid, kCombineWarps * 32, 0, stream>>>(c);
