@@ -289,6 +289,9 @@ def test_check_mode_reproduces_through_the_transformers_adapter(model_dir, tmp_p
                                                                                      "sparse_prefill.json")
     file_row, adapter_row = doc["results"]
     assert file_row["kind"] == "file" and adapter_row["kind"] == "adapter"
+    # its cost counts the file's index stages, as the calibration's does (the dense layer has none)
+    assert file_row["index_share"] > 0 and file_row["cost"] == pytest.approx(
+        file_row["lengths"][1024]["density"] + file_row["index_share"])
     ld = file_row["lengths"][1024]["layer_density"]
     assert ld[1] == 1.0 and ld[0] < 1.0 and ld[2] < 1.0
     prompts = sum(c["prompts"] for c in doc["prompts"]["1024"].values())
