@@ -2,7 +2,8 @@
 package (the index is built into a caller workspace and the kernel warmed up first; the launch to profile is the
 last one). With C and B: the last C-query chunk of B L-token prompts over a paged cache (chunked prefill). With
 --density: a random block mask of that density (bench_sparse.py's sweep, --mask its granularity) instead of the topic
-index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time).
+index; with --dense: the dense kernel on the same inputs (the sweep's ideal is density x its time); --fp8: q, k, v in
+float8_e4m3fn (the FP8 kernels).
 Usage: ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fwd_kernel \\
          python3 bench/lab/profile_sparse.py 131072 [corr|nocorr] [C B]        (default nocorr; seconds without ncu)"""
 import argparse
@@ -29,6 +30,9 @@ def parse_args(argv=None):
     ap.add_argument("--mask", choices=("query_block", "tile"), default="query_block",
                     help="the random mask's granularity (bench_sparse.py's sweep; default query_block)")
     ap.add_argument("--dense", action="store_true", help="profile the dense kernel on the same inputs instead")
+    ap.add_argument("--fp8", action="store_true",
+                    help="q, k, v quantised to float8_e4m3fn (sp.quantize_fp8, per KV head), bfloat16 out: the FP8 "
+                         "kernels on the same inputs")
     a = ap.parse_args(argv)
     if a.L <= 0 or a.L % 128:
         ap.error(f"L: must be a positive multiple of 128, got {a.L}")
@@ -57,14 +61,23 @@ def main(argv=None):
         kw = {}
         args = (q, k, v, cu, cu, a.L, a.L)
     out = torch.empty_like(q)
+    if a.fp8:  # the FP8 kernels: e4m3 q, k, v with their [B, Hkv] descales, bfloat16 out
+        q8, qd = sp.quantize_fp8(args[0], batch=len(args[3]) - 1, num_kv_heads=args[1].shape[-2])
+        k8, kd = sp.quantize_fp8(args[1], batch=len(args[3]) - 1)
+        v8, vd = sp.quantize_fp8(args[2], batch=len(args[3]) - 1)
+        args = (q8, k8, v8) + tuple(args[3:])
+        scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    else:
+        scales = {}
     if a.dense:
         for _ in range(a.repeats):
-            sp.attention(*args, out=out, **kw)
+            sp.attention(*args, out=out, **kw, **scales)
         torch.cuda.synchronize()
         print("dense")
         return
     ws = index_workspace(*args, **kw, **sel)
-    idx = sp.build_index(*args, **kw, **sel, workspace=ws)
+    idx = sp.build_index(*args, **kw, **scales, **sel, workspace=ws)
     density = idx.density
     if a.density is not None:  # the sweep's random mask over the same tiles (a host index)
         from bench_sparse import random_index
@@ -72,7 +85,7 @@ def main(argv=None):
                                     per_query_block=a.mask == "query_block")
     opts = sp.LaunchOptions()
     for _ in range(a.repeats):
-        sp.sparse_attention(args[0], args[1], args[2], idx, *args[3:], out=out, options=opts, **kw)
+        sp.sparse_attention(args[0], args[1], args[2], idx, *args[3:], out=out, options=opts, **kw, **scales)
     torch.cuda.synchronize()
     print("density", density)
 
