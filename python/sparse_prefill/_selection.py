@@ -81,6 +81,7 @@ _SPECIAL = {"rule": (_as_rule, _rule_name),
             "head_subgroups": (_as_head_subgroups, lambda c: c),
             "max_kept_blocks": (_as_max_kept_blocks, lambda c: None if c == -1 else c)}
 _TABLE = tuple(_Field(c) for c in _C.SELECTION_FIELDS)
+del _PARAMS  # read once; an extension object kept in a module global outlives the extension at exit under pytest
 _FIELD_OF = {f.name: f for f in _TABLE}
 _FIELDS = tuple(f.name for f in _TABLE)
 _FIELD_SET = frozenset(_FIELDS)
