@@ -6,7 +6,9 @@ row maximum (what a warpgroup of 64 rows scores), and kept.
 A block is a candidate for row r iff pooled_rJ + |Q'_r| radius_J >= m_r + log2(alpha), radius_J = max_j |K'_j|.
 A tighter bound, for comparison (--split c): the first c coordinates of Q' against each block's per-coordinate key
 range (a box), the rest against the radius of the keys' other coordinates.
-Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r]
+--bound-chunks k,..: candidates against b_r taken over chunk 0 and the tile's last k chunks of 32 blocks only (pass 1
+shortened: a lower bound, so a superset of the candidates).
+Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -27,6 +29,11 @@ def main():
     if "--split" in argv:
         i = argv.index("--split")
         split = int(argv[i + 1])
+        del argv[i:i + 2]
+    bound_chunks = []
+    if "--bound-chunks" in argv:  # pass 1 over chunk 0 and the tile's last k chunks only (a lower bound b_r)
+        i = argv.index("--bound-chunks")
+        bound_chunks = [int(x) for x in argv[i + 1].split(",")]
         del argv[i:i + 2]
     if "--rank" in argv:
         i = argv.index("--rank")
@@ -62,6 +69,13 @@ def main():
             res[:, J] = torch.where(torch.arange(J * B, J * B + B)[None, :] <= pos[:, None], s, inf).amax(1)
         m0 = torch.where(whole, pooled, inf).amax(1)
         static = vis & (bound >= (m0 + la)[:, None])
+        partial = {}
+        tile_last = last[torch.clamp((pos // 128 + 1) * 128 - 1, max=L - 1)] // 32   # the tile's last chunk
+        chunk = torch.arange(nb) // 32
+        for kc in bound_chunks:  # b_r over chunk 0 and the tile's last kc chunks: a lower bound, a superset
+            use = whole & ((chunk[None, :] == 0) | (chunk[None, :] > (tile_last - kc)[:, None]))
+            mk = torch.where(use, pooled, inf).amax(1)
+            partial[kc] = vis & (bound >= (mk + la)[:, None])
         single = torch.zeros(L, nb, dtype=torch.bool)
         run = torch.full((L,), -float("inf"))
         for c in range((nb + 31) // 32 - 1, -1, -1):
@@ -82,7 +96,8 @@ def main():
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
         print(f"L {L} alpha {alpha} split {split} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
-              f"kept (CTA) {frac(kept, 128):.3f}")
+              f"kept (CTA) {frac(kept, 128):.3f}" + "".join(
+                  f", b_r from chunk 0 + the last {kc} {frac(c, 128):.3f}" for kc, c in partial.items()))
 
 
 if __name__ == "__main__":
