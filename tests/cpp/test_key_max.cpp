@@ -35,9 +35,9 @@ TEST(KeyMax, HashUnitFixedValues) {
   EXPECT_EQ(kKeyBasisIters, 10);
   EXPECT_EQ(kKeyBasisSampleBlocks, 64);
   EXPECT_EQ(key_basis_stride(0), 1);
-  EXPECT_EQ(key_basis_stride(64), 1);
-  EXPECT_EQ(key_basis_stride(65), 2);
-  EXPECT_EQ(key_basis_stride(130), 3);
+  EXPECT_EQ(key_basis_stride(kKeyBasisSampleBlocks), 1);
+  EXPECT_EQ(key_basis_stride(kKeyBasisSampleBlocks + 1), 2);
+  EXPECT_EQ(key_basis_stride(2 * kKeyBasisSampleBlocks + 2), 3);
 }
 
 // Keys of one (sequence, head): per-block offsets plus three planted residual directions of large variance plus
@@ -121,17 +121,20 @@ TEST(KeyMax, BasisIsOrthonormalAndHoldsThePlantedDirections) {
 TEST(KeyMax, BasisReadsOnlyTheSampledBlocks) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
-  const int D = 64, bs = 64;
-  Keys K = planted_keys(130 * bs - 20, D, bs, rng);
+  const int D = 64, bs = 64, nb = 113;
+  const int s = int(key_basis_stride(nb));  // sampled: blocks 0, s, 2s, ...
+  ASSERT_GT(s, 1);
+  ASSERT_EQ((nb - 1) % s, 0);  // the partial tail block is sampled
+  Keys K = planted_keys(nb * bs - 20, D, bs, rng);
   const std::vector<double> P = reference::key_basis(K.kv, K.mean.data(), D, D, 16, bs);
   Keys other = K;
-  for (int d = 0; d < D; ++d) other.kv.k[size_t(4 * bs + 5) * D + d] += 50.f * float(d % 3);
+  for (int d = 0; d < D; ++d) other.kv.k[size_t(1 * bs + 5) * D + d] += 50.f * float(d % 3);
   EXPECT_EQ(reference::key_basis(other.kv, other.mean.data(), D, D, 16, bs), P);
   other = K;
-  for (int d = 0; d < D; ++d) other.kv.k[size_t(3 * bs + 5) * D + d] += 50.f * float(d % 3);
+  for (int d = 0; d < D; ++d) other.kv.k[size_t(s * bs + 5) * D + d] += 50.f * float(d % 3);
   EXPECT_NE(reference::key_basis(other.kv, other.mean.data(), D, D, 16, bs), P);
-  other = K;  // the partial tail block 129 is sampled too
-  for (int d = 0; d < D; ++d) other.kv.k[size_t(129 * bs + 1) * D + d] += 50.f * float(d % 3);
+  other = K;  // the partial tail block
+  for (int d = 0; d < D; ++d) other.kv.k[size_t((nb - 1) * bs + 1) * D + d] += 50.f * float(d % 3);
   EXPECT_NE(reference::key_basis(other.kv, other.mean.data(), D, D, 16, bs), P);
 }
 

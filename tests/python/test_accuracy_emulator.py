@@ -216,14 +216,16 @@ def test_hash_unit_matches_the_library_header():
 
 
 def test_key_basis_is_orthonormal_and_reads_the_sampled_blocks():
-    _, k, _ = spiky_qkv(4500, 24)  # 71 blocks of 64: every 2nd block sampled
+    _, k, _ = spiky_qkv(4500, 24)  # 71 blocks of 64: every s-th block sampled
+    s = -(-71 // emulate.KEY_BASIS_SAMPLE_BLOCKS)
+    assert s > 1
     P = emulate.key_basis(k, 16, 64)
     assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
     assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
     k2 = k.clone()
     k2[64 + 5] += 40.0  # block 1: not sampled
     assert torch.equal(emulate.key_basis(k2, 16, 64), P)
-    k2[128 + 5] += 40.0  # block 2: sampled
+    k2[s * 64 + 5] += 40.0  # block s: sampled
     assert not torch.equal(emulate.key_basis(k2, 16, 64), P)
 
 def _brute_block_max(q, kt, scale, block):
