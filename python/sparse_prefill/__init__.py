@@ -70,7 +70,6 @@ HEAD_DIMS: tuple = tuple(_C.HEAD_DIMS)
 (include/sparse_prefill/attention.h kHeadDims). The engine adapters route other head dims to their own attention."""
 
 
-
 class CudaLimits(NamedTuple):
     """What the CUDA kernels are built for beyond HEAD_DIMS (include/sparse_prefill/attention.h CudaLimits, the
     values src/cuda/support.cpp's checks read), for callers that choose a layout before they call: an engine's page

@@ -1,6 +1,7 @@
 // What the CUDA backend is built for, declared once (cuda_backend.h): the API layer asks before it dispatches a CUDA
 // call; the entry points (cuda_backend.cpp, index/build.cu) assume it. Each check throws NotImplementedError naming
 // what is not built.
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <string>
@@ -30,10 +31,9 @@ void check_fp8_supported(const Problem& p) {
 }
 
 // CudaLimits (include/sparse_prefill/attention.h), read by the checks below and by their messages.
-bool cuda_dtype(DType dtype) {
-  for (const DType d : CudaLimits::kDTypes)
-    if (dtype == d) return true;
-  return false;
+template <class T, size_t N>
+bool listed(const T (&list)[N], T value) {
+  return std::find(std::begin(list), std::end(list), value) != std::end(list);
 }
 
 std::string cuda_dtypes() {  // "bfloat16, float16 and float8_e4m3fn"
@@ -42,12 +42,6 @@ std::string cuda_dtypes() {  // "bfloat16, float16 and float8_e4m3fn"
   for (size_t i = 0; i < n; ++i)
     names += std::string(i == 0 ? "" : i + 1 == n ? " and " : ", ") + dtype_name(CudaLimits::kDTypes[i]);
   return names;
-}
-
-bool sparse_head_dim(int head_dim) {
-  for (const int d : CudaLimits::kSparseHeadDims)
-    if (head_dim == d) return true;
-  return false;
 }
 
 std::string sparse_head_dims() {
@@ -68,7 +62,7 @@ void require_contiguous(const TensorView& t, const char* name) {
 // What the FP8 kernels (DenseFp8Fwd, SparseFp8Fwd: attention/variants.h) are built for: CudaLimits' sparse head dims,
 // contiguous KV or paged KV with page_size a multiple of CudaLimits::kPageMultiple (TMA loads).
 std::string fp8_attention_support(int head_dim, int64_t page_size) {
-  if (!sparse_head_dim(head_dim))
+  if (!listed(CudaLimits::kSparseHeadDims, head_dim))
     return "CUDA FP8 attention is built for head dim " + sparse_head_dims() + " only, got head dim " +
            std::to_string(head_dim) + " (FP8 runs on the CPU reference for any head dim)";
   if (page_size > 0 && page_size % CudaLimits::kPageMultiple != 0)  // gathered_pages
@@ -78,7 +72,7 @@ std::string fp8_attention_support(int head_dim, int64_t page_size) {
 }
 
 void check_attention_supported(const AttentionInputs& in, const AttentionOutputs& outs, const Problem& p) {
-  if (!cuda_dtype(p.dtype))
+  if (!listed(CudaLimits::kDTypes, p.dtype))
     throw NotImplementedError("q: CUDA attention supports " + cuda_dtypes() + " inputs only, got " +
                               dtype_name(p.dtype));
   if (is_fp8(p)) check_fp8_supported(p);
@@ -106,7 +100,7 @@ void check_attention_supported(const AttentionInputs& in, const AttentionOutputs
 }
 
 void check_sparse_supported(const AttentionInputs& in, const Problem& p, int block_size) {
-  if (!sparse_head_dim(p.head_dim))
+  if (!listed(CudaLimits::kSparseHeadDims, p.head_dim))
     throw NotImplementedError("CUDA sparse attention is built for head dim " + sparse_head_dims() + " only, got " +
                               std::to_string(p.head_dim));
   if (gathered_pages(p))
@@ -134,10 +128,11 @@ void check_index_supported(const AttentionInputs& in, const Problem& p) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
   }
   const bool fp8 = is_fp8(p);
-  if (!cuda_dtype(p.dtype)) {
+  if (!listed(CudaLimits::kDTypes, p.dtype)) {
     throw NotImplementedError("build_index on CUDA supports " + cuda_dtypes() + " inputs, got " + dtype_name(p.dtype));
   }
-  if (fp8 && !sparse_head_dim(p.head_dim)) {  // what the sparse FP8 kernel is built for; one scorer instantiation
+  // what the sparse FP8 kernel is built for; one scorer instantiation
+  if (fp8 && !listed(CudaLimits::kSparseHeadDims, p.head_dim)) {
     throw NotImplementedError("build_index on CUDA: float8_e4m3fn inputs need head dim " + sparse_head_dims() +
                               ", got head dim " + std::to_string(p.head_dim));
   }

@@ -96,9 +96,9 @@ class SparsePrefillConfig:
     layers: per-layer settings, {layer index: {selection field: value, ...}} (JSON: {"3": {"alpha": 0.01}}), or
         {layer index: {"dense": true}} for a layer that always runs dense attention. An entry overrides the top-level
         selection for that layer (LAYER_FIELDS: the selection fields but block_size, one value for the whole model);
-        layers without an entry use the top level. Layers below dense_layers run dense whatever their entry says. A call whose layer index the engine
-        does not give runs dense when `layers` is set. Written by `python -m sparse_prefill.calibrate`; not read from
-        SPARSE_PREFILL_* variables.
+        layers without an entry use the top level. Layers below dense_layers run dense whatever their entry says. A call
+        whose layer index the engine does not give runs dense when `layers` is set. Written by `python -m
+        sparse_prefill.calibrate`; not read from SPARSE_PREFILL_* variables.
     validated_lengths: the prompt lengths the settings were measured at (JSON [8192, 32768]; written by
         `python -m sparse_prefill.calibrate`, file or keyword only). A sparse call whose keys exceed
         LONG_PROMPT_FACTOR (2) times the longest of them warns once (RuntimeWarning): the settings were not validated
@@ -417,13 +417,12 @@ class VarlenDispatch:
     Sparse runs when: the layer is not dense (layer_idx >= dense_layers and no `"dense": true` in `layers`),
     max_seqlen_q >= min_sparse_q_len, max_seqlen_k >= min_sparse_kv_len, causal, no sliding window and no softcap
     (`sparse_reason`), and (CUDA) the library's kernels take the call: `sp.sparse_support` on the arrays it would get
-    (today head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens; contiguous
-    16-bit inputs of head dim < 128 are zero-padded to 128 first: the transformers adapter's calls). The reason, either
-    kind, is `last_reason`. Everything else runs dense attention (any page size, windows, decode rows). A sparse
-    call's selection is
-    `config.selection(layer_idx)`: the top level with the layer's entry of `layers` applied. A sparse call whose
-    max_seqlen_k exceeds LONG_PROMPT_FACTOR times the longest of `config.validated_lengths` warns once per process
-    (dense calls run no calibrated setting, so they never warn).
+    (today head dim 128, bf16/fp16/float8_e4m3fn, block_size % 128 == 0, pages of a multiple of 64 tokens:
+    sp.CUDA_LIMITS; contiguous 16-bit inputs of another head dim are zero-padded to the next sparse head dim first: the
+    transformers adapter's calls). The reason, either kind, is `last_reason`. Everything else runs dense attention (any
+    page size, windows, decode rows). A sparse call's selection is `config.selection(layer_idx)`: the top level with the
+    layer's entry of `layers` applied. A sparse call whose max_seqlen_k exceeds LONG_PROMPT_FACTOR times the longest of
+    `config.validated_lengths` warns once per process (dense calls run no calibrated setting, so they never warn).
 
     FP8 (an e4m3 KV cache): q, k, v float8_e4m3fn with the [B, Hkv] descales (`fp8_descale`, `quantize_query`),
     passed to whichever function runs; the output is bfloat16 (into `out` directly when it is bfloat16, else through

@@ -34,7 +34,7 @@ struct FwdProblem {
     FwdProblem p;
     p.cu_seqlens_q = a.in.cu_seqlens_q;
     p.cu_seqlens_k = a.in.cu_seqlens_k;
-    p.seqused_k = a.page_size() > 0 ? a.in.seqused_k : nullptr;
+    p.seqused_k = a.in.seqused_k;  // null for contiguous KV (launch_inputs)
     p.total_q = a.total_q;
     p.total_k_rows = a.total_k_rows;
     p.batch = a.batch;

@@ -37,9 +37,11 @@ struct KvTma {
     using namespace cute;
     Params p;
     const auto kv_tile = select<1, 2>(typename Config::TileShapeQK{});
-    p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.in.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride(), a.k_head_stride()),
+    p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                            gmem(a.in.k, a.total_k_rows, a.num_kv_heads, a.k_row_stride(), a.k_head_stride()),
                             take<0, 2>(typename Config::SmemLayoutK{}), kv_tile, _1{});
-    p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem(a.in.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride(), a.v_head_stride()),
+    p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                            gmem(a.in.v, a.total_k_rows, a.num_kv_heads, a.v_row_stride(), a.v_head_stride()),
                             take<0, 2>(typename Config::SmemLayoutV{}), kv_tile, _1{});
     p.half_boxes = (a.page_size() > 0 && a.page_size() % kBlockN == kHalfN) ? 1 : 0;
     if (p.half_boxes) {

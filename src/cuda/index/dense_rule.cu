@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(kDenseRuleThreads) dense_rule_kernel(SeqArgs s
     const int64_t tiles = cu_tiles[b + 1] - cu_tiles[b];
     const int64_t t = (s - heads * cu_tiles[b]) % tiles;
     segment_start[s] = kOverflowStart;
-    segment_end[s] = SparseBlockIterator<geometry::kKeyStep>::full_list_blocks(int(t * kTileRows), group_size, int(seq.q_len(b)),
-                                                                int(seq.k_len(b)), /*causal=*/true, block_size);
+    segment_end[s] = SparseBlockIterator<geometry::kKeyStep>::full_list_blocks(
+        int(t * kTileRows), group_size, int(seq.q_len(b)), int(seq.k_len(b)), /*causal=*/true, block_size);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     counters[kDense] = 1;

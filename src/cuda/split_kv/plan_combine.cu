@@ -304,7 +304,7 @@ void run_split_plan(const FwdArgs& a, const SparseFwdArgs& s) {
   PlanArgs p;
   p.cu_q = a.in.cu_seqlens_q;
   p.cu_k = a.in.cu_seqlens_k;
-  p.seqused_k = a.page_size() > 0 ? a.in.seqused_k : nullptr;
+  p.seqused_k = a.in.seqused_k;  // null for contiguous KV (launch_inputs)
   p.cu_tiles = s.cu_tiles;
   p.seg_start = s.segment_start;
   p.seg_end = s.segment_end;
