@@ -5,9 +5,10 @@
 #      pyproject.toml's hf extra, below) so that the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*,
 #      the transformers / vLLM / SGLang adapters' contract tests, the integration layer, the FP8 paths that take torch
 #      tensors. PyPI's torch for Linux x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to
-#      fetch and unpack here (measured in README.md, "Tests"). The environment is made once and kept while its Python
-#      and pins stay the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch (those
-#      tests then skip);
+#      fetch and unpack here (measured in README.md, "Tests"). With under 8 GB free on the disk, torch comes without
+#      those wheels (1.8 GB, on the machine's CUDA toolkit: below); under 3 GB, or where that torch does not import,
+#      without torch (those tests skip, said). The environment is made once and kept while its Python and pins stay
+#      the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch;
 #   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
 #      build-dir) and configured with the C++ tests and the demo, so that one compile serves both the wheel and ctest:
 #      the library with every CUDA source when nvcc is found (CUDA ON, so a missing CUTLASS fails instead of quietly
@@ -17,7 +18,7 @@
 #      tests/cmake_consumer (find_package(SparsePrefill)) is configured against it, built and run;
 #   6. pytest tests/python and tests/fuzz with the venv's python against the INSTALLED package (SP_TEST_INSTALLED=1
 #      makes the conftest assert that sparse_prefill does not resolve to python/ of this tree); the run fails if a
-#      test skipped because torch or transformers could not be imported (unless SP_TEST_TORCH=0).
+#      test skipped because torch or transformers could not be imported (unless the environment has no torch: above).
 # GPU tests skip themselves where there is no GPU. Parallel jobs: $SP_JOBS (default: the number of cores).
 # SPARSE_PREFILL_CUDA=OFF bash scripts/test.sh: a quick CPU-only run for development (CI compiles CUDA where nvcc is).
 set -euo pipefail
@@ -46,31 +47,62 @@ bash scripts/install_deps.sh | sed -u 's/^/[test]   /'
 
 # -- 2. the virtual environment and the test tools --------------------------------------------------------------------
 mkdir -p build
-reqs=(pytest)
-[ "$WITH_TORCH" = 1 ] && reqs+=("${TORCH_REQS[@]}")
-stamp="$("$PY" -c 'import sys; print(sys.version.split()[0])') ${reqs[*]}"
+stamp="$("$PY" -c 'import sys; print(sys.version.split()[0])') pytest ${TORCH_REQS[*]} torch=$WITH_TORCH"
 VPY=$ROOT/$VENV/bin/python
-if [ -x "$VPY" ] && [ "$(cat "$VENV/.sp-test-reqs" 2>/dev/null)" = "$stamp" ]; then
-  step "reusing $VENV (Python and test requirements unchanged: ${reqs[*]})"
+# the stamp's first line: what was asked; its second: the torch the environment got (1, light or 0: below)
+if [ -x "$VPY" ] && [ "$(head -1 "$VENV/.sp-test-reqs" 2>/dev/null)" = "$stamp" ]; then
+  WITH_TORCH=$(sed -n 2p "$VENV/.sp-test-reqs")
+  step "reusing $VENV (Python and test requirements unchanged; torch: $WITH_TORCH)"
   "$VPY" -m pip uninstall -q -y sparse-prefill 2>/dev/null || true   # the package is installed anew below
 else
   step "fresh virtual environment $VENV"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  if [ "$WITH_TORCH" = 1 ]; then
-    free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
-    if [ "$free_gb" -lt 8 ]; then
-      say "torch and transformers need ~5 GB in $VENV, and $free_gb GB are free on its disk (8 needed with the build)."
-      say "SP_TEST_TORCH=0 bash scripts/test.sh runs without them (the torch-dependent tests then skip)."
-      exit 1
-    fi
-    step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5 GB, ~2 min; the tests use its CPU side)"
-  else
-    step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0: no torch, the torch-dependent tests skip)"
+  free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$WITH_TORCH" = 1 ] && [ "$free_gb" -lt 8 ]; then
+    # CI machines have had 4 GB free. PyPI's torch brings 3.2 GB of CUDA libraries (nvidia-*, triton) that the CPU
+    # tests never load: install torch without them and let its loader take the machine's CUDA toolkit (nvcc's, in
+    # ldconfig: cudart, cuBLAS, cuFFT, cuDNN, NCCL, ...) plus, as wheels, the three libraries a toolkit lacks
+    # (cuSPARSELt, NVSHMEM, cuFile): 1.8 GB in all. If torch still does not import, its tests skip, said below.
+    WITH_TORCH=light
   fi
+  [ "$free_gb" -lt 3 ] && [ "$WITH_TORCH" != 0 ] && { say "only $free_gb GB free: no torch (3 GB needed)"; WITH_TORCH=0; }
+  reqs=(pytest)
+  [ "$WITH_TORCH" != 0 ] && reqs+=("${TORCH_REQS[@]}")
+  case $WITH_TORCH in
+    1) step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5 GB, ~2 min; the tests use its CPU side)" ;;
+    light) step "installing ${reqs[*]} into $VENV ($free_gb GB free, 8 wanted: torch without its nvidia-* wheels)" ;;
+    0) step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0 or a short disk: no torch, the torch-dependent tests skip)" ;;
+  esac
+  pip_in() { "$VPY" -m pip install -v --disable-pip-version-check --no-cache-dir "$@" 2>&1 | pip_progress; }
   # --no-cache-dir: nothing of the ~3 GB download stays outside this folder (the environment itself is kept instead)
-  "$VPY" -m pip install -v --disable-pip-version-check --no-cache-dir "${reqs[@]}" 2>&1 | pip_progress
-  echo "$stamp" > "$VENV/.sp-test-reqs"
+  if [ "$WITH_TORCH" = light ]; then
+    torch_pin=$(printf '%s\n' "${reqs[@]}" | grep '^torch==')
+    pip_in --no-deps "$torch_pin"
+    # torch's own requirements but the CUDA wheels, and of those only the three named above (versions from torch)
+    mapfile -t torch_deps < <("$VPY" - <<'PYEOF'
+import importlib.metadata as md, re
+for req in md.requires("torch"):
+    spec, _, marker = req.partition(";")
+    name = re.match(r"[A-Za-z0-9_.-]+", spec).group(0)
+    if "extra ==" in marker or name == "triton" or name == "cuda-bindings":
+        continue
+    if name == "cuda-toolkit":
+        print("cuda-toolkit[cufile]" + spec.split("]", 1)[1].strip())
+    elif not name.startswith("nvidia-") or re.match(r"nvidia-(cusparselt|nvshmem)-", name):
+        print(spec.strip())
+PYEOF
+    )
+    pip_in "${torch_deps[@]}" $(printf '%s\n' "${reqs[@]}" | grep -v '^torch==')
+    if ! "$VPY" -c "import torch" 2> build/torch-import.log; then
+      tail -3 build/torch-import.log | sed 's/^/[test]   /'
+      say "torch does not import without its CUDA wheels here: the torch-dependent tests skip"; WITH_TORCH=0
+      "$VPY" -m pip uninstall -q -y torch
+    fi
+  else
+    pip_in "${reqs[@]}"
+  fi
+  printf '%s\n%s\n' "$stamp" "$WITH_TORCH" > "$VENV/.sp-test-reqs"
   du -sh "$VENV" | awk '{print "[test]   " $2 ": " $1 " on disk"}'
 fi
 
@@ -154,7 +186,7 @@ PYEOF
 # -rs lists why tests skipped (no GPU here, cupy / jax / vLLM / SGLang not installed)
 SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/python 2>&1 | tee build/ci-pytest.log
 SP_TEST_INSTALLED=1 "$VPY" -m pytest -q -rs -p no:cacheprovider tests/fuzz 2>&1 | tee -a build/ci-pytest.log
-if [ "$WITH_TORCH" = 1 ] && grep -E "could not import '(torch|transformers)" build/ci-pytest.log; then
+if [ "$WITH_TORCH" != 0 ] && grep -E "could not import '(torch|transformers)" build/ci-pytest.log; then
   say "tests skipped for want of torch or transformers, which $VENV should hold"; exit 1
 fi
 step "done"
