@@ -5,10 +5,9 @@
 #      pyproject.toml's hf extra, below) so that the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*,
 #      the transformers / vLLM / SGLang adapters' contract tests, the integration layer, the FP8 paths that take torch
 #      tensors. PyPI's torch for Linux x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to
-#      fetch and unpack here (measured in README.md, "Tests"). With under 8 GB free on the disk, torch comes without
-#      those wheels (1.8 GB, on the machine's CUDA toolkit: below); under 3 GB, or where that torch does not import,
-#      without torch (those tests skip, said). The environment is made once and kept while its Python and pins stay
-#      the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch;
+#      fetch and unpack here; the tests take torch without those wheels, on the machine's CUDA toolkit (1.8 GB; below,
+#      with what happens where that does not import). The environment is made once and kept while its Python and
+#      pins stay the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch;
 #   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
 #      build-dir) and configured with the C++ tests and the demo, so that one compile serves both the wheel and ctest:
 #      the library with every CUDA source when nvcc is found (CUDA ON, so a missing CUTLASS fails instead of quietly
@@ -58,25 +57,18 @@ else
   step "fresh virtual environment $VENV"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
-  if [ "$WITH_TORCH" = 1 ] && [ "$free_gb" -lt 8 ]; then
-    # CI machines have had 4 GB free. PyPI's torch brings 3.2 GB of CUDA libraries (nvidia-*, triton) that the CPU
-    # tests never load: install torch without them and let its loader take the machine's CUDA toolkit (nvcc's, in
-    # ldconfig: cudart, cuBLAS, cuFFT, cuDNN, NCCL, ...) plus, as wheels, the three libraries a toolkit lacks
-    # (cuSPARSELt, NVSHMEM, cuFile): 1.8 GB in all. If torch still does not import, its tests skip, said below.
-    WITH_TORCH=light
-  fi
-  [ "$free_gb" -lt 3 ] && [ "$WITH_TORCH" != 0 ] && { say "only $free_gb GB free: no torch (3 GB needed)"; WITH_TORCH=0; }
   reqs=(pytest)
-  [ "$WITH_TORCH" != 0 ] && reqs+=("${TORCH_REQS[@]}")
-  case $WITH_TORCH in
-    1) step "installing ${reqs[*]} into $VENV (PyPI's torch is the CUDA build: ~5 GB, ~2 min; the tests use its CPU side)" ;;
-    light) step "installing ${reqs[*]} into $VENV ($free_gb GB free, 8 wanted: torch without its nvidia-* wheels)" ;;
-    0) step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0 or a short disk: no torch, the torch-dependent tests skip)" ;;
-  esac
+  [ "$WITH_TORCH" = 1 ] && reqs+=("${TORCH_REQS[@]}")
   pip_in() { "$VPY" -m pip install -v --disable-pip-version-check --no-cache-dir "$@" 2>&1 | pip_progress; }
-  # --no-cache-dir: nothing of the ~3 GB download stays outside this folder (the environment itself is kept instead)
-  if [ "$WITH_TORCH" = light ]; then
+  # --no-cache-dir: nothing of the download stays outside this folder (the environment itself is kept instead)
+  if [ "$WITH_TORCH" = 1 ]; then
+    # PyPI's torch brings 3.2 GB of CUDA libraries (nvidia-*, triton) that the CPU tests never load (CI machines
+    # have had 4 GB free): torch comes without them, its loader taking the machine's CUDA toolkit (nvcc's, in
+    # ldconfig: cudart, cuBLAS, cuFFT, cuDNN, NCCL, ...) plus, as wheels, the three libraries a toolkit lacks
+    # (cuSPARSELt, NVSHMEM, cuFile): 1.8 GB, 1 min. Where that torch does not import (no such toolkit), the whole
+    # CUDA build of torch (4.9 GB) if the disk has 8 GB free, else no torch (its tests skip, said).
+    WITH_TORCH=light
+    step "installing ${reqs[*]} into $VENV (torch without its nvidia-* wheels, on this machine's CUDA toolkit)"
     torch_pin=$(printf '%s\n' "${reqs[@]}" | grep '^torch==')
     pip_in --no-deps "$torch_pin"
     # torch's own requirements but the CUDA wheels, and of those only the three named above (versions from torch)
@@ -95,11 +87,21 @@ PYEOF
     )
     pip_in "${torch_deps[@]}" $(printf '%s\n' "${reqs[@]}" | grep -v '^torch==')
     if ! "$VPY" -c "import torch" 2> build/torch-import.log; then
-      tail -3 build/torch-import.log | sed 's/^/[test]   /'
-      say "torch does not import without its CUDA wheels here: the torch-dependent tests skip"; WITH_TORCH=0
+      tail -1 build/torch-import.log | sed 's/^/[test]   /'
       "$VPY" -m pip uninstall -q -y torch
+      free_gb=$(df -Pk build | awk 'NR == 2 {print int($4 / 1048576)}')
+      if [ "$free_gb" -ge 8 ]; then
+        WITH_TORCH=1
+        step "torch does not import without its nvidia-* wheels here: installing PyPI's whole CUDA build (~5 GB)"
+        pip_in "$torch_pin"
+      else
+        WITH_TORCH=0
+        say "torch does not import without its nvidia-* wheels here, and $free_gb GB are free for them (8 needed):"
+        say "no torch, the torch-dependent tests skip"
+      fi
     fi
   else
+    step "installing ${reqs[*]} into $VENV (SP_TEST_TORCH=0: no torch, the torch-dependent tests skip)"
     pip_in "${reqs[@]}"
   fi
   printf '%s\n%s\n' "$stamp" "$WITH_TORCH" > "$VENV/.sp-test-reqs"
