@@ -1,8 +1,8 @@
-"""rule='key_max' (issue 44, docs/design/key_max_spec.md) on the GPU: the CUDA index stage (key_max.cu: the residuals'
-moment, the basis by subspace iteration, the projected residuals in fp16 and the scorer with fp16 accumulators)
-against the CPU reference (double) on the same bf16 / fp16 inputs. The GPU's basis is float32 and its scores fp16
-(~3 significant digits at the scores' magnitude): only blocks whose per-row test lies near the threshold may flip, so
-the symmetric difference of the kept sets is bounded (as for row_max, with a wider bound for the fp16 scores);
+"""rule='key_max' (issue 44, docs/design/key_max_spec.md) on the GPU: the CUDA index stage (key_basis.cu, key_max.cu:
+the residuals' moment, the basis by subspace iteration, the projected residuals in fp16 and the scorer with fp16
+accumulators) against the CPU reference (double) on the same bf16 / fp16 inputs. The GPU's basis is float32 and its
+scores fp16 (~3 significant digits at the scores' magnitude): only blocks whose per-row test lies near the threshold may
+flip, so the symmetric difference of the kept sets is bounded (as for row_max, with a wider bound for the fp16 scores);
 densities agree to 0.01. Skipped without a GPU or without a CUDA build (scripts/gpu.sh runs them on the H200)."""
 
 import numpy as np

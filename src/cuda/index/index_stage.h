@@ -70,10 +70,10 @@ struct DeviceIndex {
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   int probe_splits = 0;             // key splits of each probe CTA (probe_splits(), layout.h)
   float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
-  // SelectionRule::kKeyMax (key_max.cu): the residuals' second moment in key_moment_splits() partial sums
-  // [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K' [Hkv][key_rows][r]
-  // (fp16; key row cu_blocks[b] * block_size + j) and each block's radius max_j |K'_j| [Hkv][key_rows / block_size];
-  // its keep bits go to probe_bits.
+  // SelectionRule::kKeyMax (key_basis.cu, key_max.cu): the residuals' second moment in key_moment_splits() partial
+  // sums [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K'
+  // [Hkv][key_rows][r] (fp16; key row cu_blocks[b] * block_size + j) and each block's radius max_j |K'_j|
+  // [Hkv][key_rows / block_size]; its keep bits go to probe_bits.
   float* key_moment = nullptr;
   float* key_basis = nullptr;
   void* key_proj = nullptr;
@@ -86,7 +86,7 @@ struct DeviceIndex {
   SparseLaunchWorkspace launch;
 };
 
-// key_max.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial sum:
+// key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial sum:
 // about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle, 3.9 ms
 // on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
 inline int key_moment_splits(int batch, int num_kv_heads) {

@@ -1,28 +1,20 @@
 // Index stage, the key_max rule (SelectionRule::kKeyMax, docs/design/key_max_spec.md): per-key block maxima on a
-// low-rank projection of each key's deviation from its block mean, on tensor cores. Four kernels on the stage's
-// stream, after the pooling, no host synchronisation:
-//   key_moment_kernel   C = sum x x^T over the residuals x = k - k_mean of the sampled blocks (core/key_basis.h), per
-//                       (sequence, KV head), in float32, in slices of the sampled keys (a CTA and a partial sum each,
-//                       added in order by the basis kernel: the same basis on every run);
-//   key_basis_kernel    P = kKeyBasisIters steps of subspace iteration from the hash start, one CTA per (sequence,
-//                       KV head);
-//   key_project_kernel  K' = P^T x for every key in fp16 (the residual GEMM's B operand), zero past the keys, and
-//                       each block's radius max |K'_j| (the scorer's bound);
-//   key_max_kernel      per (tile, virtual KV head): the bound b_r over the blocks each row sees whole, the tile's
-//                       candidates (blocks whose pooled score + |Q'| radius some row cannot rule out), then one pass
-//                       over the candidates from the diagonal down: the pooled score (bf16 / fp16 wgmma, float
-//                       accumulators) plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row,
-//                       key) pairs per packed max), where a warpgroup's vote against its running maxima asks for it,
-//                       the running row maximum and the per-row test; the tile's keep bits go to d.probe_bits, which
-//                       score_select's bits-only kernel merges with the always-kept rules into the CSR (as the probe
-//                       rules' bits). The blocks it does not score could not pass: the selection is the spec's.
+// low-rank projection of each key's deviation from its block mean, on tensor cores. On the stage's stream, after the
+// pooling, no host synchronisation: key_basis.cu's three kernels (the residuals' second moment, the basis P, the
+// projected keys K' = P^T x and each block's radius), then the scorer, key_max_kernel: per (tile, virtual KV head),
+// the bound b_r over the blocks each row sees whole, the tile's candidates (blocks whose pooled score + |Q'| radius
+// some row cannot rule out), then one pass over the candidates from the diagonal down: the pooled score (bf16 / fp16
+// wgmma, float accumulators) plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row, key) pairs
+// per packed max), where a warpgroup's vote against its running maxima asks for it, the running row maximum and the
+// per-row test; the tile's keep bits go to d.probe_bits, which score_select's bits-only kernel merges with the
+// always-kept rules into the CSR (as the probe rules' bits). The blocks it does not score could not pass: the
+// selection is the spec's.
 // Scores are in log2 units: Q' carries softmax_scale * log2(e), the pooled scores are scaled on their way to shared
 // memory, so the test is sh - m >= log2(alpha).
 #include <cmath>
 #include <string>
 #include <type_traits>
 
-#include "core/key_basis.h"
 #include "cuda/attention/config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/common/check.h"
 #include "cuda/common/device_info.h"
@@ -33,11 +25,6 @@
 namespace sparse_prefill::cuda::index_stage {
 namespace {
 
-constexpr int kMomentThreads = 256;
-constexpr int kMomentKeys = 32;     // residuals per shared-memory tile of the moment CTA
-constexpr int kBasisThreads = 256;
-constexpr int kProjectThreads = 256;
-constexpr int kProjectKeys = 32;    // keys per shared-memory tile of the projection CTA (block_size % 64 == 0)
 constexpr int kKeyMaxThreads = 256;  // 2 warpgroups x 64 packed rows
 static_assert(kTileRows == 2 * 64, "the scorer's tile is two warpgroups' m64 GEMM rows");
 constexpr int kUnitKeys = 64;        // keys per residual wgmma (N): any block_size % 64 == 0 is whole units
@@ -46,208 +33,6 @@ constexpr int kPooledN = 32;         // pooled blocks per pooled wgmma (N)
 // The bound on a block's residual maxima, |Q'_r| radius_J, is widened by 1/32 for the fp16 residual GEMM: its 16
 // (or 32) products summed with fp16 roundings err by at most ~2^-7 of sum |q'_d k'_d| <= |Q'| |K'|.
 constexpr float kBoundMargin = 1.f + 1.f / 32;
-
-// Key j of sequence b at KV head h as float (FP8: times its descale); 0 for a key on a bad page (reported).
-template <typename T>
-__device__ __forceinline__ const T* key_row(const KVArgs& kv, const SeqArgs& seq, int b, int h, int64_t j) {
-  if (kv.block_table) {
-    const int64_t page = kv.page(b, j);
-    if (page < 0) return nullptr;
-    return static_cast<const T*>(kv.k) + page * kv.k_stride[0] + geometry::page_slot(j, kv.page_size) * kv.k_stride[1] +
-           h * kv.k_stride[2];
-  }
-  return static_cast<const T*>(kv.k) + (seq.k_start(b) + j) * kv.k_stride[0] + h * kv.k_stride[1];
-}
-
-// ---- 1. the residuals' second moment --------------------------------------------------------------------------------
-// grid (batch, Hkv, key_moment_splits()): each CTA sums x x^T over one contiguous slice of the sampled keys (in key
-// order) into its own partial C (key_basis_kernel adds the slices in order: a fixed summation order, the same basis on
-// every run). 16 x 16 threads, each a (D / 16)^2 patch of C as float4 columns c * 64 + 4 * t (conflict-free shared
-// reads); tiles of kMomentKeys residuals through shared memory, all of a tile's loads in flight at once. The first
-// version (one CTA per 8 rows of C over every sampled key: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms
-// at every length on the H100, as long as the scorer at 32K.
-template <typename T, int D>
-__global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size,
-                                                                    int num_kv_heads, const int32_t* cu_blocks,
-                                                                    const float* k_mean, float* partial) {
-  static_assert(D == 64 || D == 128, "patch columns c * 64 + 4 * t cover D");
-  constexpr int kT = D / 16, kVec = kT / 4, kKeysPerPass = kMomentThreads / D;
-  __shared__ __align__(16) float xs[kMomentKeys][D];
-  const int b = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, e = threadIdx.x % D, kk = threadIdx.x / D;
-  const int64_t k_len = seq.k_len(b), nb = cu_blocks[b + 1] - cu_blocks[b];
-  const int64_t stride = key_basis_stride(nb), sampled = (nb + stride - 1) / stride;
-  const int64_t keys = sampled * block_size;  // flat index f: block (f / B) * stride, key f % B of it
-  const int64_t f0 = keys * split / splits, f1 = keys * (split + 1) / splits;
-  const float descale = is_fp8_v<T> ? kv.k_descale.at(b, h) : 1.f;
-  float acc[kT][kT] = {};
-  for (int64_t f = f0; f < f1; f += kMomentKeys) {
-    float x[kMomentKeys / kKeysPerPass];
-#pragma unroll
-    for (int i = 0; i < kMomentKeys / kKeysPerPass; ++i) {  // every load of the tile issued before any is used
-      const int64_t fi = f + i * kKeysPerPass + kk, J = (fi / block_size) * stride;
-      const int64_t j = J * block_size + fi % block_size;
-      const T* row = fi < f1 && j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
-      x[i] = row ? to_float(row[e]) * descale - k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e] : 0.f;
-    }
-    __syncthreads();  // the previous tile's readers done
-#pragma unroll
-    for (int i = 0; i < kMomentKeys / kKeysPerPass; ++i) xs[i * kKeysPerPass + kk][e] = x[i];
-    __syncthreads();
-#pragma unroll 4
-    for (int k = 0; k < kMomentKeys; ++k) {
-      float a[kT], c[kT];
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) {
-        *reinterpret_cast<float4*>(&a[4 * v]) = *reinterpret_cast<const float4*>(&xs[k][v * 64 + 4 * ty]);
-        *reinterpret_cast<float4*>(&c[4 * v]) = *reinterpret_cast<const float4*>(&xs[k][v * 64 + 4 * tx]);
-      }
-#pragma unroll
-      for (int i = 0; i < kT; ++i)
-#pragma unroll
-        for (int j = 0; j < kT; ++j) acc[i][j] = fmaf(a[i], c[j], acc[i][j]);
-    }
-  }
-  float* out = partial + ((int64_t(split) * seq.batch + b) * num_kv_heads + h) * D * D;
-#pragma unroll
-  for (int i = 0; i < kT; ++i) {
-    const int r = (i / 4) * 64 + 4 * ty + i % 4;
-#pragma unroll
-    for (int v = 0; v < kVec; ++v)
-      *reinterpret_cast<float4*>(&out[r * D + v * 64 + 4 * tx]) =
-          make_float4(acc[i][4 * v], acc[i][4 * v + 1], acc[i][4 * v + 2], acc[i][4 * v + 3]);
-  }
-}
-
-// ---- 2. the basis: subspace iteration -------------------------------------------------------------------------------
-// One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, X <- MGS(C X) kKeyBasisIters
-// times from X0 = hash_unit; the Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
-template <int D, int R>
-__global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int batch, int num_kv_heads, int splits,
-                                                                  const float* partial, float* basis) {
-  extern __shared__ float basis_smem[];
-  float* C = basis_smem;        // [D][D]
-  float* X = C + D * D;         // [D][R]
-  float* Y = X + D * R;         // [D][R]
-  const int b = blockIdx.x, h = blockIdx.y;
-  for (int i = threadIdx.x; i < D * D; i += kBasisThreads) {  // C = the moment kernel's slices, summed in order
-    float c = 0.f;
-    for (int split = 0; split < splits; ++split)
-      c += partial[((int64_t(split) * batch + b) * num_kv_heads + h) * D * D + i];
-    C[i] = c;
-  }
-  for (int i = threadIdx.x; i < D * R; i += kBasisThreads) X[i] = hash_unit(uint32_t(i / R), uint32_t(i % R));
-  __syncthreads();
-  for (int it = 0; it < kKeyBasisIters; ++it) {
-    for (int i = threadIdx.x; i < D * R; i += kBasisThreads) {
-      const int d = i / R, col = i % R;
-      float y = 0.f;
-      for (int e2 = 0; e2 < D; ++e2) y = fmaf(C[d * D + e2], X[e2 * R + col], y);
-      Y[i] = y;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      constexpr int kPer = D / 32;
-      for (int col = 0; col < R; ++col) {
-        float y[kPer];
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) y[k] = Y[(lane + 32 * k) * R + col];
-        for (int prev = 0; prev < col; ++prev) {
-          float dot = 0.f;
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) dot = fmaf(X[(lane + 32 * k) * R + prev], y[k], dot);
-          for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) y[k] = fmaf(-dot, X[(lane + 32 * k) * R + prev], y[k]);
-        }
-        float nn = 0.f;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) nn = fmaf(y[k], y[k], nn);
-        for (int o = 16; o > 0; o /= 2) nn += __shfl_xor_sync(0xffffffffu, nn, o);
-        // n > 0 ? y / n : 0 (the spec, as the reference): a NaN or zero column is exactly 0, never y * 0 (NaN * 0)
-        const bool ok = nn > 0.f;
-        const float inv = ok ? rsqrtf(nn) : 0.f;
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + col] = ok ? y[k] * inv : 0.f;
-        __syncwarp();
-      }
-    }
-    __syncthreads();
-  }
-  float* p = basis + (int64_t(b) * num_kv_heads + h) * D * R;
-  for (int i = threadIdx.x; i < D * R; i += kBasisThreads) p[i] = X[i];
-}
-
-// ---- 3. the projected residuals K' = P^T (k - k_mean) and each block's radius --------------------------------------
-// grid (pooled row idx, Hkv): one block's keys, kProjectKeys at a time through shared memory (coalesced loads: thread e
-// reads column e of a key row; the first version read each key row by one thread, 0.67 ms at 128K on the H100); thread
-// (key, part) computes R / 8 outputs. Rows past the sequence's keys (the tail block's) are zero. K' layout:
-// [Hkv][key_rows][R], key row cu_blocks[b] * B + j. The radius of the block, max over its keys of |K'_j| (of the fp16
-// values the scorer reads; NaN if one is NaN): [Hkv][key_rows / B], the scorer's bound on a block's residual maxima.
-template <typename T, int D, int R>
-__global__ void __launch_bounds__(kProjectThreads) key_project_kernel(SeqArgs seq, KVArgs kv, int block_size,
-                                                                      int num_kv_heads, const int32_t* cu_blocks,
-                                                                      const float* k_mean, const float* basis,
-                                                                      __half* proj, float* radius, int64_t key_rows) {
-  constexpr int kParts = kProjectThreads / kProjectKeys, kCols = R / kParts, kKeysPerPass = kProjectThreads / D;
-  static_assert(kCols % 2 == 0, "half2 stores");
-  __shared__ __align__(16) float sP[D * R];
-  __shared__ float sBar[D];
-  __shared__ float xs[kProjectKeys][D + 1];  // +1: the kParts threads of a key read one bank per key
-  __shared__ unsigned r2_bits;               // max |K'_j|^2 of the block (non-negative floats order as their bits)
-  const int64_t idx = blockIdx.x;
-  const int h = blockIdx.y;
-  if (idx >= cu_blocks[seq.batch]) return;
-  const int b = find_sequence(cu_blocks, seq.batch, idx);
-  const int64_t J = idx - cu_blocks[b], k_len = seq.k_len(b);
-  const float* p = basis + (int64_t(b) * num_kv_heads + h) * D * R;
-  for (int i = threadIdx.x; i < D * R; i += kProjectThreads) sP[i] = p[i];
-  for (int i = threadIdx.x; i < D; i += kProjectThreads) sBar[i] = k_mean[(idx * num_kv_heads + h) * D + i];
-  if (threadIdx.x == 0) r2_bits = 0u;
-  const float descale = is_fp8_v<T> ? kv.k_descale.at(b, h) : 1.f;
-  const int e = threadIdx.x % D, kk = threadIdx.x / D;
-  const int key = threadIdx.x / kParts, c0 = (threadIdx.x % kParts) * kCols;
-  unsigned r2_max = 0u;  // this thread's keys' max |K'_j|^2, as bits
-  for (int j0 = 0; j0 < block_size; j0 += kProjectKeys) {
-    float x[kProjectKeys / kKeysPerPass];
-#pragma unroll
-    for (int i = 0; i < kProjectKeys / kKeysPerPass; ++i) {
-      const int64_t j = J * block_size + j0 + i * kKeysPerPass + kk;
-      const T* row = j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
-      x[i] = row ? to_float(row[e]) * descale : 0.f;
-    }
-    __syncthreads();  // sP / sBar written; the previous tile's readers done
-#pragma unroll
-    for (int i = 0; i < kProjectKeys / kKeysPerPass; ++i) {
-      const int64_t j = J * block_size + j0 + i * kKeysPerPass + kk;
-      xs[i * kKeysPerPass + kk][e] = j < k_len ? x[i] - sBar[e] : 0.f;
-    }
-    __syncthreads();
-    float acc[kCols] = {};
-    for (int d = 0; d < D; ++d) {
-      const float xd = xs[key][d];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xd, sP[d * R + c0 + c], acc[c]);
-    }
-    __half* out = proj + (int64_t(h) * key_rows + idx * block_size + j0 + key) * R + c0;
-    float r2 = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; c += 2) {
-      const __half2 v = __floats2half2_rn(acc[c], acc[c + 1]);
-      *reinterpret_cast<__half2*>(out + c) = v;
-      const float2 f = __half22float2(v);
-      r2 = fmaf(f.x, f.x, fmaf(f.y, f.y, r2));
-    }
-#pragma unroll
-    for (int o = 1; o < kParts; o *= 2) r2 += __shfl_xor_sync(0xffffffffu, r2, o);  // the key's kParts lanes
-    r2_max = max(r2_max, __float_as_uint(r2));  // a NaN's bits are above every finite square's
-  }
-  r2_max = __reduce_max_sync(0xffffffffu, r2_max);
-  if (threadIdx.x % 32 == 0) atomicMax(&r2_bits, r2_max);
-  __syncthreads();
-  if (threadIdx.x == 0) radius[int64_t(h) * (key_rows / block_size) + idx] = sqrtf(__uint_as_float(r2_bits));
-}
 
 // ---- 4. the scorer --------------------------------------------------------------------------------------------------
 template <typename T, int D, int R>
@@ -671,33 +456,10 @@ size_t key_max_smem_limit() {
   return limit;
 }
 
-template <int D, int R>
-size_t key_basis_smem_bytes() {
-  return size_t(D * D + 2 * D * R) * sizeof(float);
-}
-
 template <typename T, int D, int R>
-void launch_all(cudaStream_t stream, const Bounds& bd, const VirtualHeads& heads, int batch, int num_kv_heads,
-                const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const SelectArgs& sel, const DeviceIndex& d) {
+void launch_scorer(cudaStream_t stream, const Bounds& bd, const VirtualHeads& heads, int num_kv_heads,
+                   const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const SelectArgs& sel, const DeviceIndex& d) {
   const int B = sel.block_size;
-  const int splits = key_moment_splits(batch, num_kv_heads);
-  key_moment_kernel<T, D><<<dim3(unsigned(batch), unsigned(num_kv_heads), unsigned(splits)), kMomentThreads, 0,
-                            stream>>>(seq, kv, B, num_kv_heads, d.cu_blocks, d.k_mean, d.key_moment);
-  static const bool basis_attr = [] {
-    check_cuda(cudaFuncSetAttribute(key_basis_kernel<D, R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(key_basis_smem_bytes<D, R>())),
-               "cudaFuncSetAttribute(key_basis_kernel)");
-    return true;
-  }();
-  (void)basis_attr;
-  key_basis_kernel<D, R><<<dim3(unsigned(batch), unsigned(num_kv_heads)), kBasisThreads,
-                           key_basis_smem_bytes<D, R>(), stream>>>(batch, num_kv_heads, splits, d.key_moment,
-                                                                   d.key_basis);
-  if (bd.max_blocks > 0) {
-    key_project_kernel<T, D, R><<<dim3(unsigned(bd.max_blocks), unsigned(num_kv_heads)), kProjectThreads, 0, stream>>>(
-        seq, kv, B, num_kv_heads, d.cu_blocks, d.k_mean, d.key_basis, static_cast<__half*>(d.key_proj),
-        d.key_radius, d.key_rows);
-  }
   if (bd.nb_max * (B / kUnitKeys) > 65535) {  // the scorer's lists hold block and unit indices as uint16
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max * B) +
                               " keys per sequence exceed the scorer's 65535 units of 64 (max_seqlen_k too long)");
@@ -719,13 +481,14 @@ void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams
                     const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                     const SelectArgs& sel, const DeviceIndex& d) {
   if (bd.max_tiles <= 0) return;
+  launch_key_basis(stream, p, params.key_rank, bd, seq, kv, sel.block_size, d);
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
     if (params.key_rank == 32) {
-      launch_all<T, kD, 32>(stream, bd, heads, p.batch, p.num_kv_heads, seq, qa, kv, sel, d);
+      launch_scorer<T, kD, 32>(stream, bd, heads, p.num_kv_heads, seq, qa, kv, sel, d);
     } else {
-      launch_all<T, kD, 16>(stream, bd, heads, p.batch, p.num_kv_heads, seq, qa, kv, sel, d);
+      launch_scorer<T, kD, 16>(stream, bd, heads, p.num_kv_heads, seq, qa, kv, sel, d);
     }
   };
   with_index_types(p.dtype, p.head_dim, launch);

@@ -99,7 +99,7 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
       d.probe_partials = reinterpret_cast<float*>(
           take(size_t(bd.probe_splits) * bd.max_segments * kTileRows * 2 * sizeof(float)));
   }
-  if (bd.key_rank) {  // key_max.cu: moment and basis per (sequence, KV head), K' per key row of the pooled blocks
+  if (bd.key_rank) {  // key_basis.cu: moment and basis per (sequence, KV head), K' per key row of the pooled blocks
     const size_t heads = size_t(b.batch) * b.num_kv_heads;
     const size_t splits = size_t(key_moment_splits(b.batch, b.num_kv_heads));
     d.key_moment = reinterpret_cast<float*>(take(splits * heads * b.head_dim * b.head_dim * sizeof(float)));
