@@ -5,7 +5,7 @@
 #      pyproject.toml's hf extra, below) so that the torch-dependent tests run on the CPU: torch.ops.sparse_prefill.*,
 #      the transformers / vLLM / SGLang adapters' contract tests, the integration layer, the FP8 paths that take torch
 #      tensors. PyPI's torch for Linux x86_64 is the CUDA build: 4.9 GB on disk with its nvidia-* wheels, ~2 min to
-#      fetch and unpack here; the tests take torch without those wheels, on the machine's CUDA toolkit (1.8 GB; below,
+#      fetch and unpack here; the tests take torch without those wheels, on the machine's CUDA toolkit (1.9 GB; below,
 #      with what happens where that does not import). The environment is made once and kept while its Python and
 #      pins stay the same (a clean clone, as in CI, makes it anew); SP_TEST_TORCH=0 makes one without torch;
 #   3. `pip install '.[test]'` into it from this tree. pip's CMake tree is kept in build/ci (scikit-build-core
@@ -65,7 +65,7 @@ else
     # PyPI's torch brings 3.2 GB of CUDA libraries (nvidia-*, triton) that the CPU tests never load (CI machines
     # have had 4 GB free): torch comes without them, its loader taking the machine's CUDA toolkit (nvcc's, in
     # ldconfig: cudart, cuBLAS, cuFFT, cuDNN, NCCL, ...) plus, as wheels, the three libraries a toolkit lacks
-    # (cuSPARSELt, NVSHMEM, cuFile): 1.8 GB, 1 min. Where that torch does not import (no such toolkit), the whole
+    # (cuSPARSELt, NVSHMEM, cuFile): 1.9 GB, 45 s. Where that torch does not import (no such toolkit), the whole
     # CUDA build of torch (4.9 GB) if the disk has 8 GB free, else no torch (its tests skip, said).
     WITH_TORCH=light
     step "installing ${reqs[*]} into $VENV (torch without its nvidia-* wheels, on this machine's CUDA toolkit)"
