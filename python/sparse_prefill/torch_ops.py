@@ -62,7 +62,6 @@ from ._selection import _selection, _selection_of_op_fields, selection_keywords
 __all__ = ["attention", "sparse_prefill", "chunked_prefill", "OPS"]
 
 _NS = "sparse_prefill"
-_HEAD_DIMS = HEAD_DIMS
 _F32 = torch.float32
 _I32 = torch.int32
 _CONTIGUOUS = torch.contiguous_format
@@ -113,7 +112,7 @@ def _scratch(n: int, q: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_workspace(head_dim: int, q: torch.Tensor, device_index: int) -> Optional[torch.Tensor]:
-    if head_dim not in _HEAD_DIMS:
+    if head_dim not in HEAD_DIMS:
         return None  # the call itself raises, naming q's head dim
     key = (head_dim, device_index)
     n = _ws_bytes.get(key)

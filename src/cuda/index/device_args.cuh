@@ -230,8 +230,8 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
 // radius (d.key_proj, d.key_radius).
 void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const Bounds& bd, const SeqArgs& seq,
                       const KVArgs& kv, int block_size, const DeviceIndex& d);
-// key_max.cu: SelectionRule::kKeyMax, launch_key_basis and then the tile's keep bits (d.probe_bits) from the per-key
-// block maxima on the residual basis.
+// key_max.cu: SelectionRule::kKeyMax, the scorer's limits checked, launch_key_basis, then the tile's keep bits
+// (d.probe_bits) from the per-key block maxima on the residual basis.
 void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
                     const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                     const SelectArgs& sel, const DeviceIndex& d);

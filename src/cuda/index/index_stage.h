@@ -86,9 +86,9 @@ struct DeviceIndex {
   SparseLaunchWorkspace launch;
 };
 
-// key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial sum:
-// about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle, 3.9 ms
-// on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
+// key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial
+// sum: about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle,
+// 3.9 ms on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
 inline int key_moment_splits(int batch, int num_kv_heads) {
   const int heads = std::max(1, batch * num_kv_heads);
   return std::max(1, std::min(16, 256 / heads));

@@ -456,9 +456,10 @@ size_t key_max_smem_limit() {
   return limit;
 }
 
+// The scorer's limits checked before anything is enqueued, then key_basis.cu's kernels (rank R) and the scorer.
 template <typename T, int D, int R>
-void launch_scorer(cudaStream_t stream, const Bounds& bd, const VirtualHeads& heads, int num_kv_heads,
-                   const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const SelectArgs& sel, const DeviceIndex& d) {
+void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const VirtualHeads& heads,
+                const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const SelectArgs& sel, const DeviceIndex& d) {
   const int B = sel.block_size;
   if (bd.nb_max * (B / kUnitKeys) > 65535) {  // the scorer's lists hold block and unit indices as uint16
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max * B) +
@@ -469,8 +470,9 @@ void launch_scorer(cudaStream_t stream, const Bounds& bd, const VirtualHeads& he
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
   }
+  launch_key_basis(stream, p, R, bd, seq, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
-      seq, qa, sel, heads.group, heads.kv, heads.subgroups, num_kv_heads, d.cu_tiles, d.cu_blocks,
+      seq, qa, sel, heads.group, heads.kv, heads.subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
       static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.key_basis, static_cast<const __half*>(d.key_proj), d.key_radius,
       d.key_rows, d.probe_bits, d.probe_words);
 }
@@ -481,14 +483,13 @@ void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams
                     const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                     const SelectArgs& sel, const DeviceIndex& d) {
   if (bd.max_tiles <= 0) return;
-  launch_key_basis(stream, p, params.key_rank, bd, seq, kv, sel.block_size, d);
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
     if (params.key_rank == 32) {
-      launch_scorer<T, kD, 32>(stream, bd, heads, p.num_kv_heads, seq, qa, kv, sel, d);
+      launch_all<T, kD, 32>(stream, p, bd, heads, seq, qa, kv, sel, d);
     } else {
-      launch_scorer<T, kD, 16>(stream, bd, heads, p.num_kv_heads, seq, qa, kv, sel, d);
+      launch_all<T, kD, 16>(stream, p, bd, heads, seq, qa, kv, sel, d);
     }
   };
   with_index_types(p.dtype, p.head_dim, launch);
