@@ -106,7 +106,7 @@ def index_from_csr(sp, base, segment_start, segment_end, block_ids, kept, visibl
     host = base.to_host()  # a host index returns itself
     h = host.host
     d = dict(binding=host.binding, block_size=host.block_size, group_size=host.group_size,
-             num_kv_heads=host.num_kv_heads, head_subgroups=host.head_subgroups, correction=False,
+             num_kv_heads=host.num_kv_heads, num_subgroups=host.num_subgroups, correction=False,
              head_dim=host.head_dim, kept_blocks=int(kept), visible_blocks=int(visible), overflow_segments=0,
              segment_start=np.ascontiguousarray(segment_start, np.int32),
              segment_end=np.ascontiguousarray(segment_end, np.int32),

@@ -102,8 +102,8 @@ struct SelectionParams {
   // unioned) on its own. Must divide g. The index is then over Hkv * head_subgroups virtual KV heads (BlockIndex).
   // 0 (the default): one selection per query head, S = g. The heads of a KV group attend to different blocks, so one
   // selection for the group keeps the union of what each head needs. This field is the request and the library
-  // never rewrites it; the S an index was built with (0 resolved to g) is IndexBinding::head_subgroups (and
-  // BlockIndex / BlockIndexView::head_subgroups).
+  // never rewrites it; the S an index was built with (0 resolved to g) is IndexBinding::num_subgroups (and
+  // BlockIndex / BlockIndexView::num_subgroups).
   int head_subgroups = 0;
   // The dense rule, after any selection: a call whose selection keeps at least this fraction of its visible blocks
   // keeps them all and runs as dense attention (exact; in (0, 1], 1 turns the rule off: the selection as selected). Near full
@@ -133,7 +133,7 @@ struct IndexBinding {
   bool causal = true;
   int window_left = -1, window_right = -1;
   float softmax_scale = 0.f;       // resolved
-  int block_size = 0, head_subgroups = 1;  // head_subgroups: the index's S, resolved (SelectionParams' 0 is g)
+  int block_size = 0, num_subgroups = 1;  // the index's S: SelectionParams::head_subgroups resolved (0 -> g)
   bool union_lists = false, split_kv = true;
   float dense_fraction = 1.f;  // SelectionParams::dense_fraction (union_index applies it to the union it lowers)
   // Built with the correction, hence with V means (BlockIndex::v_mean): a device index built without them cannot
@@ -159,16 +159,16 @@ struct IndexBinding {
 // cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
 // v_mean only with the correction (the only reader): an index built with correction = false has none (empty), so
 // its build does not read V.
-// Head sub-groups (S: SelectionParams::head_subgroups resolved, 0 -> g): the index is over Hkv * S virtual KV heads.
+// Head sub-groups (S = num_subgroups: SelectionParams::head_subgroups resolved, 0 -> g): the index is over Hkv * S virtual KV heads.
 // Virtual head v holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads,
 // group_size, the segment order above and the pooled means' head axis are all in virtual heads (the means of v are
 // those of K/V head v / S).
 struct BlockIndex {
   IndexBinding binding;   // what it was built for
   int block_size = 128;
-  int group_size = 1;     // query heads per (virtual) KV head: g / head_subgroups
-  int num_kv_heads = 0;   // (virtual) KV heads: Hkv * head_subgroups
-  int head_subgroups = 1;
+  int group_size = 1;     // query heads per (virtual) KV head: g / num_subgroups
+  int num_kv_heads = 0;   // (virtual) KV heads: Hkv * num_subgroups
+  int num_subgroups = 1;
   int head_dim = 0;
   bool correction = true;
   std::vector<int32_t> segment_start, segment_end, block_ids;
@@ -185,7 +185,7 @@ struct BlockIndexView {
   IndexBinding binding;                              // what the index was built for (unset: trusted)
   int block_size = 128;
   bool correction = true;
-  int head_subgroups = 1;                            // see BlockIndex: segments and means over Hkv * S heads
+  int num_subgroups = 1;                             // see BlockIndex: segments and means over Hkv * S heads
   TensorView segment_start, segment_end, block_ids;  // int32 [S], [S], [N]
   TensorView cu_blocks;                              // int32 [B+1]
   TensorView k_mean, v_mean;                         // float32 [total_blocks, Hkv, D]

@@ -22,10 +22,10 @@ class Index:
     id = segment_offsets[b] + kv_head * tiles[b] + tile. Segment s lists the kept block ids (per sequence, ascending)
     block_ids[segment_start[s]:segment_end[s]]; in union mode all tiles of a (sequence, KV head) share one list.
 
-    Head sub-groups (head_subgroups = S > 1): the KV heads of the index are Hkv * S virtual heads; virtual head v holds
-    query heads [v * g, (v + 1) * g) with g = group_size = (Hq // Hkv) // S and reads K/V head v // S, so
-    num_kv_heads, group_size, kv_head in segment()/segment_id() and the head axis of k_mean/v_mean are all virtual
-    (the means of virtual head v are those of K/V head v // S).
+    Head sub-groups (num_subgroups = S > 1: the selection's head_subgroups, 0 resolved to g): the KV heads of the
+    index are Hkv * S virtual heads; virtual head v holds query heads [v * g, (v + 1) * g) with g = group_size =
+    (Hq // Hkv) // S and reads K/V head v // S, so num_kv_heads, group_size, kv_head in segment()/segment_id() and
+    the head axis of k_mean/v_mean are all virtual (the means of virtual head v are those of K/V head v // S).
 
     Where it lives. An index built from CUDA arrays stays on the device (`on_device` is True): its CSR, pooled means
     and launch state live in one workspace array (`workspace`, in q's library, or the caller's `workspace=`), written
@@ -44,7 +44,7 @@ class Index:
         max_kept_blocks) and run their full list, every block their tile sees (exact, at dense cost for those
         tiles; kept_blocks counts those full lists). Its to_host() copy lists them in full and keeps the count; 0
         for an index built on the CPU.
-        block_size, group_size, num_kv_heads, head_subgroups, head_dim, correction, mode ('tile' or 'union'),
+        block_size, group_size, num_kv_heads, num_subgroups, head_dim, correction, mode ('tile' or 'union'),
         on_device, binding.
         Host indexes also: segment_start, segment_end: [S] int32; block_ids: [N] int32; cu_blocks: [B+1] int32
         (block offsets); k_mean, v_mean: [total_blocks, num_kv_heads, D] float32 pooled block means (a tail block
@@ -58,7 +58,7 @@ class Index:
     def __init__(self, d: dict, lib: ArrayLib, cu_seqlens_q: Any, mode: str):
         """A host index from the dict the extension returns."""
         self._init_common(d["binding"], lib, cu_seqlens_q, mode, int(d["block_size"]), bool(d["correction"]),
-                          int(d["head_subgroups"]))
+                          int(d["num_subgroups"]))
         self.on_device = False
         self._counts = (int(d["kept_blocks"]), int(d["visible_blocks"]), int(d["overflow_segments"]))
         self.host = {name: d[name] for name in self._ARRAYS}  # v_mean None without the correction
@@ -66,13 +66,13 @@ class Index:
         for name in self._ARRAYS:  # in the inputs' library (zero copy on the CPU)
             setattr(self, name, _from_numpy(lib, self.host[name]))
 
-    def _init_common(self, binding, lib, cu_seqlens_q, mode, block_size, correction, head_subgroups):
+    def _init_common(self, binding, lib, cu_seqlens_q, mode, block_size, correction, num_subgroups):
         self.binding = binding
         self.block_size = block_size
         self.correction = correction
-        self.head_subgroups = head_subgroups
-        self.num_kv_heads = _C.geometry.virtual_kv_heads(binding.num_kv_heads, head_subgroups)
-        self.group_size = _C.geometry.virtual_group_size(binding.num_q_heads // binding.num_kv_heads, head_subgroups)
+        self.num_subgroups = num_subgroups
+        self.num_kv_heads = _C.geometry.virtual_kv_heads(binding.num_kv_heads, num_subgroups)
+        self.group_size = _C.geometry.virtual_group_size(binding.num_q_heads // binding.num_kv_heads, num_subgroups)
         self.head_dim = binding.head_dim
         self.mode = mode
         self._lib = lib
@@ -86,7 +86,7 @@ class Index:
         self = cls.__new__(cls)
         sel = device_index.selection
         self._init_common(device_index.binding, lib, cu_seqlens_q, mode, sel.block_size, sel.correction,
-                          device_index.binding.head_subgroups)
+                          device_index.binding.num_subgroups)
         self.on_device = True
         self.workspace = workspace
         self._dev = device_index
@@ -155,7 +155,7 @@ class Index:
 
         Args:
             b: sequence, in [0, B).
-            kv_head: KV head (a virtual one with head_subgroups > 1), in [0, num_kv_heads).
+            kv_head: KV head (a virtual one with num_subgroups > 1), in [0, num_kv_heads).
             tile: query tile of sequence b, in [0, tiles[b]).
         """
         b, kv_head, tile = (_as_int(n, x) for n, x in (("b", b), ("kv_head", kv_head), ("tile", tile)))
@@ -183,7 +183,7 @@ class Index:
         where = "device" if self.on_device else f"host, density={self.density:.4f}"   # no sync on the host
         return (f"Index(mode={self.mode!r}, on the {where}, block_size={self.block_size}, "
                 f"group_size={self.group_size}, num_kv_heads={self.num_kv_heads}, "
-                f"head_subgroups={self.head_subgroups}, correction={self.correction})")
+                f"num_subgroups={self.num_subgroups}, correction={self.correction})")
 
     # -- placement --------------------------------------------------------------------------------------------------
     def _arrays_for(self, lib: ArrayLib) -> tuple:
@@ -201,12 +201,12 @@ class Index:
         the caller's to change; the device copies of the arrays are cached)."""
         arrays = dict(zip(self._ARRAYS, self._arrays_for(lib)))
         return _C.IndexArrays(block_size=self.block_size, correction=self.correction,
-                              head_subgroups=self.head_subgroups, binding=self.binding, **arrays)
+                              num_subgroups=self.num_subgroups, binding=self.binding, **arrays)
 
     def _host_index(self) -> Any:
         """The extension's HostIndex of this host index (union_index's input)."""
         return _C.HostIndex(block_size=self.block_size, group_size=self.group_size, num_kv_heads=self.num_kv_heads,
-                            head_subgroups=self.head_subgroups, correction=self.correction,
+                            num_subgroups=self.num_subgroups, correction=self.correction,
                             kept_blocks=self.kept_blocks, visible_blocks=self.visible_blocks, binding=self.binding,
                             **self.host)
 
@@ -293,7 +293,7 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             query heads [v * g // S, (v + 1) * g // S) and reads K/V head v // S; the index's num_kv_heads,
             group_size, segments and means are over these virtual heads). In union mode the union is then per
             sub-group rather than over the whole group. 0 means S = g, one selection per query head (the index then
-            reports head_subgroups = g); 1 is one selection per KV group.
+            reports num_subgroups = g); 1 is one selection per KV group.
         dense_fraction (default 0.85): the dense rule, in (0, 1]: a call whose selection keeps at least this fraction
             of its visible blocks keeps them all (density 1, every segment its full list): near full density the
             sparse kernel costs what dense attention costs, so the last few percent are not worth pruning. On CUDA
@@ -421,7 +421,7 @@ def union_index(index: Index, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
                 stream=None, qkv_dtype=None) -> Index:
     """Chunked-prefill lowering: one ascending block list per (sequence, KV head), the union of the lists of all
     its tiles (always-kept blocks included); every tile's segment points at the shared list (mode 'union'). With
-    index.head_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group. Computed on the host
+    index.num_subgroups > 1 the KV heads are the index's virtual heads: one list per sub-group. Computed on the host
     from CPU arrays (CUDA arrays raise NotImplementedError: build_index(..., union=True) builds the union on the GPU).
 
     Args:

@@ -106,7 +106,7 @@ void bind_sparse(nb::module_& m) {
       .def_ro("causal", &sp::IndexBinding::causal)
       .def_ro("softmax_scale", &sp::IndexBinding::softmax_scale)
       .def_ro("block_size", &sp::IndexBinding::block_size)
-      .def_ro("head_subgroups", &sp::IndexBinding::head_subgroups)
+      .def_ro("num_subgroups", &sp::IndexBinding::num_subgroups)
       .def_ro("union", &sp::IndexBinding::union_lists)
       .def_ro("dense_fraction", &sp::IndexBinding::dense_fraction)
       .def_ro("batch", &sp::IndexBinding::batch)
@@ -164,7 +164,7 @@ void bind_sparse(nb::module_& m) {
   nb::class_<IndexArrays>(m, "IndexArrays")
       .def(
           "__init__",
-          [](IndexArrays* self, int block_size, bool correction, int head_subgroups, nb::handle segment_start,
+          [](IndexArrays* self, int block_size, bool correction, int num_subgroups, nb::handle segment_start,
              nb::handle segment_end, nb::handle block_ids, nb::handle cu_blocks, nb::handle k_mean,
              nb::handle v_mean, std::optional<sp::IndexBinding> binding) {
             IndexArrays x;
@@ -172,7 +172,7 @@ void bind_sparse(nb::module_& m) {
             if (binding) v.binding = *binding;
             v.block_size = block_size;
             v.correction = correction;
-            v.head_subgroups = head_subgroups;
+            v.num_subgroups = num_subgroups;
             v.segment_start = to_view(segment_start, "index.segment_start", x.held);
             v.segment_end = to_view(segment_end, "index.segment_end", x.held);
             v.block_ids = to_view(block_ids, "index.block_ids", x.held);
@@ -181,7 +181,7 @@ void bind_sparse(nb::module_& m) {
             if (!v_mean.is_none()) v.v_mean = to_view(v_mean, "index.v_mean", x.held);  // absent: validate_index
             new (self) IndexArrays(std::move(x));
           },
-          nb::kw_only(), nb::arg("block_size"), nb::arg("correction"), nb::arg("head_subgroups"),
+          nb::kw_only(), nb::arg("block_size"), nb::arg("correction"), nb::arg("num_subgroups"),
           nb::arg("segment_start"), nb::arg("segment_end"), nb::arg("block_ids"), nb::arg("cu_blocks"),
           nb::arg("k_mean"), nb::arg("v_mean").none() = nb::none(), nb::arg("binding").none() = nb::none());
 
@@ -189,7 +189,7 @@ void bind_sparse(nb::module_& m) {
   nb::class_<sp::BlockIndex>(m, "HostIndex")
       .def(
           "__init__",
-          [](sp::BlockIndex* self, int block_size, int group_size, int num_kv_heads, int head_subgroups,
+          [](sp::BlockIndex* self, int block_size, int group_size, int num_kv_heads, int num_subgroups,
              bool correction, nb::handle segment_start, nb::handle segment_end, nb::handle block_ids,
              nb::handle cu_blocks, nb::handle k_mean, nb::handle v_mean, int64_t kept_blocks,
              int64_t visible_blocks, std::optional<sp::IndexBinding> binding) {
@@ -198,7 +198,7 @@ void bind_sparse(nb::module_& m) {
             idx.block_size = block_size;
             idx.group_size = group_size;
             idx.num_kv_heads = num_kv_heads;
-            idx.head_subgroups = head_subgroups;
+            idx.num_subgroups = num_subgroups;
             idx.correction = correction;
             idx.segment_start = host_vector<int32_t>(segment_start, "index.segment_start", sp::DType::kInt32);
             idx.segment_end = host_vector<int32_t>(segment_end, "index.segment_end", sp::DType::kInt32);
@@ -211,14 +211,14 @@ void bind_sparse(nb::module_& m) {
             new (self) sp::BlockIndex(std::move(idx));
           },
           nb::kw_only(), nb::arg("block_size"), nb::arg("group_size"), nb::arg("num_kv_heads"),
-          nb::arg("head_subgroups"), nb::arg("correction"), nb::arg("segment_start"),
+          nb::arg("num_subgroups"), nb::arg("correction"), nb::arg("segment_start"),
           nb::arg("segment_end"), nb::arg("block_ids"), nb::arg("cu_blocks"), nb::arg("k_mean"),
           nb::arg("v_mean").none() = nb::none(), nb::arg("kept_blocks") = 0, nb::arg("visible_blocks") = 0,
           nb::arg("binding").none() = nb::none())
       .def_ro("block_size", &sp::BlockIndex::block_size)
       .def_ro("group_size", &sp::BlockIndex::group_size)
       .def_ro("num_kv_heads", &sp::BlockIndex::num_kv_heads)
-      .def_ro("head_subgroups", &sp::BlockIndex::head_subgroups)
+      .def_ro("num_subgroups", &sp::BlockIndex::num_subgroups)
       .def_ro("correction", &sp::BlockIndex::correction)
       .def_ro("kept_blocks", &sp::BlockIndex::kept_blocks)
       .def_ro("visible_blocks", &sp::BlockIndex::visible_blocks);

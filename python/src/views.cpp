@@ -169,7 +169,7 @@ nb::dict index_to_dict(sp::BlockIndex&& idx) {
   d["block_size"] = idx.block_size;
   d["group_size"] = idx.group_size;
   d["num_kv_heads"] = idx.num_kv_heads;
-  d["head_subgroups"] = idx.head_subgroups;
+  d["num_subgroups"] = idx.num_subgroups;
   d["correction"] = idx.correction;
   d["head_dim"] = idx.head_dim;
   d["kept_blocks"] = idx.kept_blocks;

@@ -140,10 +140,10 @@ void check_device_v_means(const DeviceBlockIndex& index) {
 // from its binding. A request that resolves to another S than the built one is an error.
 const DeviceBlockIndex& as_built(const DeviceBlockIndex& index) {
   const int requested = index.params.head_subgroups;
-  if (requested != 0 && requested != index.binding.head_subgroups) {
-    throw ArgumentError("index", "its head_subgroups (" + std::to_string(requested) +
-                                     ") differ from those it was built with (" +
-                                     std::to_string(index.binding.head_subgroups) + ")");
+  if (requested != 0 && requested != index.binding.num_subgroups) {
+    throw ArgumentError("index", "its params.head_subgroups (" + std::to_string(requested) +
+                                     ") differ from the sub-groups it was built with (binding.num_subgroups " +
+                                     std::to_string(index.binding.num_subgroups) + ")");
   }
   return index;
 }
@@ -301,13 +301,13 @@ BlockIndexView view_of(BlockIndex& index) {
   v.binding = index.binding;
   v.block_size = index.block_size;
   v.correction = index.correction;
-  v.head_subgroups = index.head_subgroups;
+  v.num_subgroups = index.num_subgroups;
   v.segment_start = make_view(index.segment_start.data(), DType::kInt32, {int64_t(index.segment_start.size())});
   v.segment_end = make_view(index.segment_end.data(), DType::kInt32, {int64_t(index.segment_end.size())});
   v.block_ids = make_view(index.block_ids.data(), DType::kInt32, {int64_t(index.block_ids.size())});
   v.cu_blocks = make_view(index.cu_blocks.data(), DType::kInt32, {int64_t(index.cu_blocks.size())});
   // Pooled-mean views take their extent from the vectors themselves, so a mismatched index fails validation
-  // instead of being read out of bounds. num_kv_heads is the index's (virtual, Hkv * head_subgroups) head count.
+  // instead of being read out of bounds. num_kv_heads is the index's (virtual, Hkv * num_subgroups) head count.
   const int64_t row = int64_t(index.num_kv_heads) * index.head_dim;
   auto pooled_view = [&](std::vector<float>& m, const char* name) {
     if (row <= 0 || int64_t(m.size()) % row != 0) {

@@ -23,8 +23,8 @@ void check_head_dim(int64_t head_dim, const char* name);
 // FP8 descales ([B, Hkv] float32, host memory): every value >= 0 (the kernels' running max assumes a non-negative
 // logit scale, as softmax_scale > 0 does); NaN and inf propagate.
 void check_descale_values(const TensorView& host_descale, const char* name);
-// Head sub-groups (SelectionParams::head_subgroups, BlockIndex::head_subgroups): S >= 1 dividing the GQA group size
-// g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.head_subgroups").
+// Head sub-groups (SelectionParams::head_subgroups, BlockIndex::num_subgroups): S >= 1 dividing the GQA group size
+// g = Hq / Hkv. `name` is the argument reported ("head_subgroups" or "index.num_subgroups").
 void check_head_subgroups(int subgroups, int group_size, const char* name);
 
 // validate_index.cpp: the index and the mean cache.

@@ -14,11 +14,11 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
   }
   // Head sub-groups: segments and pooled means are over heads = Hkv * S virtual KV heads of g' = g / S query heads
   // each (sparse.h); `g` below is g'.
-  check_head_subgroups(index.head_subgroups, p.group_size, "index.head_subgroups");
-  const int S = index.head_subgroups, heads = p.num_kv_heads * S, g = p.group_size / S;
+  check_head_subgroups(index.num_subgroups, p.group_size, "index.num_subgroups");
+  const int S = index.num_subgroups, heads = p.num_kv_heads * S, g = p.group_size / S;
   const std::string heads_note =
       S == 1 ? std::string()
-             : " (head_subgroups = " + std::to_string(S) + ": " + std::to_string(heads) + " virtual KV heads of " +
+             : " (num_subgroups = " + std::to_string(S) + ": " + std::to_string(heads) + " virtual KV heads of " +
                    std::to_string(g) + " query heads)";
   // On CUDA the sequence lengths live on the device (p.seqs is empty): shapes that depend on them are not checked
   // there (the segment count and pooled rows are trusted, as cu_seqlens are).
@@ -36,7 +36,7 @@ void validate_index(const Problem& p, const BlockIndexView& index) {
     if (host && t->shape[0] != segments) {
       throw ArgumentError(name, "expected " + std::to_string(segments) + " segments for these sequences" +
                                     heads_note + ", got " + std::to_string(t->shape[0]) +
-                                    " (index built for other inputs or another head_subgroups?)");
+                                    " (index built for other inputs or another num_subgroups?)");
     }
   }
   check_rank(index.block_ids, 1, "index.block_ids");

@@ -68,7 +68,7 @@ IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const Selec
   b.window_right = in.window_right;
   b.softmax_scale = p.softmax_scale;
   b.block_size = params.block_size;
-  b.head_subgroups = resolve_head_subgroups(params.head_subgroups, p.group_size);  // the index's S
+  b.num_subgroups = resolve_head_subgroups(params.head_subgroups, p.group_size);  // the index's S
   b.dense_fraction = params.dense_fraction;
   b.union_lists = params.union_lists;
   b.v_means = params.correction;

@@ -27,7 +27,7 @@ void check_workspace(const TensorView& w, const TensorView& q, int64_t need, con
 // BlockIndex) is this, resolved where a binding is made (bind_index) and by the reference, which has none.
 inline int resolve_head_subgroups(int requested, int group_size) { return requested == 0 ? group_size : requested; }
 
-// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h); its head_subgroups resolved.
+// What an index built from `in` with `params` is bound to (IndexBinding, sparse.h); its num_subgroups resolved.
 IndexBinding bind_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 // Throws ArgumentError naming the first argument of the call that differs from what the index was built for (the
 // data addresses only when !reuse_index). An unset binding passes.

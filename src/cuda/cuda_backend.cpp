@@ -117,7 +117,7 @@ SparseFwdArgs sparse_args_of(const DeviceIndex& index) {
   s.launch = index.launch;
   s.block_size = index.block_size;
   s.correction = index.correction;
-  s.head_subgroups = index.head_subgroups;
+  s.num_subgroups = index.num_subgroups;
   s.overflow_marks = true;
   return s;
 }
@@ -243,7 +243,7 @@ void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, co
   s.launch = l.launch;
   s.block_size = index.block_size;
   s.correction = index.correction && s.mean_rows > 0;
-  s.head_subgroups = index.head_subgroups;
+  s.num_subgroups = index.num_subgroups;
   run_sparse(a, p, s, planned(in));
 }
 

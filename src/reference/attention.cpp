@@ -109,10 +109,10 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 
 void sparse_attention(const AttentionInputs& in, const BlockIndexView& index, const AttentionOutputs& outs,
                       const Problem& p) {
-  if (index.head_subgroups > 1) {  // the S = 1 path on the model with Hkv * S KV heads
-    const VirtualHeadCopies virt = virtual_head_copies(in, p, index.head_subgroups);
+  if (index.num_subgroups > 1) {  // the S = 1 path on the model with Hkv * S KV heads
+    const VirtualHeadCopies virt = virtual_head_copies(in, p, index.num_subgroups);
     BlockIndexView one = index;
-    one.head_subgroups = 1;
+    one.num_subgroups = 1;
     return sparse_attention(virt.in, one, outs, virt.p);
   }
   const std::vector<SequenceKV> kv = gather_kv(in, p);

@@ -11,7 +11,7 @@ namespace sparse_prefill::reference {
 // slots (MeanCache, sparse.h), as the CUDA index stage stores the blocks a chunk completes. The cache holds the real
 // KV heads: with head sub-groups (S), real head h is the index's virtual head h * S (all S copies are equal).
 void write_mean_cache(const Problem& p, const AttentionInputs& in, const BlockIndex& index, const MeanCache& cache) {
-  const int B = index.block_size, S = index.head_subgroups, D = p.head_dim;
+  const int B = index.block_size, S = index.num_subgroups, D = p.head_dim;
   const int64_t row = int64_t(p.num_kv_heads) * D;  // one slot of the cache; the index's rows hold row * S floats
   const int32_t* bt = in.block_table->ptr<const int32_t>();
   const int64_t bt0 = in.block_table->stride[0], bt1 = in.block_table->stride[1];

@@ -56,7 +56,7 @@ TileGeometry tile_geometry(int64_t tile, int64_t q_len, int group_size);
 bool block_fully_visible(const AttentionInputs& in, const SequenceInfo& s, const TileGeometry& tile, int64_t block,
                          int block_size);
 
-// Head sub-groups (S = BlockIndex::head_subgroups > 1, SelectionParams' resolved, sparse.h): the reference runs its
+// Head sub-groups (S = BlockIndex::num_subgroups > 1, SelectionParams' resolved, sparse.h): the reference runs its
 // S = 1 code on the equivalent model with Hkv * S KV heads, whose virtual head v holds query heads [v g', (v + 1) g'),
 // g' = g / S, and is a copy of K/V head v / S. virtual_problem() is that model's Problem; virtual_head_copies() also
 // materialises its K/V (each head repeated S times along the head axis, contiguous or paged like the input, any

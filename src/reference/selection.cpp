@@ -84,7 +84,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     SelectionParams one = params;
     one.head_subgroups = 1;
     BlockIndex index = build_index(virt.in, virt.p, one, v_means);
-    index.head_subgroups = S;
+    index.num_subgroups = S;
     return index;
   }
   BlockIndex index;
@@ -350,7 +350,7 @@ namespace {
 
 // The union lowering of an index over p.num_kv_heads (virtual) KV heads.
 BlockIndex union_of_tiles(const AttentionInputs& in, const Problem& p, const BlockIndex& index) {
-  BlockIndex u = index;  // metadata (head_subgroups included) and pooled means carry over
+  BlockIndex u = index;  // metadata (num_subgroups included) and pooled means carry over
   const std::vector<int64_t> seg_offset = segment_offsets(p);
   u.block_ids.clear();
   for (int b = 0; b < p.batch; ++b) {
@@ -382,7 +382,7 @@ BlockIndex union_of_tiles(const AttentionInputs& in, const Problem& p, const Blo
 BlockIndex union_index(const AttentionInputs& in, const Problem& p, const BlockIndex& index, float dense_fraction) {
   // Head sub-groups: one list per (sequence, virtual KV head), i.e. per sub-group. The union reads no K/V, so the
   // virtual problem is enough (count_density reads only the masks of `in`).
-  const Problem vp = index.head_subgroups > 1 ? virtual_problem(p, index.head_subgroups) : p;
+  const Problem vp = index.num_subgroups > 1 ? virtual_problem(p, index.num_subgroups) : p;
   BlockIndex u = union_of_tiles(in, vp, index);
   apply_dense_rule(in, vp, u, dense_fraction);
   return u;

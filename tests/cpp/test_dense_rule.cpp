@@ -122,12 +122,12 @@ TEST(Defaults, PerQueryHeadSelection) {
     SelectionParams g = d;
     g.head_subgroups = c.Hq / c.Hkv;
     const BlockIndex a = build_index(B->in, d), b = build_index(B->in, g);
-    EXPECT_EQ(a.head_subgroups, g.head_subgroups);
+    EXPECT_EQ(a.num_subgroups, g.head_subgroups);
     EXPECT_EQ(a.group_size, 1);
     EXPECT_EQ(a.num_kv_heads, c.Hq);
     EXPECT_EQ(lists_of(a), lists_of(b));
     EXPECT_EQ(a.kept_blocks, b.kept_blocks);
-    EXPECT_EQ(a.binding.head_subgroups, g.head_subgroups);
+    EXPECT_EQ(a.binding.num_subgroups, g.head_subgroups);
   }
 }
 

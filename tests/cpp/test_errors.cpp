@@ -688,9 +688,9 @@ TEST_F(Errors, HeadSubgroups) {
   EXPECT_NO_THROW(::sparse_prefill::sparse_prefill(C->in, p, co));
   p.head_subgroups = 0;  // one selection per query head: S = g = 2
   const BlockIndex per_head = build_index(C->in, p);
-  EXPECT_EQ(per_head.head_subgroups, 2);
+  EXPECT_EQ(per_head.num_subgroups, 2);
   EXPECT_EQ(per_head.segment_start.size(), 8u);
-  EXPECT_EQ(per_head.binding.head_subgroups, 2);
+  EXPECT_EQ(per_head.binding.num_subgroups, 2);
 }
 TEST_F(Errors, IndexHeadSubgroups) {
   BlockIndex one = index_for(*C);  // S = 1
@@ -705,21 +705,21 @@ TEST_F(Errors, IndexHeadSubgroups) {
   EXPECT_NO_THROW(union_index(C->in, two));
   for (int S : {0, -2, 3}) {  // < 1, or not dividing g = 2
     BlockIndexView v = view_of(two);
-    v.head_subgroups = S;
-    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.head_subgroups") << " S " << S;
+    v.num_subgroups = S;
+    EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.num_subgroups") << " S " << S;
     BlockIndex bad = two;
-    bad.head_subgroups = S;
-    EXPECT_ARG_ERROR(union_index(C->in, bad), "index.head_subgroups") << " S " << S;
+    bad.num_subgroups = S;
+    EXPECT_ARG_ERROR(union_index(C->in, bad), "index.num_subgroups") << " S " << S;
   }
-  {  // head_subgroups that does not match the segment count
+  {  // num_subgroups that does not match the segment count
     BlockIndexView v = view_of(one);
-    v.head_subgroups = 2;
+    v.num_subgroups = 2;
     EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.segment_start");
     v = view_of(two);
-    v.head_subgroups = 1;
+    v.num_subgroups = 1;
     EXPECT_ARG_ERROR(sparse_attention(C->in, v, co), "index.segment_start");
     BlockIndex bad = one;
-    bad.head_subgroups = 2;
+    bad.num_subgroups = 2;
     EXPECT_ARG_ERROR(union_index(C->in, bad), "index.segment_start");
   }
   {  // segments of S = 2 but the pooled means of the real KV heads (Hkv, not Hkv * S)
@@ -735,7 +735,7 @@ TEST_F(Errors, IndexHeadSubgroups) {
   {  // an index of S = 1 whose declared head count is virtual: view_of sizes the means by num_kv_heads
     BlockIndex bad = one;
     bad.num_kv_heads = 4;
-    bad.head_subgroups = 2;
+    bad.num_subgroups = 2;
     EXPECT_ARG_ERROR(sparse_attention(C->in, view_of(bad), co), "index*");
   }
 }

@@ -110,8 +110,8 @@ TEST(Subgroups, IndexEqualsRepeatedModel) {
                      (final_chunk ? "true" : "false"));
         const BlockIndex idx = build_index(B->in, with_subgroups(p, S, union_lists, final_chunk));
         const BlockIndex ref = build_index(R->in, with_subgroups(p, 1, union_lists, final_chunk));
-        EXPECT_EQ(idx.head_subgroups, S);
-        EXPECT_EQ(ref.head_subgroups, 1);
+        EXPECT_EQ(idx.num_subgroups, S);
+        EXPECT_EQ(ref.num_subgroups, 1);
         EXPECT_EQ(idx.num_kv_heads, Hkv * S);
         EXPECT_EQ(idx.group_size, g / S);
         expect_same_index(idx, ref);
@@ -214,7 +214,7 @@ TEST(Subgroups, UnionPerSubgroup) {
     const BlockIndex tiles = build_index(B->in, p);
     const BlockIndex u = build_index(B->in, with_subgroups(p, S, true));
     const BlockIndex u2 = union_index(B->in, tiles);
-    EXPECT_EQ(u2.head_subgroups, S);
+    EXPECT_EQ(u2.num_subgroups, S);
     expect_same_index(u, u2);
     // per (sequence, virtual head): the union of that head's tiles, nothing else
     const std::vector<std::vector<int>> tl = lists_of(tiles), ul = lists_of(u);

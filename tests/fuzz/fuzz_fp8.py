@@ -67,7 +67,7 @@ def e4m3_means(index, k_descale, v_descale):
     units of the call's descales (nearest even, saturated to ±448) times the descale (docs/semantics.md, FP8)."""
     cu = np.asarray(index.host["cu_blocks"])
     seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
-    S = index.head_subgroups
+    S = index.num_subgroups
     for name, ds in (("k_mean", k_descale), ("v_mean", v_descale)):
         m = index.host[name]
         if m is None:  # no V means without the correction

@@ -224,7 +224,7 @@ def check_index(index, bands, c, dense_fraction=1.0):
 def check_means(index, k, v, k_lens, rtol):
     """The index's pooled means [total_blocks, Hkv * S, D] against float64 ones (row v: K/V head v // S); V means
     only with the correction (None without it)."""
-    S, B = index.head_subgroups, index.block_size
+    S, B = index.num_subgroups, index.block_size
     ck = np.concatenate([[0], np.cumsum(k_lens)])
     if not index.correction:
         assert index.host["v_mean"] is None
@@ -243,7 +243,7 @@ def sparse_reference(q, k, v, q_lens, k_lens, hq, hkv, index, correction):
     visible to the whole tile. Pooled means: the index's own (float32 on the CPU, rounded on CUDA). The segments'
     lists become masks over a (sequence, KV head)'s [Lq, g, Lk] logits: two matrix products per (sequence, KV head)."""
     h = index.host
-    B, S = index.block_size, index.head_subgroups
+    B, S = index.block_size, index.num_subgroups
     g = hq // hkv
     gs = g // S
     scale = 1.0 / np.sqrt(q.shape[-1])

@@ -486,7 +486,7 @@ def test_head_subgroups_index_on_gpu_matches_cpu():
     for S in (2, 4):
         ref = sp.build_index(*cpu, mq, mk, alpha=0.2, head_subgroups=S, dense_fraction=1.0)
         got = sp.build_index(*gpu, mq, mk, alpha=0.2, head_subgroups=S, dense_fraction=1.0).to_host()
-        assert got.head_subgroups == S and got.num_segments == ref.num_segments
+        assert got.num_subgroups == S and got.num_segments == ref.num_segments
         assert np.allclose(got.host["k_mean"], ref.host["k_mean"], atol=1e-5)
         differ = sum(len(set(ref.segment(b, h, t)) ^ set(got.segment(b, h, t)))
                      for b in range(2) for h in range(2 * S) for t in range(int(ref.tiles[b])))

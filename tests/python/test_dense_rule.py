@@ -80,6 +80,6 @@ def test_per_head_default_is_head_subgroups_g():
     args, L = _case(1000)
     a = sp.build_index(*args, L, L)
     b = sp.build_index(*args, L, L, head_subgroups=4)
-    assert a.head_subgroups == 4 and a.group_size == 1 and a.num_kv_heads == 8
+    assert a.num_subgroups == 4 and a.group_size == 1 and a.num_kv_heads == 8
     for key in ("segment_start", "segment_end", "block_ids"):
         assert np.array_equal(getattr(a, key), getattr(b, key))

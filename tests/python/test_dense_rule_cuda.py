@@ -79,7 +79,7 @@ def test_default_selection_is_per_query_head_on_gpu():
     b = sp.build_index(*gpu, mq, mk, head_subgroups=4).to_host()
     ref = sp.build_index(*cpu, mq, mk)
     assert sp.SELECTION_DEFAULTS["head_subgroups"] == 0
-    assert a.head_subgroups == b.head_subgroups == ref.head_subgroups == 4 and a.group_size == 1
+    assert a.num_subgroups == b.num_subgroups == ref.num_subgroups == 4 and a.group_size == 1
     for key in ("segment_start", "segment_end", "block_ids"):
         assert np.array_equal(a.host[key], b.host[key]), key
     assert a.visible_blocks == ref.visible_blocks and abs(a.density - ref.density) <= 0.01

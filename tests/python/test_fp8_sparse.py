@@ -249,7 +249,7 @@ def _e4m3_means(index, k_descale, v_descale):
     assert not index.on_device and not index._cache
     cu = np.asarray(index.host["cu_blocks"])
     seq = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
-    S = index.head_subgroups
+    S = index.num_subgroups
     for name, ds in (("k_mean", k_descale), ("v_mean", v_descale)):
         a = index.host[name]
         if a is None:  # no V means without the correction

@@ -51,11 +51,11 @@ def test_index_equals_repeated_model(batch, S, union, final_chunk):
     kw = dict(SEL, alpha=0.2, union=union, final_chunk=final_chunk)
     idx = sp.build_index(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **kw)
     ref = sp.build_index(*args(q, rep(k, S), rep(v, S), cu_q, cu_k), head_subgroups=1, **kw)
-    assert (idx.head_subgroups, ref.head_subgroups) == (S, 1)
+    assert (idx.num_subgroups, ref.num_subgroups) == (S, 1)
     assert (idx.num_kv_heads, idx.group_size) == (HKV * S, HQ // HKV // S)
     assert idx.mode == ("union" if union else "tile")
     assert_same_index(idx, ref)
-    assert "head_subgroups=%d" % S in repr(idx)
+    assert "num_subgroups=%d" % S in repr(idx)
     # tiles and segments over the virtual heads
     tiles = [(lq * HQ // HKV // S + 127) // 128 for lq in Q_LENS]
     np.testing.assert_array_equal(idx.tiles, tiles)
@@ -106,7 +106,7 @@ def test_sparse_attention_equals_repeated_model(batch, correction, union):
     one_call = sp.sparse_prefill(*args(q, k, v, cu_q, cu_k), head_subgroups=S, **kw)
     np.testing.assert_array_equal(one_call, out)
     o, i2 = sp.sparse_prefill(*args(q, k, v, cu_q, cu_k), head_subgroups=S, return_index=True, **kw)
-    assert i2.head_subgroups == S
+    assert i2.num_subgroups == S
     np.testing.assert_array_equal(o, out)
 
 
@@ -148,7 +148,7 @@ def test_union_is_per_subgroup(chunks, S):
     tiles = sp.build_index(*chunks, head_subgroups=S, **CHUNK_SEL)
     u = sp.build_index(*chunks, head_subgroups=S, union=True, **CHUNK_SEL)
     u2 = sp.union_index(tiles, *chunks)
-    assert u2.head_subgroups == S
+    assert u2.num_subgroups == S
     assert_same_index(u, u2)
     assert u.kept_blocks < u.visible_blocks and u.kept_blocks > tiles.kept_blocks  # the test is not trivial
     want = _unions_of_tiles(tiles)
@@ -205,22 +205,22 @@ def test_index_view_with_mismatched_head_subgroups(batch):
     q, k, v, cu_q, cu_k = batch
     a = args(q, k, v, cu_q, cu_k)
     idx = sp.build_index(*a, head_subgroups=2, correction=True, **SEL)  # correction: the means are read
-    idx.head_subgroups = 1                       # segments laid out for 2 sub-groups
+    idx.num_subgroups = 1                       # segments laid out for 2 sub-groups
     with pytest.raises(ValueError, match="^index.segment_start") as e:
         sp.sparse_attention(q, k, v, idx, *a[3:])
     assert e.value.argument == "index.segment_start"
     for bad in (0, 3):
-        idx.head_subgroups = bad
-        with pytest.raises(ValueError, match="^index.head_subgroups") as e:
+        idx.num_subgroups = bad
+        with pytest.raises(ValueError, match="^index.num_subgroups") as e:
             sp.sparse_attention(q, k, v, idx, *a[3:])
-        assert e.value.argument == "index.head_subgroups"
-        with pytest.raises(ValueError, match="^index.head_subgroups"):
+        assert e.value.argument == "index.num_subgroups"
+        with pytest.raises(ValueError, match="^index.num_subgroups"):
             sp.union_index(idx, *a)
-    idx.head_subgroups = 2
+    idx.num_subgroups = 2
     idx.k_mean = np.ascontiguousarray(idx.k_mean[:, ::2])   # the real heads' means: Hkv rows, not Hkv * S
     with pytest.raises(ValueError, match="^index.k_mean") as e:
         sp.sparse_attention(q, k, v, idx, *a[3:])
-    assert "head_subgroups = 2" in str(e.value)
+    assert "num_subgroups = 2" in str(e.value)
 
 
 @pytest.mark.parametrize("page,block", [(16, 64), (128, 64)])

@@ -45,7 +45,7 @@ struct FwdArgs {
 };
 
 // The CSR index a block-sparse launch walks (device pointers; docs/semantics.md). Segment of (b, kvh, tile):
-// H * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile, H = Hkv * head_subgroups (virtual KV heads).
+// H * cu_tiles[b] + kvh * (cu_tiles[b+1] - cu_tiles[b]) + tile, H = Hkv * num_subgroups (virtual KV heads).
 struct SparseFwdArgs {
   const int32_t* segment_start = nullptr;
   const int32_t* segment_end = nullptr;
@@ -63,7 +63,7 @@ struct SparseFwdArgs {
   bool correction = true;
   // Head sub-groups (SelectionParams::head_subgroups): the index's tiles and segments are over Hkv * S virtual KV
   // heads of g / S query heads each; virtual head v reads K/V (and the pooled means, [mean_rows, Hkv, D]) of head v / S.
-  int head_subgroups = 1;
+  int num_subgroups = 1;
   // Dense attention over PackGQA tiles with the split-KV plan (cuda_backend.cpp, dense_uses_full_list): no index
   // arrays; each tile visits every key block its last row sees (SparseBlockIterator::full_list_blocks), causal or
   // not (FwdArgs::causal), no correction, block_size 128.

@@ -18,10 +18,10 @@ struct FwdProblem {
   const int* cu_seqlens_k;
   const int* seqused_k;  // paged KV only (null: contiguous)
   int total_q, total_k_rows, num_q_heads;
-  // Tiles run over num_kv_heads KV heads; with head sub-groups (PackGQA tiles, SparseFwdArgs::head_subgroups) these
+  // Tiles run over num_kv_heads KV heads; with head sub-groups (PackGQA tiles, SparseFwdArgs::num_subgroups) these
   // are virtual heads of group_size query heads each, and K/V (and the pooled means) are read from head
-  // kv_head / head_subgroups of the num_kv_heads_mem heads in memory.
-  int num_kv_heads, group_size, num_kv_heads_mem, head_subgroups;
+  // kv_head / num_subgroups of the num_kv_heads_mem heads in memory.
+  int num_kv_heads, group_size, num_kv_heads_mem, num_subgroups;
   geometry::RowDivider group_div;  // group_size: PackGQA row -> (position, head) without an integer division
   int num_m_blocks;  // m-blocks (PackGQA: packed tiles) of the longest sequence
   int batch;
@@ -30,7 +30,7 @@ struct FwdProblem {
   DeviceError* err;               // device-side checks (device_checks.h)
   // kPackGqa: tiles of 128 packed rows (position * g + head % g) per (sequence, KV head), else 128 query rows of one
   // query head.
-  static FwdProblem make(const FwdArgs& a, bool pack_gqa, int head_subgroups, int block_m) {
+  static FwdProblem make(const FwdArgs& a, bool pack_gqa, int num_subgroups, int block_m) {
     FwdProblem p;
     p.cu_seqlens_q = a.in.cu_seqlens_q;
     p.cu_seqlens_k = a.in.cu_seqlens_k;
@@ -40,9 +40,9 @@ struct FwdProblem {
     p.batch = a.batch;
     p.num_q_heads = a.num_q_heads;
     p.num_kv_heads_mem = a.num_kv_heads;
-    p.head_subgroups = pack_gqa ? head_subgroups : 1;
-    p.num_kv_heads = geometry::virtual_kv_heads(a.num_kv_heads, p.head_subgroups);
-    p.group_size = geometry::virtual_group_size(a.num_q_heads / a.num_kv_heads, p.head_subgroups);
+    p.num_subgroups = pack_gqa ? num_subgroups : 1;
+    p.num_kv_heads = geometry::virtual_kv_heads(a.num_kv_heads, p.num_subgroups);
+    p.group_size = geometry::virtual_group_size(a.num_q_heads / a.num_kv_heads, p.num_subgroups);
     p.group_div = geometry::RowDivider(p.group_size);
     const int64_t rows = pack_gqa ? int64_t(a.max_seqlen_q) * p.group_size : int64_t(a.max_seqlen_q);
     p.num_m_blocks = int((rows + block_m - 1) / block_m);

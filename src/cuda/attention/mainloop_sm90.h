@@ -104,7 +104,7 @@ struct Mainloop {
                            _1{});
     };
     Params p;
-    p.problem = FwdProblem::make(a, Schedule::kPackGqa, s != nullptr ? s->head_subgroups : 1, kBlockM);
+    p.problem = FwdProblem::make(a, Schedule::kPackGqa, s != nullptr ? s->num_subgroups : 1, kBlockM);
     p.q = QLoad::to_params(a, gmem);
     p.kv = KvSource::to_params(a, gmem);
     p.schedule = Schedule::to_params(a, s);

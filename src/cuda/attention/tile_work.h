@@ -127,7 +127,7 @@ struct CsrBlocks {
     bool valid;          // false: beyond its sequence, or run as split-KV units elsewhere
     int bad;             // DeviceErrorCode of the sequence / segment: the clipped span, no step, NaN rows
     __device__ __forceinline__ int kv_head_mem(const FwdProblem& pr) const {
-      return geometry::memory_kv_head(kv_head, pr.head_subgroups);
+      return geometry::memory_kv_head(kv_head, pr.num_subgroups);
     }
     // Packed row row0 + row = position * g + head % g. Rows past the sequence are computed but never stored.
     __device__ __forceinline__ int tile_rows(const FwdProblem& pr) const { return seq.q_len * pr.group_size - row0; }

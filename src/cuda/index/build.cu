@@ -27,7 +27,7 @@ DeviceIndex build_index(const AttentionInputs& in, const LaunchInputs& li, const
                  "a dtype the index stage is not built for");
   internal_check(fp8 || q_cp_async_aligned(in), "q", "odd strides or a base not 4-byte aligned");
   const IndexBinding binding = bind_index(in, p, params);
-  const VirtualHeads heads = virtual_heads(p, binding.head_subgroups);
+  const VirtualHeads heads = virtual_heads(p, binding.num_subgroups);
   const Bounds bd = bounds_of(binding, params);  // capacity < 2^31: int32 ids and offsets (checked there)
   const size_t need = carve(binding, bd, nullptr, nullptr);
   if (workspace == nullptr || workspace_bytes < need) {

@@ -27,12 +27,12 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   std::vector<int32_t> cu_tiles(batch + 1);
   unsigned long long counters[kNumCounters] = {};
   BlockIndex idx;
-  const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, b.head_subgroups);
+  const VirtualHeads heads = virtual_heads(hkv, b.num_q_heads / hkv, b.num_subgroups);
   idx.binding = b;
   idx.block_size = params.block_size;
   idx.group_size = heads.group;
   idx.num_kv_heads = heads.kv;
-  idx.head_subgroups = heads.subgroups;
+  idx.num_subgroups = heads.num_subgroups;
   idx.head_dim = D;
   idx.correction = params.correction;
   idx.cu_blocks.resize(batch + 1);
@@ -69,16 +69,16 @@ BlockIndex download_index(const DeviceIndex& d, const IndexBinding& b, const Sel
   std::vector<float> km(pooled), vm(with_v ? pooled : 0);
   download(d.k_mean, pooled * 4, km.data());
   if (with_v) download(d.v_mean, pooled * 4, vm.data());
-  if (heads.subgroups == 1) {
+  if (heads.num_subgroups == 1) {
     idx.k_mean = std::move(km);
     idx.v_mean = std::move(vm);
   } else {  // the index's means are over virtual heads: head h * S + s repeats KV head h
     const size_t rows = size_t(idx.cu_blocks[batch]);
-    idx.k_mean.resize(pooled * heads.subgroups);
-    idx.v_mean.resize(with_v ? pooled * heads.subgroups : 0);
+    idx.k_mean.resize(pooled * heads.num_subgroups);
+    idx.v_mean.resize(with_v ? pooled * heads.num_subgroups : 0);
     for (size_t r = 0; r < rows; ++r)
       for (int v = 0; v < heads.kv; ++v) {
-        const size_t src = (r * hkv + geometry::memory_kv_head(v, heads.subgroups)) * D;
+        const size_t src = (r * hkv + geometry::memory_kv_head(v, heads.num_subgroups)) * D;
         const size_t dst = (r * heads.kv + v) * D;
         std::copy(km.begin() + src, km.begin() + src + D, idx.k_mean.begin() + dst);
         if (with_v) std::copy(vm.begin() + src, vm.begin() + src + D, idx.v_mean.begin() + dst);

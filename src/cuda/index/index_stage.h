@@ -46,7 +46,7 @@ enum IndexCounter {
 struct DeviceIndex {
   int block_size = 128;
   bool correction = true;
-  int head_subgroups = 1;        // S: tiles and segments over Hkv * S virtual KV heads; pooled means per KV head
+  int num_subgroups = 1;         // S: tiles and segments over Hkv * S virtual KV heads; pooled means per KV head
   int64_t max_segments = 0;      // >= Hkv * S * sum_b T_b
   int64_t max_blocks = 0;        // >= sum_b nb_b (pooled rows)
   int64_t capacity = 0;          // block_ids slots (< 2^31: int32 offsets)

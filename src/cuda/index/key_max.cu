@@ -472,7 +472,7 @@ void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const V
   }
   launch_key_basis(stream, p, R, bd, seq, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
-      seq, qa, sel, heads.group, heads.kv, heads.subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
+      seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
       static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.key_basis, static_cast<const __half*>(d.key_proj), d.key_radius,
       d.key_rows, d.probe_bits, d.probe_words);
 }

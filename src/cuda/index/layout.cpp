@@ -43,7 +43,7 @@ int probe_splits(int64_t total_q, int group_size, int kv_heads, int64_t probe_wo
 }
 
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
-  const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, b.head_subgroups);
+  const VirtualHeads h = virtual_heads(b.num_kv_heads, b.num_q_heads / b.num_kv_heads, b.num_subgroups);
   const int block_size = params.block_size;
   Bounds bd;
   bd.max_tiles = b.total_q * h.group / kTileRows + b.batch;
@@ -134,7 +134,7 @@ DeviceIndex carve_index(const IndexBinding& b, const SelectionParams& params, vo
   d.max_segments = bd.max_segments;
   d.max_blocks = bd.max_blocks;
   d.capacity = bd.capacity;
-  d.head_subgroups = b.head_subgroups;
+  d.num_subgroups = b.num_subgroups;
   return d;
 }
 

@@ -25,14 +25,14 @@ struct Bounds {
 struct VirtualHeads {
   int kv;         // virtual KV heads: Hkv * S
   int group;      // query heads per virtual KV head: g / S
-  int subgroups;  // S (SelectionParams::head_subgroups)
+  int num_subgroups;  // S (BlockIndex::num_subgroups)
 };
-inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int head_subgroups) {
-  return {geometry::virtual_kv_heads(num_kv_heads, head_subgroups),
-          geometry::virtual_group_size(group_size, head_subgroups), head_subgroups};
+inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int num_subgroups) {
+  return {geometry::virtual_kv_heads(num_kv_heads, num_subgroups),
+          geometry::virtual_group_size(group_size, num_subgroups), num_subgroups};
 }
-inline VirtualHeads virtual_heads(const Problem& p, int head_subgroups) {
-  return virtual_heads(p.num_kv_heads, p.group_size, head_subgroups);
+inline VirtualHeads virtual_heads(const Problem& p, int num_subgroups) {
+  return virtual_heads(p.num_kv_heads, p.group_size, num_subgroups);
 }
 
 // Block-id slots any selection can fill (the default budget): the sum over segments of the blocks their tiles' last
@@ -46,7 +46,7 @@ int64_t causal_capacity(int64_t max_tiles, int batch, int64_t max_seqlen_k, int 
 Bounds bounds_of(const IndexBinding& b, const SelectionParams& params);
 
 // Key splits of the probe pass (probe.cu): its CTAs take 8 tiles each, so a chunk step has few of them (chunk 1024
-// at head_subgroups = g: one per virtual KV head, 32 for Llama's heads) and each would stream the whole cache. With
+// at num_subgroups = g: one per virtual KV head, 32 for Llama's heads) and each would stream the whole cache. With
 // S > 1 every CTA takes 1/S of the key blocks (whole 32-block words of the bitmap), in two launches: pass 1 writes
 // each split's partial row references, pass 2 merges them in split order and tests its blocks. S fills at most two
 // probe CTAs per SM (the kernel's occupancy: one wave) from an estimate of the CTAs, at most one split per bitmap

@@ -357,7 +357,7 @@ void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, con
       const dim3 split_grid(grid.x, grid.y, unsigned(splits));
       auto go = [&](ProbePhase phase) {
         kernel<<<split_grid, kProbeThreads, probe_smem, stream>>>(
-            seq, qa, kv, sel, heads.group, heads.kv, heads.subgroups, d.cu_tiles, d.probe_words, row_mass,
+            seq, qa, kv, sel, heads.group, heads.kv, heads.num_subgroups, d.cu_tiles, d.probe_words, row_mass,
             Split{splits, phase, d.probe_partials}, d.max_segments, d.probe_bits);
         check_cuda(cudaGetLastError(), "probe_kernel launch");
       };

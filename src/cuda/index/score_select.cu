@@ -428,7 +428,7 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
                   const SelectArgs& sel, const VirtualHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D, kRowMax, kBitsOnly>;
   (void)score_smem_limit<T, D, kRowMax, kBitsOnly>();  // the attributes, before the first launch
-  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.subgroups, kv_heads_mem,
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, kv_heads_mem,
                                                     d.cu_tiles, d.cu_blocks,
                                                     static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
                                                     d.probe_words, d.segment_start, d.segment_end, d.block_ids,

@@ -67,7 +67,7 @@ void prepare_index_view(const LaunchInputs& li, const Problem& p, const BlockInd
   const int grid = int(std::min<int64_t>(std::max<int64_t>((n + 255) / 256, 1), 4096));
   // With head sub-groups S the view's means are over Hkv * S virtual heads (virtual head h * S + s holds the means of
   // KV head h): the kernel's copies are per KV head, read from virtual head h * S (head stride x S).
-  const int S = view.head_subgroups;
+  const int S = view.num_subgroups;
   ViewMeans m{};
   m.rows = rows;
   if (rows) {

@@ -37,7 +37,7 @@ constexpr int kStepKeys = 128;  // keys of a kernel step (FwdConfig::kBlockN)
 struct TileOrder {
   int num_kv_heads, batch, max_tiles, group_size, band;
   static TileOrder of(const FwdArgs& a, const SparseFwdArgs& s) {  // virtual KV heads with head sub-groups
-    const int heads = geometry::virtual_kv_heads(a.num_kv_heads, s.head_subgroups), g = a.num_q_heads / heads;
+    const int heads = geometry::virtual_kv_heads(a.num_kv_heads, s.num_subgroups), g = a.num_q_heads / heads;
     return {heads, a.batch, int(geometry::num_tiles(a.max_seqlen_q, g)), g, s.order_band};
   }
   __device__ SparseTileCoord coord(int t) const {
