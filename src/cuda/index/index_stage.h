@@ -89,9 +89,10 @@ struct DeviceIndex {
 // key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial
 // sum: about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle,
 // 3.9 ms on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
+constexpr int kMaxKeyMomentSplits = 16;  // the basis kernel keeps one load per slice in flight
 inline int key_moment_splits(int batch, int num_kv_heads) {
   const int heads = std::max(1, batch * num_kv_heads);
-  return std::max(1, std::min(16, 256 / heads));
+  return std::max(1, std::min(kMaxKeyMomentSplits, 256 / heads));
 }
 
 // index_workspace_bytes and build_index_to_host, which the API layer calls, are declared in cuda/cuda_backend.h.

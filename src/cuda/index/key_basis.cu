@@ -97,59 +97,118 @@ __global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq,
 
 // ---- 2. the basis: subspace iteration -------------------------------------------------------------------------------
 // One CTA per (sequence, KV head): C (the sum of the moment's slices) in shared memory, X <- MGS(C X) kKeyBasisIters
-// times from X0 = hash_unit; the Gram-Schmidt by warp 0 (R columns in order, each against the columns before it).
+// times from X0 = hash_unit. Every value is the same bits as the plain statement (one element per thread summing its
+// slices, Y's dot products in e order, the Gram-Schmidt column by column against the columns before it): only the
+// order of independent work changed, so that the 8 CTAs (one per KV head at batch 1) are not a chain of latencies
+// (H100, 6d7776f: 0.293 -> 0.143 ms at every length, bench/lab/results/ab_key_basis_order_h100.json).
+//   - The slices: each thread's D * D / 4 / 256 float4 of C, one slice at a time with all of them in flight (the
+//     plain loop waited for each load before the next add).
+//   - Y = C X reads C by columns: C is symmetric to the bit (the moment kernel computes C[r][c] and C[c][r] with the
+//     same products, fmaf(x_r, x_c, acc) = fmaf(x_c, x_r, acc), in the same key order, and the slices are summed in
+//     the same order), so thread (d, column group) reads C[e][d] (consecutive d across a warp: no bank conflict) and
+//     its columns of X[e] as float4 broadcasts: 1 + cols / 4 shared reads per cols FMAs instead of 2 per FMA.
+//   - The Gram-Schmidt right-looking: the warp owning column c finishes it (its norm), then every warp subtracts its
+//     projection from the later columns it owns. Each column still sees the projections on X[:, 0], X[:, 1], ... in
+//     order, then its norm, with the same lane layout and shuffle tree: the same bits, in R dependent steps per
+//     iteration instead of R (R + 1) / 2 (warp 0 alone before).
 template <int D, int R>
 __global__ void __launch_bounds__(kBasisThreads) key_basis_kernel(int batch, int num_kv_heads, int splits,
                                                                   const float* partial, float* basis) {
+  static_assert(D * D % (4 * kBasisThreads) == 0 && D * R % kBasisThreads == 0 && kBasisThreads % D == 0,
+                "whole float4 of C, and whole columns groups of Y, per thread");
+  constexpr int kWarps = kBasisThreads / 32, kPer = D / 32, kOwn = (R + kWarps - 1) / kWarps;
+  constexpr int kCols = D * R / kBasisThreads;  // Y's columns per thread (one row each)
+  static_assert(kCols % 4 == 0, "X's columns as float4");
   extern __shared__ float basis_smem[];
   float* C = basis_smem;        // [D][D]
   float* X = C + D * D;         // [D][R]
   float* Y = X + D * R;         // [D][R]
   const int b = blockIdx.x, h = blockIdx.y;
-  for (int i = threadIdx.x; i < D * D; i += kBasisThreads) {  // C = the moment kernel's slices, summed in order
-    float c = 0.f;
-    for (int split = 0; split < splits; ++split)
-      c += partial[((int64_t(split) * batch + b) * num_kv_heads + h) * D * D + i];
-    C[i] = c;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  {
+    constexpr int kVec = D * D / 4 / kBasisThreads;
+    const float4* part = reinterpret_cast<const float4*>(partial + (int64_t(b) * num_kv_heads + h) * D * D);
+    const int64_t split_stride = int64_t(batch) * num_kv_heads * D * D / 4;
+    for (int v = 0; v < kVec; ++v) {
+      float4 x[kMaxKeyMomentSplits];
+#pragma unroll
+      for (int s = 0; s < kMaxKeyMomentSplits; ++s)
+        if (s < splits) x[s] = part[s * split_stride + threadIdx.x + v * kBasisThreads];
+      float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int s = 0; s < kMaxKeyMomentSplits; ++s) {
+        if (s < splits) {
+          c.x += x[s].x;
+          c.y += x[s].y;
+          c.z += x[s].z;
+          c.w += x[s].w;
+        }
+      }
+      reinterpret_cast<float4*>(C)[threadIdx.x + v * kBasisThreads] = c;
+    }
   }
   for (int i = threadIdx.x; i < D * R; i += kBasisThreads) X[i] = hash_unit(uint32_t(i / R), uint32_t(i % R));
   __syncthreads();
+  const int yd = threadIdx.x % D, yc0 = (threadIdx.x / D) * kCols;  // this thread's row of Y and first column
   for (int it = 0; it < kKeyBasisIters; ++it) {
-    for (int i = threadIdx.x; i < D * R; i += kBasisThreads) {
-      const int d = i / R, col = i % R;
-      float y = 0.f;
-      for (int e2 = 0; e2 < D; ++e2) y = fmaf(C[d * D + e2], X[e2 * R + col], y);
-      Y[i] = y;
+    {
+      float y[kCols] = {};
+      for (int e2 = 0; e2 < D; ++e2) {
+        const float c = C[e2 * D + yd];  // = C[yd][e2]
+#pragma unroll
+        for (int v = 0; v < kCols / 4; ++v) {
+          const float4 x4 = *reinterpret_cast<const float4*>(&X[e2 * R + yc0 + 4 * v]);
+          y[4 * v] = fmaf(c, x4.x, y[4 * v]);
+          y[4 * v + 1] = fmaf(c, x4.y, y[4 * v + 1]);
+          y[4 * v + 2] = fmaf(c, x4.z, y[4 * v + 2]);
+          y[4 * v + 3] = fmaf(c, x4.w, y[4 * v + 3]);
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < kCols / 4; ++v)
+        *reinterpret_cast<float4*>(&Y[yd * R + yc0 + 4 * v]) = make_float4(y[4 * v], y[4 * v + 1], y[4 * v + 2],
+                                                                            y[4 * v + 3]);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      constexpr int kPer = D / 32;
-      for (int col = 0; col < R; ++col) {
-        float y[kPer];
+    // This warp's columns warp + j * kWarps, rows lane + 32 k, in registers through the iteration.
+    float y[kOwn][kPer];
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) y[k] = Y[(lane + 32 * k) * R + col];
-        for (int prev = 0; prev < col; ++prev) {
-          float dot = 0.f;
+    for (int j = 0; j < kOwn; ++j) {
+      const int col = warp + j * kWarps;
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) dot = fmaf(X[(lane + 32 * k) * R + prev], y[k], dot);
-          for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      for (int k = 0; k < kPer; ++k) y[j][k] = col < R ? Y[(lane + 32 * k) * R + col] : 0.f;
+    }
+    for (int c = 0; c < R; ++c) {
 #pragma unroll
-          for (int k = 0; k < kPer; ++k) y[k] = fmaf(-dot, X[(lane + 32 * k) * R + prev], y[k]);
-        }
+      for (int j = 0; j < kOwn; ++j) {
+        if (warp + j * kWarps != c) continue;  // the owner finishes column c
         float nn = 0.f;
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) nn = fmaf(y[k], y[k], nn);
+        for (int k = 0; k < kPer; ++k) nn = fmaf(y[j][k], y[j][k], nn);
         for (int o = 16; o > 0; o /= 2) nn += __shfl_xor_sync(0xffffffffu, nn, o);
         // n > 0 ? y / n : 0 (the spec, as the reference): a NaN or zero column is exactly 0, never y * 0 (NaN * 0)
         const bool ok = nn > 0.f;
         const float inv = ok ? rsqrtf(nn) : 0.f;
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + col] = ok ? y[k] * inv : 0.f;
-        __syncwarp();
+        for (int k = 0; k < kPer; ++k) X[(lane + 32 * k) * R + c] = ok ? y[j][k] * inv : 0.f;
+      }
+      __syncthreads();  // X[:, c] written
+#pragma unroll
+      for (int j = 0; j < kOwn; ++j) {
+        const int col = warp + j * kWarps;
+        if (col <= c || col >= R) continue;
+        float xc[kPer];
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) xc[k] = X[(lane + 32 * k) * R + c];
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) dot = fmaf(xc[k], y[j][k], dot);
+        for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) y[j][k] = fmaf(-dot, xc[k], y[j][k]);
       }
     }
-    __syncthreads();
+    // the last column's barrier above: X complete before the next Y = C X, Y read before it is rewritten
   }
   float* p = basis + (int64_t(b) * num_kv_heads + h) * D * R;
   for (int i = threadIdx.x; i < D * R; i += kBasisThreads) p[i] = X[i];

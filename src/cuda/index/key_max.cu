@@ -329,15 +329,29 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   // stage that first needs them.
   const Half* proj_src =
       reinterpret_cast<const Half*>(proj) + (int64_t(kvh_mem) * key_rows + int64_t(cu_blocks[b]) * B) * R;
+  // A thread's 16-byte chunk (key row, part) is the same in every unit it loads: its shared address in slot 0 and its
+  // element offset in a unit of K' are computed once, a load adds the slot's and the unit's bases (a slot is whole
+  // swizzle periods, so slot s is slot 0 moved by s units). The per-load index arithmetic (two divisions and the
+  // swizzle per 16 bytes) was 16 % of the scorer's instructions at 32K (ncu, H100, docs/design/selection.md); the
+  // scorer then took 1.636 -> 1.495 ms at 32K and 18.58 -> 16.77 ms at 128K (H100, the same selection bit for bit).
+  constexpr int kVec = R / 8;                                            // 16-byte chunks per key row
+  constexpr int kUnitsPerPass = kKeyMaxThreads / (kVec * kUnitKeys);    // units one pass of the CTA loads
+  constexpr uint32_t kUnitBytes = kUnitKeys * R * sizeof(Half);
+  static_assert(kKeyMaxThreads % (kVec * kUnitKeys) == 0 && kStageUnits % kUnitsPerPass == 0, "whole units per pass");
+  static_assert(kUnitBytes % 1024 == 0, "a K' slot is whole swizzle periods: slot s = slot 0 + s * kUnitBytes");
+  const int my_part = threadIdx.x % kVec, my_key = (threadIdx.x / kVec) % kUnitKeys;
+  const int my_unit = threadIdx.x / (kVec * kUnitKeys);
+  const uint32_t kp_mine = smem_addr(sKp(my_key, my_part * 8, 0));
+  const int proj_mine = my_key * R + my_part * 8;
   auto load_stage = [&](int s, int buf) {
-    constexpr int kVec = R / 8;  // 16-byte chunks per key row
-    for (int i = threadIdx.x; i < kStageUnits * kUnitKeys * kVec; i += kKeyMaxThreads) {
-      const int key = i / kVec, v = i % kVec, n = s * kStageUnits + key / kUnitKeys;
-      if (n >= units) break;  // i grows with n
-      const int j = int(cand_units[n]) * kUnitKeys + key % kUnitKeys;
-      const int slot = buf * kStageUnits + key / kUnitKeys;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(sKp(key % kUnitKeys, v * 8, slot))),
-                   "l"(proj_src + j * R + v * 8));
+#pragma unroll
+    for (int pass = 0; pass < kStageUnits / kUnitsPerPass; ++pass) {
+      const int u = pass * kUnitsPerPass + my_unit, n = s * kStageUnits + u;
+      if (n < units) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kp_mine +
+                                                                          uint32_t(buf * kStageUnits + u) * kUnitBytes),
+                     "l"(proj_src + int(cand_units[n]) * (kUnitKeys * R) + proj_mine));
+      }
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
