@@ -28,6 +28,23 @@ def shfl_sum(vals):  # butterfly over 32 lanes, o = 16, 8, 4, 2, 1: every lane e
         v = [f32(v[l] + v[l ^ o]) for l in range(32)]
     return v
 
+def write_normalized(X, y, R, per, col):
+    """X[:, col] = y / |y| as one warp computes it (the lanes' partial norms, the shuffle tree, 0 for a zero or NaN
+    column), y[lane][k] holding row lane + 32 k."""
+    nns = []
+    for l in range(32):
+        nn = f32(0)
+        for k in range(per):
+            nn = fma(y[l][k], y[l][k], nn)
+        nns.append(nn)
+    nns = shfl_sum(nns)
+    for l in range(32):
+        ok = nns[l] > 0
+        inv = f32(1 / np.sqrt(np.float64(nns[l]))) if ok else f32(0)
+        for k in range(per):
+            X[(l + 32 * k) * R + col] = f32(y[l][k] * inv) if ok else f32(0)
+
+
 
 def plain(partials, D, R, iters):
     C = np.zeros(D * D, f32)
@@ -59,18 +76,7 @@ def plain(partials, D, R, iters):
                 for l in range(32):
                     for k in range(per):
                         y[l][k] = fma(-dots[l], X[(l + 32 * k) * R + prev], y[l][k])
-            nns = []
-            for l in range(32):
-                nn = f32(0)
-                for k in range(per):
-                    nn = fma(y[l][k], y[l][k], nn)
-                nns.append(nn)
-            nns = shfl_sum(nns)
-            for l in range(32):
-                ok = nns[l] > 0
-                inv = f32(1 / np.sqrt(np.float64(nns[l]))) if ok else f32(0)
-                for k in range(per):
-                    X[(l + 32 * k) * R + col] = f32(y[l][k] * inv) if ok else f32(0)
+            write_normalized(X, y, R, per, col)
     return X
 
 
@@ -105,19 +111,7 @@ def reordered(partials, D, R, iters):
                 for j in range(own):
                     if w + j * WARPS != c:
                         continue
-                    y = ys[w][j]
-                    nns = []
-                    for l in range(32):
-                        nn = f32(0)
-                        for k in range(per):
-                            nn = fma(y[l][k], y[l][k], nn)
-                        nns.append(nn)
-                    nns = shfl_sum(nns)
-                    for l in range(32):
-                        ok = nns[l] > 0
-                        inv = f32(1 / np.sqrt(np.float64(nns[l]))) if ok else f32(0)
-                        for k in range(per):
-                            X[(l + 32 * k) * R + c] = f32(y[l][k] * inv) if ok else f32(0)
+                    write_normalized(X, ys[w][j], R, per, c)
             for w in range(WARPS):  # after the barrier: every warp's later columns
                 for j in range(own):
                     col = w + j * WARPS
