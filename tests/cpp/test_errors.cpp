@@ -692,6 +692,35 @@ TEST_F(Errors, HeadSubgroups) {
   EXPECT_EQ(per_head.segment_start.size(), 8u);
   EXPECT_EQ(per_head.binding.num_subgroups, 2);
 }
+// A device index's params are its request; a request that resolves to another count than the one it was built with
+// (binding.num_subgroups) is refused before anything else (as_built), with both numbers; 0 (one per query head) and
+// the built count are accepted. Reachable without a GPU: the check precedes the device checks.
+TEST_F(Errors, DeviceIndexRequestDiffersFromBuiltSubgroups) {
+  DeviceBlockIndex index;
+  index.binding.num_subgroups = 2;
+  index.params.head_subgroups = 1;
+  index.params.correction = false;  // to_host's V-means check would answer first
+  try {
+    sparse_attention(C->in, index, co);
+    ADD_FAILURE() << "a device index whose params.head_subgroups differ from its build did not throw";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(e.argument(), "index");
+    const std::string m = e.what();
+    EXPECT_NE(m.find("params.head_subgroups (1)"), std::string::npos) << m;
+    EXPECT_NE(m.find("binding.num_subgroups 2"), std::string::npos) << m;
+  }
+  EXPECT_ARG_ERROR(index_stats(index, nullptr), "index");
+  EXPECT_ARG_ERROR(to_host(index, nullptr), "index");
+  for (int requested : {0, 2}) {  // past as_built: a CPU call with a device index is refused as such
+    index.params.head_subgroups = requested;
+    try {
+      sparse_attention(C->in, index, co);
+      ADD_FAILURE() << "a device index on CPU inputs did not throw";
+    } catch (const std::exception& e) {
+      EXPECT_EQ(std::string(e.what()).find("params.head_subgroups"), std::string::npos) << e.what();
+    }
+  }
+}
 TEST_F(Errors, IndexHeadSubgroups) {
   BlockIndex one = index_for(*C);  // S = 1
   SelectionParams p;
