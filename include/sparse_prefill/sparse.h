@@ -159,7 +159,8 @@ struct IndexBinding {
 // cu_blocks[b] .. cu_blocks[b+1] (ceil(Lk_b / block_size) blocks; a tail block averages its valid tokens).
 // v_mean only with the correction (the only reader): an index built with correction = false has none (empty), so
 // its build does not read V.
-// Head sub-groups (S = num_subgroups: SelectionParams::head_subgroups resolved, 0 -> g): the index is over Hkv * S virtual KV heads.
+// Head sub-groups (S = num_subgroups: SelectionParams::head_subgroups resolved, 0 -> g): the index is over Hkv * S
+// virtual KV heads.
 // Virtual head v holds query heads [v g', (v + 1) g') (g' = g / S) and reads K/V head v / S; num_kv_heads,
 // group_size, the segment order above and the pooled means' head axis are all in virtual heads (the means of v are
 // those of K/V head v / S).

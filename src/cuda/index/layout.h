@@ -23,8 +23,8 @@ struct Bounds {
 // The index's heads: with head sub-groups S, tiles and segments are over Hkv * S virtual KV heads of g / S query
 // heads each (sparse.h); pooling and the pooled means stay per KV head in memory (virtual head v reads head v / S).
 struct VirtualHeads {
-  int kv;         // virtual KV heads: Hkv * S
-  int group;      // query heads per virtual KV head: g / S
+  int kv;             // virtual KV heads: Hkv * S
+  int group;          // query heads per virtual KV head: g / S
   int num_subgroups;  // S (BlockIndex::num_subgroups)
 };
 inline VirtualHeads virtual_heads(int num_kv_heads, int group_size, int num_subgroups) {
