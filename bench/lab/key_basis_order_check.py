@@ -28,6 +28,21 @@ def shfl_sum(vals):  # butterfly over 32 lanes, o = 16, 8, 4, 2, 1: every lane e
         v = [f32(v[l] + v[l ^ o]) for l in range(32)]
     return v
 
+
+def subtract_projection(X, y, R, per, col):
+    """y -= (X[:, col] . y) X[:, col] as one warp computes it (lane partial dots, the shuffle tree)."""
+    dots = []
+    for l in range(32):
+        dot = f32(0)
+        for k in range(per):
+            dot = fma(X[(l + 32 * k) * R + col], y[l][k], dot)
+        dots.append(dot)
+    dots = shfl_sum(dots)
+    for l in range(32):
+        for k in range(per):
+            y[l][k] = fma(-dots[l], X[(l + 32 * k) * R + col], y[l][k])
+
+
 def write_normalized(X, y, R, per, col):
     """X[:, col] = y / |y| as one warp computes it (the lanes' partial norms, the shuffle tree, 0 for a zero or NaN
     column), y[lane][k] holding row lane + 32 k."""
@@ -66,16 +81,7 @@ def plain(partials, D, R, iters):
         for col in range(R):
             y = [[Y[(l + 32 * k) * R + col] for k in range(per)] for l in range(32)]
             for prev in range(col):
-                dots = []
-                for l in range(32):
-                    dot = f32(0)
-                    for k in range(per):
-                        dot = fma(X[(l + 32 * k) * R + prev], y[l][k], dot)
-                    dots.append(dot)
-                dots = shfl_sum(dots)
-                for l in range(32):
-                    for k in range(per):
-                        y[l][k] = fma(-dots[l], X[(l + 32 * k) * R + prev], y[l][k])
+                subtract_projection(X, y, R, per, prev)
             write_normalized(X, y, R, per, col)
     return X
 
@@ -117,17 +123,7 @@ def reordered(partials, D, R, iters):
                     col = w + j * WARPS
                     if col <= c or col >= R:
                         continue
-                    y = ys[w][j]
-                    dots = []
-                    for l in range(32):
-                        dot = f32(0)
-                        for k in range(per):
-                            dot = fma(X[(l + 32 * k) * R + c], y[l][k], dot)
-                        dots.append(dot)
-                    dots = shfl_sum(dots)
-                    for l in range(32):
-                        for k in range(per):
-                            y[l][k] = fma(-dots[l], X[(l + 32 * k) * R + c], y[l][k])
+                    subtract_projection(X, ys[w][j], R, per, c)
     return X
 
 
