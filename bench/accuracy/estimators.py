@@ -21,7 +21,9 @@ q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k proj
 directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); kmx{r}_a{alpha} / kmx{r}_{F} the row max
 test / the mass target F on the library's key_max scores at rank r (emulate.key_max_scores: pooled mean + the best
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
-oracle_{F} the exact per-row mass target.
+oracle_{F} the exact per-row mass target; meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
+union of two estimators' selections.
 """
 import argparse
 import math
@@ -101,10 +103,20 @@ def block_max(lgm):
     return lgm.view(lgm.shape[0], -1, B).amax(-1)
 
 
+def lower_bound_log_mass(m, u, n=B):
+    """log of exp(m) + (n - 1) exp((n u - m) / (n - 1)) <= log sum_j exp(s_j) for n logits s_j with maximum m >= u and
+    mean u: the maximum's key plus the other n - 1 at their mean (Jensen); equal when the others are alike."""
+    return torch.logaddexp(m, math.log(n - 1) + (n * u - m) / (n - 1))
+
+
 def candidates(names):
     """name -> f(x) -> [L, nb] bool (rows' wishes); x holds the per-head tensors."""
     out = {}
     for name in names:
+        if "+" in name:  # the union of the parts' selections
+            parts = list(candidates(name.split("+")).values())
+            out[name] = lambda x, parts=parts: torch.stack([f(x) for f in parts]).any(0)
+            continue
         kind, *rest = name.split("_")
         if kind == "mean":
             a = float(rest[0][1:])
@@ -141,6 +153,24 @@ def candidates(names):
                 F = float(rest[0])
                 out[name] = lambda x, r=r, F=F: rowcum(torch.softmax(x["kms"][r].masked_fill(~x["sees"], -math.inf),
                                                                      -1), F, x["al_rows"])
+        elif kind in ("lbcum", "meancum") or kind.startswith("klbcum"):
+            # per-row mass target F on an estimate of each block's softmax mass: meancum |B| exp(mean logit) (the
+            # pooled means, FlexPrefill's estimate); lbcum / klbcum{r} the lower bound a block's maximum m and mean
+            # logit u give, exp(m) + (n - 1) exp((n u - m) / (n - 1)) (the maximum's key plus the others at their mean,
+            # Jensen), with the exact maximum (lbcum) or the library's key_max score at rank r (klbcum{r}): a spike
+            # counts as itself, a block of alike keys as n times its mean
+            F = float(rest[0])
+            r = int(kind[6:]) if kind.startswith("klbcum") else 0
+
+            def f(x, F=F, r=r, kind=kind):
+                u = sub_means(x["lg"], B)
+                if kind == "meancum":
+                    w = u + math.log(B)
+                else:
+                    m = torch.maximum(x["kms"][r] if r else block_max(x["lgm"]), u)
+                    w = lower_bound_log_mass(m, u)
+                return rowcum(torch.softmax(w.masked_fill(~x["sees"], -math.inf), -1), F, x["al_rows"])
+            out[name] = f
         elif kind == "maxcum":
             F = float(rest[0])
             out[name] = lambda x, F=F: rowcum(torch.softmax(block_max(x["lgm"]).masked_fill(~x["sees"], -math.inf),
@@ -162,6 +192,13 @@ SETS = {
     "keymax": ["kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kmx16_0.5", "kmx16_0.7", "kmx16_0.8", "kmx16_0.9",
                "maxcum_0.5", "maxcum_0.7", "maxcum_0.9"],
     "keymax32": ["kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "kmx32_0.7", "kmx32_0.8", "kmx32_0.9"],
+    # issue 44's one-default question: mass targets on a block-mass estimate (retrieval: diffuse heads) that still
+    # sees a spike (SmolLM2: recall rows)
+    "lbmass": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "maxcum_0.7", "maxcum_0.9", "meancum_0.7", "meancum_0.9",
+               "lbcum_0.5", "lbcum_0.7", "lbcum_0.8", "lbcum_0.9", "klbcum16_0.5", "klbcum16_0.7", "klbcum16_0.8",
+               "klbcum16_0.9", "kmx16_a0.03", "kmx16_a0.1"],
+    "lbunion": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "klbcum16_0.5",
+                "kmx16_a0.3+klbcum16_0.5", "kmx16_a0.3+klbcum16_0.7", "kmx16_a0.1+klbcum16_0.5"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
 }
 
@@ -186,7 +223,9 @@ def score(args):
     acc = {n: dict(kept=0, visible=0, miss=0.0, n=0, low50=0, err=0.0, ans_miss=0.0, ans_n=0, ans_low50=0)
            for n in names}
     layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
-    ranks = sorted({int(n.split("_")[0][3:]) for n in names if n.startswith("kmx")})
+    parts = [p for n in names for p in n.split("+")]
+    ranks = sorted({int(p.split("_")[0][3:]) for p in parts if p.startswith("kmx")} |
+                   {int(p.split("_")[0][6:]) for p in parts if p.startswith("klbcum")})
     for layer in layers:
         q, k, v = (t.float() for t in cap[layer])
         Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]

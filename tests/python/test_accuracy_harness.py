@@ -124,3 +124,36 @@ def test_configs_parse():
         with pytest.raises(ValueError):
             C.parse(bad)
     assert math.isclose(C.parse("oracle_.9").args["frac"], 0.9)
+
+
+def test_block_mass_lower_bound_and_estimators():
+    """estimators.py's block-mass lower bound (the lbcum / klbcum rules) is below every block's true log mass on random
+    logits, equal for a block of alike keys, and the union syntax selects at least each part's blocks."""
+    from accuracy import estimators as E
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n = E.B
+    for spread in (0.1, 1.0, 4.0):
+        s = torch.randn(64, n, generator=g, dtype=torch.float64) * spread
+        s[::3, 7] += 9.0  # spikes
+        lb = E.lower_bound_log_mass(s.amax(-1), s.mean(-1), n)
+        true = torch.logsumexp(s, -1)
+        assert bool((lb <= true + 1e-9).all()), float((lb - true).max())
+    same = torch.full((5, n), 0.25, dtype=torch.float64)
+    assert torch.allclose(E.lower_bound_log_mass(same.amax(-1), same.mean(-1), n), torch.logsumexp(same, -1))
+    spike = torch.zeros(1, n, dtype=torch.float64)
+    spike[0, 3] = 20.0  # the spike carries the block: the bound is within the others' share of it
+    assert float(torch.logsumexp(spike, -1) - E.lower_bound_log_mass(spike.amax(-1), spike.mean(-1), n)) < 1e-6
+    L = 3 * E.TILE + 17
+    nb = (L + E.B - 1) // E.B
+    pos = torch.arange(L)
+    sees = (torch.arange(nb) * E.B)[None, :] <= pos[:, None]
+    al, _ = E.always_kept(L)
+    lgm = torch.randn(L, nb * E.B, generator=g).masked_fill(torch.arange(nb * E.B)[None, :] > pos[:, None], -math.inf)
+    x = dict(L=L, lg=torch.randn(L, nb * E.B, generator=g), lgm=lgm, sees=sees, al_rows=al[pos // E.TILE],
+             kms={16: torch.randn(L, nb, generator=g)})
+    c = E.candidates(["kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5", "lbcum_0.9", "meancum_0.7"])
+    a, b, u = (c[k](x) for k in ("kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5"))
+    assert torch.equal(u, a | b) and bool(u.any()) and not bool(u.all())
+    for k in ("lbcum_0.9", "meancum_0.7"):
+        kept = c[k](x) & sees
+        assert bool(kept.any(-1).all()), k  # every row keeps something it sees

@@ -7,7 +7,7 @@ counting 1: what the sparse kernels' time follows) plus its index share (the tim
 sparse layers, over dense attention's summed over all layers; each timed once per layer on the same inputs, the
 first prompt at the longest length: Calibration.time_index). A selection whose index costs more than its pruning
 saves costs more than 1, dense attention's cost: the per-key rule ('key_max') prunes like the oracle but its index
-stage is 5-30x the pooled rule's, so density alone would rank it too cheap (bench/results/selection_keymax_v4_h100.json).
+stage is 5-40x the pooled rule's, so density alone would rank it too cheap (bench/results/selection_keymax_v5_h100.json).
 
 The search:
   1. every uniform candidate and every oracle fraction is measured on all prompts (accuracy, NLL, density per layer);
