@@ -25,7 +25,10 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                      the score s_rJ = scale (q_r . kmean_J + max_j (P^T q_r) . (P^T x_j)) in float64 with the library's
                      float32 means (key_max_scores); with rank 16 or 32, onepass 2 and agg rowmax this is the
                      library's rule='key_max' (docs/design/key_max_spec.md; test_accuracy_emulator.py). basis 'eigh':
-                     the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32
+                     the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32.
+                     perp c (basis 'lib'; 0 = the library's rule): each key's term plus c |q_perp| |x_perp_j|, what the
+                     basis leaves out of q and x_j (perp = I - P P^T; c = 1 bounds the exact maximum from above): one
+                     more column of the residual GEMM (issue 44: rank 16 selecting like rank 32 offline)
            rstride n scores only positions p % n == n - 1 (and the last), all heads; other rows add nothing beyond
            the always-kept blocks (the tile's union covers them)
   agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
@@ -51,7 +54,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib")
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0)
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -163,16 +166,23 @@ def key_basis(k, rank, block):
     return X
 
 
-def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048):
+def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0):
     """The library's key_max scores (basis 'lib'): s_rJ = scale * (q_r . kmean_J + max over the keys j of J that
     the row sees of (P^T q_r) . (P^T x_j)), x_j = k_j - kmean_J, float64 (the CPU reference's precision), float32
-    means: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] (-inf where the row sees no key of J or is not in `rows`)."""
+    means: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] (-inf where the row sees no key of J or is not in `rows`).
+    perp c adds c |q_perp| |x_perp_j| to each key's term (perp = I - P P^T; see the module doc)."""
     L, Hq, D = q.shape
     g = Hq // k.shape[1]
     P = key_basis(k, rank, block)  # [Hkv, D, r]
     kmean = library_means(k, block)
-    xp = torch.einsum("lhd,hdr->lhr", k.double() - kmean.repeat_interleave(block, 0)[:L], P)
-    qp = torch.einsum("lqd,qdr->lqr", q.double(), P.repeat_interleave(g, 0))
+    x = k.double() - kmean.repeat_interleave(block, 0)[:L]
+    xp = torch.einsum("lhd,hdr->lhr", x, P)
+    Pq = P.repeat_interleave(g, 0)
+    qp = torch.einsum("lqd,qdr->lqr", q.double(), Pq)
+    if perp:  # one more column: c |q_perp| against |x_perp_j|
+        x_perp = (x - torch.einsum("lhr,hdr->lhd", xp, P)).norm(dim=-1, keepdim=True)
+        q_perp = (q.double() - torch.einsum("lqr,qdr->lqd", qp, Pq)).norm(dim=-1, keepdim=True)
+        xp, qp = torch.cat([xp, x_perp], -1), torch.cat([qp, perp * q_perp], -1)
     resid = block_max(qp, xp, 1.0, block, rows, chunk, dtype=torch.float64)
     mean = torch.einsum("lqd,jqd->lqj", q.double(), kmean.repeat_interleave(g, 1))
     return scale * (mean + resid)
@@ -275,7 +285,7 @@ def select(q, k, v, rule, scale):
         if n > 1:
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
         if r["score"] == "resid" and r["basis"] == "lib":
-            bm = key_max_scores(q, k, scale, B, r["rank"], pr)
+            bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"])
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)

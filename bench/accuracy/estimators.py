@@ -21,7 +21,8 @@ q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k proj
 directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); kmx{r}_a{alpha} / kmx{r}_{F} the row max
 test / the mass target F on the library's key_max scores at rank r (emulate.key_max_scores: pooled mean + the best
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
-oracle_{F} the exact per-row mass target; meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+oracle_{F} the exact per-row mass target; kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp|
+(emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
 estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """
@@ -144,6 +145,9 @@ def candidates(names):
                 lg = ((x["q"] @ U) @ (x["k"] @ U).T) * x["scale"]
                 return row_max(block_max(lg.masked_fill(~x["causal"], -math.inf)), x["sees"], a)
             out[name] = f
+        elif kind.startswith("kpx"):  # kpx{r}c{c}_a{alpha}: the ratio rule on key_max's scores at rank r with perp c
+            a = float(rest[0][1:])
+            out[name] = lambda x, kind=kind, a=a: row_max(x["kpx"][kind], x["sees"], a)
         elif kind.startswith("kmx"):  # the library's key_max scores at rank r: kmx{r}_a{alpha} its ratio rule,
             r = int(kind[3:])         # kmx{r}_{F} a per-row mass target F on their softmax (rowcum)
             if rest[0].startswith("a"):
@@ -199,6 +203,13 @@ SETS = {
                "klbcum16_0.9", "kmx16_a0.03", "kmx16_a0.1"],
     "lbunion": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "klbcum16_0.5",
                 "kmx16_a0.3+klbcum16_0.5", "kmx16_a0.3+klbcum16_0.7", "kmx16_a0.1+klbcum16_0.5"],
+    # key_max plus c |q_perp| |x_perp|: what the rank-16 basis leaves out, as one more GEMM column
+    "perp": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kmx32_a0.1", "kmx32_a0.3",
+             "kpx16c0.25_a0.1", "kpx16c0.25_a0.3", "kpx16c0.5_a0.1", "kpx16c0.5_a0.3", "kpx16c1_a0.3"],
+    "perp3": ["oracle_0.9", "exact_a0.3", "kmx16_a0.1", "kmx16_a0.3", "kmx32_a0.1", "kmx32_a0.3", "kpx16c0.5_a0.1",
+              "kpx16c0.5_a0.3", "kpx16c0.75_a0.3"],
+    "perp2": ["exact_a0.1", "exact_a0.3", "exact_a0.5", "kpx16c0.5_a0.5", "kpx16c0.75_a0.3", "kpx16c0.75_a0.5",
+              "kpx32c0.5_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
 }
 
@@ -232,6 +243,9 @@ def score(args):
         g, scale = Hq // Hkv, 1.0 / math.sqrt(D)
         # the library's key_max scores (emulate.key_max_scores: float64, its basis), natural-log units
         kms = {r: emulate.key_max_scores(q, k, scale, B, r).float() for r in ranks}
+        kpx = {kd: emulate.key_max_scores(q, k, scale, B, int(kd[3:].split("c")[0]),
+                                          perp=float(kd.split("c")[1])).float()
+               for kd in {p.split("_")[0] for p in parts if p.startswith("kpx")}}
         for h in range(Hq):
             lg = (q[:, h] @ k[:, h // g].T) * scale
             lgm = lg.masked_fill(~causal, -math.inf)
@@ -240,7 +254,8 @@ def score(args):
             Ob = torch.einsum("rjb,jbd->rjd", P.view(L, nb, B), v[:, h // g].reshape(nb, B, -1))
             od = Ob.sum(1)
             x = dict(L=L, lg=lg, lgm=lgm, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
-                     scale=scale, causal=causal, kms={r: s[:, h] for r, s in kms.items()})
+                     scale=scale, causal=causal, kms={r: s[:, h] for r, s in kms.items()},
+                     kpx={kd: s[:, h] for kd, s in kpx.items()})
             for n, f in cands.items():
                 keep = (tile_any(f(x) & sees, T) & vis) | al
                 kr = keep[tile_of]

@@ -43,7 +43,7 @@ def est_cost_ms(rule, L=131072, hq=HQ):
     if r["score"] not in E.BLOCK_MAX_SCORES:
         return None, 0
     pairs = hq * L * (L + 1) / 2 / r["rstride"]
-    k = D if r["score"] == "kmax" else max(16, r["rank"])
+    k = D if r["score"] == "kmax" else max(16, r["rank"]) + (16 if r["perp"] else 0)  # perp: one more K chunk
     mma = 2 * pairs * k / (PEAK_TFLOPS * 1e12 * MMA_EFF) * 1e3
     mx = pairs / 2 / (SMS * CLOCK_GHZ * 1e9 * MAX_PER_CLK) * 1e3
     pooled = POOLED_INDEX_MS_128K if (r["score"] == "resid" or r["onepass"] == 2) else 0.0

@@ -8,7 +8,9 @@ A tighter bound, for comparison (--split c): the first c coordinates of Q' again
 range (a box), the rest against the radius of the keys' other coordinates.
 --bound-chunks k,..: candidates against b_r taken over chunk 0 and the tile's last k chunks of 32 blocks only (pass 1
 shortened: a lower bound, so a superset of the candidates).
-Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..]
+--perp c: the perp column (emulate.py's perp): each key's term plus c |q_perp| |x_perp_j|, bounded apart from the
+rank-r part: |Q'_r| radius_J + c |q_perp_r| max_j |x_perp_j| (the two Cauchy-Schwarz terms summed, not one over both).
+Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..] [--perp c]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -25,7 +27,11 @@ B, RANK, HQ, HKV = 128, 16, 8, 2
 
 def main():
     argv = sys.argv[1:]
-    split, rank = 0, RANK
+    split, rank, perp = 0, RANK, 0.0
+    if "--perp" in argv:
+        i = argv.index("--perp")
+        perp = float(argv[i + 1])
+        del argv[i:i + 2]
     if "--split" in argv:
         i = argv.index("--split")
         split = int(argv[i + 1])
@@ -55,17 +61,21 @@ def main():
     for hq in heads:
         h = hq // (HQ // HKV)
         km = kbar[:, h]
-        kp = (k[:, h] - km.repeat_interleave(B, 0)[:L]) @ P[h]   # K' [L, r]
+        x = k[:, h] - km.repeat_interleave(B, 0)[:L]
+        kp = x @ P[h]                                             # K' [L, r]
         qp = (q[:, hq] @ P[h]) * scale                            # Q' [L, r], log2 units
+        x_perp = (x - kp @ P[h].T).norm(dim=1)                    # |x_perp_j|
+        q_perp = (q[:, hq] * scale - qp @ P[h].T).norm(dim=1)     # |q_perp_r|, log2 units
         pooled = (q[:, hq] @ km.T) * scale                        # [L, nb]
         kb = kp.reshape(nb, B, -1)
         bound = pooled + qp[:, split:].norm(dim=1)[:, None] * kb[:, :, split:].norm(dim=2).amax(1)[None, :]
+        bound = bound + perp * q_perp[:, None] * x_perp.reshape(nb, B).amax(1)[None, :]
         for c in range(split):  # the box on the first coordinates: q_c * (the block's max or min of k_c)
             bound = bound + torch.maximum(qp[:, c:c + 1] * kb[:, :, c].amax(1)[None, :],
                                           qp[:, c:c + 1] * kb[:, :, c].amin(1)[None, :])
         res = torch.full((L, nb), -float("inf"))
         for J in range(nb):                                       # exact residual maxima over the visible keys
-            s = qp @ kp[J * B:(J + 1) * B].T
+            s = qp @ kp[J * B:(J + 1) * B].T + perp * q_perp[:, None] * x_perp[None, J * B:(J + 1) * B]
             res[:, J] = torch.where(torch.arange(J * B, J * B + B)[None, :] <= pos[:, None], s, inf).amax(1)
         m0 = torch.where(whole, pooled, inf).amax(1)
         static = vis & (bound >= (m0 + la)[:, None])
@@ -94,7 +104,7 @@ def main():
 
         def frac(x, g):
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
-        print(f"L {L} alpha {alpha} split {split} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
+        print(f"L {L} alpha {alpha} split {split} perp {perp} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}" + "".join(
                   f", b_r from chunk 0 + the last {kc} {frac(c, 128):.3f}" for kc, c in partial.items()))

@@ -289,3 +289,26 @@ def test_row_stride_keeps_a_subset():
     half = emulate.select(q, k, v, dict(base, rstride=2), SCALE)
     assert bool((every.keep | ~half.keep).all())
     assert half.density <= every.density
+
+
+def test_key_max_perp_bounds_the_exact_maxima():
+    # perp c adds c |q_perp| |x_perp_j| to each key's term: c = 0 is the library's rule, c = 1 bounds every exact block
+    # maximum from above (Cauchy-Schwarz on what the basis leaves out), and the scores grow with c
+    q, k, v = random_qkv(600, int.from_bytes(os.urandom(2), "little"))
+    s0 = emulate.key_max_scores(q, k, SCALE, 128, 4)
+    assert torch.equal(emulate.key_max_scores(q, k, SCALE, 128, 4, perp=0.0), s0)
+    half, one = (emulate.key_max_scores(q, k, SCALE, 128, 4, perp=c) for c in (0.5, 1.0))
+    exact = emulate.block_max(q, k.double(), SCALE, 128, dtype=torch.float64)
+    fin = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(one), fin)
+    assert bool((one[fin] >= exact[fin] - 1e-9).all())
+    assert bool((half[fin] >= s0[fin]).all()) and bool((one[fin] >= half[fin]).all())
+    assert bool((half[fin] > s0[fin]).any())  # rank 4 of 64 leaves most of each key out
+    base = dict(score="resid", rank=4, onepass=2, agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1,
+                dense_fraction=1.0)
+    assert torch.equal(emulate.select(q, k, v, dict(base, perp=0.0), SCALE).keep,
+                       emulate.select(q, k, v, base, SCALE).keep)
+    # select() reads perp: on a longer prompt some weight changes the kept blocks
+    q, k, v = random_qkv(1500, 16)
+    plain = emulate.select(q, k, v, base, SCALE).keep
+    assert any(not torch.equal(emulate.select(q, k, v, dict(base, perp=c), SCALE).keep, plain) for c in (0.5, 1.0, 3.0))
