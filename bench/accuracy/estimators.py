@@ -21,8 +21,8 @@ q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k proj
 directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); kmx{r}_a{alpha} / kmx{r}_{F} the row max
 test / the mass target F on the library's key_max scores at rank r (emulate.key_max_scores: pooled mean + the best
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
-oracle_{F} the exact per-row mass target; kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp|
-(emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+oracle_{F} the exact per-row mass target; kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus
+c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
 estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """

@@ -104,7 +104,8 @@ def main():
 
         def frac(x, g):
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
-        print(f"L {L} alpha {alpha} split {split} perp {perp} query head {hq}: candidates (CTA, b_r) {frac(static, 128):.3f}, "
+        print(f"L {L} alpha {alpha} split {split} perp {perp} query head {hq}: "
+              f"candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}" + "".join(
                   f", b_r from chunk 0 + the last {kc} {frac(c, 128):.3f}" for kc, c in partial.items()))
