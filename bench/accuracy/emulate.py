@@ -28,7 +28,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                      the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32.
                      perp c (basis 'lib'; 0 = the library's rule): each key's term plus c |q_perp| |x_perp_j|, what the
                      basis leaves out of q and x_j (perp = I - P P^T; c = 1 bounds the exact maximum from above): one
-                     more column of the residual GEMM (issue 44: rank 16 selecting like rank 32 offline)
+                     more column of the residual GEMM (issue 44: rank 16 selecting like rank 32 offline).
+                     basis 'query': the same score on a basis from the group's queries (query_basis: their second
+                     moment at the sampled positions, the same iteration): what the queries look along
            rstride n scores only positions p % n == n - 1 (and the last), all heads; other rows add nothing beyond
            the always-kept blocks (the tile's union covers them)
   agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
@@ -141,19 +143,13 @@ def library_means(k, block):
     return pooled(k, k, block)[0].float().double()
 
 
-def key_basis(k, rank, block):
-    """The library's key_max basis: k [L, H, D] (one sequence) -> P [H, D, rank] float64, per KV head. The residuals
-    x_j = k_j - kmean_J (float32 means) of every key of the sampled blocks J = 0, s, 2s, ... (s = max(1, ceil(nb /
-    64))), C = sum_j x_j x_j^T, then KEY_BASIS_ITERS times Y = C X, X = MGS(Y) (modified Gram-Schmidt, a zero column
-    stays zero) from X0[d][c] = hash_unit(d, c); all in float64."""
-    L, H, D = k.shape
-    nb = (L + block - 1) // block
-    s = max(1, -(-nb // KEY_BASIS_SAMPLE_BLOCKS))
-    x = k.double() - library_means(k, block).repeat_interleave(block, 0)[:L]
-    xs = x[(torch.arange(L, device=k.device) // block) % s == 0]  # the sampled blocks' keys
-    C = torch.einsum("nhd,nhe->hde", xs, xs)
+def subspace_basis(C, rank):
+    """The library's subspace iteration: C [H, D, D] (a second moment per head, float64) -> X [H, D, rank] float64:
+    KEY_BASIS_ITERS times Y = C X, X = MGS(Y) (modified Gram-Schmidt, a zero column stays zero) from X0[d][c] =
+    hash_unit(d, c)."""
+    H, D = C.shape[0], C.shape[1]
     X0 = torch.tensor([[hash_unit(d, c) for c in range(rank)] for d in range(D)], dtype=torch.float64,
-                      device=k.device)
+                      device=C.device)
     X = X0[None].repeat(H, 1, 1)  # [H, D, r]
     for _ in range(KEY_BASIS_ITERS):
         Y = C @ X
@@ -166,14 +162,43 @@ def key_basis(k, rank, block):
     return X
 
 
-def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0):
+def sampled_rows(L, block, device):
+    """The positions of the sampled blocks J = 0, s, 2s, ... (s = max(1, ceil(nb / KEY_BASIS_SAMPLE_BLOCKS)))."""
+    nb = (L + block - 1) // block
+    s = max(1, -(-nb // KEY_BASIS_SAMPLE_BLOCKS))
+    return (torch.arange(L, device=device) // block) % s == 0
+
+
+def key_basis(k, rank, block):
+    """The library's key_max basis: k [L, H, D] (one sequence) -> P [H, D, rank] float64, per KV head. The residuals
+    x_j = k_j - kmean_J (float32 means) of every key of the sampled blocks (sampled_rows), C = sum_j x_j x_j^T, then
+    subspace_basis(C); all in float64."""
+    L = k.shape[0]
+    x = k.double() - library_means(k, block).repeat_interleave(block, 0)[:L]
+    xs = x[sampled_rows(L, block, k.device)]  # the sampled blocks' keys
+    return subspace_basis(torch.einsum("nhd,nhe->hde", xs, xs), rank)
+
+
+def query_basis(q, num_kv_heads, rank, block):
+    """key_max's basis on the queries (basis 'query'): q [L, Hq, D] -> P [Hkv, D, rank] float64, per KV head: the
+    second moment of the group's queries at the sampled positions (sampled_rows), C = sum q q^T over the group's
+    heads, then subspace_basis(C). The directions the queries look along: a rare key's residual (the recall key) is
+    scored through them, where the keys' own principal directions miss it (issue 44)."""
+    L, Hq, D = q.shape
+    g = Hq // num_kv_heads
+    qs = q.double()[sampled_rows(L, block, q.device)].reshape(-1, num_kv_heads, g, D)
+    return subspace_basis(torch.einsum("nhgd,nhge->hde", qs, qs), rank)
+
+
+def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, basis="lib"):
     """The library's key_max scores (basis 'lib'): s_rJ = scale * (q_r . kmean_J + max over the keys j of J that
     the row sees of (P^T q_r) . (P^T x_j)), x_j = k_j - kmean_J, float64 (the CPU reference's precision), float32
     means: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] (-inf where the row sees no key of J or is not in `rows`).
-    perp c adds c |q_perp| |x_perp_j| to each key's term (perp = I - P P^T; see the module doc)."""
+    perp c adds c |q_perp| |x_perp_j| to each key's term (perp = I - P P^T; see the module doc). basis 'query': P
+    from the queries (query_basis) instead of the keys' residuals."""
     L, Hq, D = q.shape
     g = Hq // k.shape[1]
-    P = key_basis(k, rank, block)  # [Hkv, D, r]
+    P = query_basis(q, k.shape[1], rank, block) if basis == "query" else key_basis(k, rank, block)  # [Hkv, D, r]
     kmean = library_means(k, block)
     x = k.double() - kmean.repeat_interleave(block, 0)[:L]
     xp = torch.einsum("lhd,hdr->lhr", x, P)
@@ -284,8 +309,8 @@ def select(q, k, v, rule, scale):
         pr = None
         if n > 1:
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
-        if r["score"] == "resid" and r["basis"] == "lib":
-            bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"])
+        if r["score"] == "resid" and r["basis"] in ("lib", "query"):
+            bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)

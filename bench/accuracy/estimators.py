@@ -110,6 +110,46 @@ def lower_bound_log_mass(m, u, n=B):
     return torch.logaddexp(m, math.log(n - 1) + (n * u - m) / (n - 1))
 
 
+def basis_scores(q, k, scale, kind):
+    """key_max's score shape (pooled mean + the best key's residual on a rank-r projection) on other bases: kqb{r} the
+    top-r eigenvectors of the group's queries' second moment (per KV head: what the queries look along, so a rare
+    key's residual is seen through the queries' directions), kqh{r} the same per query head, kbl{r} the best rank-r
+    bilinear approximation of Q X^T (Cq^1/2 Cx^1/2 = U S V^T: q -> Cq^-1/2 U_r S_r, x -> Cx^-1/2 V_r, per KV head);
+    kqs{r} the emulator's basis 'query' (kqb's from the sampled positions by the library's subspace iteration).
+    -> [L, Hq, nb] natural-log units, float32."""
+    L, Hq, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    r = int(kind[3:])
+    if kind.startswith("kqs"):  # the emulator's basis 'query' (sampled positions, the library's iteration)
+        return emulate.key_max_scores(q, k, scale, B, r, basis="query").float()
+    kmean = emulate.library_means(k, B)
+    x = k.double() - kmean.repeat_interleave(B, 0)[:L]
+    qd = q.double()
+    mean = torch.einsum("lqd,jqd->lqj", qd, kmean.repeat_interleave(g, 1))
+    qa = torch.empty(L, Hq, r, dtype=torch.float64)
+    xb = torch.empty(L, Hq, r, dtype=torch.float64)
+    for h in range(Hq):
+        kv = h // g
+        if kind.startswith("kqb") or kind.startswith("kqh"):
+            qs = qd[:, kv * g:(kv + 1) * g].reshape(-1, D) if kind.startswith("kqb") else qd[:, h]
+            U = torch.linalg.eigh(qs.T @ qs)[1][:, -r:]
+            qa[:, h], xb[:, h] = qd[:, h] @ U, x[:, kv] @ U
+        else:
+            qs = qd[:, kv * g:(kv + 1) * g].reshape(-1, D)
+            def sqrt_inv(C):
+                w, V = torch.linalg.eigh(C)
+                w = w.clamp(min=w.max() * 1e-9)
+                return (V * w.sqrt()) @ V.T, (V / w.sqrt()) @ V.T
+            cq, cqi = sqrt_inv(qs.T @ qs)
+            cx, cxi = sqrt_inv(x[:, kv].T @ x[:, kv])
+            U, S, Vh = torch.linalg.svd(cq @ cx)
+            qa[:, h] = qd[:, h] @ (cqi @ U[:, :r] * S[:r])
+            xb[:, h] = x[:, kv] @ (cxi @ Vh[:r].T)
+    resid = emulate.block_max(qa, xb, 1.0, B, dtype=torch.float64)
+    return (scale * (mean + resid)).float()
+
+
 def candidates(names):
     """name -> f(x) -> [L, nb] bool (rows' wishes); x holds the per-head tensors."""
     out = {}
@@ -148,6 +188,9 @@ def candidates(names):
         elif kind.startswith("kpx"):  # kpx{r}c{c}_a{alpha}: the ratio rule on key_max's scores at rank r with perp c
             a = float(rest[0][1:])
             out[name] = lambda x, kind=kind, a=a: row_max(x["kpx"][kind], x["sees"], a)
+        elif kind.startswith(("kqb", "kqh", "kbl", "kqs")):  # key_max's shape on another basis (basis_scores)
+            a = float(rest[0][1:])
+            out[name] = lambda x, kind=kind, a=a: row_max(x["kqb"][kind], x["sees"], a)
         elif kind.startswith("kmx"):  # the library's key_max scores at rank r: kmx{r}_a{alpha} its ratio rule,
             r = int(kind[3:])         # kmx{r}_{F} a per-row mass target F on their softmax (rowcum)
             if rest[0].startswith("a"):
@@ -210,6 +253,12 @@ SETS = {
               "kpx16c0.5_a0.3", "kpx16c0.75_a0.3"],
     "perp2": ["exact_a0.1", "exact_a0.3", "exact_a0.5", "kpx16c0.5_a0.5", "kpx16c0.75_a0.3", "kpx16c0.75_a0.5",
               "kpx32c0.5_a0.3"],
+    # key_max's shape on the queries' basis / the bilinear basis (what the key basis misses: a rare key's residual)
+    "qbasis": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.1", "kqb16_a0.3",
+               "kqh16_a0.1", "kqh16_a0.3", "kbl16_a0.1", "kbl16_a0.3"],
+    "qbasis3": ["oracle_0.7", "oracle_0.9", "kmx16_a0.1", "kqb16_a0.1", "kqs16_a0.03", "kqs16_a0.1", "kqs16_a0.3"],
+    "qbasis2": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.03",
+                "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
 }
 
@@ -246,6 +295,8 @@ def score(args):
         kpx = {kd: emulate.key_max_scores(q, k, scale, B, int(kd[3:].split("c")[0]),
                                           perp=float(kd.split("c")[1])).float()
                for kd in {p.split("_")[0] for p in parts if p.startswith("kpx")}}
+        kqb = {kd: basis_scores(q, k, scale, kd)
+               for kd in {p.split("_")[0] for p in parts if p.startswith(("kqb", "kqh", "kbl", "kqs"))}}
         for h in range(Hq):
             lg = (q[:, h] @ k[:, h // g].T) * scale
             lgm = lg.masked_fill(~causal, -math.inf)
@@ -255,7 +306,7 @@ def score(args):
             od = Ob.sum(1)
             x = dict(L=L, lg=lg, lgm=lgm, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
                      scale=scale, causal=causal, kms={r: s[:, h] for r, s in kms.items()},
-                     kpx={kd: s[:, h] for kd, s in kpx.items()})
+                     kpx={kd: s[:, h] for kd, s in kpx.items()}, kqb={kd: s[:, h] for kd, s in kqb.items()})
             for n, f in cands.items():
                 keep = (tile_any(f(x) & sees, T) & vis) | al
                 kr = keep[tile_of]
