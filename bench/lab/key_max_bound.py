@@ -10,7 +10,9 @@ range (a box), the rest against the radius of the keys' other coordinates.
 shortened: a lower bound, so a superset of the candidates).
 --perp c: the perp column (emulate.py's perp): each key's term plus c |q_perp| |x_perp_j|, bounded apart from the
 rank-r part: |Q'_r| radius_J + c |q_perp_r| max_j |x_perp_j| (the two Cauchy-Schwarz terms summed, not one over both).
+--basis query: key_max on the queries' basis (emulate.py's basis 'query') instead of the keys' residuals'.
 Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..] [--perp c]
+       [--basis query]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -27,7 +29,11 @@ B, RANK, HQ, HKV = 128, 16, 8, 2
 
 def main():
     argv = sys.argv[1:]
-    split, rank, perp = 0, RANK, 0.0
+    split, rank, perp, basis = 0, RANK, 0.0, "lib"
+    if "--basis" in argv:
+        i = argv.index("--basis")
+        basis = argv[i + 1]
+        del argv[i:i + 2]
     if "--perp" in argv:
         i = argv.index("--perp")
         perp = float(argv[i + 1])
@@ -52,7 +58,8 @@ def main():
     q, k = q.float(), k.float()
     scale = math.log2(math.e) / math.sqrt(q.shape[-1])
     nb, la, inf = (L + B - 1) // B, math.log2(alpha), torch.tensor(-float("inf"))
-    P = emulate.key_basis(k, rank, B).float()   # [Hkv, D, r]: the library's basis
+    # [Hkv, D, r]: the library's basis, or the queries'
+    P = (emulate.query_basis(q, HKV, rank, B) if basis == "query" else emulate.key_basis(k, rank, B)).float()
     kbar = emulate.library_means(k, B).float()  # [nb, Hkv, D]
     pos = torch.arange(L)
     last = pos // B
@@ -104,7 +111,7 @@ def main():
 
         def frac(x, g):
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
-        print(f"L {L} alpha {alpha} split {split} perp {perp} query head {hq}: "
+        print(f"L {L} alpha {alpha} basis {basis} split {split} perp {perp} query head {hq}: "
               f"candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}" + "".join(

@@ -228,6 +228,44 @@ def test_key_basis_is_orthonormal_and_reads_the_sampled_blocks():
     k2[s * 64 + 5] += 40.0  # block s: sampled
     assert not torch.equal(emulate.key_basis(k2, 16, 64), P)
 
+def test_query_basis_reads_the_groups_sampled_queries():
+    q, k, _ = spiky_qkv(4500, 25)  # 71 blocks of 64: every s-th block's positions sampled
+    s = -(-71 // emulate.KEY_BASIS_SAMPLE_BLOCKS)
+    P = emulate.query_basis(q, HKV, 16, 64)
+    assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
+    assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
+    q2 = q.clone()
+    q2[64 + 5, 0] += 40.0  # block 1's positions: not sampled
+    assert torch.equal(emulate.query_basis(q2, HKV, 16, 64), P)
+    q2[s * 64 + 5, HQ // HKV] += 40.0  # sampled, a query head of KV head 1's group: only that head's basis moves
+    P2 = emulate.query_basis(q2, HKV, 16, 64)
+    assert torch.equal(P2[0], P[0]) and not torch.equal(P2[1], P[1])
+
+
+def test_query_basis_scores_are_exact_when_the_queries_fit_the_rank():
+    # key_max's score is q . kmean_J + max_j (P^T q) . (P^T x_j); with q in span(P) that is max_j q . k_j exactly, the
+    # exact block maximum, whatever the keys: a rare key's residual is seen through the queries' directions
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    L, r = 900, 4
+    A = torch.randn(HKV, D, r, generator=g)
+    q = torch.einsum("hdr,lhgr->lhgd", A, torch.randn(L, HKV, HQ // HKV, r, generator=g)).reshape(L, HQ, D)
+    k = torch.randn(L, HKV, D, generator=g)
+    k[777, 1] += 6.0 * A[1, :, 0]  # one rare key along a direction the queries look
+    got = emulate.key_max_scores(q, k, SCALE, 128, r, basis="query")
+    exact = emulate.block_max(q, k.double(), SCALE, 128, dtype=torch.float64)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(exact))
+    fin = torch.isfinite(exact)
+    assert torch.allclose(got[fin], exact[fin], atol=1e-6, rtol=1e-6)
+    # the keys' own basis at the same rank does not see it: most scores differ
+    lib = emulate.key_max_scores(q, k, SCALE, 128, r)
+    assert float((lib[fin] - exact[fin]).abs().max()) > 0.1
+    base = dict(score="resid", rank=r, onepass=2, agg="rowmax", alpha=0.1, sink=128, window=128, last_n=1,
+                dense_fraction=1.0)
+    v = torch.randn(L, HKV, D, generator=g)
+    assert torch.equal(emulate.select(q, k, v, dict(base, basis="query"), SCALE).keep,
+                       emulate.select(q, k, v, dict(base, score="kmax"), SCALE).keep)  # the same one-pass rule
+
+
 def _brute_block_max(q, kt, scale, block):
     L, Hq, _ = q.shape
     g = Hq // kt.shape[1]
