@@ -126,6 +126,7 @@ def antidiag_log_mass(q, k, scale, block, xs):
 # The library's key basis (src/core/key_basis.h: the same constants and start; docs/design/key_max_spec.md step 2)
 KEY_BASIS_ITERS = 10
 KEY_BASIS_SAMPLE_BLOCKS = 64
+QUERY_BASIS_SAMPLE_BLOCKS = 16  # the blocks of query positions the queries' basis reads (see query_basis)
 
 
 def hash_unit(d, c):
@@ -162,10 +163,11 @@ def subspace_basis(C, rank):
     return X
 
 
-def sampled_rows(L, block, device):
-    """The positions of the sampled blocks J = 0, s, 2s, ... (s = max(1, ceil(nb / KEY_BASIS_SAMPLE_BLOCKS)))."""
+def sampled_rows(L, block, device, count=None):
+    """The positions of the sampled blocks J = 0, s, 2s, ... (s = max(1, ceil(nb / count)), count
+    KEY_BASIS_SAMPLE_BLOCKS unless given)."""
     nb = (L + block - 1) // block
-    s = max(1, -(-nb // KEY_BASIS_SAMPLE_BLOCKS))
+    s = max(1, -(-nb // (count or KEY_BASIS_SAMPLE_BLOCKS)))
     return (torch.arange(L, device=device) // block) % s == 0
 
 
@@ -186,7 +188,7 @@ def query_basis(q, num_kv_heads, rank, block):
     scored through them, where the keys' own principal directions miss it (issue 44)."""
     L, Hq, D = q.shape
     g = Hq // num_kv_heads
-    qs = q.double()[sampled_rows(L, block, q.device)].reshape(-1, num_kv_heads, g, D)
+    qs = q.double()[sampled_rows(L, block, q.device, QUERY_BASIS_SAMPLE_BLOCKS)].reshape(-1, num_kv_heads, g, D)
     return subspace_basis(torch.einsum("nhgd,nhge->hde", qs, qs), rank)
 
 

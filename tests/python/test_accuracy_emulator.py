@@ -230,7 +230,8 @@ def test_key_basis_is_orthonormal_and_reads_the_sampled_blocks():
 
 def test_query_basis_reads_the_groups_sampled_queries():
     q, k, _ = spiky_qkv(4500, 25)  # 71 blocks of 64: every s-th block's positions sampled
-    s = -(-71 // emulate.KEY_BASIS_SAMPLE_BLOCKS)
+    s = -(-71 // emulate.QUERY_BASIS_SAMPLE_BLOCKS)
+    assert s > 1
     P = emulate.query_basis(q, HKV, 16, 64)
     assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
     assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
