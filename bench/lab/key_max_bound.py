@@ -27,30 +27,24 @@ from accuracy import emulate  # noqa: E402
 B, RANK, HQ, HKV = 128, 16, 8, 2
 
 
+def pop_flag(argv, name, convert, default):
+    """Removes `name value` from argv and returns convert(value), or default when absent."""
+    if name not in argv:
+        return default
+    i = argv.index(name)
+    value = convert(argv[i + 1])
+    del argv[i:i + 2]
+    return value
+
+
 def main():
     argv = sys.argv[1:]
-    split, rank, perp, basis = 0, RANK, 0.0, "lib"
-    if "--basis" in argv:
-        i = argv.index("--basis")
-        basis = argv[i + 1]
-        del argv[i:i + 2]
-    if "--perp" in argv:
-        i = argv.index("--perp")
-        perp = float(argv[i + 1])
-        del argv[i:i + 2]
-    if "--split" in argv:
-        i = argv.index("--split")
-        split = int(argv[i + 1])
-        del argv[i:i + 2]
-    bound_chunks = []
-    if "--bound-chunks" in argv:  # pass 1 over chunk 0 and the tile's last k chunks only (a lower bound b_r)
-        i = argv.index("--bound-chunks")
-        bound_chunks = [int(x) for x in argv[i + 1].split(",")]
-        del argv[i:i + 2]
-    if "--rank" in argv:
-        i = argv.index("--rank")
-        rank = int(argv[i + 1])
-        del argv[i:i + 2]
+    basis = pop_flag(argv, "--basis", str, "lib")
+    perp = pop_flag(argv, "--perp", float, 0.0)
+    split = pop_flag(argv, "--split", int, 0)
+    # pass 1 over chunk 0 and the tile's last k chunks only (a lower bound b_r)
+    bound_chunks = pop_flag(argv, "--bound-chunks", lambda v: [int(x) for x in v.split(",")], [])
+    rank = pop_flag(argv, "--rank", int, RANK)
     L = int(argv[0]) if len(argv) > 0 else 16384
     alpha = float(argv[1]) if len(argv) > 1 else 0.03
     heads = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [0]
