@@ -115,14 +115,14 @@ def basis_scores(q, k, scale, kind):
     top-r eigenvectors of the group's queries' second moment (per KV head: what the queries look along, so a rare
     key's residual is seen through the queries' directions), kqh{r} the same per query head, kbl{r} the best rank-r
     bilinear approximation of Q X^T (Cq^1/2 Cx^1/2 = U S V^T: q -> Cq^-1/2 U_r S_r, x -> Cx^-1/2 V_r, per KV head);
-    kqs{r} the emulator's basis 'query' (kqb's from the sampled positions by the library's subspace iteration).
+    krx{r} the emulator's basis 'keys' (the key residuals' basis, the library's before issue 44).
     -> [L, Hq, nb] natural-log units, float32."""
     L, Hq, D = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
     r = int(kind[3:])
-    if kind.startswith("kqs"):  # the emulator's basis 'query' (sampled positions, the library's iteration)
-        return emulate.key_max_scores(q, k, scale, B, r, basis="query").float()
+    if kind.startswith("krx"):  # the emulator's basis 'keys' (the keys' residuals, the library's iteration)
+        return emulate.key_max_scores(q, k, scale, B, r, basis="keys").float()
     kmean = emulate.library_means(k, B)
     x = k.double() - kmean.repeat_interleave(B, 0)[:L]
     qd = q.double()
@@ -188,7 +188,7 @@ def candidates(names):
         elif kind.startswith("kpx"):  # kpx{r}c{c}_a{alpha}: the ratio rule on key_max's scores at rank r with perp c
             a = float(rest[0][1:])
             out[name] = lambda x, kind=kind, a=a: row_max(x["kpx"][kind], x["sees"], a)
-        elif kind.startswith(("kqb", "kqh", "kbl", "kqs")):  # key_max's shape on another basis (basis_scores)
+        elif kind.startswith(("kqb", "kqh", "kbl", "krx")):  # key_max's shape on another basis (basis_scores)
             a = float(rest[0][1:])
             out[name] = lambda x, kind=kind, a=a: row_max(x["kqb"][kind], x["sees"], a)
         elif kind.startswith("kmx"):  # the library's key_max scores at rank r: kmx{r}_a{alpha} its ratio rule,
@@ -256,7 +256,7 @@ SETS = {
     # key_max's shape on the queries' basis / the bilinear basis (what the key basis misses: a rare key's residual)
     "qbasis": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.1", "kqb16_a0.3",
                "kqh16_a0.1", "kqh16_a0.3", "kbl16_a0.1", "kbl16_a0.3"],
-    "qbasis3": ["oracle_0.7", "oracle_0.9", "kmx16_a0.1", "kqb16_a0.1", "kqs16_a0.03", "kqs16_a0.1", "kqs16_a0.3"],
+    "qbasis3": ["oracle_0.7", "oracle_0.9", "kmx16_a0.1", "kqb16_a0.1", "krx16_a0.03", "krx16_a0.1", "krx16_a0.3"],
     "qbasis2": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.03",
                 "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
@@ -296,7 +296,7 @@ def score(args):
                                           perp=float(kd.split("c")[1])).float()
                for kd in {p.split("_")[0] for p in parts if p.startswith("kpx")}}
         kqb = {kd: basis_scores(q, k, scale, kd)
-               for kd in {p.split("_")[0] for p in parts if p.startswith(("kqb", "kqh", "kbl", "kqs"))}}
+               for kd in {p.split("_")[0] for p in parts if p.startswith(("kqb", "kqh", "kbl", "krx"))}}
         for h in range(Hq):
             lg = (q[:, h] @ k[:, h // g].T) * scale
             lgm = lg.masked_fill(~causal, -math.inf)

@@ -1,8 +1,9 @@
 // SelectionRule::kKeyMax (docs/design/key_max_spec.md) in the CPU reference: the shared basis helpers
 // (core/key_basis.h: hash_unit's values, also asserted against the emulator in test_accuracy_emulator.py), the basis
 // (orthonormal, spans the directions planted in its group's queries, reads only the sampled positions of its group,
-// every head sub-group scores through its KV head's basis), the rule on a needle the pooled means miss, alpha 0 = dense in every mode, paged = contiguous,
-// and the validation of rule / key_rank. The selection against the torch emulator: test_accuracy_emulator.py.
+// every head sub-group scores through its KV head's basis), the rule on a needle the pooled means miss, alpha 0 =
+// dense in every mode, paged = contiguous, and the validation of rule / key_rank. The selection against the torch
+// emulator: test_accuracy_emulator.py.
 #include <set>
 
 #include "api/validate.h"
@@ -114,7 +115,8 @@ TEST(KeyMax, BasisIsOrthonormalAndHoldsItsGroupsQueryDirections) {
         for (int cc : {0, r - 1}) {
           double dot = 0;
           for (int d = 0; d < D; ++d)
-            dot += P[size_t(d) * r + cc] * (double(kv[0].k[size_t(j) * D + d]) - double(km[size_t(j / 64) * 2 * D + d]));
+            dot += P[size_t(d) * r + cc] *
+                   (double(kv[0].k[size_t(j) * D + d]) - double(km[size_t(j / 64) * 2 * D + d]));
           EXPECT_NEAR(Y[size_t(j) * r + cc], dot, 1e-9 * (1 + std::abs(dot)));
         }
     }
@@ -221,8 +223,9 @@ TEST(KeyMax, SubGroupsScoreThroughTheWholeGroupsBasis) {
 }
 
 // One needle key (logit 20) in a block of zero logits, every other key at logit 2 (small noise orthogonal to the
-// queries' direction u): the pooled means see the needle's block at 20/64 and drop it; key_max finds it (u is the queries'
-// one direction) and, one pass from the diagonal, drops the blocks before it (their running maximum is the needle).
+// queries' direction u): the pooled means see the needle's block at 20/64 and drop it; key_max finds it (u is the
+// queries' one direction) and, one pass from the diagonal, drops the blocks before it (their running maximum is the
+// needle).
 TEST(KeyMax, KeepsTheNeedleThePooledMeansMiss) {
   SP_SEED_TRACE();
   std::mt19937_64 rng(test_seed());
