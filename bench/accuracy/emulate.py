@@ -43,6 +43,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    max_J scale q_r . kmean_J over the blocks the row sees whole (a block's maximum is >= its mean)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
+           'keyshare' keep J iff max_r exp(s_rJ) / Z_r >= alpha, Z_r = sum_J' c_rJ' exp(scale q_r . kmean_J') the
+                   row's mass estimated from the pooled means (c_rJ' its visible keys of J'): the block's best key
+                   (s a block maximum) as a share of the row; a fixed per-row threshold
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
@@ -388,6 +391,14 @@ def select(q, k, v, rule, scale):
                 keep_rows = torch.zeros_like(take)
                 keep_rows.scatter_(-1, order, take)
                 sel = keep_rows.any(2)
+    elif agg == "keyshare":
+        # a block's best key against the row's pooled-means mass Z_r = sum_J c_rJ exp(scale q_r . kmean_J) over the
+        # blocks the row sees (c_rJ: its visible keys of J; float32 means): keep J iff exp(s_rJ) >= alpha Z_r, a
+        # fixed threshold per row (no running maximum), so a diffuse row (large Z) keeps few, a peaked one its peaks
+        sm = torch.einsum("vrd,jvd->vrj", qv, kmean.float().double()[:, kvh]) * scale
+        cnt = torch.minimum((pos[:, None] - first_key[None, :] + 1).clamp(min=0).double(), counts[None, :])
+        lz = torch.logsumexp(sm + torch.log(cnt)[None], -1).view(V, T, TILE_ROWS, 1)
+        sel = (torch.isfinite(st) & (st >= lz + math.log(alpha))).any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha
