@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Both retrieval seeds evaluated concurrently at 32K on configs $2 until $3 s into the call; rows kept in /tmp/ret
+# across calls (the file merges) and copied to OUT.
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z); OUT=$1; CF=$2; END=$3
+mkdir -p /tmp/ret
+left=$(( END - SECONDS ))
+echo "reval: $left s for $CF"
+for s in 1 2; do
+  (cd bench && timeout $left python3 accuracy/retrieval.py eval --ckpt /tmp/retrieval_seed$s.pt --device cuda \
+     --lengths 32768 --configs "$CF" --n-seq 16 --budget-s $(( left - 45 )) \
+     --out /tmp/ret/accuracy_retrieval_seed${s}_${G}.json) > "$OUT/retrieval_eval_seed$s.log" 2>&1 &
+done
+wait
+for s in 1 2; do grep -E '^\[|budget|Error|refused' "$OUT/retrieval_eval_seed$s.log" | tail -12; cp /tmp/ret/accuracy_retrieval_seed${s}_${G}.json "$OUT/" 2>/dev/null; done
