@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Both retrieval seeds evaluated concurrently at 32K on configs $2 until $3 s into the call; rows kept in /tmp/ret
-# across calls (the file merges) and copied to OUT.
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z); OUT=$1; CF=$2; END=$3
+# across calls (the file merges) and copied to OUT. Sourced by r1.sh / r2.sh: their SECONDS and card suffix G.
+OUT=$1; CF=$2; END=$3
 mkdir -p /tmp/ret
 left=$(( END - SECONDS ))
 echo "reval: $left s for $CF"
