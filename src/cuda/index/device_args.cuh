@@ -90,6 +90,23 @@ struct KVArgs {
     };
     return checked_page(*this, b, j, report);
   }
+
+  // Element offsets of key j of sequence b at KV head h in K and V (k_start: the sequence's first row in a contiguous
+  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). The one place the index stage's kernels
+  // resolve the two layouts. Callers that read K only ignore vo (dead code).
+  __device__ __forceinline__ bool offsets(int b, int64_t k_start, int h, int64_t j, int64_t& ko, int64_t& vo) const {
+    if (block_table) {
+      const int64_t pg = page(b, j);
+      if (pg < 0) return false;
+      const int64_t slot = geometry::page_slot(j, page_size);
+      ko = pg * k_stride[0] + slot * k_stride[1] + h * k_stride[2];
+      vo = pg * v_stride[0] + slot * v_stride[1] + h * v_stride[2];
+    } else {
+      ko = (k_start + j) * k_stride[0] + h * k_stride[1];
+      vo = (k_start + j) * v_stride[0] + h * v_stride[1];
+    }
+    return true;
+  }
 };
 
 // Pooled-means cache (MeanCache, sparse.h); k == nullptr: none.

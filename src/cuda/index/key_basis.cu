@@ -23,18 +23,6 @@ constexpr int kBasisThreads = 256;
 constexpr int kProjectThreads = 256;
 constexpr int kProjectKeys = 32;    // keys per shared-memory tile of the projection CTA (block_size % 64 == 0)
 
-// Key j of sequence b at KV head h as float (FP8: times its descale); 0 for a key on a bad page (reported).
-template <typename T>
-__device__ __forceinline__ const T* key_row(const KVArgs& kv, const SeqArgs& seq, int b, int h, int64_t j) {
-  if (kv.block_table) {
-    const int64_t page = kv.page(b, j);
-    if (page < 0) return nullptr;
-    return static_cast<const T*>(kv.k) + page * kv.k_stride[0] + geometry::page_slot(j, kv.page_size) * kv.k_stride[1] +
-           h * kv.k_stride[2];
-  }
-  return static_cast<const T*>(kv.k) + (seq.k_start(b) + j) * kv.k_stride[0] + h * kv.k_stride[1];
-}
-
 // ---- 1. the queries' second moment ----------------------------------------------------------------------------------
 // grid (batch, Hkv, key_moment_splits()): each CTA sums q q^T over one contiguous slice of the KV head's group's
 // queries at the sampled positions (core/key_basis.h: blocks 0, s, 2s, ... of block_size positions, each position's g
@@ -253,8 +241,9 @@ __global__ void __launch_bounds__(kProjectThreads) key_project_kernel(SeqArgs se
 #pragma unroll
     for (int i = 0; i < kProjectKeys / kKeysPerPass; ++i) {
       const int64_t j = J * block_size + j0 + i * kKeysPerPass + kk;
-      const T* row = j < k_len ? key_row<T>(kv, seq, b, h, j) : nullptr;
-      x[i] = row ? to_float(row[e]) * descale : 0.f;
+      int64_t ko, vo;
+      const bool ok = j < k_len && kv.offsets(b, seq.k_start(b), h, j, ko, vo);  // 0 past k_len and on a bad page
+      x[i] = ok ? to_float(static_cast<const T*>(kv.k)[ko + e]) * descale : 0.f;
     }
     __syncthreads();  // sP / sBar written; the previous tile's readers done
 #pragma unroll
