@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Session 10, the one short call: build, key_max's CUDA tests against the CPU reference (the queries' basis), then
 # the index stage kernel by kernel and bench_selection's key_max rows with what time is left. R0_PHASES='build model'
-# with .deps/smollm2.part.aa carried also leaves the model's first half for r2.sh (the next call, while warm).
+# with .deps/smollm2.part.aa carried (R0_TESTS=tests/python: the whole GPU suite, ~190 s on the H100) also leaves the model's first half for r2.sh (the next call, while warm).
 set -u
 OUT=$1
 END=${R0_END:-330}
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
 bash scripts/gpu.sh "$OUT" ${R0_PHASES:-build} > "$OUT/gpu_build.log" 2>&1; tail -3 "$OUT/gpu_build.log"
-SP_TEST_INSTALLED=1 timeout $(( END - SECONDS )) python3 -m pytest -q -p no:cacheprovider -rfE tests/python/test_key_max_cuda.py \
+SP_TEST_INSTALLED=1 timeout $(( END - SECONDS )) python3 -m pytest -q -p no:cacheprovider -rfE ${R0_TESTS:-tests/python/test_key_max_cuda.py} \
   > "$OUT/key_max_cuda.log" 2>&1; tail -6 "$OUT/key_max_cuda.log"
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z)
 timeout $(( (END - SECONDS) / 3 )) python3 bench/lab/profile_index.py 32768 131072 --repeats 5 > "$OUT/profile_index_keymax_${G}.log" 2>&1
