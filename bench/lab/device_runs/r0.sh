@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session 10, the one short call: build, key_max's CUDA tests against the CPU reference (the queries' basis), then
-# the index stage kernel by kernel and bench_selection's key_max rows with what time is left. R0_PHASES='build model'
-# with .deps/smollm2.part.aa carried (R0_TESTS=tests/python: the whole GPU suite, ~190 s on the H100) also leaves the model's first half for r2.sh (the next call, while warm).
+# Sessions 10-11, the short call: build, key_max's CUDA tests against the CPU reference (the queries' basis), then
+# the index stage kernel by kernel and bench_selection's key_max rows with what time is left, until R0_END s.
+# R0_TESTS=tests/python: the whole GPU suite instead (~190 s on the H100). R0_PHASES='build model' with
+# .deps/smollm2.part.aa carried also leaves the model's first half for r2.sh (the next call, while warm).
 set -u
 OUT=$1
 END=${R0_END:-330}
