@@ -44,7 +44,7 @@ struct KeyMaxConfig {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kTileRows>, cute::Int<kPooledN>, cute::Int<D>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  // Q P in the prologue: P^T as two bf16 / fp16 parts (hi + lo: ~16 significant bits, against the fp16 rounding of Q')
+  // Q P in the prologue: P^T as kPParts bf16 / fp16 parts (P = p0 + p1 + p2 + O(2^-24 |P|), as exact as the fp32 P)
   using ProjMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kTileRows>, cute::Int<R>, cute::Int<D>>>(),
@@ -61,8 +61,9 @@ struct KeyMaxConfig {
   // two stages: chunk c - 1's means load while chunk c is scored
   using SmemLayoutKm = decltype(cute::tile_to_shape(Atom<Element, kPooledN, D>{},
                                                     cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::_2>{}));
-  using SmemLayoutP = decltype(cute::tile_to_shape(Atom<Element, R, D>{},
-                                                   cute::Shape<cute::Int<R>, cute::Int<D>, cute::_2>{}));
+  static constexpr int kPParts = 3;
+  using SmemLayoutP = decltype(cute::tile_to_shape(
+      Atom<Element, R, D>{}, cute::Shape<cute::Int<R>, cute::Int<D>, cute::Int<kPParts>>{}));
   using SmemLayoutQp = decltype(cute::tile_to_shape(Atom<Half, kTileRows, R>{},
                                                     cute::Shape<cute::Int<kTileRows>, cute::Int<R>>{}));
   // K' units: slot = stage * kStageUnits + unit % kStageUnits
@@ -72,7 +73,7 @@ struct KeyMaxConfig {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Half, cute::cosize_v<SmemLayoutQp>, 1024> qp;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKm>, 1024> km;
-    union {  // P^T (hi, lo) for the Q' projection of the prologue, then the K' stages
+    union {  // P^T's parts for the Q' projection of the prologue, then the K' stages
       cute::array_aligned<Half, cute::cosize_v<SmemLayoutKp>, 1024> kp;
       cute::array_aligned<Element, cute::cosize_v<SmemLayoutP>, 1024> p;
     } u;
@@ -154,8 +155,9 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   if (threadIdx.x == 0) sm.nan_flag = 0;
 
   // Prologue: Q (as score_select gathers it) and P^T, then Q' = P^T q * scale_log2 in fp16 and |Q'| per row, on the
-  // tensor cores (64 x R x D per warpgroup, twice: P's hi and lo parts). The same product in FFMA from shared memory
-  // was 15 % of the scorer's instructions at 32K (ncu, H100, docs/design/selection.md).
+  // tensor cores (64 x R x D per warpgroup, once per part of P). The same product in FFMA from shared memory was 15 %
+  // of the scorer's instructions at 32K (ncu, H100, docs/design/selection.md). Parts: with two, 1.5 % of Q''s fp16
+  // values round differently from the exact product's (bf16 q, CPU emulation), with three 0.04 % (the FFMA's 0.1 %).
   Tensor sP = make_tensor(make_smem_ptr(sm.u.p.data()), typename Cfg::SmemLayoutP{});
   if constexpr (is_fp8_v<T>) {
     gather_q_fp8<D, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh_mem));
@@ -166,11 +168,14 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   }
   asm volatile("cp.async.commit_group;\n" ::);
   const float* p_global = basis + (int64_t(b) * kv_heads_mem + kvh_mem) * D * R;
-  for (int i = threadIdx.x; i < D * R; i += kKeyMaxThreads) {  // P [D][R] float -> P^T hi, lo
-    const float x = p_global[i];
-    const Element hi = Element(x);
-    sP(i % R, i / R, 0) = hi;
-    sP(i % R, i / R, 1) = Element(x - float(hi));
+  for (int i = threadIdx.x; i < D * R; i += kKeyMaxThreads) {  // P [D][R] float -> P^T's parts
+    float x = p_global[i];
+    CUTE_UNROLL
+    for (int k = 0; k < Cfg::kPParts; ++k) {
+      const Element part = Element(x);
+      sP(i % R, i / R, k) = part;
+      x -= float(part);
+    }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   cutlass::arch::fence_view_async_shared();  // Q (cp.async / generic stores) and P^T -> visible to wgmma
@@ -181,8 +186,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     Tensor tQrQ = wg_q.partition_fragment_A(sQ);
     Tensor tQrP = wg_q.partition_fragment_B(sP);
     Tensor acc = partition_fragment_C(qmma, Shape<Int<kTileRows>, Int<R>>{});
-    wgmma_batch<false>(qmma, tQrQ, tQrP(_, _, _, 0), acc, /*zero_init=*/true);
-    wgmma_batch<false>(qmma, tQrQ, tQrP(_, _, _, 1), acc, /*zero_init=*/false);
+    CUTE_UNROLL
+    for (int k = 0; k < Cfg::kPParts; ++k) wgmma_batch<false>(qmma, tQrQ, tQrP(_, _, _, k), acc, /*zero_init=*/k == 0);
     warpgroup_wait<0>();
     Tensor cQ = qmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<R>>{}));
     float n2[2] = {0.f, 0.f};  // value v is in the thread's row (v / 2) % 2 (the GMMA C layout, as below)
