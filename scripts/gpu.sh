@@ -94,6 +94,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 |
       tr "[:upper:]" "[:lower:]")
 export GPU="${GPU:-gpu}"
+echo "$GPU" > "$OUT/card.txt"  # for the scripts that call this one (bench/lab/device_runs/)
 if ! "$PY" -m pip install -v --no-build-isolation --no-deps --no-index -C build-dir=build-gpu \
      -C cmake.define.SPARSE_PREFILL_CUDA=ON -C "cmake.define.SP_CUTLASS_ROOT=$CUT" . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"

@@ -10,7 +10,7 @@ export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this cal
 bash scripts/gpu.sh "$OUT" ${R0_PHASES:-build} > "$OUT/gpu_build.log" 2>&1; tail -3 "$OUT/gpu_build.log"
 SP_TEST_INSTALLED=1 timeout $(( END - SECONDS )) python3 -m pytest -q -p no:cacheprovider -rfE ${R0_TESTS:-tests/python/test_key_max_cuda.py} \
   > "$OUT/key_max_cuda.log" 2>&1; tail -6 "$OUT/key_max_cuda.log"
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z)
+G=$(cat "$OUT/card.txt")  # gpu.sh names the card
 timeout $(( (END - SECONDS) / 3 )) python3 bench/lab/profile_index.py 32768 131072 --repeats 5 > "$OUT/profile_index_keymax_${G}.log" 2>&1
 grep -E "key_|Self CUDA time|^L|ms" "$OUT/profile_index_keymax_${G}.log" | head -30
 timeout $(( END - SECONDS )) python3 bench/bench_selection.py --lengths 32768,131072 --configs "default,sp:rule=key_max;alpha=0.03,sp:rule=key_max;alpha=0.1" \

@@ -3,9 +3,9 @@
 # CUDA tests, both retrieval trainings side by side, then both seeds' rows at 32K (R1_CONFIGS) until R1_END s.
 set -u
 OUT=$1
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z)
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
 bash scripts/gpu.sh "$OUT" build model > "$OUT/gpu_build.log" 2>&1; tail -5 "$OUT/gpu_build.log"
+G=$(cat "$OUT/card.txt")  # gpu.sh names the card
 SP_TEST_INSTALLED=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/python/test_key_max_cuda.py \
   > "$OUT/key_max_cuda.log" 2>&1 &
 END=${R1_END:-470}

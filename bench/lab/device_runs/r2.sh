@@ -2,9 +2,10 @@
 # Session 10, call 2: model half 2; SmolLM2 8K then 4K (emulated share test / ratio on the queries' basis, oracles)
 # beside the retrieval seeds' remaining rows.
 set -u
-G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE "[HAB][0-9]{2,3}" | head -1 | tr A-Z a-z); OUT=$1
+OUT=$1
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
 bash scripts/gpu.sh "$OUT" build model > "$OUT/gpu_model.log" 2>&1; tail -4 "$OUT/gpu_model.log"
+G=$(cat "$OUT/card.txt")  # gpu.sh names the card
 mkdir -p /tmp/smol
 (cd bench && export PYTHONPATH=/tmp/acc-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
  timeout $(( ${SMOL_END:-560} - SECONDS )) python3 -m accuracy.run --backend sp --device cuda --lengths "${SMOL_LENGTHS:-8192,4096}" \
