@@ -90,6 +90,23 @@ struct KVArgs {
     };
     return checked_page(*this, b, j, report);
   }
+
+  // Element offsets of key j of sequence b at KV head h in K and V (k_start: the sequence's first row in a contiguous
+  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). The one place the index stage's kernels
+  // resolve the two layouts. Callers that read K only ignore vo (dead code).
+  __device__ __forceinline__ bool offsets(int b, int64_t k_start, int h, int64_t j, int64_t& ko, int64_t& vo) const {
+    if (block_table) {
+      const int64_t pg = page(b, j);
+      if (pg < 0) return false;
+      const int64_t slot = geometry::page_slot(j, page_size);
+      ko = pg * k_stride[0] + slot * k_stride[1] + h * k_stride[2];
+      vo = pg * v_stride[0] + slot * v_stride[1] + h * v_stride[2];
+    } else {
+      ko = (k_start + j) * k_stride[0] + h * k_stride[1];
+      vo = (k_start + j) * v_stride[0] + h * v_stride[1];
+    }
+    return true;
+  }
 };
 
 // Pooled-means cache (MeanCache, sparse.h); k == nullptr: none.
@@ -225,11 +242,11 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
                   const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, bool row_mass,
                   const DeviceIndex& d);
-// key_basis.cu: SelectionRule::kKeyMax's operands (after the pooling: it reads the float32 means): the residuals'
+// key_basis.cu: SelectionRule::kKeyMax's operands (after the pooling: it reads the float32 means): the queries'
 // second moment (d.key_moment), the basis P of rank key_rank (d.key_basis), K' = P^T (k - k_mean) and each block's
 // radius (d.key_proj, d.key_radius).
 void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const Bounds& bd, const SeqArgs& seq,
-                      const KVArgs& kv, int block_size, const DeviceIndex& d);
+                      const QArgs& qa, const KVArgs& kv, int block_size, const DeviceIndex& d);
 // key_max.cu: SelectionRule::kKeyMax, the scorer's limits checked, launch_key_basis, then the tile's keep bits
 // (d.probe_bits) from the per-key block maxima on the residual basis.
 void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,

@@ -1,6 +1,6 @@
 // Index stage, the key_max rule (SelectionRule::kKeyMax, docs/design/key_max_spec.md): per-key block maxima on a
 // low-rank projection of each key's deviation from its block mean, on tensor cores. On the stage's stream, after the
-// pooling, no host synchronisation: key_basis.cu's three kernels (the residuals' second moment, the basis P, the
+// pooling, no host synchronisation: key_basis.cu's three kernels (the queries' second moment, the basis P, the
 // projected keys K' = P^T x and each block's radius), then the scorer, key_max_kernel: per (tile, virtual KV head),
 // the bound b_r over the blocks each row sees whole, the tile's candidates (blocks whose pooled score + |Q'| radius
 // some row cannot rule out), then one pass over the candidates from the diagonal down: the pooled score (bf16 / fp16
@@ -44,6 +44,11 @@ struct KeyMaxConfig {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kTileRows>, cute::Int<kPooledN>, cute::Int<D>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // Q P in the prologue: P^T as kPParts bf16 / fp16 parts (P = p0 + p1 + p2 + O(2^-24 |P|), as exact as the fp32 P)
+  using ProjMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kTileRows>, cute::Int<R>, cute::Int<D>>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using ResidMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Half, Half, Half,
                                  cute::Shape<cute::Int<kTileRows>, cute::Int<kUnitKeys>, cute::Int<R>>>(),
@@ -56,6 +61,9 @@ struct KeyMaxConfig {
   // two stages: chunk c - 1's means load while chunk c is scored
   using SmemLayoutKm = decltype(cute::tile_to_shape(Atom<Element, kPooledN, D>{},
                                                     cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::_2>{}));
+  static constexpr int kPParts = 3;
+  using SmemLayoutP = decltype(cute::tile_to_shape(
+      Atom<Element, R, D>{}, cute::Shape<cute::Int<R>, cute::Int<D>, cute::Int<kPParts>>{}));
   using SmemLayoutQp = decltype(cute::tile_to_shape(Atom<Half, kTileRows, R>{},
                                                     cute::Shape<cute::Int<kTileRows>, cute::Int<R>>{}));
   // K' units: slot = stage * kStageUnits + unit % kStageUnits
@@ -65,9 +73,9 @@ struct KeyMaxConfig {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Half, cute::cosize_v<SmemLayoutQp>, 1024> qp;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKm>, 1024> km;
-    union {  // P (float [D][R]) for the Q' projection of the prologue, then the K' stages
+    union {  // P^T's parts for the Q' projection of the prologue, then the K' stages
       cute::array_aligned<Half, cute::cosize_v<SmemLayoutKp>, 1024> kp;
-      float p[D * R];
+      cute::array_aligned<Element, cute::cosize_v<SmemLayoutP>, 1024> p;
     } u;
     float pooled[kTileRows][kPooledN + 1];  // the current pooled chunk's scores (log2 units), rows by their warp
     float radius[2][kPooledN];              // the radii of each stage's pooled blocks
@@ -75,7 +83,7 @@ struct KeyMaxConfig {
     int candidates;                         // the tile's candidate blocks (the list's length)
     int nan_flag;
   };
-  static_assert(sizeof(float) * D * R <= sizeof(cute::array_aligned<Half, cute::cosize_v<SmemLayoutKp>, 1024>),
+  static_assert(cute::cosize_v<SmemLayoutP> * sizeof(Element) <= cute::cosize_v<SmemLayoutKp> * sizeof(Half),
                 "P fits the K' stages");
   // after Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates and their
   // units (key rows / 64 of the sequence) as uint16
@@ -146,7 +154,11 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   for (int w = threadIdx.x; w < words; w += kKeyMaxThreads) bits[w] = cand_bits[w] = 0u;
   if (threadIdx.x == 0) sm.nan_flag = 0;
 
-  // Prologue: Q (as score_select gathers it) and P, then Q' = P^T q * scale_log2 in fp16 and |Q'| per row.
+  // Prologue: Q (as score_select gathers it) and P^T, then Q' = P^T q * scale_log2 in fp16 and |Q'| per row, on the
+  // tensor cores (64 x R x D per warpgroup, once per part of P). The same product in FFMA from shared memory was 15 %
+  // of the scorer's instructions at 32K (ncu, H100, docs/design/selection.md). Parts: with two, 1.5 % of Q''s fp16
+  // values round differently from the exact product's (bf16 q, CPU emulation), with three 0.04 % (the FFMA's 0.1 %).
+  Tensor sP = make_tensor(make_smem_ptr(sm.u.p.data()), typename Cfg::SmemLayoutP{});
   if constexpr (is_fp8_v<T>) {
     gather_q_fp8<D, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh_mem));
   } else if (qa.vec16) {
@@ -156,39 +168,40 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   }
   asm volatile("cp.async.commit_group;\n" ::);
   const float* p_global = basis + (int64_t(b) * kv_heads_mem + kvh_mem) * D * R;
-  for (int i = threadIdx.x; i < D * R; i += kKeyMaxThreads) sm.u.p[i] = p_global[i];
+  for (int i = threadIdx.x; i < D * R; i += kKeyMaxThreads) {  // P [D][R] float -> P^T's parts
+    float x = p_global[i];
+    CUTE_UNROLL
+    for (int k = 0; k < Cfg::kPParts; ++k) {
+      const Element part = Element(x);
+      sP(i % R, i / R, k) = part;
+      x -= float(part);
+    }
+  }
   asm volatile("cp.async.wait_group 0;\n" ::);
+  cutlass::arch::fence_view_async_shared();  // Q (cp.async / generic stores) and P^T -> visible to wgmma
   __syncthreads();
   {
-    constexpr int kCols = R / 2;  // two threads per packed row
-    const int r = threadIdx.x / 2, c0 = (threadIdx.x % 2) * kCols;
-    float acc[kCols] = {};
-    for (int d0 = 0; d0 < D; d0 += 8) {  // 8 elements of q (16 bytes, contiguous in the swizzle), P's rows as float4
-      const uint4 q8 = *reinterpret_cast<const uint4*>(&sQ(r, d0));
-      const Element* qe = reinterpret_cast<const Element*>(&q8);
-#pragma unroll
-      for (int dd = 0; dd < 8; ++dd) {
-        const float qd = float(qe[dd]);
-        const float4* prow = reinterpret_cast<const float4*>(&sm.u.p[(d0 + dd) * R + c0]);
-#pragma unroll
-        for (int c4 = 0; c4 < kCols / 4; ++c4) {
-          const float4 p4 = prow[c4];
-          acc[4 * c4] = fmaf(qd, p4.x, acc[4 * c4]);
-          acc[4 * c4 + 1] = fmaf(qd, p4.y, acc[4 * c4 + 1]);
-          acc[4 * c4 + 2] = fmaf(qd, p4.z, acc[4 * c4 + 2]);
-          acc[4 * c4 + 3] = fmaf(qd, p4.w, acc[4 * c4 + 3]);
-        }
-      }
+    typename Cfg::ProjMma qmma;
+    auto wg_q = qmma.get_slice((threadIdx.x / 128) * 128);
+    Tensor tQrQ = wg_q.partition_fragment_A(sQ);
+    Tensor tQrP = wg_q.partition_fragment_B(sP);
+    Tensor acc = partition_fragment_C(qmma, Shape<Int<kTileRows>, Int<R>>{});
+    CUTE_UNROLL
+    for (int k = 0; k < Cfg::kPParts; ++k) wgmma_batch<false>(qmma, tQrQ, tQrP(_, _, _, k), acc, /*zero_init=*/k == 0);
+    warpgroup_wait<0>();
+    Tensor cQ = qmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<R>>{}));
+    float n2[2] = {0.f, 0.f};  // value v is in the thread's row (v / 2) % 2 (the GMMA C layout, as below)
+    CUTE_UNROLL
+    for (int v = 0; v < size(acc); ++v) {
+      const Half h = Half(acc(v) * sel.scale_log2);
+      sQp(get<0>(cQ(v)), get<1>(cQ(v))) = h;
+      n2[(v / 2) % 2] = fmaf(float(h), float(h), n2[(v / 2) % 2]);
     }
-    float n2 = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const Half v = Half(acc[c] * sel.scale_log2);
-      sQp(r, c0 + c) = v;
-      n2 = fmaf(float(v), float(v), n2);
+    for (int i = 0; i < 2; ++i) {  // the row's R values are spread over the quad's four threads
+      n2[i] += __shfl_xor_sync(0xffffffffu, n2[i], 1);
+      n2[i] += __shfl_xor_sync(0xffffffffu, n2[i], 2);
+      if (lane % 4 == 0) sm.qnorm[get<0>(cQ(2 * i))] = sqrtf(n2[i]);
     }
-    n2 += __shfl_xor_sync(0xffffffffu, n2, 1);
-    if (threadIdx.x % 2 == 0) sm.qnorm[r] = sqrtf(n2);
   }
   cutlass::arch::fence_view_async_shared();  // Q' stores (generic proxy) -> visible to wgmma
   __syncthreads();  // Q' written; P no longer read (its room becomes the K' stages)
@@ -484,7 +497,7 @@ void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const V
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
   }
-  launch_key_basis(stream, p, R, bd, seq, kv, B, d);
+  launch_key_basis(stream, p, R, bd, seq, qa, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
       seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
       static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.key_basis, static_cast<const __half*>(d.key_proj), d.key_radius,

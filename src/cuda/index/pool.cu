@@ -81,23 +81,6 @@ __device__ __forceinline__ bool pool_block(const SeqArgs& seq, const KVArgs& kv,
   return true;
 }
 
-// Element offsets of key j (of sequence b, KV head kvh) in K and V, contiguous or paged; false for a key on a bad
-// page (skipped: it adds nothing to the sums). Without kWithV the caller ignores vo (dead code).
-__device__ __forceinline__ bool kv_offsets(const KVArgs& kv, const PoolBlock& pb, int kvh, int64_t j, int64_t& ko,
-                                           int64_t& vo) {
-  if (kv.block_table) {
-    const int64_t page = kv.page(pb.b, j);
-    if (page < 0) return false;
-    const int64_t slot = geometry::page_slot(j, kv.page_size);
-    ko = page * kv.k_stride[0] + slot * kv.k_stride[1] + kvh * kv.k_stride[2];
-    vo = page * kv.v_stride[0] + slot * kv.v_stride[1] + kvh * kv.v_stride[2];
-  } else {
-    ko = (pb.k_start + j) * kv.k_stride[0] + kvh * kv.k_stride[1];
-    vo = (pb.k_start + j) * kv.v_stride[0] + kvh * kv.v_stride[1];
-  }
-  return true;
-}
-
 // Dimension d of the block's means from the key sums (FP8: of the raw values, scaled by the descales kd, vd here): the
 // index's float32 and low-precision rows, and the cache row when the block is complete.
 template <typename T, bool kWithV>
@@ -137,7 +120,7 @@ __global__ void pool_kernel(SeqArgs seq, KVArgs kv, MeanCacheArgs cache, int blo
     float ks = 0.f, vs = 0.f;
     for (int64_t j = pb.lo; j < pb.hi; ++j) {
       int64_t ko, vo;
-      if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
+      if (!kv.offsets(pb.b, pb.k_start, kvh, j, ko, vo)) continue;
       ks += to_float(static_cast<const T*>(kv.k)[ko + d]);
       if constexpr (kWithV) vs += to_float(static_cast<const T*>(kv.v)[vo + d]);
     }
@@ -169,7 +152,7 @@ __global__ void __launch_bounds__(128, 6) pool_vec_kernel(SeqArgs seq, KVArgs kv
 #pragma unroll 4
   for (int64_t j = pb.lo + grp; j < pb.hi; j += kGroups) {
     int64_t ko, vo;
-    if (!kv_offsets(kv, pb, kvh, j, ko, vo)) continue;
+    if (!kv.offsets(pb.b, pb.k_start, kvh, j, ko, vo)) continue;
     const Load kr = __ldg(reinterpret_cast<const Load*>(static_cast<const T*>(kv.k) + ko + v * 8));
     const T* ke = reinterpret_cast<const T*>(&kr);
 #pragma unroll

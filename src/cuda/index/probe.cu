@@ -156,15 +156,8 @@ __global__ void __launch_bounds__(kProbeThreads, is_fp8_v<T> ? 1 : 2)
       for (int i = 0; i < kCopies; ++i) {
         const int p = threadIdx.x + i * kProbeThreads, key = p / kParts, part = p % kParts;
         const int64_t j = int64_t(c) * kChunkKeys + key;
-        int64_t ko = -1;
-        if (j < k_len) {
-          if (kv.block_table) {
-            const int64_t page = kv.page(b, j);
-            if (page >= 0) ko = page * kv.k_stride[0] + geometry::page_slot(j, kv.page_size) * kv.k_stride[1] + kv_mem * kv.k_stride[2];
-          } else {
-            ko = (seq.k_start(b) + j) * kv.k_stride[0] + kv_mem * kv.k_stride[1];
-          }
-        }
+        int64_t ko = -1, vo;  // stays -1 past k_len and on a bad page: zeros
+        if (j < k_len) kv.offsets(b, seq.k_start(b), kv_mem, j, ko, vo);
         unsigned char* dst = dst0 + key * kStride + part * 16;
         if constexpr (kVec16) {
           const unsigned char* src = ko >= 0 ? kbase + ko * int64_t(sizeof(T)) + part * 16 : kbase;
