@@ -683,8 +683,6 @@ def test_row_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha):
     differ = _segments_differ(ref, got, len(q_lens), hkv)
     assert differ <= max(2, ref.kept_blocks // 200), differ
     assert abs(got.density - ref.density) <= 0.01
-    tile = sp.build_index(*gpu, mq, mk, alpha=alpha, rule="tile_energy", dense_fraction=1.0)    # a different selection
-    assert got.kept_blocks != tile.kept_blocks or alpha == 0.01
 
 
 def test_row_max_index_on_gpu_d64_and_fp16():
