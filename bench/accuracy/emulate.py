@@ -20,18 +20,17 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                      over the prompt (Loki): a rank-`rank` GEMM per pair
            'resid'   k~_j = kmean_J + P P^T (k_j - kmean_J), P from the residuals' second moment: the pooled mean at
                      full rank plus the key's own deviation at rank `rank` (a block of alike keys scores as its mean,
-                     a spike as itself). basis 'lib' (the default): the library's basis (key_basis: the second moment
-                     of the KV head's group's queries at the sampled positions, kKeyBasisIters subspace iterations
-                     from the hash_unit start, float64) and the score s_rJ = scale (q_r . kmean_J + max_j (P^T q_r) .
-                     (P^T x_j)) in float64 with the library's float32 means (key_max_scores); with rank 16 or 32,
-                     onepass 2 and agg rowmax this is the library's rule='key_max' (docs/design/key_max_spec.md;
-                     test_accuracy_emulator.py). basis 'keys': the same score on the top directions of the sampled
-                     blocks' key residuals (residual_basis, the library's basis before issue 44 moved it to the
-                     queries: the keys' principal directions leave out the rare key a recall needs). basis 'eigh':
+                     a spike as itself). basis 'lib' (the default): the library's basis (key_basis: the sampled
+                     blocks' residuals, kKeyBasisIters subspace iterations from the hash_unit start, float64) and
+                     the score s_rJ = scale (q_r . kmean_J + max_j (P^T q_r) . (P^T x_j)) in float64 with the library's
+                     float32 means (key_max_scores); with rank 16 or 32, onepass 2 and agg rowmax this is the
+                     library's rule='key_max' (docs/design/key_max_spec.md; test_accuracy_emulator.py). basis 'eigh':
                      the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32.
-                     perp c (bases 'lib' and 'keys'; 0 = the library's rule): each key's term plus c |q_perp|
-                     |x_perp_j|, what the basis leaves out of q and x_j (perp = I - P P^T; c = 1 bounds the exact
-                     maximum from above): one more column of the residual GEMM (issue 44).
+                     perp c (basis 'lib'; 0 = the library's rule): each key's term plus c |q_perp| |x_perp_j|, what the
+                     basis leaves out of q and x_j (perp = I - P P^T; c = 1 bounds the exact maximum from above): one
+                     more column of the residual GEMM (issue 44: rank 16 selecting like rank 32 offline).
+                     basis 'query': the same score on a basis from the group's queries (query_basis: their second
+                     moment at the sampled positions, the same iteration): what the queries look along
            rstride n scores only positions p % n == n - 1 (and the last), all heads; other rows add nothing beyond
            the always-kept blocks (the tile's union covers them)
   agg      'sum'   tile energy (FlashPrefill V2): M = max over the tile, E_J = sum_r exp(s_rJ - M), keep E_J >= alpha * max_J E_J
@@ -43,9 +42,6 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    max_J scale q_r . kmean_J over the blocks the row sees whole (a block's maximum is >= its mean)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
-           'keyshare' keep J iff max_r exp(s_rJ) / Z_r >= alpha, Z_r = sum_J' c_rJ' exp(scale q_r . kmean_J') the
-                   row's mass estimated from the pooled means (c_rJ' its visible keys of J'): the block's best key
-                   (s a block maximum) as a share of the row; a fixed per-row threshold
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
@@ -129,8 +125,8 @@ def antidiag_log_mass(q, k, scale, block, xs):
 
 # The library's key basis (src/core/key_basis.h: the same constants and start; docs/design/key_max_spec.md step 2)
 KEY_BASIS_ITERS = 10
-KEY_BASIS_SAMPLE_BLOCKS = 16  # the blocks of query positions the library's basis reads (kKeyBasisSampleBlocks)
-RESIDUAL_BASIS_SAMPLE_BLOCKS = 64  # the key blocks basis 'keys' reads (the library's before issue 44)
+KEY_BASIS_SAMPLE_BLOCKS = 64
+QUERY_BASIS_SAMPLE_BLOCKS = 16  # the blocks of query positions the queries' basis reads (see query_basis)
 
 
 def hash_unit(d, c):
@@ -175,36 +171,36 @@ def sampled_rows(L, block, device, count=None):
     return (torch.arange(L, device=device) // block) % s == 0
 
 
-def key_basis(q, num_kv_heads, rank, block):
-    """The library's key_max basis: q [L, Hq, D] (one sequence) -> P [Hkv, D, rank] float64, per KV head: the second
-    moment C = sum q q^T of the group's queries at the sampled positions (sampled_rows), then subspace_basis(C). The
-    directions the queries look along: a rare key's residual (the recall key) is scored through them, where the keys'
-    own principal directions miss it (issue 44)."""
-    L, Hq, D = q.shape
-    g = Hq // num_kv_heads
-    qs = q.double()[sampled_rows(L, block, q.device)].reshape(-1, num_kv_heads, g, D)
-    return subspace_basis(torch.einsum("nhgd,nhge->hde", qs, qs), rank)
-
-
-def residual_basis(k, rank, block):
-    """Basis 'keys' (the library's before issue 44): k [L, H, D] -> P [H, D, rank] float64, per KV head. The residuals
-    x_j = k_j - kmean_J (float32 means) of every key of RESIDUAL_BASIS_SAMPLE_BLOCKS sampled blocks, C = sum_j x_j
-    x_j^T, then subspace_basis(C); all in float64."""
+def key_basis(k, rank, block):
+    """The library's key_max basis: k [L, H, D] (one sequence) -> P [H, D, rank] float64, per KV head. The residuals
+    x_j = k_j - kmean_J (float32 means) of every key of the sampled blocks (sampled_rows), C = sum_j x_j x_j^T, then
+    subspace_basis(C); all in float64."""
     L = k.shape[0]
     x = k.double() - library_means(k, block).repeat_interleave(block, 0)[:L]
-    xs = x[sampled_rows(L, block, k.device, RESIDUAL_BASIS_SAMPLE_BLOCKS)]  # the sampled blocks' keys
+    xs = x[sampled_rows(L, block, k.device)]  # the sampled blocks' keys
     return subspace_basis(torch.einsum("nhd,nhe->hde", xs, xs), rank)
+
+
+def query_basis(q, num_kv_heads, rank, block):
+    """key_max's basis on the queries (basis 'query'): q [L, Hq, D] -> P [Hkv, D, rank] float64, per KV head: the
+    second moment of the group's queries at the sampled positions (sampled_rows), C = sum q q^T over the group's
+    heads, then subspace_basis(C). The directions the queries look along: a rare key's residual (the recall key) is
+    scored through them, where the keys' own principal directions miss it (issue 44)."""
+    L, Hq, D = q.shape
+    g = Hq // num_kv_heads
+    qs = q.double()[sampled_rows(L, block, q.device, QUERY_BASIS_SAMPLE_BLOCKS)].reshape(-1, num_kv_heads, g, D)
+    return subspace_basis(torch.einsum("nhgd,nhge->hde", qs, qs), rank)
 
 
 def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, basis="lib"):
     """The library's key_max scores (basis 'lib'): s_rJ = scale * (q_r . kmean_J + max over the keys j of J that
     the row sees of (P^T q_r) . (P^T x_j)), x_j = k_j - kmean_J, float64 (the CPU reference's precision), float32
     means: q [L, Hq, D], k [L, Hkv, D] -> [L, Hq, nb] (-inf where the row sees no key of J or is not in `rows`).
-    perp c adds c |q_perp| |x_perp_j| to each key's term (perp = I - P P^T; see the module doc). basis 'keys': P
-    from the keys' residuals (residual_basis) instead of the queries."""
+    perp c adds c |q_perp| |x_perp_j| to each key's term (perp = I - P P^T; see the module doc). basis 'query': P
+    from the queries (query_basis) instead of the keys' residuals."""
     L, Hq, D = q.shape
     g = Hq // k.shape[1]
-    P = residual_basis(k, rank, block) if basis == "keys" else key_basis(q, k.shape[1], rank, block)  # [Hkv, D, r]
+    P = query_basis(q, k.shape[1], rank, block) if basis == "query" else key_basis(k, rank, block)  # [Hkv, D, r]
     kmean = library_means(k, block)
     x = k.double() - kmean.repeat_interleave(block, 0)[:L]
     xp = torch.einsum("lhd,hdr->lhr", x, P)
@@ -221,14 +217,14 @@ def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, ba
 
 def projected_keys(k, score, rank, block, basis="lib"):
     """The keys a block-max score compares against (see the module doc): k [L, H, D] -> k~ [L, H, D] float32.
-    basis (score 'resid'): 'eigh' (the residuals of all keys) or 'keys' (residual_basis); 'lowrank' is always eigh."""
+    basis (score 'resid'): 'eigh' (the residuals of all keys) or 'lib' (key_basis); 'lowrank' is always eigh."""
     if score == "kmax":
         return k.float()
     L, H, D = k.shape
     kd = k.double()
-    if score == "resid" and basis == "keys":
+    if score == "resid" and basis == "lib":
         kmean = library_means(k, block).repeat_interleave(block, 0)[:L]
-        P = residual_basis(k, rank, block)
+        P = key_basis(k, rank, block)
     else:
         kmean = pooled(k, k, block)[0].repeat_interleave(block, 0)[:L] if score == "resid" else torch.zeros_like(kd)
         x = kd - kmean
@@ -315,7 +311,7 @@ def select(q, k, v, rule, scale):
         pr = None
         if n > 1:
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
-        if r["score"] == "resid" and r["basis"] in ("lib", "keys"):
+        if r["score"] == "resid" and r["basis"] in ("lib", "query"):
             bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
@@ -391,14 +387,6 @@ def select(q, k, v, rule, scale):
                 keep_rows = torch.zeros_like(take)
                 keep_rows.scatter_(-1, order, take)
                 sel = keep_rows.any(2)
-    elif agg == "keyshare":
-        # a block's best key against the row's pooled-means mass Z_r = sum_J c_rJ exp(scale q_r . kmean_J) over the
-        # blocks the row sees (c_rJ: its visible keys of J; float32 means): keep J iff exp(s_rJ) >= alpha Z_r, a
-        # fixed threshold per row (no running maximum), so a diffuse row (large Z) keeps few, a peaked one its peaks
-        sm = torch.einsum("vrd,jvd->vrj", qv, kmean.float().double()[:, kvh]) * scale
-        cnt = torch.minimum((pos[:, None] - first_key[None, :] + 1).clamp(min=0).double(), counts[None, :])
-        lz = torch.logsumexp(sm + torch.log(cnt)[None], -1).view(V, T, TILE_ROWS, 1)
-        sel = (torch.isfinite(st) & (st >= lz + math.log(alpha))).any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha

@@ -23,10 +23,8 @@ test / the mass target F on the library's key_max scores at rank r (emulate.key_
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
 oracle_{F} the exact per-row mass target; kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus
 c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
-estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r);
-kks{r}_{a} / eks_{a} the key-share test (emulate.py's agg keyshare): keep J iff exp(s_rJ) >= a Z_r, s_rJ key_max's score
-at rank r / the exact block maximum, Z_r = sum_J c_rJ exp(mean logit of J) the row's pooled-means mass (c_rJ: the
-keys of J it sees); a+b the union of two estimators' selections.
+estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
+union of two estimators' selections.
 """
 import argparse
 import math
@@ -117,14 +115,14 @@ def basis_scores(q, k, scale, kind):
     top-r eigenvectors of the group's queries' second moment (per KV head: what the queries look along, so a rare
     key's residual is seen through the queries' directions), kqh{r} the same per query head, kbl{r} the best rank-r
     bilinear approximation of Q X^T (Cq^1/2 Cx^1/2 = U S V^T: q -> Cq^-1/2 U_r S_r, x -> Cx^-1/2 V_r, per KV head);
-    krx{r} the emulator's basis 'keys' (the key residuals' basis, the library's before issue 44).
+    kqs{r} the emulator's basis 'query' (kqb's from the sampled positions by the library's subspace iteration).
     -> [L, Hq, nb] natural-log units, float32."""
     L, Hq, D = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
     r = int(kind[3:])
-    if kind.startswith("krx"):  # the emulator's basis 'keys' (the keys' residuals, the library's iteration)
-        return emulate.key_max_scores(q, k, scale, B, r, basis="keys").float()
+    if kind.startswith("kqs"):  # the emulator's basis 'query' (sampled positions, the library's iteration)
+        return emulate.key_max_scores(q, k, scale, B, r, basis="query").float()
     kmean = emulate.library_means(k, B)
     x = k.double() - kmean.repeat_interleave(B, 0)[:L]
     qd = q.double()
@@ -190,7 +188,7 @@ def candidates(names):
         elif kind.startswith("kpx"):  # kpx{r}c{c}_a{alpha}: the ratio rule on key_max's scores at rank r with perp c
             a = float(rest[0][1:])
             out[name] = lambda x, kind=kind, a=a: row_max(x["kpx"][kind], x["sees"], a)
-        elif kind.startswith(("kqb", "kqh", "kbl", "krx")):  # key_max's shape on another basis (basis_scores)
+        elif kind.startswith(("kqb", "kqh", "kbl", "kqs")):  # key_max's shape on another basis (basis_scores)
             a = float(rest[0][1:])
             out[name] = lambda x, kind=kind, a=a: row_max(x["kqb"][kind], x["sees"], a)
         elif kind.startswith("kmx"):  # the library's key_max scores at rank r: kmx{r}_a{alpha} its ratio rule,
@@ -202,17 +200,6 @@ def candidates(names):
                 F = float(rest[0])
                 out[name] = lambda x, r=r, F=F: rowcum(torch.softmax(x["kms"][r].masked_fill(~x["sees"], -math.inf),
                                                                      -1), F, x["al_rows"])
-        elif kind.startswith(("kks", "eks")):  # kks{r}_{a} / eks_{a}: the key-share test (emulate.py's agg keyshare)
-            a = float(rest[0])                    # on key_max's scores at rank r / the exact block maxima: keep J iff
-            r = int(kind[3:]) if kind.startswith("kks") else 0  # exp(s_rJ) >= a Z_r, Z_r the pooled-means mass
-
-            def f(x, r=r, a=a):
-                s = x["kms"][r] if r else block_max(x["lgm"])
-                pos = torch.arange(x["L"])[:, None]
-                cnt = (pos - torch.arange(s.shape[1])[None, :] * B + 1).clamp(min=0, max=B).float()
-                lz = torch.logsumexp(sub_means(x["lg"], B) + cnt.log(), -1, keepdim=True)
-                return x["sees"] & (s >= lz + math.log(a))
-            out[name] = f
         elif kind in ("lbcum", "meancum") or kind.startswith("klbcum"):
             # per-row mass target F on an estimate of each block's softmax mass: meancum |B| exp(mean logit) (the
             # pooled means, FlexPrefill's estimate); lbcum / klbcum{r} the lower bound a block's maximum m and mean
@@ -269,11 +256,9 @@ SETS = {
     # key_max's shape on the queries' basis / the bilinear basis (what the key basis misses: a rare key's residual)
     "qbasis": ["oracle_0.5", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.1", "kqb16_a0.3",
                "kqh16_a0.1", "kqh16_a0.3", "kbl16_a0.1", "kbl16_a0.3"],
-    "qbasis3": ["oracle_0.7", "oracle_0.9", "kmx16_a0.1", "kqb16_a0.1", "krx16_a0.03", "krx16_a0.1", "krx16_a0.3"],
+    "qbasis3": ["oracle_0.7", "oracle_0.9", "kmx16_a0.1", "kqb16_a0.1", "kqs16_a0.03", "kqs16_a0.1", "kqs16_a0.3"],
     "qbasis2": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.03",
                 "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
-    "keyshare": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kks16_0.03", "kks16_0.01",
-                 "kks16_0.003", "kks16_0.001", "eks_0.01", "eks_0.001"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
 }
 
@@ -299,7 +284,7 @@ def score(args):
            for n in names}
     layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
     parts = [p for n in names for p in n.split("+")]
-    ranks = sorted({int(p.split("_")[0][3:]) for p in parts if p.startswith(("kmx", "kks"))} |
+    ranks = sorted({int(p.split("_")[0][3:]) for p in parts if p.startswith("kmx")} |
                    {int(p.split("_")[0][6:]) for p in parts if p.startswith("klbcum")})
     for layer in layers:
         q, k, v = (t.float() for t in cap[layer])
@@ -311,7 +296,7 @@ def score(args):
                                           perp=float(kd.split("c")[1])).float()
                for kd in {p.split("_")[0] for p in parts if p.startswith("kpx")}}
         kqb = {kd: basis_scores(q, k, scale, kd)
-               for kd in {p.split("_")[0] for p in parts if p.startswith(("kqb", "kqh", "kbl", "krx"))}}
+               for kd in {p.split("_")[0] for p in parts if p.startswith(("kqb", "kqh", "kbl", "kqs"))}}
         for h in range(Hq):
             lg = (q[:, h] @ k[:, h // g].T) * scale
             lgm = lg.masked_fill(~causal, -math.inf)

@@ -1,19 +1,17 @@
 """How much of the key_max basis's cost its accuracy needs (issue 44: the basis and moment kernels are ~0.47 ms at every
 length, 61 % of the index stage at 8K): the estimators' offline scoring (bench/accuracy/estimators.py score, on a
 capture of SmolLM2's post-RoPE q, k, v) of the key_max rule with the basis built from fewer sampled blocks
-(kKeyBasisSampleBlocks: 16 blocks of query positions since the basis reads the queries; 64 key blocks when
-key_basis_variants_smollm2_cpu.md measured the keys' basis) and fewer subspace iterations (kKeyBasisIters, 10), against
-the library's. The selection
+(kKeyBasisSampleBlocks, 64) and fewer subspace iterations (kKeyBasisIters, 10), against the library's. The selection
 the kernels compute changes with either (the spec's constants), so a variant that holds here is still to be measured
 end to end before the constants move.
 A variant "pNxI" builds the basis from the prompt's first N blocks only (every key of them), I iterations: what a
 chunked prefill would get if the basis were fixed at its first chunk (N = chunk / block_size) so that later chunks
 could cache their projected keys K' beside the pooled means instead of projecting the whole cache at every step.
-A variant "c<capture>" takes each layer's basis from another capture's queries (the library's basis of that prompt, the
+A variant "c<capture>" takes each layer's basis from another capture's keys (the library's basis of that prompt, the
 same layer): a basis calibrated once per layer offline, which would remove the moment and basis kernels (~0.47 ms)
 and make K' cacheable by page for every sequence.
 Usage (from bench/): python3 ../bench/lab/key_basis_variants.py /tmp/cap_kv.pt [--layers 3,10,17,24]
-       [--variants 16x10,8x10,4x10,16x5,16x3,p8x10] [--set keymax_ratio]"""
+       [--variants 64x10,16x10,8x10,64x5,64x3,p8x10] [--set keymax_ratio]"""
 import argparse
 import os
 import sys
@@ -27,7 +25,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("capture")
     ap.add_argument("--layers", default="3,10,17,24")
-    ap.add_argument("--variants", default="16x10,8x10,4x10,16x5,16x3")
+    ap.add_argument("--variants", default="64x10,16x10,8x10,64x5,64x3")
     ap.add_argument("--names", default="kmx16_a0.03,kmx16_a0.1,kmx16_a0.3")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
@@ -40,8 +38,8 @@ def main(argv=None):
             import torch
             other = torch.load(v[1:])["layers"]
             order = iter(layers)
-            emulate.key_basis = lambda q, hkv, rank, block: lib_basis(other[next(order)][0].float(), hkv, rank, block)
-            print(f"== basis from {v[1:]}'s queries of the same layer, the library's sampling", flush=True)
+            emulate.key_basis = lambda k, rank, block: lib_basis(other[next(order)][1].float(), rank, block)
+            print(f"== basis from {v[1:]}'s keys of the same layer, the library's sampling", flush=True)
             estimators.score(argparse.Namespace(capture=a.capture, layers=a.layers, set="_variants",
                                                 threads=a.threads))
             emulate.key_basis = lib_basis
@@ -49,9 +47,9 @@ def main(argv=None):
         prefix = v.startswith("p")
         blocks, iters = (int(x) for x in v.lstrip("p").split("x"))
         emulate.KEY_BASIS_ITERS = iters
-        if prefix:  # every query of the first `blocks` blocks: the library's sampling over that prefix with stride 1
+        if prefix:  # every key of the first `blocks` blocks: the library's sampling over that prefix with stride 1
             emulate.KEY_BASIS_SAMPLE_BLOCKS = blocks
-            emulate.key_basis = lambda q, hkv, rank, block, n=blocks: lib_basis(q[: n * block], hkv, rank, block)
+            emulate.key_basis = lambda k, rank, block, n=blocks: lib_basis(k[: n * block], rank, block)
             what = f"the first {blocks} blocks"
         else:
             emulate.KEY_BASIS_SAMPLE_BLOCKS, emulate.key_basis = blocks, lib_basis

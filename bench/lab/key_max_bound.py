@@ -10,10 +10,9 @@ range (a box), the rest against the radius of the keys' other coordinates.
 shortened: a lower bound, so a superset of the candidates).
 --perp c: the perp column (emulate.py's perp): each key's term plus c |q_perp| |x_perp_j|, bounded apart from the
 rank-r part: |Q'_r| radius_J + c |q_perp_r| max_j |x_perp_j| (the two Cauchy-Schwarz terms summed, not one over both).
---basis keys: key_max on the keys' residual basis (emulate.py's basis 'keys', the library's before issue 44)
-instead of the queries'.
+--basis query: key_max on the queries' basis (emulate.py's basis 'query') instead of the keys' residuals'.
 Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..] [--perp c]
-       [--basis keys]
+       [--basis query]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -53,8 +52,8 @@ def main():
     q, k = q.float(), k.float()
     scale = math.log2(math.e) / math.sqrt(q.shape[-1])
     nb, la, inf = (L + B - 1) // B, math.log2(alpha), torch.tensor(-float("inf"))
-    # [Hkv, D, r]: the library's basis (the queries'), or the keys' residuals'
-    P = (emulate.residual_basis(k, rank, B) if basis == "keys" else emulate.key_basis(q, HKV, rank, B)).float()
+    # [Hkv, D, r]: the library's basis, or the queries'
+    P = (emulate.query_basis(q, HKV, rank, B) if basis == "query" else emulate.key_basis(k, rank, B)).float()
     kbar = emulate.library_means(k, B).float()  # [nb, Hkv, D]
     pos = torch.arange(L)
     last = pos // B

@@ -42,7 +42,7 @@ enum class SelectionRule : int {
   // Per-key block maxima on a low-rank residual (issue 44; the exact definition, shared by the CPU reference, the
   // emulator and the CUDA kernels: docs/design/key_max_spec.md). Row r scores block J by
   // sh_rJ = q_r . k_mean_J + max over the keys j of J it sees of (P^T q_r) . (P^T (k_j - k_mean_J)), P the top
-  // SelectionParams::key_rank directions of the queries of one (sequence, KV head)'s group (src/core/key_basis.h);
+  // SelectionParams::key_rank directions of the key residuals of one (sequence, KV head) (src/core/key_basis.h);
   // one pass from the diagonal down keeps J iff scale (sh_rJ - m_rJ) >= ln(alpha), m_rJ the larger of the row's
   // pooled-means bound and the running maximum. Why: a block of alike keys scores as its mean, one spike key as
   // itself, where the pooled mean dilutes it 128x (exact block maxima sit on the oracle's curve,
@@ -76,7 +76,7 @@ struct SelectionParams {
   // between probes (in [0, 1]; 0 keeps every visible block). 0.5: SmolLM2 4K NLL +0.97 % without the term, +0.23 %
   // with it.
   float mean_alpha = 0.5f;
-  // kKeyMax only: the rank r of its basis, 16 or 32 (and <= the head dim): the residual score GEMM at rank 16 costs
+  // kKeyMax only: the rank r of its residual basis, 16 or 32 (and <= the head dim): the score GEMM at rank 16 costs
   // 1/8 of Q K^T; 16 dimensions missed almost as little mass as exact maxima (0.032 vs 0.028, docs/design/selection.md;
   // docs/design/key_max_spec.md).
   int key_rank = 16;

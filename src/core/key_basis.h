@@ -1,6 +1,6 @@
 // The key_max rule's low-rank basis (SelectionRule::kKeyMax, docs/design/key_max_spec.md step 2): the constants and
 // the start vectors that the CPU reference (src/reference/key_basis.cpp), the emulator (bench/accuracy/emulate.py,
-// key_basis) and the CUDA index stage share, so that all three compute the same basis from the same queries. No CUDA
+// key_basis) and the CUDA index stage share, so that all three compute the same basis from the same keys. No CUDA
 // dependency when the host compiler reads it: the functions are __host__ __device__ only under nvcc.
 #pragma once
 
@@ -12,14 +12,12 @@ namespace sparse_prefill {
 
 // Subspace iterations Y = C X, X = MGS(Y) from the hash start: a fixed count, so every backend stops at the same X.
 constexpr int kKeyBasisIters = 10;
-// The basis is the top directions of the queries of the KV head's group (issue 44: a key's residual is scored through
-// what the queries look along; the keys' own principal directions leave out the rare key a recall needs). It reads
-// about this many blocks of query positions per (sequence, KV head): every key_basis_stride(nbq)-th block of
-// block_size positions from 0, nbq = ceil(q_len / block_size), each position's g query heads. On SmolLM2's captures
-// 16 blocks select as all 64 of an 8K prompt do, and the cost stays flat in the prompt length.
-constexpr int kKeyBasisSampleBlocks = 16;
+// The basis reads about this many key blocks per (sequence, KV head): every key_basis_stride(nb)-th block from 0.
+// The residuals' second moment of 64 blocks (8K keys at block 128) is the whole prompt's to within sampling noise,
+// and its cost stays flat in the prompt length.
+constexpr int kKeyBasisSampleBlocks = 64;
 
-// The stride of the sampled blocks of a sequence with nb query blocks: max(1, ceil(nb / 16)); blocks 0, s, 2s, ... < nb.
+// The stride of the sampled blocks of a sequence with nb key blocks: max(1, ceil(nb / 64)); blocks 0, s, 2s, ... < nb.
 SP_HOST_DEVICE int64_t key_basis_stride(int64_t nb) {
   const int64_t s = (nb + kKeyBasisSampleBlocks - 1) / kKeyBasisSampleBlocks;
   return s > 1 ? s : 1;

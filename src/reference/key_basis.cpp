@@ -1,22 +1,29 @@
-// SelectionRule::kKeyMax's basis and the keys' coordinates in it (docs/design/key_max_spec.md step 2), in double: the
-// second moment C = sum q q^T of the KV head's group's queries at the sampled positions, kKeyBasisIters subspace
-// iterations Y = C X, X = MGS(Y) from X0 = hash_unit (core/key_basis.h, shared with the CUDA index stage); the keys'
-// residuals x_j = k_j - k_mean_J in that basis.
+// SelectionRule::kKeyMax's residual basis and the keys' coordinates in it (docs/design/key_max_spec.md step 2), in
+// double: the residuals x_j = k_j - k_mean_J of the sampled blocks' keys, C = sum_j x_j x_j^T, kKeyBasisIters
+// subspace iterations Y = C X, X = MGS(Y) from X0 = hash_unit (core/key_basis.h, shared with the CUDA index stage).
 #include <algorithm>
 #include <cmath>
 
 #include "core/contract.h"
-#include "core/dtype_convert.h"
 #include "core/key_basis.h"
 #include "reference/reference.h"
 
 namespace sparse_prefill::reference {
-namespace {
 
-// The top `rank` directions of the symmetric D x D matrix C: kKeyBasisIters times Y = C X, X = MGS(Y), from X0 =
-// hash_unit; X [D x rank] row-major.
-std::vector<double> subspace_basis(const std::vector<double>& C, int D, int r) {
-  std::vector<double> X(size_t(D) * r), Y(size_t(D) * r), y(static_cast<size_t>(D));
+std::vector<double> key_basis(const SequenceKV& kv, const float* k_mean, int64_t mean_stride, int head_dim, int rank,
+                              int block_size) {
+  const int D = head_dim, r = rank;
+  const int64_t nb = num_blocks(kv.len, block_size);
+  std::vector<double> C(size_t(D) * D, 0.0), x(static_cast<size_t>(D));
+  for (int64_t J = 0; J < nb; J += key_basis_stride(nb)) {
+    const float* km = k_mean + J * mean_stride;
+    for (int64_t j = J * block_size; j < std::min<int64_t>((J + 1) * block_size, kv.len); ++j) {
+      for (int d = 0; d < D; ++d) x[d] = double(kv.k[size_t(j) * D + d]) - double(km[d]);
+      for (int a = 0; a < D; ++a)
+        for (int e = 0; e < D; ++e) C[size_t(a) * D + e] += x[a] * x[e];
+    }
+  }
+  std::vector<double> X(size_t(D) * r), Y(size_t(D) * r), y(static_cast<size_t>(D));  // [D x r] row-major
   for (int d = 0; d < D; ++d)
     for (int c = 0; c < r; ++c) X[size_t(d) * r + c] = double(hash_unit(uint32_t(d), uint32_t(c)));
   for (int it = 0; it < kKeyBasisIters; ++it) {
@@ -41,26 +48,6 @@ std::vector<double> subspace_basis(const std::vector<double>& C, int D, int r) {
     }
   }
   return X;
-}
-
-}  // namespace
-
-std::vector<double> key_basis(const AttentionInputs& in, const Problem& p, int b, int first_head, int heads, int rank,
-                              int block_size) {
-  const int D = p.head_dim;
-  const SequenceInfo& s = p.seqs[b];
-  const int64_t nbq = num_blocks(s.q_len, block_size), stride = key_basis_stride(nbq);
-  std::vector<double> C(size_t(D) * D, 0.0), x(static_cast<size_t>(D));
-  for (int64_t J = 0; J < nbq; J += stride)
-    for (int64_t pos = J * block_size; pos < std::min<int64_t>((J + 1) * block_size, s.q_len); ++pos)
-      for (int h = first_head; h < first_head + heads; ++h) {
-        const int64_t qo = (s.q_start + pos) * in.q.stride[0] + h * in.q.stride[1];
-        const float scale = descale_at(in.q_descale, b, h, p.num_q_heads);
-        for (int d = 0; d < D; ++d) x[d] = double(load_as_float(in.q.data, p.dtype, qo + d) * scale);
-        for (int a = 0; a < D; ++a)
-          for (int e = 0; e < D; ++e) C[size_t(a) * D + e] += x[a] * x[e];
-      }
-  return subspace_basis(C, D, rank);
 }
 
 std::vector<double> key_coordinates(const SequenceKV& kv, const float* k_mean, int64_t mean_stride, int head_dim,

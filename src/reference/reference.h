@@ -77,10 +77,10 @@ void attention(const AttentionInputs& in, const AttentionOutputs& outs, const Pr
 void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size, std::vector<int32_t>& cu_blocks,
              std::vector<float>& k_mean, std::vector<float>* v_mean);
 // SelectionRule::kKeyMax (docs/design/key_max_spec.md step 2, key_basis.cpp), in double: the basis P [D x rank]
-// (row-major, P[d * rank + c]) of sequence b from the queries of heads [first_head, first_head + heads) (a KV head's
-// group) at the sampled positions, and every key's residual coordinates P^T (k_j - k_mean_J) ([len x rank]; kv's keys,
-// k_mean: the float32 pooled means, block J's at k_mean + J * mean_stride).
-std::vector<double> key_basis(const AttentionInputs& in, const Problem& p, int b, int first_head, int heads, int rank,
+// (row-major, P[d * rank + c]) of one (sequence, KV head) from the residuals of its sampled blocks' keys (kv's keys;
+// k_mean: the float32 pooled means, block J's at k_mean + J * mean_stride), and every key's residual coordinates
+// P^T (k_j - k_mean_J) ([len x rank]).
+std::vector<double> key_basis(const SequenceKV& kv, const float* k_mean, int64_t mean_stride, int head_dim, int rank,
                               int block_size);
 std::vector<double> key_coordinates(const SequenceKV& kv, const float* k_mean, int64_t mean_stride, int head_dim,
                                     const std::vector<double>& basis, int rank, int block_size);

@@ -77,13 +77,16 @@ void pool_kv(const Problem& p, const std::vector<SequenceKV>& kv, int block_size
   });
 }
 
-namespace {
-
-// build_index on a problem whose KV head v is a sub-group of real KV head v / basis_subgroups (1: the real heads): the
-// key_max basis reads the real head's whole group of queries, heads [(v / S) g S, (v / S + 1) g S) (the spec's basis
-// per KV head, the same for every sub-group).
-BlockIndex build_index_heads(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means,
-                             int basis_subgroups) {
+BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means) {
+  const int S = resolve_head_subgroups(params.head_subgroups, p.group_size);  // the request's S
+  if (S > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
+    const VirtualHeadCopies virt = virtual_head_copies(in, p, S);
+    SelectionParams one = params;
+    one.head_subgroups = 1;
+    BlockIndex index = build_index(virt.in, virt.p, one, v_means);
+    index.num_subgroups = S;
+    return index;
+  }
   BlockIndex index;
   index.block_size = params.block_size;
   index.group_size = p.group_size;
@@ -97,17 +100,16 @@ BlockIndex build_index_heads(const AttentionInputs& in, const Problem& p, const 
 
   const int D = p.head_dim, g = p.group_size, B = params.block_size, H = p.num_kv_heads;
   // kKeyMax: per (sequence, KV head) its basis and every key's residual coordinates in it. Under head sub-groups
-  // these are the virtual heads, copies of their KV head's keys; each reads its real KV head's whole group of queries
-  // (basis_subgroups), so every copy gets its KV head's basis, bit for bit (the spec's basis per KV head).
+  // these are the virtual heads, copies of their KV head's keys: the same arithmetic on the same keys gives each
+  // copy its KV head's basis, bit for bit (the spec's basis per KV head, not per sub-group).
   const int R = params.key_rank;
   std::vector<std::vector<double>> key_basis_of, key_coords_of;
   if (params.rule == SelectionRule::kKeyMax) {
     key_basis_of.resize(kv.size());
     key_coords_of.resize(kv.size());
     parallel_for(int64_t(kv.size()), [&](int64_t item) {
-      const int b = int(item / H), v = int(item % H), group = g * basis_subgroups;
-      const float* km = &index.k_mean[(size_t(index.cu_blocks[b]) * H + v) * D];
-      key_basis_of[item] = key_basis(in, p, b, (v / basis_subgroups) * group, group, R, B);
+      const float* km = &index.k_mean[(size_t(index.cu_blocks[item / H]) * H + item % H) * D];
+      key_basis_of[item] = key_basis(kv[item], km, int64_t(H) * D, D, R, B);
       key_coords_of[item] = key_coordinates(kv[item], km, int64_t(H) * D, D, key_basis_of[item], R, B);
     });
   }
@@ -298,21 +300,6 @@ BlockIndex build_index_heads(const AttentionInputs& in, const Problem& p, const 
   if (params.union_lists) return union_index(in, p, index, params.dense_fraction);  // the rule applies to the union
   apply_dense_rule(in, p, index, params.dense_fraction);
   return index;
-}
-
-}  // namespace
-
-BlockIndex build_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params, bool v_means) {
-  const int S = resolve_head_subgroups(params.head_subgroups, p.group_size);  // the request's S
-  if (S > 1) {  // the S = 1 selection on the model with Hkv * S KV heads
-    const VirtualHeadCopies virt = virtual_head_copies(in, p, S);
-    SelectionParams one = params;
-    one.head_subgroups = 1;
-    BlockIndex index = build_index_heads(virt.in, virt.p, one, v_means, S);
-    index.num_subgroups = S;
-    return index;
-  }
-  return build_index_heads(in, p, params, v_means, 1);
 }
 
 void apply_dense_rule(const AttentionInputs& in, const Problem& p, BlockIndex& index, float dense_fraction) {

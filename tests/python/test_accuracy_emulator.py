@@ -212,36 +212,34 @@ def test_hash_unit_matches_the_library_header():
                         (63, 15, -1684295)]:
         assert emulate.hash_unit(d, c) == units / 2.0**23, (d, c)
     assert all(-1.0 <= emulate.hash_unit(d, c) < 1.0 for d in range(128) for c in range(32))
-    # kKeyBasisIters, kKeyBasisSampleBlocks (tests/cpp/test_key_max.cpp)
-    assert (emulate.KEY_BASIS_ITERS, emulate.KEY_BASIS_SAMPLE_BLOCKS) == (10, 16)
+    assert (emulate.KEY_BASIS_ITERS, emulate.KEY_BASIS_SAMPLE_BLOCKS) == (10, 64)
 
 
-def test_residual_basis_is_orthonormal_and_reads_the_sampled_blocks():
+def test_key_basis_is_orthonormal_and_reads_the_sampled_blocks():
     _, k, _ = spiky_qkv(4500, 24)  # 71 blocks of 64: every s-th block sampled
-    s = -(-71 // emulate.RESIDUAL_BASIS_SAMPLE_BLOCKS)
+    s = -(-71 // emulate.KEY_BASIS_SAMPLE_BLOCKS)
     assert s > 1
-    P = emulate.residual_basis(k, 16, 64)
+    P = emulate.key_basis(k, 16, 64)
     assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
     assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
     k2 = k.clone()
     k2[64 + 5] += 40.0  # block 1: not sampled
-    assert torch.equal(emulate.residual_basis(k2, 16, 64), P)
+    assert torch.equal(emulate.key_basis(k2, 16, 64), P)
     k2[s * 64 + 5] += 40.0  # block s: sampled
-    assert not torch.equal(emulate.residual_basis(k2, 16, 64), P)
+    assert not torch.equal(emulate.key_basis(k2, 16, 64), P)
 
-
-def test_key_basis_reads_the_groups_sampled_queries():
+def test_query_basis_reads_the_groups_sampled_queries():
     q, k, _ = spiky_qkv(4500, 25)  # 71 blocks of 64: every s-th block's positions sampled
-    s = -(-71 // emulate.KEY_BASIS_SAMPLE_BLOCKS)
+    s = -(-71 // emulate.QUERY_BASIS_SAMPLE_BLOCKS)
     assert s > 1
-    P = emulate.key_basis(q, HKV, 16, 64)
+    P = emulate.query_basis(q, HKV, 16, 64)
     assert P.shape == (HKV, D, 16) and P.dtype == torch.float64
     assert torch.allclose(P.transpose(1, 2) @ P, torch.eye(16, dtype=torch.float64).expand(HKV, 16, 16), atol=1e-12)
     q2 = q.clone()
     q2[64 + 5, 0] += 40.0  # block 1's positions: not sampled
-    assert torch.equal(emulate.key_basis(q2, HKV, 16, 64), P)
+    assert torch.equal(emulate.query_basis(q2, HKV, 16, 64), P)
     q2[s * 64 + 5, HQ // HKV] += 40.0  # sampled, a query head of KV head 1's group: only that head's basis moves
-    P2 = emulate.key_basis(q2, HKV, 16, 64)
+    P2 = emulate.query_basis(q2, HKV, 16, 64)
     assert torch.equal(P2[0], P[0]) and not torch.equal(P2[1], P[1])
 
 
@@ -254,18 +252,18 @@ def test_query_basis_scores_are_exact_when_the_queries_fit_the_rank():
     q = torch.einsum("hdr,lhgr->lhgd", A, torch.randn(L, HKV, HQ // HKV, r, generator=g)).reshape(L, HQ, D)
     k = torch.randn(L, HKV, D, generator=g)
     k[777, 1] += 6.0 * A[1, :, 0]  # one rare key along a direction the queries look
-    got = emulate.key_max_scores(q, k, SCALE, 128, r)
+    got = emulate.key_max_scores(q, k, SCALE, 128, r, basis="query")
     exact = emulate.block_max(q, k.double(), SCALE, 128, dtype=torch.float64)
     assert torch.equal(torch.isfinite(got), torch.isfinite(exact))
     fin = torch.isfinite(exact)
     assert torch.allclose(got[fin], exact[fin], atol=1e-6, rtol=1e-6)
     # the keys' own basis at the same rank does not see it: most scores differ
-    keys = emulate.key_max_scores(q, k, SCALE, 128, r, basis="keys")
-    assert float((keys[fin] - exact[fin]).abs().max()) > 0.1
+    lib = emulate.key_max_scores(q, k, SCALE, 128, r)
+    assert float((lib[fin] - exact[fin]).abs().max()) > 0.1
     base = dict(score="resid", rank=r, onepass=2, agg="rowmax", alpha=0.1, sink=128, window=128, last_n=1,
                 dense_fraction=1.0)
     v = torch.randn(L, HKV, D, generator=g)
-    assert torch.equal(emulate.select(q, k, v, base, SCALE).keep,
+    assert torch.equal(emulate.select(q, k, v, dict(base, basis="query"), SCALE).keep,
                        emulate.select(q, k, v, dict(base, score="kmax"), SCALE).keep)  # the same one-pass rule
 
 
@@ -291,7 +289,7 @@ def test_block_max_matches_brute_force():
     assert torch.allclose(got[fin], want[fin], atol=1e-4)
 
 
-@pytest.mark.parametrize("score,basis", [("lowrank", "eigh"), ("resid", "eigh"), ("resid", "keys")])
+@pytest.mark.parametrize("score,basis", [("lowrank", "eigh"), ("resid", "eigh"), ("resid", "lib")])
 def test_full_rank_projection_is_exact(score, basis):
     # rank D keeps every direction: P P^T = I, so the projected scores are the exact block maxima
     q, k, v = random_qkv(700, 12)
@@ -303,7 +301,7 @@ def test_full_rank_projection_is_exact(score, basis):
     assert low.shape == k.shape and not torch.allclose(low, k.float(), atol=1e-3)
 
 
-@pytest.mark.parametrize("basis", ["eigh", "keys"])
+@pytest.mark.parametrize("basis", ["eigh", "lib"])
 def test_resid_keeps_block_means(basis):
     # the residual projection leaves every block's mean unchanged (it only approximates the deviations from it)
     _, k, _ = random_qkv(640, 13)

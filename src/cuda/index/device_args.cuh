@@ -242,11 +242,11 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
 void launch_probe(cudaStream_t stream, DType dtype, int head_dim, dim3 grid, const SeqArgs& seq, const QArgs& qa,
                   const KVArgs& kv, const SelectArgs& sel, const VirtualHeads& heads, bool row_mass,
                   const DeviceIndex& d);
-// key_basis.cu: SelectionRule::kKeyMax's operands (after the pooling: it reads the float32 means): the queries'
+// key_basis.cu: SelectionRule::kKeyMax's operands (after the pooling: it reads the float32 means): the residuals'
 // second moment (d.key_moment), the basis P of rank key_rank (d.key_basis), K' = P^T (k - k_mean) and each block's
 // radius (d.key_proj, d.key_radius).
 void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const Bounds& bd, const SeqArgs& seq,
-                      const QArgs& qa, const KVArgs& kv, int block_size, const DeviceIndex& d);
+                      const KVArgs& kv, int block_size, const DeviceIndex& d);
 // key_max.cu: SelectionRule::kKeyMax, the scorer's limits checked, launch_key_basis, then the tile's keep bits
 // (d.probe_bits) from the per-key block maxima on the residual basis.
 void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,

@@ -70,8 +70,8 @@ struct DeviceIndex {
   int64_t probe_words = 0;          // rows keep (probe_kernel), OR-ed in by the scorer
   int probe_splits = 0;             // key splits of each probe CTA (probe_splits(), layout.h)
   float* probe_partials = nullptr;  // probe_splits > 1: [probe_splits][max_segments][128][2] row (reference, sum)
-  // SelectionRule::kKeyMax (key_basis.cu, key_max.cu): the group's queries' second moment in key_moment_splits()
-  // partial sums [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K'
+  // SelectionRule::kKeyMax (key_basis.cu, key_max.cu): the residuals' second moment in key_moment_splits() partial
+  // sums [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K'
   // [Hkv][key_rows][r] (fp16; key row cu_blocks[b] * block_size + j) and each block's radius max_j |K'_j|
   // [Hkv][key_rows / block_size]; its keep bits go to probe_bits.
   float* key_moment = nullptr;

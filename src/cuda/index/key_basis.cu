@@ -1,9 +1,9 @@
 // Index stage, the key_max rule's basis and projected keys (SelectionRule::kKeyMax, docs/design/key_max_spec.md
-// steps 2 and 3's operands): three kernels on the stage's stream, after the pooling (the projection reads the float32
-// means), before the scorer (key_max.cu), no host synchronisation:
-//   key_moment_kernel   C = sum q q^T over the KV head's group's queries at the sampled positions (core/key_basis.h),
-//                       per (sequence, KV head), in float32, in slices of the sampled rows (a CTA and a partial sum
-//                       each, added in order by the basis kernel: the same basis on every run);
+// steps 2 and 3's operands): three kernels on the stage's stream, after the pooling (they read the float32 means),
+// before the scorer (key_max.cu), no host synchronisation:
+//   key_moment_kernel   C = sum x x^T over the residuals x = k - k_mean of the sampled blocks (core/key_basis.h), per
+//                       (sequence, KV head), in float32, in slices of the sampled keys (a CTA and a partial sum each,
+//                       added in order by the basis kernel: the same basis on every run);
 //   key_basis_kernel    P = kKeyBasisIters steps of subspace iteration from the hash start, one CTA per (sequence,
 //                       KV head);
 //   key_project_kernel  K' = P^T x for every key in fp16 (the residual GEMM's B operand), zero past the keys, and
@@ -23,40 +23,39 @@ constexpr int kBasisThreads = 256;
 constexpr int kProjectThreads = 256;
 constexpr int kProjectKeys = 32;    // keys per shared-memory tile of the projection CTA (block_size % 64 == 0)
 
-// ---- 1. the queries' second moment ----------------------------------------------------------------------------------
-// grid (batch, Hkv, key_moment_splits()): each CTA sums q q^T over one contiguous slice of the KV head's group's
-// queries at the sampled positions (core/key_basis.h: blocks 0, s, 2s, ... of block_size positions, each position's g
-// heads; in position order) into its own partial C (key_basis_kernel adds the slices in order: a fixed summation order,
-// the same basis on every run). 16 x 16 threads, each a (D / 16)^2 patch of C as float4 columns c * 64 + 4 * t
-// (conflict-free shared reads); tiles of kMomentKeys query rows through shared memory, all of a tile's loads in flight
-// at once. The first version (one CTA per 8 rows of C: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms
+// ---- 1. the residuals' second moment --------------------------------------------------------------------------------
+// grid (batch, Hkv, key_moment_splits()): each CTA sums x x^T over one contiguous slice of the sampled keys (in key
+// order) into its own partial C (key_basis_kernel adds the slices in order: a fixed summation order, the same basis on
+// every run). 16 x 16 threads, each a (D / 16)^2 patch of C as float4 columns c * 64 + 4 * t (conflict-free shared
+// reads); tiles of kMomentKeys residuals through shared memory, all of a tile's loads in flight at once. The first
+// version (one CTA per 8 rows of C over every sampled key: 128 CTAs of 4 warps, 0.2 instructions per cycle) took 3.9 ms
 // at every length on the H100, as long as the scorer at 32K.
 template <typename T, int D>
-__global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq, QArgs qa, int block_size,
-                                                                    int group_size, float* partial) {
+__global__ void __launch_bounds__(kMomentThreads) key_moment_kernel(SeqArgs seq, KVArgs kv, int block_size,
+                                                                    int num_kv_heads, const int32_t* cu_blocks,
+                                                                    const float* k_mean, float* partial) {
   static_assert(D == 64 || D == 128, "patch columns c * 64 + 4 * t cover D");
   constexpr int kT = D / 16, kVec = kT / 4, kKeysPerPass = kMomentThreads / D;
   __shared__ __align__(16) float xs[kMomentKeys][D];
-  const int b = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z, num_kv_heads = gridDim.y;
+  const int b = blockIdx.x, h = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, e = threadIdx.x % D, kk = threadIdx.x / D;
-  const int64_t q_len = seq.q_len(b), q_start = seq.q_start(b), nbq = (q_len + block_size - 1) / block_size;
-  const int64_t stride = key_basis_stride(nbq), sampled = (nbq + stride - 1) / stride;
-  // flat index f: position index f / g (block (pi / B) * stride, position pi % B of it), head h g + f % g
-  const int64_t rows = sampled * block_size * group_size;
-  const int64_t f0 = rows * split / splits, f1 = rows * (split + 1) / splits;
-  const float descale = is_fp8_v<T> ? qa.descale.at(b, h) : 1.f;
-  const T* q = static_cast<const T*>(qa.q);
+  const int64_t k_len = seq.k_len(b), nb = cu_blocks[b + 1] - cu_blocks[b];
+  const int64_t stride = key_basis_stride(nb), sampled = (nb + stride - 1) / stride;
+  const int64_t keys = sampled * block_size;  // flat index f: block (f / B) * stride, key f % B of it
+  const int64_t f0 = keys * split / splits, f1 = keys * (split + 1) / splits;
+  const float descale = is_fp8_v<T> ? kv.k_descale.at(b, h) : 1.f;
   float acc[kT][kT] = {};
   for (int64_t f = f0; f < f1; f += kMomentKeys) {
     float x[kMomentKeys / kKeysPerPass];
 #pragma unroll
     for (int i = 0; i < kMomentKeys / kKeysPerPass; ++i) {  // every load of the tile issued before any is used
-      const int64_t fi = f + i * kKeysPerPass + kk, pi = fi / group_size;
-      const int64_t pos = (pi / block_size) * stride * block_size + pi % block_size;
-      const int head = h * group_size + int(fi % group_size);
-      x[i] = fi < f1 && pos < q_len
-                 ? to_float(q[(q_start + pos) * qa.stride_row + head * qa.stride_head + e]) * descale
-                 : 0.f;
+      const int64_t fi = f + i * kKeysPerPass + kk, J = (fi / block_size) * stride;
+      const int64_t j = J * block_size + fi % block_size;
+      int64_t ko, vo;
+      const bool ok = fi < f1 && j < k_len && kv.offsets(b, seq.k_start(b), h, j, ko, vo);  // 0 on a bad page
+      x[i] = ok ? to_float(static_cast<const T*>(kv.k)[ko + e]) * descale -
+                      k_mean[((int64_t(cu_blocks[b]) + J) * num_kv_heads + h) * D + e]
+                : 0.f;
     }
     __syncthreads();  // the previous tile's readers done
 #pragma unroll
@@ -283,11 +282,11 @@ size_t key_basis_smem_bytes() {
 }
 
 template <typename T, int D, int R>
-void launch_all(cudaStream_t stream, const Bounds& bd, int batch, int num_kv_heads, int group_size, int block_size,
-                const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const DeviceIndex& d) {
+void launch_all(cudaStream_t stream, const Bounds& bd, int batch, int num_kv_heads, int block_size,
+                const SeqArgs& seq, const KVArgs& kv, const DeviceIndex& d) {
   const int splits = key_moment_splits(batch, num_kv_heads);
   key_moment_kernel<T, D><<<dim3(unsigned(batch), unsigned(num_kv_heads), unsigned(splits)), kMomentThreads, 0,
-                            stream>>>(seq, qa, block_size, group_size, d.key_moment);
+                            stream>>>(seq, kv, block_size, num_kv_heads, d.cu_blocks, d.k_mean, d.key_moment);
   static const bool basis_attr = [] {
     check_cuda(cudaFuncSetAttribute(key_basis_kernel<D, R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     int(key_basis_smem_bytes<D, R>())),
@@ -308,14 +307,14 @@ void launch_all(cudaStream_t stream, const Bounds& bd, int batch, int num_kv_hea
 }  // namespace
 
 void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const Bounds& bd, const SeqArgs& seq,
-                      const QArgs& qa, const KVArgs& kv, int block_size, const DeviceIndex& d) {
+                      const KVArgs& kv, int block_size, const DeviceIndex& d) {
   auto launch = [&](auto tag, auto dim) {
     using T = decltype(tag);
     constexpr int kD = decltype(dim)::value;
     if (key_rank == 32) {
-      launch_all<T, kD, 32>(stream, bd, p.batch, p.num_kv_heads, p.group_size, block_size, seq, qa, kv, d);
+      launch_all<T, kD, 32>(stream, bd, p.batch, p.num_kv_heads, block_size, seq, kv, d);
     } else {
-      launch_all<T, kD, 16>(stream, bd, p.batch, p.num_kv_heads, p.group_size, block_size, seq, qa, kv, d);
+      launch_all<T, kD, 16>(stream, bd, p.batch, p.num_kv_heads, block_size, seq, kv, d);
     }
   };
   with_index_types(p.dtype, p.head_dim, launch);

@@ -1,6 +1,6 @@
 // Index stage, the key_max rule (SelectionRule::kKeyMax, docs/design/key_max_spec.md): per-key block maxima on a
 // low-rank projection of each key's deviation from its block mean, on tensor cores. On the stage's stream, after the
-// pooling, no host synchronisation: key_basis.cu's three kernels (the queries' second moment, the basis P, the
+// pooling, no host synchronisation: key_basis.cu's three kernels (the residuals' second moment, the basis P, the
 // projected keys K' = P^T x and each block's radius), then the scorer, key_max_kernel: per (tile, virtual KV head),
 // the bound b_r over the blocks each row sees whole, the tile's candidates (blocks whose pooled score + |Q'| radius
 // some row cannot rule out), then one pass over the candidates from the diagonal down: the pooled score (bf16 / fp16
@@ -497,7 +497,7 @@ void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const V
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
   }
-  launch_key_basis(stream, p, R, bd, seq, qa, kv, B, d);
+  launch_key_basis(stream, p, R, bd, seq, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
       seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
       static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.key_basis, static_cast<const __half*>(d.key_proj), d.key_radius,
