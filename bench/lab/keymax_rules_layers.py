@@ -9,8 +9,12 @@ every captured layer and measures against each row's exact softmax: density (kep
 the answer rows keep (ans_mass), the answer rows keeping under half their mass (ans_low50), and the same over all
 scored rows (mass, low50).
 
+--sink instead: where each row's top block score lies (blocks 0-1, the attention sink, or the last four blocks before
+the diagonal) on the keys' basis, the queries' basis and exact maxima, rows every 37th from 1023: the one pass from the
+diagonal reaches the sink last, so where the top lies decides whether it prunes as the two-pass rule does.
+
 Usage (from bench/, a capture from `python -m accuracy.estimators capture --task kv --layout spread --L 8192`):
-    python3 lab/keymax_rules_layers.py /tmp/cap.pt [--layers 0,1,2] [--rules NAME=emu-rule;...]
+    python3 lab/keymax_rules_layers.py /tmp/cap.pt [--layers 0,1,2] [--rules NAME=emu-rule;...] [--sink]
 A rule is `name=k=v,k=v` (emulate.py's parameters; ',' between parameters, ';' between rules)."""
 import argparse
 import math
@@ -52,18 +56,37 @@ def parse_rules(text, g):
     return out
 
 
+def sink(cap, L, layers, B=128):
+    rows = torch.arange(1023, L, 37)
+    diag = (rows // B)[:, None]
+    for layer in layers:
+        q, k, _ = (t.float() for t in cap[layer])
+        scale = 1.0 / math.sqrt(q.shape[2])
+        scores = {b: emulate.key_max_scores(q, k, scale, B, 16, rows, basis=b)[rows] for b in ("lib", "query")}
+        scores["exact"] = emulate.block_max(q, k, scale, B, rows)[rows]
+        cells = []
+        for name, s in scores.items():
+            top = s.argmax(-1)  # [rows, Hq]
+            near = float((top >= diag - 3).float().mean())
+            cells.append(f"{name} {float((top <= 1).float().mean()):.3f} / {near:.3f}")
+        print(f"layer {layer:2d} (top in blocks 0-1 / in the last 4): " + ", ".join(cells), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("capture")
     ap.add_argument("--layers", default="", help="comma separated (default: every captured layer)")
     ap.add_argument("--rules", default=RULES)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sink", action="store_true", help="where the rows' top block scores lie (see above)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     d = torch.load(args.capture)
     cap, L = d["layers"], d["L"]
     ans = torch.as_tensor(d["answer_rows"]) if d.get("answer_rows") is not None else None
     layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
+    if args.sink:
+        return sink(cap, L, layers)
     q0, k0, _ = cap[layers[0]]
     g = q0.shape[1] // k0.shape[1]
     rules = parse_rules(args.rules, g)
@@ -106,7 +129,8 @@ def main(argv=None):
     for n, t in tot.items():
         am = f"{t['amass'] / t['an']:.3f}" if t["an"] else "-"
         al = f"{t['alow'] / t['an']:.3f}" if t["an"] else "-"
-        print(f"{n:22s} {t['kept'] / t['vis']:7.3f} {t['mass'] / t['n']:6.3f} {t['low'] / t['n']:6.3f} {am:>8s} {al:>9s}")
+        print(f"{n:22s} {t['kept'] / t['vis']:7.3f} {t['mass'] / t['n']:6.3f} {t['low'] / t['n']:6.3f} "
+              f"{am:>8s} {al:>9s}")
 
 
 if __name__ == "__main__":
