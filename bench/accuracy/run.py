@@ -77,6 +77,8 @@ def build_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=0, help="start no new row after this many seconds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
+                    help="the model's dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     return ap.parse_args(argv)
 
 
@@ -147,7 +149,8 @@ def run(args, model=None, log=print):
         torch.backends.cuda.matmul.allow_tf32 = False
     if model is None:
         from accuracy.model import Model
-        model = Model(args.gguf, device=args.device, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16)
+        dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if args.device == "cpu" else torch.bfloat16
+        model = Model(args.gguf, device=args.device, dtype=dtype)
     m = model
     names = [c for c in args.configs.split(",") if c and c != "dense"]
     routes = []

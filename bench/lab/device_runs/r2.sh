@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 10, call 2: model half 2; SmolLM2 8K then 4K (emulated share test / ratio on the queries' basis, oracles)
-# beside the retrieval seeds' remaining rows.
+# beside the retrieval seeds' remaining rows. SMOL_ARGS: more accuracy.run arguments (e.g. --dtype float32).
 set -u
 OUT=$1
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
@@ -9,7 +9,7 @@ G=$(cat "$OUT/card.txt")  # gpu.sh names the card
 mkdir -p /tmp/smol
 (cd bench && export PYTHONPATH=/tmp/acc-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
  timeout $(( ${SMOL_END:-560} - SECONDS )) python3 -m accuracy.run --backend sp --device cuda --lengths "${SMOL_LENGTHS:-8192,4096}" \
-   --configs "${SMOL_CONFIGS:?}" --index-cost --budget-s $(( ${SMOL_END:-560} - 60 - SECONDS )) --out /tmp/smol/accuracy_smollm2_${G}.json) > "$OUT/smollm2.log" 2>&1 &
+   --configs "${SMOL_CONFIGS:?}" ${SMOL_ARGS:-} --index-cost --budget-s $(( ${SMOL_END:-560} - 60 - SECONDS )) --out /tmp/smol/accuracy_smollm2_${G}.json) > "$OUT/smollm2.log" 2>&1 &
 SMOL=$!
 [[ -n "${R2_CONFIGS:-}" ]] && . bench/lab/device_runs/reval.sh "$OUT" "$R2_CONFIGS" ${SMOL_END:-560}
 wait $SMOL
