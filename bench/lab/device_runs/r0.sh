@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sessions 10-11, the short call: build, key_max's CUDA tests against the CPU reference (the queries' basis), then
+# Sessions 10-12, the short call: build, key_max's CUDA tests against the CPU reference, then
 # the index stage kernel by kernel and bench_selection's key_max rows with what time is left, until R0_END s.
 # R0_TESTS=tests/python: the whole GPU suite instead (~190 s on the H100). R0_PHASES='build model' with
 # .deps/smollm2.part.aa carried also leaves the model's first half for r2.sh (the next call, while warm).
