@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sessions 10-12, the short call: build, key_max's CUDA tests against the CPU reference, then
+# Sessions 10-13, the short call: build, key_max's CUDA tests against the CPU reference, then
 # the index stage kernel by kernel and bench_selection's key_max rows with what time is left, until R0_END s.
 # R0_TESTS=tests/python: the whole GPU suite instead (~190 s on the H100). R0_PHASES='build model' with
 # .deps/smollm2.part.aa carried also leaves the model's first half for r2.sh (the next call, while warm).
@@ -15,5 +15,5 @@ timeout $(( (END - SECONDS) / 3 )) python3 bench/lab/profile_index.py 32768 1310
 grep -E "key_|Self CUDA time|^L|ms" "$OUT/profile_index_keymax_${G}.log" | head -30
 timeout $(( END - SECONDS )) python3 bench/bench_selection.py --lengths 32768,131072 --configs "default,sp:rule=key_max;alpha=0.03,sp:rule=key_max;alpha=0.1" \
   --dense-lengths "" --gate-lengths "" --chunk "131072:1024" --chunk-configs "sp:rule=key_max;alpha=0.03" \
-  --out "$OUT/selection_keymax_qbasis_${G}.json" > "$OUT/bench_selection.log" 2>&1
+  --out "$OUT/selection_keymax_${G}.json" > "$OUT/bench_selection.log" 2>&1
 tail -25 "$OUT/bench_selection.log"
