@@ -11,8 +11,11 @@ shortened: a lower bound, so a superset of the candidates).
 --perp c: the perp column (emulate.py's perp): each key's term plus c |q_perp| |x_perp_j|, bounded apart from the
 rank-r part: |Q'_r| radius_J + c |q_perp_r| max_j |x_perp_j| (the two Cauchy-Schwarz terms summed, not one over both).
 --basis query: key_max on the queries' basis (emulate.py's basis 'query') instead of the keys' residuals'.
+--groups g,..: the candidates from pass 1's scores kept per (group of 128 / g rows, block) as one number, the group's
+largest pooled + |Q'_r| radius_J (rounded up to fp16), against the group's smallest b_r: a superset of the candidates
+without pass 2's GEMM (what the list would hold if pass 1 wrote these into shared memory).
 Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..] [--perp c]
-       [--basis query]
+       [--basis query] [--groups g,..]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -44,6 +47,7 @@ def main():
     split = pop_flag(argv, "--split", int, 0)
     # pass 1 over chunk 0 and the tile's last k chunks only (a lower bound b_r)
     bound_chunks = pop_flag(argv, "--bound-chunks", lambda v: [int(x) for x in v.split(",")], [])
+    groups = pop_flag(argv, "--groups", lambda v: [int(x) for x in v.split(",")], [])
     rank = pop_flag(argv, "--rank", int, RANK)
     L = int(argv[0]) if len(argv) > 0 else 16384
     alpha = float(argv[1]) if len(argv) > 1 else 0.03
@@ -87,6 +91,21 @@ def main():
             use = whole & ((chunk[None, :] == 0) | (chunk[None, :] > (tile_last - kc)[:, None]))
             mk = torch.where(use, pooled, inf).amax(1)
             partial[kc] = vis & (bound >= (mk + la)[:, None])
+        grouped = {}
+        for g in groups:  # per (tile, group of 128 / g rows, block): the group's largest bound vs its smallest b_r
+            rows = 128 // g
+            Lp = (L + rows - 1) // rows * rows
+            bv = torch.full((Lp, nb), -float("inf"))
+            bv[:L] = torch.where(vis, bound, inf).to(torch.float16).float()
+            exact = torch.full((Lp, nb), -float("inf"))
+            exact[:L] = torch.where(vis, bound, inf)
+            bv = torch.where(bv < exact, torch.nextafter(bv.half(), torch.tensor(float("inf")).half()).float(), bv)
+            mg = torch.full((Lp,), float("inf"))
+            mg[:L] = m0
+            U = bv.reshape(Lp // rows, rows, nb).amax(1)              # [groups, nb]
+            mmin = mg.reshape(Lp // rows, rows).amin(1)               # [groups]
+            cand = (U >= (mmin + la)[:, None]).repeat_interleave(rows, 0)[:L] & vis
+            grouped[g] = cand
         single = torch.zeros(L, nb, dtype=torch.bool)
         run = torch.full((L,), -float("inf"))
         for c in range((nb + 31) // 32 - 1, -1, -1):
@@ -109,7 +128,8 @@ def main():
               f"candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}" + "".join(
-                  f", b_r from chunk 0 + the last {kc} {frac(c, 128):.3f}" for kc, c in partial.items()))
+                  f", b_r from chunk 0 + the last {kc} {frac(c, 128):.3f}" for kc, c in partial.items()) + "".join(
+                  f", {g} groups a tile {frac(c, 128):.3f}" for g, c in grouped.items()))
 
 
 if __name__ == "__main__":

@@ -238,16 +238,31 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
 
   // Pooled chunk c: 32 blocks (block_of(n), n < 32) into stage `buf` of sKm with their radii (one cp.async group,
   // waited at the next stage barrier); pooled_gemm: the chunk's scores into tPrS.
+  // A thread's 16-byte chunks (block n of the chunk, part v) are the same in every chunk it loads: their shared
+  // addresses in stage 0 are computed once, stage 1 is stage 0 moved by whole swizzle periods. Through the swizzled
+  // layout at every load (64-bit block indices, the generic loop) load_pooled was ~200 of a pooled pass's ~370
+  // instructions per warp and chunk (SASS, bf16 D 128).
   const Element* pooled_src =
       reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh_mem) * D;
   const float* radius_src = radius + int64_t(kvh_mem) * (key_rows / B) + cu_blocks[b];
+  constexpr int kMeanVec = D / 8;                                            // 16-byte chunks per pooled mean
+  constexpr int kMeanLoads = kPooledN * kMeanVec / kKeyMaxThreads;           // per thread and chunk
+  static_assert(kPooledN * kMeanVec % kKeyMaxThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kPooledN * D % 1024 == 0, "a pooled stage is whole swizzle periods: stage 1 = stage 0 + its bytes");
+  constexpr uint32_t kMeanStageBytes = kPooledN * D * sizeof(Element);
+  uint32_t km_mine[kMeanLoads];
+  CUTE_UNROLL
+  for (int k = 0; k < kMeanLoads; ++k) {
+    const int i = threadIdx.x + k * kKeyMaxThreads;
+    km_mine[k] = smem_addr(sKm(i / kMeanVec, (i % kMeanVec) * 8, 0));
+  }
   auto load_pooled = [&](auto block_of, int buf) {
-    constexpr int kVec = D / 8;
-    for (int i = threadIdx.x; i < kPooledN * kVec; i += kKeyMaxThreads) {
-      const int n = i / kVec, v = i % kVec;
-      const int64_t J = block_of(n);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(sKm(n, v * 8, buf))),
-                   "l"(pooled_src + J * kv_heads_mem * D + v * 8));
+    CUTE_UNROLL
+    for (int k = 0; k < kMeanLoads; ++k) {
+      const int i = threadIdx.x + k * kKeyMaxThreads;
+      const Element* src = pooled_src + int64_t(block_of(i / kMeanVec)) * (kv_heads_mem * D) + (i % kMeanVec) * 8;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(km_mine[k] + buf * kMeanStageBytes),
+                   "l"(src));
     }
     if (threadIdx.x < kPooledN) {
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(sm.radius[buf][threadIdx.x])),
@@ -255,8 +270,9 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
+  const int last_J = int(nb - 1);
   auto range_chunk = [&](int c) {  // blocks [32 c, 32 c + 32), rows past the sequence clamped to its last block
-    return [=](int n) { return min(int64_t(c) * kPooledN + n, nb - 1); };
+    return [=](int n) { return min(c * kPooledN + n, last_J); };
   };
   auto pooled_gemm = [&](int buf) {
     wgmma_batch<false>(pmma, tPrQ, tPrK(_, _, _, buf), tPrS, /*zero_init=*/true);
@@ -272,9 +288,12 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   // Pass 1, the bound: b_r = max over the blocks the row sees whole of its pooled score (log2 units). The chunks stream
   // through the two stages (chunk c + 1 loads under chunk c's GEMM). Pass 2, the candidates: the blocks J some row
   // sees and cannot rule out, pooled + |Q'_r| radius_J >= b_r + log2(alpha) (NaN: a candidate).
-  float m_row[2] = {-INFINITY, -INFINITY};
+  // Each pass compiled apart (kPass a constant): the per-value tests predicated, not branches around the radius's
+  // load (a branch per value in pass 2 when the two passes shared one loop body).
+  float m_row[2] = {-INFINITY, -INFINITY}, threshold[2];
   const int nchunks = (nvis + kPooledN - 1) / kPooledN;
-  for (int pass = 0; pass < 2; ++pass) {
+  auto pooled_pass = [&](auto pass) {
+    constexpr int kPass = decltype(pass)::value;
     load_pooled(range_chunk(0), 0);
     for (int c = 0; c < nchunks; ++c) {
       stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
@@ -285,25 +304,27 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
       for (int v = 0; v < size(tPrS); ++v) {
         const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
         const float s = tPrS(v) * sel.scale_log2;
-        if (pass == 0) {
-          if (J <= whole_last[i]) m_row[i] = fmaxf(m_row[i], s);
-        } else if (J <= last_block[i] && !(fmaf(qn[i], sm.radius[c & 1][col], s) < m_row[i] + log2_alpha)) {
-          mask |= 1u << col;
+        if constexpr (kPass == 0) {
+          m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
+        } else {
+          const bool cand = (J <= last_block[i]) & !(fmaf(qn[i], sm.radius[c & 1][col], s) < threshold[i]);
+          mask |= uint32_t(cand) << col;
         }
       }
-      if (pass == 1) {
+      if constexpr (kPass == 1) {
         mask = __reduce_or_sync(0xffffffffu, mask);
         if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
       }
     }
-    if (pass == 0) {
-      for (int i = 0; i < 2; ++i) {
-        m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
-        m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
-      }
-    }
     __syncthreads();  // both warpgroups past the pass's last GEMM before the stages are reloaded
+  };
+  pooled_pass(std::integral_constant<int, 0>{});
+  for (int i = 0; i < 2; ++i) {
+    m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
+    m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
+    threshold[i] = m_row[i] + log2_alpha;
   }
+  pooled_pass(std::integral_constant<int, 1>{});
 
   // The candidates as a list, from the diagonal down (warp 0: each lane a word, the lanes' counts prefix-summed).
   if (warp == 0) {
@@ -369,7 +390,7 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     asm volatile("cp.async.commit_group;\n" ::);
   };
   auto list_chunk = [&](int c) {  // candidates [32 c, 32 c + 32), past the list clamped to its last
-    return [=](int n) { return int64_t(cand[min(c * kPooledN + n, ncand - 1)]); };
+    return [=](int n) { return int(cand[min(c * kPooledN + n, ncand - 1)]); };
   };
 
   const __half2 neg2 = __halves2half2(__ushort_as_half(0xFC00u), __ushort_as_half(0xFC00u));
