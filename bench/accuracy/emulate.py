@@ -40,6 +40,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    down to block 0 (m_rJ = max_{J' >= J} s_rJ'): a superset of the two-pass rule's blocks, the
                    price of scoring each pair once; onepass 2: the same pass started from the pooled means' bound
                    max_J scale q_r . kmean_J over the blocks the row sees whole (a block's maximum is >= its mean)
+                   sinkref 1 (with onepass): the pass also starts from the row's exact maximum over the keys of the
+                   always-kept sink blocks (full-D q . k; on SmolLM2 the row's top block for most rows on exact
+                   scores, which a pass from the diagonal reaches last)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
@@ -56,7 +59,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0)
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0)
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -365,6 +368,11 @@ def select(q, k, v, rule, scale):
                 whole = (first_key + counts.long() - 1)[None, :] <= pos[:, None]
                 sm = sm.masked_fill(~whole[None], -math.inf).view(V, T, TILE_ROWS, nb)
                 m = torch.maximum(m, sm.amax(-1, keepdim=True))
+            if r["sinkref"]:  # the exact maximum over the sink blocks' keys the row sees
+                nsk = min(L, -(-r["sink"] // B) * B)
+                ex = torch.einsum("vrd,jvd->vrj", qv, k[:nsk].double()[:, kvh]) * scale
+                ex = ex.masked_fill(torch.arange(nsk, device=dev)[None, None, :] > pos[None, :, None], -math.inf)
+                m = torch.maximum(m, ex.amax(-1).view(V, T, TILE_ROWS, 1))
         else:
             m = w.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -321,6 +321,21 @@ def test_onepass_keeps_a_superset(onepass):
     assert one.density >= two.density
 
 
+def test_sinkref_keeps_between_the_one_pass_and_the_two_pass_rule():
+    # sinkref starts the one pass from the row's exact maximum over the sink blocks' keys: never below the pooled
+    # bound's start, so a subset of onepass 2; on exact block maxima never above the row's true maximum, so a superset
+    # of the two-pass rule; with the first key along the queries' direction (an attention sink, which the sink block's
+    # pooled mean dilutes 128x) strictly sparser
+    q, k, v = random_qkv(1500, 16)
+    k[0] += 3.0 * q.reshape(1500, HKV, HQ // HKV, D).mean((0, 2))
+    base = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0)
+    two = emulate.select(q, k, v, base, SCALE)
+    one = emulate.select(q, k, v, dict(base, onepass=2), SCALE)
+    ref = emulate.select(q, k, v, dict(base, onepass=2, sinkref=1), SCALE)
+    assert bool((one.keep | ~ref.keep).all()) and bool((ref.keep | ~two.keep).all())
+    assert two.density <= ref.density < one.density
+
+
 def test_row_stride_keeps_a_subset():
     q, k, v = random_qkv(1500, 15)
     base = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0)
