@@ -374,6 +374,8 @@ def select(q, k, v, rule, scale):
                 ex = ex.masked_fill(torch.arange(nsk, device=dev)[None, None, :] > pos[None, :, None], -math.inf)
                 m = torch.maximum(m, ex.amax(-1).view(V, T, TILE_ROWS, 1))
         else:
+            if r["sinkref"]:
+                raise ValueError("sinkref starts the one pass: it needs agg 'rowmax' and onepass 1 or 2")
             m = w.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(w - m)

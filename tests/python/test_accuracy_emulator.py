@@ -334,6 +334,8 @@ def test_sinkref_keeps_between_the_one_pass_and_the_two_pass_rule():
     ref = emulate.select(q, k, v, dict(base, onepass=2, sinkref=1), SCALE)
     assert bool((one.keep | ~ref.keep).all()) and bool((ref.keep | ~two.keep).all())
     assert two.density <= ref.density < one.density
+    with pytest.raises(ValueError, match="sinkref"):  # without a one pass it has nothing to start
+        emulate.select(q, k, v, dict(base, sinkref=1), SCALE)
 
 
 def test_row_stride_keeps_a_subset():

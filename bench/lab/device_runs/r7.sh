@@ -23,14 +23,10 @@ for s in 1 2; do
 done
 wait
 for s in 1 2; do grep '"step"' $W/retrieval_train_seed$s.log | tail -1; done
-left=$(( END - 130 - SECONDS ))
-for s in 1 2; do
-  (cd bench && timeout $left python3 accuracy/retrieval.py eval --ckpt /tmp/retrieval_seed$s.pt --device cuda \
-     --lengths 32768 --configs "${R7_RET_CONFIGS:?}" --n-seq 16 --budget-s $(( left - 30 )) \
-     --out $OUT/accuracy_retrieval_seed${s}_${G}.json) > $W/retrieval_eval_seed$s.log 2>&1 &
-done
-wait
-for s in 1 2; do grep -E '^\[|budget|Error' $W/retrieval_eval_seed$s.log | tail -8; done
+R7_OUT=$OUT R7_END=$END  # reval.sh (sourced) sets OUT, CF and END to its arguments
+. bench/lab/device_runs/reval.sh $W "${R7_RET_CONFIGS:?}" $(( END - 130 ))  # both seeds at 32K, into $W
+OUT=$R7_OUT END=$R7_END
+cp $W/accuracy_retrieval_seed*_${G}.json "$OUT/"
 (cd bench && export PYTHONPATH=/tmp/acc-site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 &&
  timeout $(( END - 15 - SECONDS )) python3 -m accuracy.run --backend sp --device cuda --lengths 8192,4096 \
    --configs "${R7_SMOL_CONFIGS:?}" --index-cost --budget-s $(( END - 45 - SECONDS )) \
