@@ -23,7 +23,7 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                      a spike as itself). basis 'lib' (the default): the library's basis (key_basis: the sampled
                      blocks' residuals, kKeyBasisIters subspace iterations from the hash_unit start, float64) and
                      the score s_rJ = scale (q_r . kmean_J + max_j (P^T q_r) . (P^T x_j)) in float64 with the library's
-                     float32 means (key_max_scores); with rank 16 or 32, onepass 2 and agg rowmax this is the
+                     float32 means (key_max_scores); with rank 16 or 32, onepass 2, sinkref 1 and agg rowmax this is the
                      library's rule='key_max' (docs/design/key_max_spec.md; test_accuracy_emulator.py). basis 'eigh':
                      the top eigenvectors of the residuals of ALL keys (torch.linalg.eigh), scores in float32.
                      perp c (basis 'lib'; 0 = the library's rule): each key's term plus c |q_perp| |x_perp_j|, what the
@@ -368,8 +368,8 @@ def select(q, k, v, rule, scale):
                 whole = (first_key + counts.long() - 1)[None, :] <= pos[:, None]
                 sm = sm.masked_fill(~whole[None], -math.inf).view(V, T, TILE_ROWS, nb)
                 m = torch.maximum(m, sm.amax(-1, keepdim=True))
-            if r["sinkref"]:  # the exact maximum over the sink blocks' keys the row sees
-                nsk = min(L, -(-r["sink"] // B) * B)
+            nsk = min(L, -(-r["sink"] // B) * B)
+            if r["sinkref"] and nsk > 0:  # the exact maximum over the sink blocks' keys the row sees
                 ex = torch.einsum("vrd,jvd->vrj", qv, k[:nsk].double()[:, kvh]) * scale
                 ex = ex.masked_fill(torch.arange(nsk, device=dev)[None, None, :] > pos[None, :, None], -math.inf)
                 m = torch.maximum(m, ex.amax(-1).view(V, T, TILE_ROWS, 1))

@@ -223,10 +223,13 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         above[J] = visible[J] && (probe[J] >= log_alpha || mean[J] >= log_mean_alpha);
     } else if (params.rule == SelectionRule::kKeyMax) {
       // Per row: sh_J = q . k_mean_J + max over the keys j of J it sees of (P^T q) . (P^T x_j) (unscaled); one pass
-      // from the diagonal down, m_J = max(bound, max_{J' >= J} sh_J') with the bound max q . k_mean_J over the
-      // blocks the row sees whole; C_J = max over the rows that see J of scale (sh_J - m_J).
+      // from the diagonal down, m_J = max(bound, max_{J' >= J} sh_J') with the bound the larger of max q . k_mean_J
+      // over the blocks the row sees whole and max q . k_j over the sink keys it sees (exact); C_J = max over the
+      // rows that see J of scale (sh_J - m_J).
       const std::vector<double>& P = key_basis_of[size_t(b) * H + kvh];
       const std::vector<double>& coords = key_coords_of[size_t(b) * H + kvh];
+      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
+      const int64_t sink_end = std::min<int64_t>(s.k_len, (int64_t(params.sink) + B - 1) / B * B);
       const double scale = double(p.softmax_scale);
       std::vector<double> closeness(size_t(nb), kNegInf), sh(static_cast<size_t>(nb)), pq(static_cast<size_t>(R));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
@@ -253,6 +256,11 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           if (std::isnan(sh[J])) tile_nan = true;
           const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
           if (whole) bound = std::max(bound, md);
+        }
+        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d) dot += double(q[d]) * double(keys_of.k[size_t(j) * D + d]);
+          bound = std::max(bound, dot);
         }
         double running = kNegInf;
         for (int64_t J = J_hi; J >= J_lo; --J) {

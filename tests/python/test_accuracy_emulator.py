@@ -33,7 +33,7 @@ def random_qkv(L, seed):
 
 
 PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
-KEYMAX = dict(score="resid", onepass=2, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank, basis 'lib')
+KEYMAX = dict(score="resid", onepass=2, sinkref=1, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank)
 RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass",
          "keymax": "key_max"}
 
@@ -42,7 +42,8 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="
           dense_fraction=1.0, block=128, key_rank=16, outputs=True):
     """dense_fraction 1 (the dense rule off) by default: random inputs keep most blocks, and the rule would turn
     the comparison into full lists on both sides. agg 'keymax': the library's rule='key_max' against the
-    emulator's score 'resid' (the library's basis) at rank key_rank, one pass from the diagonal with the bound."""
+    emulator's score 'resid' (the library's basis) at rank key_rank, one pass from the diagonal started from the
+    bound and the sink keys' exact maximum."""
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
@@ -158,12 +159,25 @@ def spiky_qkv(L, seed, spikes=12):
 # (L, block): odd lengths, a partial tail block, and one length past 64 blocks (the basis then samples every 2nd)
 @pytest.mark.parametrize("L,block", [(300, 64), (777, 128), (777, 64), (1500, 128), (1500, 64)])
 @pytest.mark.parametrize("subgroups", [1, 3])
-@pytest.mark.parametrize("alpha,key_rank", [(0.1, 16), (0.5, 32)])
-def test_key_max_equals_the_emulator(L, block, subgroups, alpha, key_rank):
+@pytest.mark.parametrize("alpha,key_rank,sink", [(0.1, 16, 0), (0.5, 32, 0), (0.1, 16, 100), (0.5, 32, 200)])
+def test_key_max_equals_the_emulator(L, block, subgroups, alpha, key_rank, sink):
+    # sink 100 / 200: the sink blocks' keys (ceil(sink / block) whole blocks) start each row's pass
     q, k, v = spiky_qkv(L, L + block + subgroups)
-    d = check(q, k, v, subgroups, False, alpha=alpha, sink=0, window=64, agg="keymax", block=block,
+    d = check(q, k, v, subgroups, False, alpha=alpha, sink=sink, window=64, agg="keymax", block=block,
               key_rank=key_rank)
     assert 0.0 < d <= 1.0
+
+
+def test_key_max_starts_from_the_sink_keys():
+    """Not vacuous: with an attention sink (the first key along the queries' direction, which its block's pooled mean
+    dilutes 64x) the library's selection equals the emulator's with the sink reference and is strictly sparser than
+    the same pass started from the pooled bound alone."""
+    q, k, v = spiky_qkv(1500, 24)
+    k[0] += 3.0 * q.reshape(1500, HKV, HQ // HKV, D).mean((0, 2))
+    d = check(q, k, v, 3, False, alpha=0.3, sink=64, window=64, agg="keymax", block=64, outputs=False)
+    rule = dict(KEYMAX, rank=16, alpha=0.3, subgroups=3, sink=64, window=64, block=64, dense_fraction=1.0)
+    without = emulate.select(q, k, v, dict(rule, sinkref=0), SCALE)
+    assert d < without.density
 
 
 def test_key_max_equals_the_emulator_past_64_blocks():

@@ -40,6 +40,28 @@ def test_key_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha, rank, subg
     assert abs(got.density - ref.density) <= 0.01
 
 
+@pytest.mark.parametrize("sink,block,padded", [
+    (0, 128, False), (100, 64, True), (700, 128, False), (1000, 64, True),
+])
+def test_key_max_sink_keys_on_gpu_match_cpu(sink, block, padded):
+    """Each row's pass starts from its exact maximum over the sink keys it sees (spec step 4: the keys of the
+    ceil(sink / block) sink blocks, 32 per GEMM in the scorer): none, part of a 32-key chunk short of a block, several
+    chunks, past the shortest sequence (a chunk with Lq < Lk, a 5-token prompt); padded: K rows whose stride is not a
+    multiple of 16 bytes (views of [L, Hkv, D + 1] arrays: the element-copy loads)."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [5, 700, 1100], [5, 2500, 1100], 8, 2)
+    if padded:  # made on the device (a copy would make them contiguous)
+        gpu[1:3] = (torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)[..., :128] for x in gpu[1:3])
+        assert gpu[1].stride(1) * gpu[1].element_size() % 16 and torch.equal(gpu[1].cpu(), cpu[1])
+    kw = dict(alpha=0.3, rule="key_max", sink=sink, block_size=block, dense_fraction=1.0)
+    ref = sp.build_index(*cpu, mq, mk, **kw)
+    got = sp.build_index(*gpu, mq, mk, **kw).to_host()
+    assert ref.density < 0.97  # it prunes (0.78-0.93 of the blocks kept on these prompts, CPU)
+    assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
+    assert _segments_differ(ref, got, 3, 8) <= _flips_bound(ref)
+    assert abs(got.density - ref.density) <= 0.01
+
+
 @pytest.mark.parametrize("subgroups", [0, 1])
 def test_key_max_gqa3_d64_matches_cpu(subgroups):
     """SmolLM2's shapes, which the other key_max CUDA tests (8 query heads, head dim 128 or GQA 4) do not have: 9 query

@@ -2,7 +2,7 @@
 // low-rank projection of each key's deviation from its block mean, on tensor cores. On the stage's stream, after the
 // pooling, no host synchronisation: key_basis.cu's three kernels (the residuals' second moment, the basis P, the
 // projected keys K' = P^T x and each block's radius), then the scorer, key_max_kernel: per (tile, virtual KV head),
-// the bound b_r over the blocks each row sees whole, the tile's candidates (blocks whose pooled score + |Q'| radius
+// the bound b_r over the blocks each row sees whole and the sink keys' exact maximum, the tile's candidates (blocks whose pooled score + |Q'| radius
 // some row cannot rule out), then one pass over the candidates from the diagonal down: the pooled score (bf16 / fp16
 // wgmma, float accumulators) plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row, key) pairs
 // per packed max), where a warpgroup's vote against its running maxima asks for it, the running row maximum and the
@@ -94,6 +94,33 @@ struct KeyMaxConfig {
   }
 };
 
+// Eight consecutive elements of a key row as the scorer's GEMM operand (16 bytes): bf16 / fp16 as they are, e4m3 to
+// bf16 exactly (raw units: the caller multiplies the scores by the descale). vec: one 16-byte (8-byte for e4m3) load.
+template <typename T, typename Element>
+__device__ __forceinline__ uint4 load_key8(const T* src, bool vec) {
+  union {
+    uint4 u;
+    Element e[8];
+  } out;
+  if constexpr (is_fp8_v<T>) {
+    union {
+      uint2 u;
+      T f[8];
+    } in;
+    if (vec) {
+      in.u = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+      for (int i = 0; i < 8; ++i) in.f[i] = src[i];
+    }
+    for (int i = 0; i < 8; ++i) out.e[i] = Element(float(in.f[i]));
+  } else if (vec) {
+    out.u = __ldg(reinterpret_cast<const uint4*>(src));
+  } else {
+    for (int i = 0; i < 8; ++i) out.e[i] = Element(to_float(src[i]));
+  }
+  return out.u;
+}
+
 // A warpgroup's OR of p (named barrier 1 + warpgroup, 128 threads: a vote of its 4 warps in one instruction).
 __device__ __forceinline__ bool warpgroup_any(bool p) {
   uint32_t r;
@@ -115,9 +142,10 @@ __device__ __forceinline__ bool warpgroup_any(bool p) {
 // 32K about 23 % of the visible blocks are candidates and 12 % are scored (emulated); the selection is the spec's.
 template <typename T, int D, int R>
 __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
-    SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
-    const int32_t* cu_tiles, const int32_t* cu_blocks, const lowp_t<T>* k_mean_lowp, const float* basis,
-    const __half* proj, const float* radius, int64_t key_rows, uint32_t* bits_out, int64_t words_out) {
+    SeqArgs seq, QArgs qa, KVArgs kv, bool k_vec, SelectArgs sel, int group_size, int num_kv_heads, int subgroups,
+    int kv_heads_mem, const int32_t* cu_tiles, const int32_t* cu_blocks, const lowp_t<T>* k_mean_lowp,
+    const float* basis, const __half* proj, const float* radius, int64_t key_rows, uint32_t* bits_out,
+    int64_t words_out) {
   using namespace cute;
   using Cfg = KeyMaxConfig<T, D, R>;
   using Element = typename Cfg::Element;
@@ -319,6 +347,35 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     __syncthreads();  // both warpgroups past the pass's last GEMM before the stages are reloaded
   };
   pooled_pass(std::integral_constant<int, 0>{});
+
+  // The sink keys' exact maximum, the bound's other term: keys [0, sink_end), those of the always-kept sink blocks,
+  // 32 at a time through the pooled stages (raw keys in the pooled GEMM's operand type; FP8 scores times the descale).
+  const int64_t sink_end = min(k_len, (int64_t(sel.sink) + B - 1) / B * B);
+  const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
+  const float sink_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
+  const T* k_src = static_cast<const T*>(kv.k);
+  for (int c = 0; c < sink_chunks; ++c) {
+    CUTE_UNROLL
+    for (int k = 0; k < kMeanLoads; ++k) {  // the pooled loads' (key, 16-byte part) of this thread
+      const int i = threadIdx.x + k * kKeyMaxThreads;
+      const int64_t j = int64_t(c) * kPooledN + i / kMeanVec;
+      int64_t ko, vo;
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);  // zeros past the sink and on a bad page (reported)
+      if (j < sink_end && kv.offsets(b, seq.k_start(b), kvh_mem, j, ko, vo)) {
+        x = load_key8<T, Element>(k_src + ko + (i % kMeanVec) * 8, k_vec);
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(km_mine[k] + (c & 1) * kMeanStageBytes),
+                   "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    }
+    stage_barrier();  // stores visible to wgmma; chunk c - 2's GEMM (this stage) finished in both warpgroups
+    pooled_gemm(c & 1);
+    CUTE_UNROLL
+    for (int v = 0; v < size(tPrS); ++v) {
+      const int i = (v / 2) % 2, j = c * kPooledN + get<1>(cP(v));
+      m_row[i] = j < sink_end && j <= hi_row[i] ? fmaxf(m_row[i], tPrS(v) * sink_scale) : m_row[i];
+    }
+  }
+  __syncthreads();  // both warpgroups past the last sink GEMM before pass 2 reloads the stages
   for (int i = 0; i < 2; ++i) {
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
@@ -518,9 +575,12 @@ void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const V
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
   }
+  // the sink keys' 16-byte (e4m3: 8-byte) loads: 8-element aligned rows (base, row / page / slot / head strides)
+  bool k_vec = reinterpret_cast<uintptr_t>(kv.k) % 16 == 0;
+  for (int i = 0; i < (kv.block_table != nullptr ? 3 : 2); ++i) k_vec = k_vec && kv.k_stride[i] % 8 == 0;
   launch_key_basis(stream, p, R, bd, seq, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
-      seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
+      seq, qa, kv, k_vec, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
       static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.key_basis, static_cast<const __half*>(d.key_proj), d.key_radius,
       d.key_rows, d.probe_bits, d.probe_words);
 }
