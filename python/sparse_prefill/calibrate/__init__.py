@@ -11,9 +11,9 @@ with your text as filler when given, and next-token NLL over your text):
   - per layer, on one prompt at the longest length, the time of each candidate's index stage (sp.build_index) and
     of dense attention on the same inputs: a setting's cost is its density plus its index share (index time over
     dense attention's), its time relative to dense attention;
-  - each candidate selection (default: the per-key rule 'key_max' at alpha 0.3, 0.1, 0.03, then row max at alpha
-    0.01, the library default 0.003, 0.001; one selection per query head) in every layer, and the exact oracle at a
-    few mass fractions (the density a selection that knew the attention would need);
+  - each candidate selection (default: the per-key rule 'key_max' at alpha 0.3, 0.1, 0.03, 0.01, then row max at
+    alpha 0.01, the library default 0.003, 0.001; one selection per query head) in every layer, and the exact oracle
+    at a few mass fractions (the density a selection that knew the attention would need);
   - per layer, each candidate's output error and density against dense attention on the same inputs;
   - per-layer plans (each layer its cheapest candidate within an error budget, by density plus its index share in
     that layer; dense where none is or each costs more than the layer's dense attention), searched for

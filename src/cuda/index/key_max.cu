@@ -2,13 +2,13 @@
 // low-rank projection of each key's deviation from its block mean, on tensor cores. On the stage's stream, after the
 // pooling, no host synchronisation: key_basis.cu's three kernels (the residuals' second moment, the basis P, the
 // projected keys K' = P^T x and each block's radius), then the scorer, key_max_kernel: per (tile, virtual KV head),
-// the bound b_r over the blocks each row sees whole and the sink keys' exact maximum, the tile's candidates (blocks whose pooled score + |Q'| radius
-// some row cannot rule out), then one pass over the candidates from the diagonal down: the pooled score (bf16 / fp16
-// wgmma, float accumulators) plus the residual block maximum (fp16 wgmma with fp16 accumulators: two (row, key) pairs
-// per packed max), where a warpgroup's vote against its running maxima asks for it, the running row maximum and the
-// per-row test; the tile's keep bits go to d.probe_bits, which score_select's bits-only kernel merges with the
-// always-kept rules into the CSR (as the probe rules' bits). The blocks it does not score could not pass: the
-// selection is the spec's.
+// the bound b_r over the blocks each row sees whole and the sink keys' exact maximum, the tile's candidates (blocks
+// whose pooled score + |Q'| radius some row cannot rule out), then one pass over the candidates from the diagonal
+// down: the pooled score (bf16 / fp16 wgmma, float accumulators) plus the residual block maximum (fp16 wgmma with fp16
+// accumulators: two (row, key) pairs per packed max), where a warpgroup's vote against its running maxima asks for
+// it, the running row maximum and the per-row test; the tile's keep bits go to d.probe_bits, which score_select's
+// bits-only kernel merges with the always-kept rules into the CSR (as the probe rules' bits). The blocks it does not
+// score could not pass: the selection is the spec's.
 // Scores are in log2 units: Q' carries softmax_scale * log2(e), the pooled scores are scaled on their way to shared
 // memory, so the test is sh - m >= log2(alpha).
 #include <cmath>
