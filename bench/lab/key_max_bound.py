@@ -11,11 +11,13 @@ shortened: a lower bound, so a superset of the candidates).
 --perp c: the perp column (emulate.py's perp): each key's term plus c |q_perp| |x_perp_j|, bounded apart from the
 rank-r part: |Q'_r| radius_J + c |q_perp_r| max_j |x_perp_j| (the two Cauchy-Schwarz terms summed, not one over both).
 --basis query: key_max on the queries' basis (emulate.py's basis 'query') instead of the keys' residuals'.
+--sinkref n: the library's start since the sink reference (docs/design/key_max_spec.md step 4): b_r also takes the
+row's exact maximum over the first n keys (the sink blocks' keys; the library's default sink 256 is n = 256).
 --groups g,..: the candidates from pass 1's scores kept per (group of 128 / g rows, block) as one number, the group's
 largest pooled + |Q'_r| radius_J (rounded up to fp16), against the group's smallest b_r: a superset of the candidates
 without pass 2's GEMM (what the list would hold if pass 1 wrote these into shared memory).
 Usage: python3 bench/lab/key_max_bound.py [L] [alpha] [heads] [--split c] [--rank r] [--bound-chunks k,..] [--perp c]
-       [--basis query] [--groups g,..]
+       [--basis query] [--groups g,..] [--sinkref n]
 (default 16384 0.03 0, rank 16; seconds at 16K)"""
 import math
 import os
@@ -49,6 +51,7 @@ def main():
     bound_chunks = pop_flag(argv, "--bound-chunks", lambda v: [int(x) for x in v.split(",")], [])
     groups = pop_flag(argv, "--groups", lambda v: [int(x) for x in v.split(",")], [])
     rank = pop_flag(argv, "--rank", int, RANK)
+    sink_keys = pop_flag(argv, "--sinkref", int, 0)
     L = int(argv[0]) if len(argv) > 0 else 16384
     alpha = float(argv[1]) if len(argv) > 1 else 0.03
     heads = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [0]
@@ -83,6 +86,9 @@ def main():
             s = qp @ kp[J * B:(J + 1) * B].T + perp * q_perp[:, None] * x_perp[None, J * B:(J + 1) * B]
             res[:, J] = torch.where(torch.arange(J * B, J * B + B)[None, :] <= pos[:, None], s, inf).amax(1)
         m0 = torch.where(whole, pooled, inf).amax(1)
+        if sink_keys > 0:  # the sink keys' exact maximum (the keys each row sees)
+            ex = (q[:, hq] @ k[:sink_keys, h].T) * scale
+            m0 = torch.maximum(m0, torch.where(torch.arange(ex.shape[1])[None, :] <= pos[:, None], ex, inf).amax(1))
         static = vis & (bound >= (m0 + la)[:, None])
         partial = {}
         tile_last = last[torch.clamp((pos // 128 + 1) * 128 - 1, max=L - 1)] // 32   # the tile's last chunk
@@ -124,7 +130,7 @@ def main():
 
         def frac(x, g):
             return x.reshape(L // g, g, nb).any(1).sum().item() / vis.reshape(L // g, g, nb).any(1).sum().item()
-        print(f"L {L} alpha {alpha} basis {basis} split {split} perp {perp} query head {hq}: "
+        print(f"L {L} alpha {alpha} basis {basis} split {split} perp {perp} sinkref {sink_keys} query head {hq}: "
               f"candidates (CTA, b_r) {frac(static, 128):.3f}, "
               f"single pooled pass {frac(single, 128):.3f}, scored (warpgroup) {frac(scored, 64):.3f}, "
               f"kept (CTA) {frac(kept, 128):.3f}" + "".join(

@@ -313,24 +313,69 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   };
   const float log2_alpha = log2f(sel.alpha);  // alpha 0: -inf, every visible block
 
-  // Pass 1, the bound: b_r = max over the blocks the row sees whole of its pooled score (log2 units). The chunks stream
-  // through the two stages (chunk c + 1 loads under chunk c's GEMM). Pass 2, the candidates: the blocks J some row
-  // sees and cannot rule out, pooled + |Q'_r| radius_J >= b_r + log2(alpha) (NaN: a candidate).
+  // The sink keys, the bound's other term: keys [0, sink_end), those of the always-kept sink blocks, 32 per chunk
+  // through the pooled stages as the GEMM's operand (bf16 / fp16 as they are, e4m3 exactly in bf16: their scores times
+  // the descale). Aligned bf16 / fp16 rows by cp.async (zero-filled past the sink and on a bad page, as the pooled
+  // loads: chunk c + 1 lands under chunk c's GEMM); e4m3 or unaligned rows by loads and shared stores.
+  const int64_t sink_end = min(k_len, (int64_t(sel.sink) + B - 1) / B * B);
+  const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
+  const float sink_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
+  const T* k_src = static_cast<const T*>(kv.k);
+  auto load_sink = [&](int c, int buf) {
+    CUTE_UNROLL
+    for (int k = 0; k < kMeanLoads; ++k) {  // the pooled loads' (key, 16-byte part) of this thread
+      const int i = threadIdx.x + k * kKeyMaxThreads;
+      const int64_t j = int64_t(c) * kPooledN + i / kMeanVec;
+      int64_t ko = 0, vo;
+      const bool ok = j < sink_end && kv.offsets(b, seq.k_start(b), kvh_mem, j, ko, vo);
+      const T* src = k_src + ko + (i % kMeanVec) * 8;
+      const uint32_t dst = km_mine[k] + buf * kMeanStageBytes;
+      if (!is_fp8_v<T> && k_vec) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+      } else {
+        const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  // Pass 1, the bound: b_r = the larger of the row's exact maximum over the sink keys it sees and its pooled scores'
+  // over the blocks it sees whole (log2 units): the sink chunks, then the pooled chunks, stream through the two stages
+  // (chunk c + 1 loads under chunk c's GEMM). Pass 2, the candidates: the blocks J some row sees and cannot rule out,
+  // pooled + |Q'_r| radius_J >= b_r + log2(alpha) (NaN: a candidate).
   // Each pass compiled apart (kPass a constant): the per-value tests predicated, not branches around the radius's
   // load (a branch per value in pass 2 when the two passes shared one loop body).
   float m_row[2] = {-INFINITY, -INFINITY}, threshold[2];
   const int nchunks = (nvis + kPooledN - 1) / kPooledN;
   auto pooled_pass = [&](auto pass) {
     constexpr int kPass = decltype(pass)::value;
-    load_pooled(range_chunk(0), 0);
-    for (int c = 0; c < nchunks; ++c) {
+    const int lead = kPass == 0 ? sink_chunks : 0, total = lead + nchunks;
+    auto load = [&](int c, int buf) {
+      if (c < lead) {
+        load_sink(c, buf);
+      } else {
+        load_pooled(range_chunk(c - lead), buf);
+      }
+    };
+    load(0, 0);
+    for (int c = 0; c < total; ++c) {
       stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
-      if (c + 1 < nchunks) load_pooled(range_chunk(c + 1), (c + 1) & 1);
+      if (c + 1 < total) load(c + 1, (c + 1) & 1);
       pooled_gemm(c & 1);
+      if (kPass == 0 && c < lead) {  // a sink chunk: keys c * 32 + col
+        CUTE_UNROLL
+        for (int v = 0; v < size(tPrS); ++v) {
+          const int i = (v / 2) % 2, j = c * kPooledN + get<1>(cP(v));
+          m_row[i] = j < sink_end && j <= hi_row[i] ? fmaxf(m_row[i], tPrS(v) * sink_scale) : m_row[i];
+        }
+        continue;
+      }
+      const int pc = c - lead;  // the pooled chunk: blocks pc * 32 + col
       uint32_t mask = 0;
       CUTE_UNROLL
       for (int v = 0; v < size(tPrS); ++v) {
-        const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
+        const int i = (v / 2) % 2, col = get<1>(cP(v)), J = pc * kPooledN + col;
         const float s = tPrS(v) * sel.scale_log2;
         if constexpr (kPass == 0) {
           m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
@@ -341,41 +386,12 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
       }
       if constexpr (kPass == 1) {
         mask = __reduce_or_sync(0xffffffffu, mask);
-        if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
+        if (lane == 0 && mask) atomicOr(&cand_bits[pc], mask);
       }
     }
     __syncthreads();  // both warpgroups past the pass's last GEMM before the stages are reloaded
   };
   pooled_pass(std::integral_constant<int, 0>{});
-
-  // The sink keys' exact maximum, the bound's other term: keys [0, sink_end), those of the always-kept sink blocks,
-  // 32 at a time through the pooled stages (raw keys in the pooled GEMM's operand type; FP8 scores times the descale).
-  const int64_t sink_end = min(k_len, (int64_t(sel.sink) + B - 1) / B * B);
-  const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
-  const float sink_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
-  const T* k_src = static_cast<const T*>(kv.k);
-  for (int c = 0; c < sink_chunks; ++c) {
-    CUTE_UNROLL
-    for (int k = 0; k < kMeanLoads; ++k) {  // the pooled loads' (key, 16-byte part) of this thread
-      const int i = threadIdx.x + k * kKeyMaxThreads;
-      const int64_t j = int64_t(c) * kPooledN + i / kMeanVec;
-      int64_t ko, vo;
-      uint4 x = make_uint4(0u, 0u, 0u, 0u);  // zeros past the sink and on a bad page (reported)
-      if (j < sink_end && kv.offsets(b, seq.k_start(b), kvh_mem, j, ko, vo)) {
-        x = load_key8<T, Element>(k_src + ko + (i % kMeanVec) * 8, k_vec);
-      }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(km_mine[k] + (c & 1) * kMeanStageBytes),
-                   "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
-    stage_barrier();  // stores visible to wgmma; chunk c - 2's GEMM (this stage) finished in both warpgroups
-    pooled_gemm(c & 1);
-    CUTE_UNROLL
-    for (int v = 0; v < size(tPrS); ++v) {
-      const int i = (v / 2) % 2, j = c * kPooledN + get<1>(cP(v));
-      m_row[i] = j < sink_end && j <= hi_row[i] ? fmaxf(m_row[i], tPrS(v) * sink_scale) : m_row[i];
-    }
-  }
-  __syncthreads();  // both warpgroups past the last sink GEMM before pass 2 reloads the stages
   for (int i = 0; i < 2; ++i) {
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
