@@ -50,9 +50,8 @@ DeviceIndex build_index(const AttentionInputs& in, const LaunchInputs& li, const
   }
   // Pooling CTAs: one per (pooled row, KV head), or with the cache per (block the chunk touches, KV head).
   const int64_t pool_rows = cache.chunk_blocks > 0 ? int64_t(p.batch) * cache.chunk_blocks : bd.max_blocks;
-  // 16-byte loads need 16-byte aligned K/V rows: bases and row/page/head strides multiples of 8 elements.
-  bool vec_ok = (reinterpret_cast<uintptr_t>(li.k) % 16 == 0) && (reinterpret_cast<uintptr_t>(li.v) % 16 == 0);
-  for (int i = 0; i < (p.paged ? 3 : 2); ++i) vec_ok = vec_ok && li.k_stride[i] % 8 == 0 && li.v_stride[i] % 8 == 0;
+  // 16-byte loads need 16-byte aligned K/V rows
+  const bool vec_ok = rows_vec8(li.k, li.k_stride, p.paged) && rows_vec8(li.v, li.v_stride, p.paged);
   launch_copy_cached_means(stream, p.dtype, seq, kv, cache, params.block_size, p.num_kv_heads, p.head_dim,
                            bd.max_blocks, d);
   launch_pooling(stream, p.dtype, p.head_dim, vec_ok, pool_rows, seq, kv, cache, params.block_size, p.num_kv_heads,

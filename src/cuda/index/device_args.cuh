@@ -180,6 +180,13 @@ struct QArgs {
 inline SeqArgs seq_args(const LaunchInputs& li) {
   return SeqArgs{li.cu_seqlens_q, li.cu_seqlens_k, li.seqused_k, li.limits.batch};
 }
+// Rows that take 8-element loads (16 bytes of bf16 / fp16, 8 of e4m3): a 16-byte aligned base and strides (row, head;
+// paged: page, slot, head) that are multiples of 8 elements.
+inline bool rows_vec8(const void* base, const int64_t* stride, bool paged) {
+  bool ok = reinterpret_cast<uintptr_t>(base) % 16 == 0;
+  for (int i = 0; i < (paged ? 3 : 2); ++i) ok = ok && stride[i] % 8 == 0;
+  return ok;
+}
 inline KVArgs kv_args(const LaunchInputs& li) {
   KVArgs kv{};
   kv.k = li.k;

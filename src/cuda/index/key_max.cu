@@ -315,8 +315,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
 
   // The sink keys, the bound's other term: keys [0, sink_end), those of the always-kept sink blocks, 32 per chunk
   // through the pooled stages as the GEMM's operand (bf16 / fp16 as they are, e4m3 exactly in bf16: their scores times
-  // the descale). Aligned bf16 / fp16 rows by cp.async (zero-filled past the sink and on a bad page, as the pooled
-  // loads: chunk c + 1 lands under chunk c's GEMM); e4m3 or unaligned rows by loads and shared stores.
+  // the descale), zeros past the sink and on a bad page. Aligned bf16 / fp16 rows by cp.async (chunk c + 1 lands under
+  // chunk c's GEMM, as the pooled loads); e4m3 or unaligned rows by loads and shared stores.
   const int64_t sink_end = min(k_len, (int64_t(sel.sink) + B - 1) / B * B);
   const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
   const float sink_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
@@ -591,9 +591,7 @@ void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const V
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
   }
-  // the sink keys' 16-byte (e4m3: 8-byte) loads: 8-element aligned rows (base, row / page / slot / head strides)
-  bool k_vec = reinterpret_cast<uintptr_t>(kv.k) % 16 == 0;
-  for (int i = 0; i < (kv.block_table != nullptr ? 3 : 2); ++i) k_vec = k_vec && kv.k_stride[i] % 8 == 0;
+  const bool k_vec = rows_vec8(kv.k, kv.k_stride, kv.block_table != nullptr);  // the sink keys' 16-byte loads
   launch_key_basis(stream, p, R, bd, seq, kv, B, d);
   key_max_kernel<T, D, R><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kKeyMaxThreads, dyn, stream>>>(
       seq, qa, kv, k_vec, sel, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads, d.cu_tiles, d.cu_blocks,
