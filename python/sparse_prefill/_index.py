@@ -269,9 +269,10 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
             'key_max': per-key block maxima on a low-rank residual: row r scores J by q_r . kmean_J plus the
                 largest (P^T q_r) . (P^T (k_j - kmean_J)) over the keys j of J it sees, P the top `key_rank`
                 directions of the key residuals of each (sequence, KV head), computed from the prompt's keys; one
-                pass from the diagonal down keeps J iff scale * (score - m) >= ln(alpha), m the larger of the row's
-                pooled-means bound and the running maximum (SelectionRule::kKeyMax, docs/semantics.md,
-                docs/design/key_max_spec.md). A block of alike keys scores as its mean, one strong key as itself.
+                pass from the diagonal down keeps J iff scale * (score - m) >= ln(alpha), m the largest of the row's
+                pooled-means bound, its exact maximum over the sink blocks' keys and the running maximum
+                (SelectionRule::kKeyMax, docs/semantics.md, docs/design/key_max_spec.md). A block of alike keys
+                scores as its mean, one strong key as itself.
         mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
             by the other rules).
         key_rank (default 16): the rank of 'key_max''s residual basis, 16 or 32 (at most the head dim; ignored by
