@@ -5,10 +5,12 @@ OUT=$1; CF=$2; END=$3
 mkdir -p /tmp/ret
 left=$(( END - SECONDS ))
 echo "reval: $left s for $CF"
+EVALS=()  # its own two jobs only: r2.sh waits for its SmolLM2 job itself
 for s in 1 2; do
   (cd bench && timeout $left python3 accuracy/retrieval.py eval --ckpt /tmp/retrieval_seed$s.pt --device cuda \
      --lengths 32768 --configs "$CF" --n-seq 16 --budget-s $(( left - 45 )) \
      --out /tmp/ret/accuracy_retrieval_seed${s}_${G}.json) > "$OUT/retrieval_eval_seed$s.log" 2>&1 &
+  EVALS+=($!)
 done
-wait
+wait "${EVALS[@]}"
 for s in 1 2; do grep -E '^\[|budget|Error|refused' "$OUT/retrieval_eval_seed$s.log" | tail -12; cp /tmp/ret/accuracy_retrieval_seed${s}_${G}.json "$OUT/" 2>/dev/null; done
