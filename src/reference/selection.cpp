@@ -229,7 +229,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const std::vector<double>& P = key_basis_of[size_t(b) * H + kvh];
       const std::vector<double>& coords = key_coords_of[size_t(b) * H + kvh];
       const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
-      const int64_t sink_end = std::min<int64_t>(s.k_len, (int64_t(params.sink) + B - 1) / B * B);
+      const int64_t sink_end = std::min<int64_t>(s.k_len, num_blocks(params.sink, B) * B);  // the sink blocks' keys
       const double scale = double(p.softmax_scale);
       std::vector<double> closeness(size_t(nb), kNegInf), sh(static_cast<size_t>(nb)), pq(static_cast<size_t>(R));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {

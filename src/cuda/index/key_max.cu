@@ -317,17 +317,18 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   // through the pooled stages as the GEMM's operand (bf16 / fp16 as they are, e4m3 exactly in bf16: their scores times
   // the descale), zeros past the sink and on a bad page. Aligned bf16 / fp16 rows by cp.async (chunk c + 1 lands under
   // chunk c's GEMM, as the pooled loads); e4m3 or unaligned rows by loads and shared stores.
-  const int64_t sink_end = min(k_len, (int64_t(sel.sink) + B - 1) / B * B);
+  const int64_t sink_end = min(k_len, geometry::num_blocks(sel.sink, B) * B);
   const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
   const float sink_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
   const T* k_src = static_cast<const T*>(kv.k);
+  const int64_t k_start = seq.k_start(b);
   auto load_sink = [&](int c, int buf) {
     CUTE_UNROLL
     for (int k = 0; k < kMeanLoads; ++k) {  // the pooled loads' (key, 16-byte part) of this thread
       const int i = threadIdx.x + k * kKeyMaxThreads;
       const int64_t j = int64_t(c) * kPooledN + i / kMeanVec;
       int64_t ko = 0, vo;
-      const bool ok = j < sink_end && kv.offsets(b, seq.k_start(b), kvh_mem, j, ko, vo);
+      const bool ok = j < sink_end && kv.offsets(b, k_start, kvh_mem, j, ko, vo);
       const T* src = k_src + ko + (i % kMeanVec) * 8;
       const uint32_t dst = km_mine[k] + buf * kMeanStageBytes;
       if (!is_fp8_v<T> && k_vec) {
