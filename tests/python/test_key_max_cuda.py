@@ -56,7 +56,8 @@ def test_key_max_sink_keys_on_gpu_match_cpu(sink, block, padded):
     kw = dict(alpha=0.3, rule="key_max", sink=sink, block_size=block, dense_fraction=1.0)
     ref = sp.build_index(*cpu, mq, mk, **kw)
     got = sp.build_index(*gpu, mq, mk, **kw).to_host()
-    assert ref.density < 0.97  # it prunes (0.78-0.93 of the blocks kept on these prompts, CPU)
+    # it prunes more blocks than the near-threshold flips allowed below (0.78-0.98 of the blocks kept, CPU)
+    assert ref.visible_blocks - ref.kept_blocks > _flips_bound(ref), (ref.visible_blocks, ref.kept_blocks)
     assert got.num_segments == ref.num_segments and got.visible_blocks == ref.visible_blocks
     assert _segments_differ(ref, got, 3, 8) <= _flips_bound(ref)
     assert abs(got.density - ref.density) <= 0.01
