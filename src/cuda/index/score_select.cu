@@ -230,16 +230,19 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   }
   const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
-  // Steps: the chunks once (kRowMax: twice, pass 1 then pass 2); chunk c of step `step` is step % nchunks.
-  const int steps = kRowMax ? 2 * nchunks : nchunks;
+  // Steps: the chunks once (kRowMax: pass 1 over chunks 0 .. n-1, then pass 2 backwards from chunk n-1, whose masked
+  // S pass 1's last step still holds: that step goes on into pass 2 with no second load, barrier or GEMM; a one-chunk
+  // tile, every tile up to 16K tokens, runs one GEMM instead of two). Step l reads load l, in stage l % 2.
+  const int steps = kRowMax ? 2 * nchunks - 1 : nchunks;
+  auto step_chunk = [&](int l) { return l < nchunks ? l : 2 * nchunks - 2 - l; };
   float row_max[2] = {-INFINITY, -INFINITY};  // kRowMax: m_r of this thread's 2 rows (raw dot products)
   for (int step = 0; step < steps; ++step) {
-    const int c = kRowMax && step >= nchunks ? step - nchunks : step;
+    const int c = step_chunk(step);
     const int buf = step & 1;
     asm volatile("cp.async.wait_group 0;\n" ::);
     cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
     sync_stage(step);
-    if (step + 1 < steps) stage_chunk(kRowMax && step + 1 >= nchunks ? step + 1 - nchunks : step + 1, buf ^ 1);
+    if (step + 1 < steps) stage_chunk(step_chunk(step + 1), buf ^ 1);
 
     if constexpr (kRowMax) {
       wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
             if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
           }
         }
-        continue;
+        if (step < nchunks - 1) continue;  // pass 2 begins with this step's S
       }
       // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
       float v[kCols];
