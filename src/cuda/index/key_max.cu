@@ -379,43 +379,52 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   // Pass 1, the bound: b_r = the larger of the sink keys' maximum (above) and the row's pooled scores' over the blocks
   // it sees whole (log2 units). The chunks stream through the two stages (chunk c + 1 loads under chunk c's GEMM).
   // Pass 2, the candidates: the blocks J some row sees and cannot rule out, pooled + |Q'_r| radius_J >= b_r +
-  // log2(alpha) (NaN: a candidate).
-  // Each pass compiled apart (kPass a constant): the per-value tests predicated, not branches around the radius's
-  // load (a branch per value in pass 2 when the two passes shared one loop body).
+  // log2(alpha) (NaN: a candidate). It walks the chunks backwards from pass 1's last, whose scores tPrS still holds:
+  // that chunk needs no second load, barrier or GEMM, and pass 2's next chunk loads under pass 1's last GEMM (chunk c
+  // is in stage c % 2 in both passes).
+  // Each pass's tests compiled apart (kPass a constant): predicated, not branches around the radius's load (a branch
+  // per value in pass 2 when the two passes shared one loop body).
   const int nchunks = (nvis + kPooledN - 1) / kPooledN;
-  auto pooled_pass = [&](auto pass) {
+  auto pooled_tests = [&](auto pass, int c) {  // chunk c's scores, in tPrS
     constexpr int kPass = decltype(pass)::value;
-    load_pooled(range_chunk(0), 0);
-    for (int c = 0; c < nchunks; ++c) {
-      stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
-      if (c + 1 < nchunks) load_pooled(range_chunk(c + 1), (c + 1) & 1);
-      pooled_gemm(c & 1);
-      uint32_t mask = 0;
-      CUTE_UNROLL
-      for (int v = 0; v < size(tPrS); ++v) {
-        const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
-        const float s = tPrS(v) * sel.scale_log2;
-        if constexpr (kPass == 0) {
-          m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
-        } else {
-          const bool cand = (J <= last_block[i]) & !(fmaf(qn[i], sm.radius[c & 1][col], s) < threshold[i]);
-          mask |= uint32_t(cand) << col;
-        }
-      }
-      if constexpr (kPass == 1) {
-        mask = __reduce_or_sync(0xffffffffu, mask);
-        if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
+    uint32_t mask = 0;
+    CUTE_UNROLL
+    for (int v = 0; v < size(tPrS); ++v) {
+      const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
+      const float s = tPrS(v) * sel.scale_log2;
+      if constexpr (kPass == 0) {
+        m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
+      } else {
+        const bool cand = (J <= last_block[i]) & !(fmaf(qn[i], sm.radius[c & 1][col], s) < threshold[i]);
+        mask |= uint32_t(cand) << col;
       }
     }
-    __syncthreads();  // both warpgroups past the pass's last GEMM before the stages are reloaded
+    if constexpr (kPass == 1) {
+      mask = __reduce_or_sync(0xffffffffu, mask);
+      if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
+    }
   };
-  pooled_pass(std::integral_constant<int, 0>{});
+  load_pooled(range_chunk(0), 0);
+  for (int c = 0; c < nchunks; ++c) {
+    stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
+    const int next = c + 1 < nchunks ? c + 1 : c - 1;  // pass 1's next chunk, then pass 2's second
+    if (next >= 0) load_pooled(range_chunk(next), next & 1);
+    pooled_gemm(c & 1);
+    pooled_tests(std::integral_constant<int, 0>{}, c);
+  }
   for (int i = 0; i < 2; ++i) {
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 1));
     m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], 2));
     threshold[i] = m_row[i] + log2_alpha;
   }
-  pooled_pass(std::integral_constant<int, 1>{});
+  if (nchunks > 0) pooled_tests(std::integral_constant<int, 1>{}, nchunks - 1);
+  for (int c = nchunks - 2; c >= 0; --c) {
+    stage_barrier();  // chunk c landed; chunk c + 1's GEMM finished in both warpgroups
+    if (c > 0) load_pooled(range_chunk(c - 1), (c - 1) & 1);
+    pooled_gemm(c & 1);
+    pooled_tests(std::integral_constant<int, 1>{}, c);
+  }
+  __syncthreads();  // both warpgroups past pass 2's last GEMM and candidate bits before the stages are reloaded
 
   // The candidates as a list, from the diagonal down (warp 0: each lane a word, the lanes' counts prefix-summed).
   if (warp == 0) {
