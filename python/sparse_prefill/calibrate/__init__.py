@@ -11,7 +11,7 @@ with your text as filler when given, and next-token NLL over your text):
   - per layer, on one prompt at the longest length, the time of each candidate's index stage (sp.build_index) and
     of dense attention on the same inputs: a setting's cost is its density plus its index share (index time over
     dense attention's), its time relative to dense attention;
-  - each candidate selection (default: the per-key rule 'key_max' at alpha 0.3, 0.1, 0.03, 0.01, then row max at
+  - each candidate selection (default: the per-key rule 'key_max' at alpha 0.3, 0.1, 0.03, 0.01, 0.003, then row max at
     alpha 0.01, the library default 0.003, 0.001; one selection per query head) in every layer, and the exact oracle
     at a few mass fractions (the density a selection that knew the attention would need);
   - per layer, each candidate's output error and density against dense attention on the same inputs;
