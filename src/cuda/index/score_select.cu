@@ -92,9 +92,10 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // log2 alpha, with no rescale and no cross-warp step (each warpgroup stages its own 64 pooled rows and syncs alone).
 // kRowMax (SelectionRule::kRowMax): S = Q K_mean^T, two passes over the chunks through the same double-buffered
 // pipeline. Pass 1 keeps each thread's 2 row maxima m_r (reduced over the 4 lanes of a row at its end); pass 2
-// recomputes the GEMM (no L/B x 128 score buffer: shared memory stays bounded) and takes per block C_J = max over
-// the rows that see J of s_rJ - m_r (raw dot products; the scale is folded into the threshold), by a max butterfly
-// over the warp's 8 row groups (28 shuffles) and a max over the 8 warps, into energy[]; keep iff
+// recomputes the GEMM of every chunk but pass 1's last (no L/B x 128 score buffer: shared memory stays bounded) and
+// takes per block C_J = max over the rows that see J of s_rJ - m_r (raw dot products; the scale is folded into the
+// threshold), by a max butterfly over the warp's 8 row groups (28 shuffles) and a max over the 8 warps, into
+// energy[]; keep iff
 // C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
 // The last tiles (last_n), which keep every visible block, skip the GEMM.
 // kBitsOnly (SelectionRule::kKeyMax, whose bits key_max.cu computed): no GEMM at all, the keep rules with the bits in
