@@ -11,17 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 
 from _common import HKV, HQ, D, require_cuda, time_graph_ms, workspace
-
-
-def kernel_table(fn, repeats):
-    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith(("cudaLaunch", "aten::"))]
-    events.sort(key=lambda e: -e.device_time_total)
-    return [(e.device_time_total / 1e3 / repeats, e.count / repeats, e.key) for e in events]
+from lab.profile_index import kernel_table
 
 
 def main(argv=None):

@@ -15,6 +15,20 @@ from _common import index_workspace, require_cuda, topic
 from bench_selection import config
 
 
+def kernel_table(fn, repeats):
+    """(ms per call, launches per call, name) of every CUDA kernel of `repeats` calls of fn, under torch.profiler,
+    longest first."""
+    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages()
+              if e.device_time_total > 0 and not e.key.startswith(("cudaLaunch", "aten::"))]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [(e.device_time_total / 1e3 / repeats, e.count / repeats, e.key) for e in events]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("L", nargs="*", type=int, default=[32768], help="prompt lengths (default 32768)")
@@ -36,22 +50,11 @@ def main(argv=None):
                 idx = sp.build_index(*args, **kw, workspace=ws)
             torch.cuda.synchronize()
         else:
-            acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-            with torch.profiler.profile(activities=acts) as prof:
-                for _ in range(a.repeats):
-                    idx = sp.build_index(*args, **kw, workspace=ws)
-                torch.cuda.synchronize()
-            events = [e for e in prof.key_averages() if e.device_time_total > 0]
-            events.sort(key=lambda e: -e.device_time_total)
+            rows = kernel_table(lambda: sp.build_index(*args, **kw, workspace=ws), a.repeats)
             print(f"L {L} config {a.config}: per build (ms), {a.repeats} builds")
-            total = 0.0
-            for e in events:
-                if e.key.startswith("cudaLaunch") or e.key.startswith("aten::"):
-                    continue
-                ms = e.device_time_total / 1e3 / a.repeats
-                total += ms
-                print(f"  {ms:9.3f}  x{e.count // a.repeats:<3d} {e.key[:110]}")
-            print(f"  {total:9.3f}  total kernel time")
+            for ms, n, key in rows:
+                print(f"  {ms:9.3f}  x{n:<3g} {key[:110]}")
+            print(f"  {sum(r[0] for r in rows):9.3f}  total kernel time")
         print("density", idx.density)
         del q, k, v, ws, idx
         torch.cuda.empty_cache()

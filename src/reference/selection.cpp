@@ -135,13 +135,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const float scale = descale_at(in.q_descale, b, h, p.num_q_heads);
       for (int d = 0; d < D; ++d) q[d] = load_as_float(in.q.data, p.dtype, qo + d) * scale;
     };
-    auto mean_dot = [&](int64_t J) {  // q . k_mean_J of the loaded q
-      const float* km = k_mean + (size_t(J) * H + kvh) * D;
-      double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: vectorisable, still double
-      for (int d = 0; d < D; d += 8)
-        for (int j = 0; j < 8; ++j) part[j] += double(q[d + j]) * double(km[d + j]);
-      return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    };
+    auto mean_dot = [&](int64_t J) { return dot(q.data(), k_mean + (size_t(J) * H + kvh) * D, D); };  // q . k_mean_J
     double tile_max = -std::numeric_limits<double>::infinity();
     bool tile_nan = false;  // a NaN score (NaN in q or in a block's keys): the tile keeps every visible block
     for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
@@ -202,10 +196,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           logit.assign(size_t(hi - lo + 1), 0.0);
           double top = kNegInf;
           for (int64_t j = lo; j <= hi; ++j) {
-            const float* kj = &keys_of.k[size_t(j) * D];
-            double dot = 0;
-            for (int d = 0; d < D; ++d) dot += double(q[d]) * double(kj[d]);
-            logit[size_t(j - lo)] = double(p.softmax_scale) * dot;
+            logit[size_t(j - lo)] = double(p.softmax_scale) * dot(q.data(), &keys_of.k[size_t(j) * D], D);
             top = std::max(top, logit[size_t(j - lo)]);
           }
           double sum = 0;
@@ -248,20 +239,17 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           const double md = mean_dot(J);
           double top = kNegInf;
           for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j) {
-            double dot = 0;
-            for (int c = 0; c < R; ++c) dot += pq[c] * coords[size_t(j) * R + c];
-            top = std::max(top, dot);
+            double proj = 0;
+            for (int c = 0; c < R; ++c) proj += pq[c] * coords[size_t(j) * R + c];
+            top = std::max(top, proj);
           }
           sh[J] = md + top;
           if (std::isnan(sh[J])) tile_nan = true;
           const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
           if (whole) bound = std::max(bound, md);
         }
-        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j) {
-          double dot = 0;
-          for (int d = 0; d < D; ++d) dot += double(q[d]) * double(keys_of.k[size_t(j) * D + d]);
-          bound = std::max(bound, dot);
-        }
+        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
+          bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
         double running = kNegInf;
         for (int64_t J = J_hi; J >= J_lo; --J) {
           running = std::max(running, sh[J]);

@@ -156,6 +156,13 @@ def spiky_qkv(L, seed, spikes=12):
     return q, k, v
 
 
+def add_attention_sink(q, k):
+    """Key 0 of every KV head moved along its queries' mean direction: an attention sink, which its block's pooled
+    mean dilutes by the block size."""
+    L = q.shape[0]
+    k[0] += 3.0 * q.reshape(L, HKV, HQ // HKV, D).mean((0, 2))
+
+
 # (L, block): odd lengths, a partial tail block, and one length past 64 blocks (the basis then samples every 2nd)
 @pytest.mark.parametrize("L,block", [(300, 64), (777, 128), (777, 64), (1500, 128), (1500, 64)])
 @pytest.mark.parametrize("subgroups", [1, 3])
@@ -173,7 +180,7 @@ def test_key_max_starts_from_the_sink_keys():
     dilutes 64x) the library's selection equals the emulator's with the sink reference and is strictly sparser than
     the same pass started from the pooled bound alone."""
     q, k, v = spiky_qkv(1500, 24)
-    k[0] += 3.0 * q.reshape(1500, HKV, HQ // HKV, D).mean((0, 2))
+    add_attention_sink(q, k)
     d = check(q, k, v, 3, False, alpha=0.3, sink=64, window=64, agg="keymax", block=64, outputs=False)
     rule = dict(KEYMAX, rank=16, alpha=0.3, subgroups=3, sink=64, window=64, block=64, dense_fraction=1.0)
     without = emulate.select(q, k, v, dict(rule, sinkref=0), SCALE)
@@ -341,7 +348,7 @@ def test_sinkref_keeps_between_the_one_pass_and_the_two_pass_rule():
     # of the two-pass rule; with the first key along the queries' direction (an attention sink, which the sink block's
     # pooled mean dilutes 128x) strictly sparser
     q, k, v = random_qkv(1500, 16)
-    k[0] += 3.0 * q.reshape(1500, HKV, HQ // HKV, D).mean((0, 2))
+    add_attention_sink(q, k)
     base = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0)
     two = emulate.select(q, k, v, base, SCALE)
     one = emulate.select(q, k, v, dict(base, onepass=2), SCALE)
