@@ -32,7 +32,8 @@ def main(argv=None):
                  "sparse_prefill": lambda: sp.sparse_prefill(*args, out=o, workspace=pw)}
         print(f"L {L}: density {sp.build_index(*args).density:.4f}")
         for rnd in range(2):
-            print(f"  graph replay round {rnd}: " + ", ".join(f"{n} {time_graph_ms(f):.4f} ms" for n, f in calls.items()))
+            times = ", ".join(f"{n} {time_graph_ms(f):.4f} ms" for n, f in calls.items())
+            print(f"  graph replay round {rnd}: {times}")
         for name, fn in calls.items():
             fn()
             torch.cuda.synchronize()
