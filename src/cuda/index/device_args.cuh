@@ -45,21 +45,17 @@ struct SelectTile {
   int b, kvh;
   int64_t t, tiles, q_len, k_len, off;
 };
-__device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int32_t* cu_tiles, int64_t tile_idx,
-                                                  int kvh) {
+__device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int32_t* cu_tiles) {
   SelectTile st{};
+  const int64_t tile_idx = blockIdx.x;
   st.b = -1;
   if (tile_idx >= cu_tiles[seq.batch]) return st;
-  st.kvh = kvh;
+  st.kvh = blockIdx.y;
   st.b = find_sequence(cu_tiles, seq.batch, tile_idx);
   st.t = tile_idx - cu_tiles[st.b];
   st.tiles = cu_tiles[st.b + 1] - cu_tiles[st.b];
   st.q_len = seq.q_len(st.b), st.k_len = seq.k_len(st.b), st.off = st.k_len - st.q_len;
   return st;
-}
-// A CTA of the grid (blockIdx.x: the tile, blockIdx.y: the virtual KV head).
-__device__ __forceinline__ SelectTile select_tile(const SeqArgs& seq, const int32_t* cu_tiles) {
-  return select_tile(seq, cu_tiles, blockIdx.x, int(blockIdx.y));
 }
 
 // An FP8 descale as the kernels read it (Descale, launch_inputs.h): null = 1, strides in elements (0 broadcasts).

@@ -3,7 +3,6 @@
 // kRowMax, and the pooled-means half of kProbeRowMax / kProbeRowMass), bump-allocating the kept ids into the CSR.
 // FP8 inputs are scored in bf16: the pooled keys' bf16 copy (real units) and Q dequantised on its way into shared
 // memory.
-#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -106,7 +105,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
     const int32_t* cu_tiles, const int32_t* cu_blocks, const lowp_t<T>* k_mean_lowp,
     const uint32_t* probe_bits, int64_t probe_words, int32_t* segment_start,
-    int32_t* segment_end, int32_t* block_ids, int64_t capacity, unsigned long long* counters, int max_tiles) {
+    int32_t* segment_end, int32_t* block_ids, int64_t capacity, unsigned long long* counters) {
   using namespace cute;
   using Cfg = ScoreConfig<T, D>;
   using Element = typename Cfg::Element;
@@ -116,15 +115,29 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   float* energy = reinterpret_cast<float*>(smem_raw + sizeof(typename Cfg::Smem));
 
+  const SelectTile st = select_tile(seq, cu_tiles);
+  if (st.b < 0) return;
+  const int kvh = st.kvh, b = st.b;
+  const int64_t t = st.t, tiles = st.tiles, q_len = st.q_len, k_len = st.k_len, off = st.off;
+  const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
+  const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
+  const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
+  const int64_t hi_first = min(k_len - 1, first_pos + off), hi_last = min(k_len - 1, last_pos + off);
+  const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
   const int B = sel.block_size;
+  const int64_t nvis = hi_last >= 0 ? hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
+  uint32_t* keep_bits = reinterpret_cast<uint32_t*>(energy + ((nb + 3) & ~int64_t(3)));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename Cfg::SmemLayoutK{});
 
-  // stage_chunk(pooled, nb, c, buf): the pooled keys of chunk c of a tile into stage `buf` with cp.async (16 B each).
+  // stage_chunk(c, buf): the pooled keys of chunk c into stage `buf` with cp.async (16 B each).
   // (num_kv_heads, group_size: virtual KV heads with head sub-groups; the pooled means are per KV head in memory.)
+  const Element* pooled =
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh / subgroups) * D;
   const int pooled_row_stride = kv_heads_mem * D;  // elements between consecutive blocks' means of one KV head
+  const int nb32 = int(nb);
   // Each thread copies the same 16-byte column v of rows n0, n0 + kRowsPerPass, ... of every chunk: its shared
   // addresses are fixed per stage, and the passes of the swizzled tile lie a fixed byte distance apart (whole 8-row
   // swizzle atoms), so a chunk costs kPasses copies and adds (index math per copy was ~1/3 of the loop's issue
@@ -144,9 +157,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   const uint32_t dst0 = smem_addr(sK(n0, v * 8, 0));
   const uint32_t pass_bytes = smem_addr(sK(n0 + kRowsPerPass, v * 8, 0)) - dst0;
   const uint32_t stage_bytes = smem_addr(sK(n0, v * 8, 1)) - dst0;
+  const char* src0 = reinterpret_cast<const char*>(pooled + v * 8);
   const uint32_t row_bytes = uint32_t(pooled_row_stride) * uint32_t(sizeof(Element));
-  auto stage_chunk = [&](const Element* pooled, int nb32, int c, int buf) {
-    const char* src0 = reinterpret_cast<const char*>(pooled + v * 8);
+  auto stage_chunk = [&](int c, int buf) {
     const uint32_t dst = dst0 + uint32_t(buf) * stage_bytes;
     CUTE_UNROLL
     for (int p = 0; p < kPasses; ++p) {
@@ -168,6 +181,24 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     }
   };
 
+  const bool last_tile = t >= tiles - sel.last_n;
+  const int nchunks = (last_tile || kBitsOnly) ? 0 : int((nvis + kN - 1) / kN);
+  if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers
+  if constexpr (is_fp8_v<T>) {
+    if (nchunks > 0) {
+      stage_chunk(0, 0);  // chunk 0's keys in flight under the Q gather
+      gather_q_fp8<D, kScoreThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh,
+                                     qa.descale.at(b, kvh / subgroups));
+    }
+  } else if (nchunks > 0) {  // Q (q_gather.cuh) and chunk 0 in one cp.async group
+    if (qa.vec16) {
+      gather_q_cp_async<T, D, 8, kScoreThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
+    } else {
+      gather_q_cp_async<T, D, 2, kScoreThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
+    }
+    stage_chunk(0, 0);  // commits Q and chunk 0 as one group
+  }
+
   typename Cfg::TiledMma mma;
   auto wg_mma = mma.get_slice((threadIdx.x / 128) * 128);
   auto thr_mma = mma.get_slice(threadIdx.x);
@@ -188,280 +219,200 @@ __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
   constexpr int kCols = decltype(size<1>(S))::value;  // 32: column c is tile column 8 (c / 2) + 2 (lane % 4) + c % 2
   static_assert(decltype(size<0>(S))::value == 2 && kCols == 32, "accumulator layout assumed by the reductions");
 
-  // Persistent: a CTA takes units blockIdx.x, + gridDim.x, ... of the (tile, virtual KV head) grid, the sequences'
-  // last tiles first (causal: the most blocks), and loads the next unit's Q and first chunk under this unit's keep
-  // and write passes, which no longer read them (ncu at 8K, one CTA per unit: 30 % of the stall samples waited for
-  // those loads, with 2 CTAs an SM and nothing of their own to overlap).
-  const int num_units = max_tiles * num_kv_heads;
-  auto tile_at = [&](int unit) {
-    if (unit >= num_units) {
-      SelectTile none{};
-      none.b = -1;
-      return none;
+  // kRowMax: the last block each of this thread's 2 query rows sees (-1: none, or past the tile's rows). Chunks that
+  // every row of the tile sees whole skip the mask (causal: all but the last one or two).
+  int row_last_block[2] = {-1, -1};
+  if constexpr (kRowMax) {
+    for (int i = 0; i < 2; ++i) {
+      const int r = get<0>(cS_rc(i, 0));
+      const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+      row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
     }
-    return select_tile(seq, cu_tiles, max_tiles - 1 - unit % max_tiles, unit / max_tiles);
-  };
-  // A tile's rows and visible blocks; nchunks: its pooled chunks to score (0: the last tiles, or kBitsOnly)
-  struct Span {
-    int64_t rows, first_pos, last_pos, hi_first, hi_last, nvis;
-    bool last_tile;
-    int nchunks;
-  };
-  auto span_of = [&](const SelectTile& st) {
-    Span s;
-    s.rows = min(int64_t(kTileRows), st.q_len * group_size - st.t * kTileRows);
-    s.first_pos = st.t * kTileRows / group_size, s.last_pos = (st.t * kTileRows + s.rows - 1) / group_size;
-    s.hi_first = min(st.k_len - 1, s.first_pos + st.off), s.hi_last = min(st.k_len - 1, s.last_pos + st.off);
-    s.nvis = s.hi_last >= 0 ? s.hi_last / B + 1 : 0;  // blocks 0 .. nvis-1 are visible to the tile
-    s.last_tile = st.t >= st.tiles - sel.last_n;
-    s.nchunks = (s.last_tile || kBitsOnly) ? 0 : int((s.nvis + kN - 1) / kN);
-    return s;
-  };
-  auto pooled_of = [&](const SelectTile& st) {
-    return reinterpret_cast<const Element*>(k_mean_lowp) +
-           (int64_t(cu_blocks[st.b]) * kv_heads_mem + st.kvh / subgroups) * D;
-  };
-  // The first loads of a unit's tile (none past the grid, for the last tiles and kBitsOnly): Q (q_gather.cuh) and
-  // chunk 0 in one cp.async group (FP8: Q by loads and shared stores, chunk 0 in flight under them).
-  auto first_loads = [&](const SelectTile& st) {
-    if (st.b < 0) return;
-    const Span s = span_of(st);
-    if (s.nchunks == 0) return;
-    const Element* pooled = pooled_of(st);
-    const int nb32 = cu_blocks[st.b + 1] - cu_blocks[st.b];
-    if constexpr (is_fp8_v<T>) {
-      stage_chunk(pooled, nb32, 0, 0);
-      gather_q_fp8<D, kScoreThreads>(qa, sQ, seq.q_start(st.b), st.t, s.rows, group_size, st.kvh,
-                                     qa.descale.at(st.b, st.kvh / subgroups));
-    } else {
-      if (qa.vec16) {
-        gather_q_cp_async<T, D, 8, kScoreThreads>(qa, sQ, seq.q_start(st.b), st.t, s.rows, group_size, st.kvh);
-      } else {
-        gather_q_cp_async<T, D, 2, kScoreThreads>(qa, sQ, seq.q_start(st.b), st.t, s.rows, group_size, st.kvh);
-      }
-      stage_chunk(pooled, nb32, 0, 0);  // commits Q and chunk 0 as one group
-    }
-  };
+  }
+  const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
 
-  first_loads(tile_at(blockIdx.x));
-  for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-    const SelectTile st = tile_at(unit);
-    if (st.b < 0) {  // past the sequences' tiles (max_tiles is a bound): only the next unit's loads
-      first_loads(tile_at(unit + gridDim.x));
-      continue;
-    }
-    const int kvh = st.kvh, b = st.b;
-    const int64_t t = st.t, tiles = st.tiles, k_len = st.k_len, off = st.off;
-    const Span span = span_of(st);
-    const int64_t rows = span.rows, first_pos = span.first_pos, last_pos = span.last_pos;
-    const int64_t hi_first = span.hi_first, nvis = span.nvis;
-    const bool last_tile = span.last_tile;
-    const int nchunks = span.nchunks;
-    const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
-    const int nb32 = int(nb);
-    const Element* pooled = pooled_of(st);
-    const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * tiles + t;
-    uint32_t* keep_bits = reinterpret_cast<uint32_t*>(energy + ((nb + 3) & ~int64_t(3)));
-    if (threadIdx.x == 0) sm.nan_flag = 0;  // read after the loop's barriers (the last unit's: before its end)
+  // Steps: the chunks once (kRowMax: pass 1 over chunks 0 .. n-1, then pass 2 backwards from chunk n-1, whose masked
+  // S pass 1's last step still holds: that step goes on into pass 2 with no second load, barrier or GEMM; a one-chunk
+  // tile, every tile up to 16K tokens, runs one GEMM instead of two). Step l reads load l, in stage l % 2.
+  const int steps = kRowMax ? 2 * nchunks - 1 : nchunks;
+  auto step_chunk = [&](int l) { return l < nchunks ? l : 2 * nchunks - 2 - l; };
+  float row_max[2] = {-INFINITY, -INFINITY};  // kRowMax: m_r of this thread's 2 rows (raw dot products)
+  for (int step = 0; step < steps; ++step) {
+    const int c = step_chunk(step);
+    const int buf = step & 1;
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
+    sync_stage(step);
+    if (step + 1 < steps) stage_chunk(step_chunk(step + 1), buf ^ 1);
 
-    // kRowMax: the last block each of this thread's 2 query rows sees (-1: none, or past the tile's rows). Chunks that
-    // every row of the tile sees whole skip the mask (causal: all but the last one or two).
-    int row_last_block[2] = {-1, -1};
     if constexpr (kRowMax) {
-      for (int i = 0; i < 2; ++i) {
-        const int r = get<0>(cS_rc(i, 0));
-        const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
-        row_last_block[i] = hi >= 0 ? int(hi / B) : -1;
-      }
-    }
-    const int tile_min_last_block = (rows == kTileRows && hi_first >= 0) ? int(hi_first / B) : -1;
-
-    // Steps: the chunks once (kRowMax: pass 1 over chunks 0 .. n-1, then pass 2 backwards from chunk n-1, whose masked
-    // S pass 1's last step still holds: that step goes on into pass 2 with no second load, barrier or GEMM; a one-chunk
-    // tile, every tile up to 16K tokens, runs one GEMM instead of two). Step l reads load l, in stage l % 2.
-    const int steps = kRowMax ? 2 * nchunks - 1 : nchunks;
-    auto step_chunk = [&](int l) { return l < nchunks ? l : 2 * nchunks - 2 - l; };
-    float row_max[2] = {-INFINITY, -INFINITY};  // kRowMax: m_r of this thread's 2 rows (raw dot products)
-    for (int step = 0; step < steps; ++step) {
-      const int c = step_chunk(step);
-      const int buf = step & 1;
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      cutlass::arch::fence_view_async_shared();  // cp.async and Q stores (generic proxy) -> visible to wgmma
-      sync_stage(step);
-      if (step + 1 < steps) stage_chunk(pooled, nb32, step_chunk(step + 1), buf ^ 1);
-
-      if constexpr (kRowMax) {
-        wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
-      } else {
-        wgmma_batch<false>(mma, tSrK(_, _, _, buf), tSrQ, tSrS, /*zero_init=*/true);
-      }
-      warpgroup_wait<0>();
-      const int chunk_first = c * kN;
-      const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
-
-      if constexpr (kRowMax) {
-        if (!unmasked) {  // -inf where the row does not see the block (or lies past the tile)
-          CUTE_UNROLL
-          for (int i = 0; i < 2; ++i)
-            CUTE_UNROLL
-            for (int k = 0; k < kCols; ++k) {
-              const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
-              if (J > row_last_block[i]) S(i, k) = -INFINITY;
-            }
-        }
-        if (step < nchunks) {  // pass 1: row maxima
-          CUTE_UNROLL
-          for (int i = 0; i < 2; ++i)
-            CUTE_UNROLL
-            for (int k = 0; k < kCols; ++k) row_max[i] = fmax_nan(row_max[i], S(i, k));
-          if (step == nchunks - 1) {
-            if (row_max[0] != row_max[0] || row_max[1] != row_max[1]) atomicOr(&sm.nan_flag, 1);
-            CUTE_UNROLL
-            for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad hold one row's columns
-              row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
-              row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-              if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
-            }
-          }
-          if (step < nchunks - 1) continue;  // pass 2 begins with this step's S
-        }
-        // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
-        float v[kCols];
-        CUTE_UNROLL
-        for (int k = 0; k < kCols; ++k) v[k] = fmaxf(S(0, k) - row_max[0], S(1, k) - row_max[1]);
-        butterfly_step<16>(v, lane, MaxOp{});
-        butterfly_step<8>(v, lane, MaxOp{});
-        butterfly_step<4>(v, lane, MaxOp{});
-        {
-          const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
-          const int col = 8 * (c0 / 2) + 2 * (lane % 4);
-          *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
-          *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
-        }
-        __syncthreads();
-        if (threadIdx.x < kN) {  // max over the warps: C_J of the tile (-inf: no row sees J)
-          float cm = sm.partial[0][threadIdx.x];
-          for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.partial[w][threadIdx.x]);
-          const int J = chunk_first + threadIdx.x;
-          if (J < nb32) energy[J] = cm;
-        }
-      } else {
-        // Tile energy. Row i of this thread is block J; column k is query row r. Query row r sees J iff r < rows and
-        // J B <= its position + off, i.e. (J B - off) g <= t 128 + r (the position is floor((t 128 + r) / g)).
-        CUTE_UNROLL
-        for (int i = 0; i < 2; ++i) {
-          const int J = chunk_first + get<0>(cS_rc(i, 0));
-          if (!unmasked) {
-            const int64_t lo = (int64_t(J) * B - off) * group_size - t * kTileRows;  // first query row that sees J
-            // rows [r_lo, rows) see J; relative to this thread's first column (column offsets are compile-time)
-            const int r_base = get<1>(cS_rc(i, 0));
-            const int lo_k = int(max(int64_t(0), min(lo, int64_t(kTileRows)))) - r_base, hi_k = int(rows) - r_base;
-            CUTE_UNROLL
-            for (int k = 0; k < kCols; ++k) {
-              const int dk = get<1>(cS_rc(i, k)) - r_base;
-              if (dk < lo_k || dk >= hi_k) S(i, k) = -INFINITY;
-            }
-          }
-          // m_J over the quad's 128 rows (NaN-propagating: a NaN score flags the tile), four chains for the latency
-          float m4[4] = {S(i, 0), S(i, 1), S(i, 2), S(i, 3)};
-          CUTE_UNROLL
-          for (int k = 4; k < kCols; ++k) m4[k % 4] = fmax_nan(m4[k % 4], S(i, k));
-          float m = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]));
-          m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          if (m != m) atomicOr(&sm.nan_flag, 1);
-          const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // no row sees J: every term exp2(-inf) = 0
-          float e4[4] = {0.f, 0.f, 0.f, 0.f};
-          CUTE_UNROLL
-          for (int k = 0; k < kCols; ++k) e4[k % 4] += fast_exp2(fmaf(S(i, k), sel.scale_log2, -m_log2));
-          float e = (e4[0] + e4[1]) + (e4[2] + e4[3]);
-          e += __shfl_xor_sync(0xffffffffu, e, 1);
-          e += __shfl_xor_sync(0xffffffffu, e, 2);
-          if ((lane & 3) == 0 && J < nb32) energy[J] = m_log2 + __log2f(e);  // -inf when no row sees J
-        }
-      }
-    }
-    __syncthreads();
-    first_loads(tile_at(unit + gridDim.x));  // every GEMM of this unit is done: Q and stage 0 are free
-
-    float threshold;
-    if constexpr (kRowMax) {
-      threshold = log2f(sel.alpha) / sel.scale_log2;  // ln(alpha) / scale; alpha = 0: -inf, every visible block
+      wgmma_batch<false>(mma, tSrQ, tSrK(_, _, _, buf), tSrS, /*zero_init=*/true);
     } else {
-      // log2 E_max over the visible blocks; keep iff log2 E_J >= log2 E_max + log2 alpha (alpha = 0: -inf, every block)
-      float local_emax = -INFINITY;
-      for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads)
-        local_emax = fmaxf(local_emax, energy[J]);
-      for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
-      if (lane == 0) sm.red[warp] = local_emax;
+      wgmma_batch<false>(mma, tSrK(_, _, _, buf), tSrQ, tSrS, /*zero_init=*/true);
+    }
+    warpgroup_wait<0>();
+    const int chunk_first = c * kN;
+    const bool unmasked = chunk_first + kN - 1 <= tile_min_last_block;
+
+    if constexpr (kRowMax) {
+      if (!unmasked) {  // -inf where the row does not see the block (or lies past the tile)
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) {
+            const int J = chunk_first + 8 * (k / 2) + 2 * (lane % 4) + k % 2;
+            if (J > row_last_block[i]) S(i, k) = -INFINITY;
+          }
+      }
+      if (step < nchunks) {  // pass 1: row maxima
+        CUTE_UNROLL
+        for (int i = 0; i < 2; ++i)
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) row_max[i] = fmax_nan(row_max[i], S(i, k));
+        if (step == nchunks - 1) {
+          if (row_max[0] != row_max[0] || row_max[1] != row_max[1]) atomicOr(&sm.nan_flag, 1);
+          CUTE_UNROLL
+          for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad hold one row's columns
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+            row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+            if (row_max[i] == -INFINITY) row_max[i] = 0.f;  // a row that sees nothing: its -inf scores stay -inf
+          }
+        }
+        if (step < nchunks - 1) continue;  // pass 2 begins with this step's S
+      }
+      // Pass 2: per column max over this thread's rows of s - m_r, then over the warp's 8 row groups.
+      float v[kCols];
+      CUTE_UNROLL
+      for (int k = 0; k < kCols; ++k) v[k] = fmaxf(S(0, k) - row_max[0], S(1, k) - row_max[1]);
+      butterfly_step<16>(v, lane, MaxOp{});
+      butterfly_step<8>(v, lane, MaxOp{});
+      butterfly_step<4>(v, lane, MaxOp{});
+      {
+        const int c0 = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + ((lane >> 2) & 1) * 4;
+        const int col = 8 * (c0 / 2) + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col]) = make_float2(v[0], v[1]);
+        *reinterpret_cast<float2*>(&sm.partial[warp][col + 8]) = make_float2(v[2], v[3]);
+      }
       __syncthreads();
-      float emax = sm.red[0];
-      for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
-      threshold = emax + log2f(sel.alpha);
-    }
-
-    // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
-    // energies were never computed: the force term). 32-bit and branch-free: key positions < 2^31 (int32 cu_seqlens);
-    // the 64-bit short-circuit form was ~100 instructions per round of 256 blocks.
-    const int kl = int(k_len), hf = int(max(hi_first, int64_t(-1)));  // hf -1: no block is prunable
-    const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
-    const int band_lo = int(max(int64_t(0), diag_first - sel.window + 1)), band_hi = int(min(k_len - 1, diag_last));
-    const bool has_band = sel.window > 0 && diag_last >= 0;
-    const bool force = sm.nan_flag != 0 || last_tile;  // nan_flag: written before the loop's last barrier
-    const int nvis32 = int(nvis);
-    // Count pass: the keep decisions in rounds of 256 blocks, each warp's ballot stored as the word of its 32 blocks.
-    for (int round = 0; round < nvis32; round += kScoreThreads) {
-      const int J = round + threadIdx.x;
-      bool keep = false;
-      if (J < nvis32) {
-        const int first_key = J * B, last_key = first_key + min(B - 1, kl - 1 - first_key);
-        const bool probe = probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u);
-        keep = force | (last_key > hf) | (kBitsOnly ? false : energy[J] >= threshold) | (first_key < sel.sink) |
-               (has_band & (first_key <= band_hi) & (last_key >= band_lo)) | probe;
+      if (threadIdx.x < kN) {  // max over the warps: C_J of the tile (-inf: no row sees J)
+        float cm = sm.partial[0][threadIdx.x];
+        for (int w = 1; w < kWarps; ++w) cm = fmaxf(cm, sm.partial[w][threadIdx.x]);
+        const int J = chunk_first + threadIdx.x;
+        if (J < nb32) energy[J] = cm;
       }
-      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-      if (lane == 0) keep_bits[round / 32 + warp] = ballot;
-    }
-    __syncthreads();
-    // Warp 0: exclusive prefix of the words' popcounts into word_prefix (energy[]'s room, no longer read), the
-    // segment's total, and one slot range per segment from the global cursor (64-bit: it never wraps, whatever the
-    // budget); a segment that does not fit is marked, and runs its full list.
-    int* word_prefix = reinterpret_cast<int*>(energy);
-    const int words = (nvis32 + 31) / 32;
-    if (warp == 0) {
-      int total = 0;
-      for (int w0 = 0; w0 < words; w0 += 32) {
-        const int w = w0 + lane;
-        const int n = w < words ? __popc(keep_bits[w]) : 0;
-        int incl = n;
-        for (int o = 1; o < 32; o *= 2) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
+    } else {
+      // Tile energy. Row i of this thread is block J; column k is query row r. Query row r sees J iff r < rows and
+      // J B <= its position + off, i.e. (J B - off) g <= t 128 + r (the position is floor((t 128 + r) / g)).
+      CUTE_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        const int J = chunk_first + get<0>(cS_rc(i, 0));
+        if (!unmasked) {
+          const int64_t lo = (int64_t(J) * B - off) * group_size - t * kTileRows;  // first query row that sees J
+          // rows [r_lo, rows) see J; relative to this thread's first column (column offsets are compile-time)
+          const int r_base = get<1>(cS_rc(i, 0));
+          const int lo_k = int(max(int64_t(0), min(lo, int64_t(kTileRows)))) - r_base, hi_k = int(rows) - r_base;
+          CUTE_UNROLL
+          for (int k = 0; k < kCols; ++k) {
+            const int dk = get<1>(cS_rc(i, k)) - r_base;
+            if (dk < lo_k || dk >= hi_k) S(i, k) = -INFINITY;
+          }
         }
-        if (w < words) word_prefix[w] = total + incl - n;
-        total += __shfl_sync(0xffffffffu, incl, 31);
-      }
-      if (lane == 0) {
-        const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
-        const bool fits = at + total <= (unsigned long long)capacity;
-        sm.base = fits ? int64_t(at) : kOverflowStart;
-        segment_start[seg] = fits ? int32_t(at) : kOverflowStart;
-        segment_end[seg] = int32_t(fits ? at + total : nvis);
-        atomicAdd(&counters[kKept], (unsigned long long)(fits ? total : nvis));
-        atomicAdd(&counters[kVisible], (unsigned long long)nvis);
-        if (!fits) atomicAdd(&counters[kOverflow], 1ull);
+        // m_J over the quad's 128 rows (NaN-propagating: a NaN score flags the tile), four chains for the latency
+        float m4[4] = {S(i, 0), S(i, 1), S(i, 2), S(i, 3)};
+        CUTE_UNROLL
+        for (int k = 4; k < kCols; ++k) m4[k % 4] = fmax_nan(m4[k % 4], S(i, k));
+        float m = fmax_nan(fmax_nan(m4[0], m4[1]), fmax_nan(m4[2], m4[3]));
+        m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        if (m != m) atomicOr(&sm.nan_flag, 1);
+        const float m_log2 = m == -INFINITY ? 0.f : m * sel.scale_log2;  // no row sees J: every term exp2(-inf) = 0
+        float e4[4] = {0.f, 0.f, 0.f, 0.f};
+        CUTE_UNROLL
+        for (int k = 0; k < kCols; ++k) e4[k % 4] += fast_exp2(fmaf(S(i, k), sel.scale_log2, -m_log2));
+        float e = (e4[0] + e4[1]) + (e4[2] + e4[3]);
+        e += __shfl_xor_sync(0xffffffffu, e, 1);
+        e += __shfl_xor_sync(0xffffffffu, e, 2);
+        if ((lane & 3) == 0 && J < nb32) energy[J] = m_log2 + __log2f(e);  // -inf when no row sees J
       }
     }
+  }
+  __syncthreads();
+
+  float threshold;
+  if constexpr (kRowMax) {
+    threshold = log2f(sel.alpha) / sel.scale_log2;  // ln(alpha) / scale; alpha = 0: -inf, every visible block
+  } else {
+    // log2 E_max over the visible blocks; keep iff log2 E_J >= log2 E_max + log2 alpha (alpha = 0: -inf, every block)
+    float local_emax = -INFINITY;
+    for (int64_t J = threadIdx.x; J < (last_tile ? 0 : nvis); J += kScoreThreads)
+      local_emax = fmaxf(local_emax, energy[J]);
+    for (int o = 16; o > 0; o /= 2) local_emax = fmaxf(local_emax, __shfl_xor_sync(0xffffffffu, local_emax, o));
+    if (lane == 0) sm.red[warp] = local_emax;
     __syncthreads();
-    const int64_t base = sm.base;
-    if (base != kOverflowStart) {
-      // Write pass: ids ascending at base, lane l of word w at its word's prefix plus the kept bits below l.
-      for (int w = warp; w < words; w += kWarps) {
-        const uint32_t bits = keep_bits[w];
-        if ((bits >> lane) & 1u) block_ids[base + word_prefix[w] + __popc(bits & ((1u << lane) - 1u))] = w * 32 + lane;
-      }
+    float emax = sm.red[0];
+    for (int w = 1; w < kWarps; ++w) emax = fmaxf(emax, sm.red[w]);
+    threshold = emax + log2f(sel.alpha);
+  }
+
+  // Keep rules (causal): threshold, not prunable (crosses the diagonal), sink, window band, last tiles (whose
+  // energies were never computed: the force term). 32-bit and branch-free: key positions < 2^31 (int32 cu_seqlens);
+  // the 64-bit short-circuit form was ~100 instructions per round of 256 blocks.
+  const int kl = int(k_len), hf = int(max(hi_first, int64_t(-1)));  // hf -1: no block is prunable
+  const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
+  const int band_lo = int(max(int64_t(0), diag_first - sel.window + 1)), band_hi = int(min(k_len - 1, diag_last));
+  const bool has_band = sel.window > 0 && diag_last >= 0;
+  const bool force = sm.nan_flag != 0 || last_tile;  // nan_flag: written before the loop's last barrier
+  const int nvis32 = int(nvis);
+  // Count pass: the keep decisions in rounds of 256 blocks, each warp's ballot stored as the word of its 32 blocks.
+  for (int round = 0; round < nvis32; round += kScoreThreads) {
+    const int J = round + threadIdx.x;
+    bool keep = false;
+    if (J < nvis32) {
+      const int first_key = J * B, last_key = first_key + min(B - 1, kl - 1 - first_key);
+      const bool probe = probe_bits != nullptr && ((probe_bits[seg * probe_words + J / 32] >> (J % 32)) & 1u);
+      keep = force | (last_key > hf) | (kBitsOnly ? false : energy[J] >= threshold) | (first_key < sel.sink) |
+             (has_band & (first_key <= band_hi) & (last_key >= band_lo)) | probe;
     }
-    __syncthreads();  // the unit's shared state (nan_flag, base, keep bits) read before the next unit's
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) keep_bits[round / 32 + warp] = ballot;
+  }
+  __syncthreads();
+  // Warp 0: exclusive prefix of the words' popcounts into word_prefix (energy[]'s room, no longer read), the
+  // segment's total, and one slot range per segment from the global cursor (64-bit: it never wraps, whatever the
+  // budget); a segment that does not fit is marked, and runs its full list.
+  int* word_prefix = reinterpret_cast<int*>(energy);
+  const int words = (nvis32 + 31) / 32;
+  if (warp == 0) {
+    int total = 0;
+    for (int w0 = 0; w0 < words; w0 += 32) {
+      const int w = w0 + lane;
+      const int n = w < words ? __popc(keep_bits[w]) : 0;
+      int incl = n;
+      for (int o = 1; o < 32; o *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (w < words) word_prefix[w] = total + incl - n;
+      total += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      const unsigned long long at = total ? atomicAdd(&counters[kCursor], (unsigned long long)total) : 0ull;
+      const bool fits = at + total <= (unsigned long long)capacity;
+      sm.base = fits ? int64_t(at) : kOverflowStart;
+      segment_start[seg] = fits ? int32_t(at) : kOverflowStart;
+      segment_end[seg] = int32_t(fits ? at + total : nvis);
+      atomicAdd(&counters[kKept], (unsigned long long)(fits ? total : nvis));
+      atomicAdd(&counters[kVisible], (unsigned long long)nvis);
+      if (!fits) atomicAdd(&counters[kOverflow], 1ull);
+    }
+  }
+  __syncthreads();
+  const int64_t base = sm.base;
+  if (base == kOverflowStart) return;
+  // Write pass: ids ascending at base, lane l of word w at its word's prefix plus the kept bits below l.
+  for (int w = warp; w < words; w += kWarps) {
+    const uint32_t bits = keep_bits[w];
+    if ((bits >> lane) & 1u) block_ids[base + word_prefix[w] + __popc(bits & ((1u << lane) - 1u))] = w * 32 + lane;
   }
 }
 
@@ -481,14 +432,11 @@ void launch_score(dim3 grid, size_t dyn_smem, cudaStream_t stream, const SeqArgs
                   const SelectArgs& sel, const VirtualHeads& heads, int kv_heads_mem, const DeviceIndex& d) {
   auto kernel = score_select_kernel<T, D, kRowMax, kBitsOnly>;
   (void)score_smem_limit<T, D, kRowMax, kBitsOnly>();  // the attributes, before the first launch
-  // persistent: 2 CTAs an SM (__launch_bounds__, ~100 KB of shared memory each) over the grid's units
-  const int64_t units = int64_t(grid.x) * grid.y;
-  const unsigned ctas = unsigned(std::min<int64_t>(units, 2 * int64_t(num_sms())));
-  kernel<<<ctas, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, kv_heads_mem,
+  kernel<<<grid, kScoreThreads, dyn_smem, stream>>>(seq, qa, sel, heads.group, heads.kv, heads.num_subgroups, kv_heads_mem,
                                                     d.cu_tiles, d.cu_blocks,
                                                     static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits,
                                                     d.probe_words, d.segment_start, d.segment_end, d.block_ids,
-                                                    d.capacity, d.counters, int(grid.x));
+                                                    d.capacity, d.counters);
 }
 
 }  // namespace
