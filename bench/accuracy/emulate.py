@@ -47,6 +47,11 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows
+  cand_mean a (0 = off): two stages (issue 44's "exact block maxima restricted to the candidate blocks a generous
+           pooled-means pass proposes"): the candidates are the blocks the library's row-max rule over pooled means
+           keeps at alpha a (per row, union over the tile: today's default at a = 0.003); the rule above then keeps
+           only candidates, and agg 'rowmax' takes each row's reference m_r over the tile's candidate and always-kept
+           blocks only (what a kernel scoring just those blocks sees). The always-kept blocks stay kept.
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
   layers dense), dense_fraction (the library's dense rule: a selection keeping at least this fraction of the visible
   blocks keeps them all; 1 = off).
@@ -59,7 +64,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0)
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=0.0)
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -351,6 +356,15 @@ def select(q, k, v, rule, scale):
     always |= ~fully
     always |= (t_idx >= T - r["last_n"])[:, None]
     always = always & visible
+    cand = None  # [V, T, nb]: the pooled-means stage's candidates (cand_mean), always-kept blocks included
+    if r["cand_mean"] > 0:
+        if agg != "rowmax" or r["onepass"]:
+            raise ValueError("cand_mean restricts the two-pass row-max rule: it needs agg 'rowmax' and onepass 0")
+        cm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        cm = cm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
+        mc = cm.amax(-1, keepdim=True)
+        mc = torch.where(torch.isfinite(mc), mc, torch.zeros_like(mc))
+        cand = ((torch.exp(cm - mc) >= r["cand_mean"]).any(2) & visible[None]) | always[None]
     if agg == "sum":
         M = st.amax(dim=(2, 3), keepdim=True)
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
@@ -376,7 +390,7 @@ def select(q, k, v, rule, scale):
         else:
             if r["sinkref"]:
                 raise ValueError("sinkref starts the one pass: it needs agg 'rowmax' and onepass 1 or 2")
-            m = w.amax(-1, keepdim=True)
+            m = (w if cand is None else w.masked_fill(~cand[:, :, None, :], -math.inf)).amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(w - m)
         if agg == "rowmax":
@@ -405,6 +419,8 @@ def select(q, k, v, rule, scale):
         mm = sm.amax(-1, keepdim=True)
         mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
         sel = sel | (torch.exp(sm - mm) >= r["union_mean"]).any(2)
+    if cand is not None:
+        sel = sel & cand
     keep = (sel & visible[None]) | always[None]
     # the dense rule (SelectionParams::dense_fraction): kept >= fraction * visible (the fraction a float32, the
     # product in double, as in sparse.h's keeps_all) keeps every visible block

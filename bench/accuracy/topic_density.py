@@ -14,6 +14,10 @@ scored (row, key) pair at K = max(16, rank) (bf16 wgmma's smallest K step) at 0.
 max per pair in packed half precision (two pairs per HMNMX2, 64 per clock per SM on 132 SMs at 1.755 GHz); the two
 overlap (tensor pipe and ALU), so the estimate is the larger plus the pooled-means pass the rule needs (today's row
 max index at 128K, 2.78 ms, bench/results/selection_h200.json) when the score or the threshold reads pooled means.
+A two-stage rule (cand_mean: exact maxima over the pooled stage's candidates) also gets cand_density_raw (the
+candidates' share of the visible blocks at this L) and est_exact_fp8_ms_at_L: its exact stage at this L alone, the
+candidate pairs at K = D on FP8 wgmma (twice the bf16 peak, same efficiency) against one max instruction a pair
+(f32 -> packed f16 pairs, then HMNMX2 over two), the larger of the two; compare it with dense attention at L.
 """
 import argparse
 import json
@@ -40,7 +44,7 @@ POOLED_INDEX_MS_128K = 2.78   # the row-max index at 128K (selection_h200.json, 
 def est_cost_ms(rule, L=131072, hq=HQ):
     """(est_index_ms, pairs) of an emulated rule at length L (see the module doc); None for pooled-means rules."""
     r = E.full_rule(rule)
-    if r["score"] not in E.BLOCK_MAX_SCORES:
+    if r["score"] not in E.BLOCK_MAX_SCORES or r["cand_mean"] > 0:  # two stages: est_exact_fp8_ms instead
         return None, 0
     pairs = hq * L * (L + 1) / 2 / r["rstride"]
     k = D if r["score"] == "kmax" else max(16, r["rank"]) + (16 if r["perp"] else 0)  # perp: one more K chunk
@@ -48,6 +52,14 @@ def est_cost_ms(rule, L=131072, hq=HQ):
     mx = pairs / 2 / (SMS * CLOCK_GHZ * 1e9 * MAX_PER_CLK) * 1e3
     pooled = POOLED_INDEX_MS_128K if (r["score"] == "resid" or r["onepass"] == 2) else 0.0
     return max(mma, mx) + pooled, pairs
+
+
+def est_exact_fp8_ms(L, cand_density, hq=HQ):
+    """The exact stage of a two-stage rule at length L (module doc): candidate pairs on FP8 wgmma vs one max each."""
+    pairs = hq * L * (L + 1) / 2 * cand_density
+    mma = 2 * pairs * D / (2 * PEAK_TFLOPS * 1e12 * MMA_EFF) * 1e3
+    mx = pairs / (SMS * CLOCK_GHZ * 1e9 * MAX_PER_CLK) * 1e3
+    return max(mma, mx)
 
 
 def main(argv=None):
@@ -94,9 +106,16 @@ def main(argv=None):
             row = dict(L=L, config=route.name, rule=E.full_rule(rule), density_raw=raw, density=ruled,
                        library_default_density_raw=lib, est_index_ms_128k=est, pairs_128k=pairs,
                        seconds=round(time.time() - t1, 2))
+            cm = E.full_rule(rule)["cand_mean"]
+            if cm > 0:  # the pooled stage alone: the candidates' density (the exact stage's share of the pairs)
+                cand = E.select(qf, kf, vf, dict(rule, score="mean", alpha=cm, cand_mean=0.0, dense_fraction=1.0),
+                                scale).density
+                row.update(cand_density_raw=cand, est_exact_fp8_ms_at_L=est_exact_fp8_ms(L, cand))
             doc["rows"].append(row)
+            extra = (f", candidates {row['cand_density_raw']:.4f}, exact FP8 stage at L ~"
+                     f"{row['est_exact_fp8_ms_at_L']:.3f} ms" if cm > 0 else "")
             print(f"L={L} {route.name}: density raw {raw:.4f} (dense rule: {ruled:.4f}), est index 128K "
-                  f"{est if est is None else round(est, 2)} ms, {row['seconds']} s", flush=True)
+                  f"{est if est is None else round(est, 2)} ms{extra}, {row['seconds']} s", flush=True)
             if args.out:
                 json.dump(doc, open(args.out, "w"), indent=1)
         del q, k, v, qf, kf, vf

@@ -389,3 +389,21 @@ def test_key_max_perp_bounds_the_exact_maxima():
     q, k, v = random_qkv(1500, 16)
     plain = emulate.select(q, k, v, base, SCALE).keep
     assert any(not torch.equal(emulate.select(q, k, v, dict(base, perp=c), SCALE).keep, plain) for c in (0.5, 1.0, 3.0))
+
+
+def test_candidates_restrict_the_exact_rule_to_the_pooled_stage():
+    # cand_mean: the exact block-maxima rule applied only to the blocks the pooled-means row max keeps at cand_mean.
+    # Its selection lies inside the pooled stage's (a subset); the reference m_r over candidates only is never above
+    # the row's true maximum, so it keeps at least what the unrestricted exact rule keeps among the candidates; with
+    # the first key along the queries' direction (a spike the sink block's pooled mean dilutes) it prunes candidates
+    q, k, v = random_qkv(1500, 17)
+    add_attention_sink(q, k)
+    common = dict(agg="rowmax", sink=128, window=128, last_n=1, dense_fraction=1.0)
+    pooled_stage = emulate.select(q, k, v, dict(common, alpha=0.003), SCALE)
+    exact = emulate.select(q, k, v, dict(common, score="kmax", alpha=0.1), SCALE)
+    both = emulate.select(q, k, v, dict(common, score="kmax", alpha=0.1, cand_mean=0.003), SCALE)
+    assert bool((pooled_stage.keep | ~both.keep).all())
+    assert bool((both.keep | ~(exact.keep & pooled_stage.keep)).all())
+    assert both.density < pooled_stage.density
+    with pytest.raises(ValueError, match="cand_mean"):
+        emulate.select(q, k, v, dict(common, score="kmax", alpha=0.1, cand_mean=0.003, onepass=2), SCALE)
