@@ -51,7 +51,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
            pooled-means pass proposes"): the candidates are the blocks the library's row-max rule over pooled means
            keeps at alpha a (per row, union over the tile: today's default at a = 0.003); the rule above then keeps
            only candidates, and agg 'rowmax' takes each row's reference m_r over the tile's candidate and always-kept
-           blocks only (what a kernel scoring just those blocks sees). The always-kept blocks stay kept.
+           blocks only (what a kernel scoring just those blocks sees); with onepass the running maximum visits only
+           those blocks (from the diagonal down, then the pooled bound / sinkref as above): one GEMM per candidate
+           block and no stored scores. The always-kept blocks stay kept.
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
   layers dense), dense_fraction (the library's dense rule: a selection keeping at least this fraction of the visible
   blocks keeps them all; 1 = off).
@@ -358,8 +360,8 @@ def select(q, k, v, rule, scale):
     always = always & visible
     cand = None  # [V, T, nb]: the pooled-means stage's candidates (cand_mean), always-kept blocks included
     if r["cand_mean"] > 0:
-        if agg != "rowmax" or r["onepass"]:
-            raise ValueError("cand_mean restricts the two-pass row-max rule: it needs agg 'rowmax' and onepass 0")
+        if agg != "rowmax":
+            raise ValueError("cand_mean restricts the row-max rule: it needs agg 'rowmax'")
         cm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
         cm = cm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
         mc = cm.amax(-1, keepdim=True)
@@ -375,7 +377,8 @@ def select(q, k, v, rule, scale):
         else:
             w = st + torch.log(counts)[None, None, None, :]
         if agg == "rowmax" and r["onepass"]:
-            m = w.flip(-1).cummax(-1).values.flip(-1)  # running max of a pass from the diagonal down to block 0
+            wc = w if cand is None else w.masked_fill(~cand[:, :, None, :], -math.inf)  # the blocks the pass scores
+            m = wc.flip(-1).cummax(-1).values.flip(-1)  # running max of a pass from the diagonal down to block 0
             if r["onepass"] == 2:  # started from the pooled means' bound over the blocks the row sees whole
                 # (the library's float32 means, as its key_max rule)
                 sm = torch.einsum("vrd,jvd->vrj", qv, kmean.float().double()[:, kvh]) * scale

@@ -405,5 +405,10 @@ def test_candidates_restrict_the_exact_rule_to_the_pooled_stage():
     assert bool((pooled_stage.keep | ~both.keep).all())
     assert bool((both.keep | ~(exact.keep & pooled_stage.keep)).all())
     assert both.density < pooled_stage.density
+    # one pass over the candidates (from the diagonal down, started from the pooled bound and the sink keys' exact
+    # maximum): a superset of the two-pass restricted rule, still inside the pooled stage
+    one = emulate.select(q, k, v, dict(common, score="kmax", alpha=0.1, cand_mean=0.003, onepass=2, sinkref=1), SCALE)
+    assert bool((one.keep | ~both.keep).all()) and bool((pooled_stage.keep | ~one.keep).all())
+    assert one.density < pooled_stage.density
     with pytest.raises(ValueError, match="cand_mean"):
-        emulate.select(q, k, v, dict(common, score="kmax", alpha=0.1, cand_mean=0.003, onepass=2), SCALE)
+        emulate.select(q, k, v, dict(common, agg="sum", score="kmax", alpha=0.1, cand_mean=0.003), SCALE)
