@@ -15,7 +15,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    softmax over key groups, block mass = sum of its groups; every row of a group shares it
                    (cost: 1/xs of the dense QK^T)
            Per-key block maxima (issue 44): s_rJ = max over the keys j of J that row r sees of scale * q_r . k~_j
-           'kmax'    k~ = k: exact block maxima (the cost of the dense QK^T)
+           'kmax'    k~ = k: exact block maxima (the cost of the dense QK^T); qk 'e4m3': q and k rounded to float8
+                     e4m3 first (a scale per KV head from its amax, q's shared by the group's query heads, as
+                     sp.quantize_fp8), the products in float32: what an FP8 wgmma stage would see
            'lowrank' k~ = P P^T k, P [D, rank] the top `rank` eigenvectors of the KV head's key second moment K^T K
                      over the prompt (Loki): a rank-`rank` GEMM per pair
            'resid'   k~_j = kmean_J + P P^T (k_j - kmean_J), P from the residuals' second moment: the pooled mean at
@@ -66,7 +68,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=0.0)
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=0.0, qk="f32")
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -225,6 +227,15 @@ def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, ba
     return scale * (mean + resid)
 
 
+def e4m3_round(x, num_kv_heads):
+    """x [L, H, D] rounded through float8 e4m3 with one scale per KV head group (amax / 448), back in float32."""
+    L, H, D = x.shape
+    xg = x.float().reshape(L, num_kv_heads, H // num_kv_heads, D)
+    amax = xg.abs().amax(dim=(0, 2, 3), keepdim=True).clamp(min=1e-30)
+    scale = 448.0 / amax
+    return ((xg * scale).to(torch.float8_e4m3fn).float() / scale).reshape(L, H, D)
+
+
 def projected_keys(k, score, rank, block, basis="lib"):
     """The keys a block-max score compares against (see the module doc): k [L, H, D] -> k~ [L, H, D] float32.
     basis (score 'resid'): 'eigh' (the residuals of all keys) or 'lib' (key_basis); 'lowrank' is always eigh."""
@@ -288,6 +299,8 @@ class Selection:
 def select(q, k, v, rule, scale):
     """q [L, Hq, D], k, v [L, Hkv, D] (one sequence, Lq == Lk, causal) -> Selection."""
     r = full_rule(rule)
+    if r["qk"] not in ("f32", "e4m3") or (r["qk"] == "e4m3" and r["score"] != "kmax"):
+        raise ValueError(f"qk: 'f32', or 'e4m3' with score 'kmax' (the exact maxima's operands), got {r['qk']!r}")
     L, Hq, D = q.shape
     Hkv = k.shape[1]
     g = Hq // Hkv
@@ -323,6 +336,8 @@ def select(q, k, v, rule, scale):
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
         if r["score"] == "resid" and r["basis"] in ("lib", "query"):
             bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
+        elif r["qk"] == "e4m3":
+            bm = block_max(e4m3_round(q, Hkv), e4m3_round(k, Hkv), scale, B, pr)
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)

@@ -412,3 +412,22 @@ def test_candidates_restrict_the_exact_rule_to_the_pooled_stage():
     assert one.density < pooled_stage.density
     with pytest.raises(ValueError, match="cand_mean"):
         emulate.select(q, k, v, dict(common, agg="sum", score="kmax", alpha=0.1, cand_mean=0.003), SCALE)
+
+
+def test_e4m3_operands_round_within_half_a_step_and_select_near_the_exact_rule():
+    # qk 'e4m3': q and k through float8 e4m3 with one scale per KV head (amax -> 448): each value within half a step
+    # of its 3-bit mantissa (2^-4 relative) above the subnormal range, and the exact maxima's selection on the
+    # rounded operands differs from the float32 one only in a few near-threshold blocks
+    q, k, v = random_qkv(3000, 18)
+    kr = emulate.e4m3_round(k, HKV)
+    big = k.abs() > k.abs().amax() * 2.0 ** -6
+    assert bool(((kr - k).abs() <= k.abs() * 2.0 ** -4 + 1e-7)[big].all()) and not bool(torch.equal(kr, k))
+    common = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0,
+                  cand_mean=0.01)
+    exact = emulate.select(q, k, v, common, SCALE)
+    fp8 = emulate.select(q, k, v, dict(common, qk="e4m3"), SCALE)
+    assert exact.density < 0.8  # a selection with decisions to flip
+    differ = int((exact.keep ^ fp8.keep).sum())
+    assert 0 < differ <= 0.05 * int(exact.keep.sum()) and abs(fp8.density - exact.density) < 0.02
+    with pytest.raises(ValueError, match="qk"):
+        emulate.select(q, k, v, dict(common, score="mean", cand_mean=0.0, qk="e4m3"), SCALE)
