@@ -373,15 +373,19 @@ def select(q, k, v, rule, scale):
     always |= ~fully
     always |= (t_idx >= T - r["last_n"])[:, None]
     always = always & visible
+
+    def pooled_row_max_keep(a):  # the library's row-max rule over pooled means at alpha a: [V, T, nb]
+        sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        sm = sm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
+        mm = sm.amax(-1, keepdim=True)
+        mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
+        return (torch.exp(sm - mm) >= a).any(2)
+
     cand = None  # [V, T, nb]: the pooled-means stage's candidates (cand_mean), always-kept blocks included
     if r["cand_mean"] > 0:
         if agg != "rowmax":
             raise ValueError("cand_mean restricts the row-max rule: it needs agg 'rowmax'")
-        cm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
-        cm = cm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
-        mc = cm.amax(-1, keepdim=True)
-        mc = torch.where(torch.isfinite(mc), mc, torch.zeros_like(mc))
-        cand = ((torch.exp(cm - mc) >= r["cand_mean"]).any(2) & visible[None]) | always[None]
+        cand = (pooled_row_max_keep(r["cand_mean"]) & visible[None]) | always[None]
     if agg == "sum":
         M = st.amax(dim=(2, 3), keepdim=True)
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
@@ -432,11 +436,7 @@ def select(q, k, v, rule, scale):
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha
-        sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
-        sm = sm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
-        mm = sm.amax(-1, keepdim=True)
-        mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
-        sel = sel | (torch.exp(sm - mm) >= r["union_mean"]).any(2)
+        sel = sel | pooled_row_max_keep(r["union_mean"])
     if cand is not None:
         sel = sel & cand
     keep = (sel & visible[None]) | always[None]

@@ -108,8 +108,9 @@ def main(argv=None):
                        seconds=round(time.time() - t1, 2))
             cm = E.full_rule(rule)["cand_mean"]
             if cm > 0:  # the pooled stage alone: the candidates' density (the exact stage's share of the pairs)
-                cand = E.select(qf, kf, vf, dict(rule, score="mean", alpha=cm, cand_mean=0.0, dense_fraction=1.0),
-                                scale).density
+                pooled_stage = dict(rule, score="mean", alpha=cm, cand_mean=0.0, onepass=0, sinkref=0, qk="f32",
+                                    dense_fraction=1.0)
+                cand = E.select(qf, kf, vf, pooled_stage, scale).density
                 row.update(cand_density_raw=cand, est_exact_fp8_ms_at_L=est_exact_fp8_ms(L, cand))
             doc["rows"].append(row)
             extra = (f", candidates {row['cand_density_raw']:.4f}, exact FP8 stage at L ~"
