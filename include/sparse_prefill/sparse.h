@@ -48,6 +48,15 @@ enum class SelectionRule : int {
   // itself, where the pooled mean dilutes it 128x (exact block maxima sit on the oracle's curve,
   // docs/design/selection.md).
   kKeyMax = 4,
+  // Two stages (issue 44; the definition: docs/design/exact_max_spec.md): the blocks kRowMax keeps at
+  // SelectionParams::candidate_alpha over the pooled means (plus the always-kept ones) are the candidates; row r
+  // scores candidate J by its exact maximum e_rJ = max over the keys j of J it sees of q_r . k_j, and one pass over the
+  // candidates from the diagonal down keeps J iff scale (e_rJ - m_rJ) >= ln(alpha), m_rJ the larger of kKeyMax's
+  // bound (the pooled means over whole blocks, the sink keys exactly) and the running maximum. Why: exact block maxima
+  // sit on the oracle's curve (SmolLM2 at 8K, emulated: alpha 0.03-0.05 within a point at 1.0x the oracle's density,
+  // docs/design/selection.md), and the candidates bound their cost by the pooled stage's density. The CPU backend
+  // only for now: on CUDA arrays a call raises NotImplementedError (its kernel is the next step).
+  kExactMax = 5,
 };
 // The dense rule (SelectionParams::dense_fraction), after any selection: whether a call whose selection keeps
 // kept_blocks of its visible_blocks (summed over sequences, KV heads and tiles, what BlockIndex::density() divides)
@@ -80,6 +89,9 @@ struct SelectionParams {
   // 1/8 of Q K^T; 16 dimensions missed almost as little mass as exact maxima (0.032 vs 0.028, docs/design/selection.md;
   // docs/design/key_max_spec.md).
   int key_rank = 16;
+  // kExactMax only: the kRowMax threshold over the pooled means that proposes its candidates (in [0, 1]; 0: every
+  // visible block). 0.003: the default rule's alpha, whose selection keeps SmolLM2 within a point by itself.
+  float candidate_alpha = 0.003f;
   // How a tile's scores are thresholded (SelectionRule above). The per-row rule is the default: on a real pretrained
   // LM (SmolLM2-135M, docs/design/selection.md) tile energy loses 47 points of copy top-1 at 8K, row max 2.
   SelectionRule rule = SelectionRule::kRowMax;

@@ -273,10 +273,18 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 pooled-means bound, its exact maximum over the sink blocks' keys and the running maximum
                 (SelectionRule::kKeyMax, docs/semantics.md, docs/design/key_max_spec.md). A block of alike keys
                 scores as its mean, one strong key as itself.
+            'exact_max': two stages: the blocks 'row_max' keeps at `candidate_alpha` over the pooled means (and the
+                always-kept ones) are the candidates; row r scores a candidate by its exact maximum of q_r . k_j over
+                the block's keys it sees, and one pass over the candidates from the diagonal down keeps J iff
+                scale * (score - m) >= ln(alpha), m the larger of 'key_max''s bound and the running maximum
+                (SelectionRule::kExactMax, docs/design/exact_max_spec.md). CPU arrays only for now: on CUDA arrays
+                the call raises NotImplementedError (its kernel is not built; sparse_support() says so).
         mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
             by the other rules).
         key_rank (default 16): the rank of 'key_max''s residual basis, 16 or 32 (at most the head dim; ignored by
             the other rules, validated all the same).
+        candidate_alpha (default 0.003): the 'row_max' threshold over the pooled means that proposes 'exact_max''s
+            candidates, in [0, 1] (ignored by the other rules).
         block_size (default 128): key block size in tokens, a positive multiple of 64 (CUDA sparse attention:
             a multiple of 128).
         sink (default 256): the blocks of the first `sink` tokens are always kept.

@@ -10,7 +10,7 @@ from . import _C
 from ._call import _as_bool, _as_float, _as_int, _as_int32
 
 # Selection rules (SelectionRule in sparse.h): keyword value -> the int the extension takes.
-_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3, "key_max": 4}
+_RULES = {"tile_energy": 0, "row_max": 1, "probe_row_max": 2, "probe_row_mass": 3, "key_max": 4, "exact_max": 5}
 _RULE_NAMES = {v: k for k, v in _RULES.items()}
 
 

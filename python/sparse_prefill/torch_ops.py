@@ -10,7 +10,7 @@ The wrappers take the arguments and defaults of sparse_prefill.attention / spars
 tensors only; `selection=` or the selection keywords, as there; no `stream` (the current torch stream is used), no
 `workspace` (see below), no `return_index`) and call these operators, each with a fake (meta) implementation for
 tracing. The operators take the selection's fields as keyword-only arguments (rule as its int: 0 tile_energy,
-1 row_max, 2 probe_row_max, 3 probe_row_mass, 4 key_max; max_kept_blocks -1 for None):
+1 row_max, 2 probe_row_max, 3 probe_row_mass, 4 key_max, 5 exact_max; max_kept_blocks -1 for None):
 
     torch.ops.sparse_prefill.attention(...)           -> (out, lse)
     torch.ops.sparse_prefill.attention_out(..., out)  -> lse          (out written in place; mutates_args=out)

@@ -154,7 +154,7 @@ BlockIndex build_index(const AttentionInputs& in, const SelectionParams& request
   const auto [p, params] = validate_selection(in, requested, nullptr);
   const Backend& be = backend_for(p.device);
   checked_before(in, p);
-  be.check_index(in, p);
+  be.check_index(in, p, params);
   BlockIndex index = be.build_index(in, p, params);
   checked_after(in, p);
   index.binding = bind_index(in, p, params);
@@ -196,7 +196,7 @@ DeviceBlockIndex build_index(const AttentionInputs& in, const SelectionParams& r
   DeviceBlockIndex index{workspace, params, bind_index(in, p, params)};
   const Backend& be = backend_for(p.device);
   checked_before(in, p);
-  be.check_index(in, p);
+  be.check_index(in, p, params);
   be.build_index(in, p, params, workspace, mean_cache);
   checked_after(in, p);
   return index;
@@ -250,7 +250,7 @@ void sparse_prefill_impl(const AttentionInputs& in, const SelectionParams& reque
   // the kernel's checks before the index stage's: nothing launches for a call the kernel cannot run
   be.check_sparse(in, p, params.block_size);
   be.check_attention(in, outs, p);
-  be.check_index(in, p);
+  be.check_index(in, p, params);
   be.sparse_prefill(in, params, outs, p, cache);
   checked_after(in, p);
 }
@@ -272,7 +272,7 @@ std::string sparse_prefill_support(const AttentionInputs& in, const SelectionPar
   try {
     be.check_sparse(in, p, params.block_size);
     be.check_attention(in, outs, p);
-    be.check_index(in, p);
+    be.check_index(in, p, params);
   } catch (const NotImplementedError& e) {
     return e.what();
   }

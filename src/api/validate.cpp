@@ -13,7 +13,7 @@ namespace {
 
 bool is_rule(SelectionRule r) {
   return r == SelectionRule::kTileEnergy || r == SelectionRule::kRowMax || r == SelectionRule::kProbeRowMax ||
-         r == SelectionRule::kProbeRowMass || r == SelectionRule::kKeyMax;
+         r == SelectionRule::kProbeRowMass || r == SelectionRule::kKeyMax || r == SelectionRule::kExactMax;
 }
 
 // One field's check (core/selection_fields.h); `value` as the field's own type.
@@ -57,7 +57,7 @@ void check_field(const char* name, T value, FieldCheck check) {
 void check_field(const char* name, SelectionRule rule, FieldCheck) {
   if (!is_rule(rule)) {
     throw ArgumentError(name, "must be SelectionRule::kTileEnergy (0), kRowMax (1), kProbeRowMax (2), "
-                              "kProbeRowMass (3) or kKeyMax (4), got " + std::to_string(int(rule)));
+                              "kProbeRowMass (3), kKeyMax (4) or kExactMax (5), got " + std::to_string(int(rule)));
   }
 }
 

@@ -25,7 +25,7 @@ class Backend {
   // --- what it supports (NotImplementedError naming what is not built) ---
   virtual void check_attention(const AttentionInputs&, const AttentionOutputs&, const Problem&) const {}
   virtual void check_sparse(const AttentionInputs&, const Problem&, int /*block_size*/) const {}
-  virtual void check_index(const AttentionInputs&, const Problem&) const {}
+  virtual void check_index(const AttentionInputs&, const Problem&, const SelectionParams&) const {}
   virtual void check_index_view(const BlockIndexView&) const {}
   // The FP8 kernels' constraint by dimensions (page_size 0: contiguous): "" when built for it, else why not.
   virtual std::string fp8_attention_support(int /*head_dim*/, int64_t /*page_size*/) const { return {}; }

@@ -28,6 +28,7 @@ void for_each_selection_field(F&& f) {
   f("alpha", &SelectionParams::alpha, FieldCheck::kUnitInterval);
   f("mean_alpha", &SelectionParams::mean_alpha, FieldCheck::kUnitInterval);
   f("key_rank", &SelectionParams::key_rank, FieldCheck::kRank);
+  f("candidate_alpha", &SelectionParams::candidate_alpha, FieldCheck::kUnitInterval);
   f("rule", &SelectionParams::rule, FieldCheck::kRule);
   f("block_size", &SelectionParams::block_size, FieldCheck::kPositiveMultipleOf64);
   f("sink", &SelectionParams::sink, FieldCheck::kNonNegative);

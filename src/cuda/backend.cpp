@@ -14,7 +14,9 @@ class CudaBackend final : public Backend {
   void check_sparse(const AttentionInputs& in, const Problem& p, int block_size) const override {
     cuda::check_sparse_supported(in, p, block_size);
   }
-  void check_index(const AttentionInputs& in, const Problem& p) const override { cuda::check_index_supported(in, p); }
+  void check_index(const AttentionInputs& in, const Problem& p, const SelectionParams& params) const override {
+    cuda::check_index_supported(in, p, params);
+  }
   void check_index_view(const BlockIndexView& index) const override { cuda::check_index_view_supported(index); }
   std::string fp8_attention_support(int head_dim, int64_t page_size) const override {
     return cuda::fp8_attention_support(head_dim, page_size);

@@ -26,7 +26,7 @@ void check_sparse_supported(const AttentionInputs& in, const Problem& p, int blo
 void check_index_view_supported(const BlockIndexView& index);
 // The index stage: causal without a window, bfloat16 / float16 / float8_e4m3fn (FP8: head dim 128), 16-bit q with
 // even strides and a 4-byte aligned base.
-void check_index_supported(const AttentionInputs& in, const Problem& p);
+void check_index_supported(const AttentionInputs& in, const Problem& p, const SelectionParams& params);
 // The FP8 kernels' own constraint, by dimensions alone (page_size 0: contiguous KV): "" when they take it, else why
 // not (check_attention_supported's message for FP8 inputs). The engine adapters ask it when they set a layer up.
 std::string fp8_attention_support(int head_dim, int64_t page_size);

@@ -123,7 +123,11 @@ void check_index_view_supported(const BlockIndexView& index) {
     throw NotImplementedError("CUDA sparse attention: more than 2^31 - 1 segments or block ids");
 }
 
-void check_index_supported(const AttentionInputs& in, const Problem& p) {
+void check_index_supported(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
+  if (params.rule == SelectionRule::kExactMax) {  // its CPU reference is built, its CUDA pass is the next step
+    throw NotImplementedError("build_index on CUDA: rule exact_max has no CUDA index stage yet (the CPU backend "
+                              "computes it; docs/design/exact_max_spec.md)");
+  }
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");
   }

@@ -20,7 +20,9 @@ class NoCudaBackend final : public Backend {
     absent("attention");
   }
   void check_sparse(const AttentionInputs&, const Problem&, int) const override { absent("sparse_attention"); }
-  void check_index(const AttentionInputs&, const Problem&) const override { absent("build_index"); }
+  void check_index(const AttentionInputs&, const Problem&, const SelectionParams&) const override {
+    absent("build_index");
+  }
   void check_index_view(const BlockIndexView&) const override { absent("sparse_attention"); }
   std::string fp8_attention_support(int, int64_t) const override {
     return "FP8 attention on CUDA: this build has no CUDA backend (nvcc was not found when it was configured)";

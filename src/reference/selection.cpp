@@ -3,7 +3,8 @@
 // threshold (or, SelectionRule::kRowMax, max_r (s_rJ - m_r) >= ln alpha with m_r the row's maximum score;
 // kProbeRowMax, the same test on the exact block masses of probe rows, plus kRowMax at mean_alpha; kProbeRowMass,
 // the probe rows' test against each row's whole mass instead of its top block; kKeyMax, per-key block maxima on a
-// low-rank residual with a one-pass threshold, docs/design/key_max_spec.md), the always-kept rules, CSR compaction
+// low-rank residual with a one-pass threshold, docs/design/key_max_spec.md; kExactMax, exact block maxima over the
+// pooled row max's candidates in one pass, docs/design/exact_max_spec.md), the always-kept rules, CSR compaction
 // and the dense rule (SelectionParams::dense_fraction). Also the chunked-prefill union lowering.
 #include <algorithm>
 #include <cmath>
@@ -151,6 +152,21 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         tile_max = std::max(tile_max, sc);
       }
     }
+    // The blocks kept whatever the scores: not prunable (not fully visible to the tile), sink, window band, last tiles.
+    const bool last_tile = tile >= tiles - (params.final_chunk ? params.last_n : 0);
+    std::vector<char> band(size_t(nb), 0);
+    if (params.window > 0) {
+      for (int64_t pos = geo.first_pos; pos <= geo.last_pos; ++pos) {
+        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+        const int64_t diag = pos + s.k_len - s.q_len;
+        const int64_t lo = std::max(keys.lo, diag - params.window + 1), hi = std::min(keys.hi, diag);
+        if (lo > hi) continue;
+        for (int64_t J = lo / B; J <= hi / B; ++J) band[J] = 1;
+      }
+    }
+    auto always_kept = [&](int64_t J) {
+      return last_tile || J * B < params.sink || band[J] || !block_fully_visible(in, s, geo, J, B);
+    };
     // The threshold test of each visible block (SelectionParams::rule).
     std::vector<char> above(size_t(nb), 0);
     constexpr double kNegInf = -std::numeric_limits<double>::infinity();
@@ -257,6 +273,47 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         }
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
+    } else if (params.rule == SelectionRule::kExactMax) {
+      // docs/design/exact_max_spec.md. Candidates C: kRowMax at candidate_alpha over the pooled scores, plus the
+      // always-kept blocks. Per row: e_J = max over the keys j of J in C it sees of q . k_j (unscaled); one pass from
+      // the diagonal down over C, m_J = max(bound, max_{J' in C, J' >= J} e_J'), the bound as kKeyMax's; C_J = max
+      // over the rows that see J of scale (e_J - m_J).
+      std::vector<double> pooled(size_t(nb), kNegInf);
+      row_max_closeness(score, pooled);
+      const double log_cand = params.candidate_alpha > 0.f ? std::log(double(params.candidate_alpha)) : kNegInf;
+      std::vector<char> cand(size_t(nb), 0);
+      for (int64_t J = 0; J < nb; ++J) cand[J] = visible[J] && (pooled[J] >= log_cand || always_kept(J));
+      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
+      const int64_t sink_end = std::min<int64_t>(s.k_len, num_blocks(params.sink, B) * B);  // the sink blocks' keys
+      const double scale = double(p.softmax_scale);
+      std::vector<double> closeness(size_t(nb), kNegInf), e(static_cast<size_t>(nb));
+      for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
+        const int64_t pos = r / g;
+        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
+        if (keys.empty()) continue;
+        load_q(pos, kvh * g + int(r % g));
+        double bound = kNegInf;
+        const int64_t J_lo = keys.lo / B, J_hi = keys.hi / B;
+        for (int64_t J = J_lo; J <= J_hi; ++J) {
+          const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
+          if (whole) bound = std::max(bound, mean_dot(J));
+          if (!cand[J]) continue;
+          double top = kNegInf;
+          for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j)
+            top = std::max(top, dot(q.data(), &keys_of.k[size_t(j) * D], D));
+          e[J] = top;
+          if (std::isnan(top)) tile_nan = true;
+        }
+        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
+          bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
+        double running = kNegInf;
+        for (int64_t J = J_hi; J >= J_lo; --J) {
+          if (!cand[J]) continue;
+          running = std::max(running, e[J]);
+          closeness[J] = std::max(closeness[J], scale * (e[J] - std::max(bound, running)));
+        }
+      }
+      for (int64_t J = 0; J < nb; ++J) above[J] = cand[J] && closeness[J] >= log_alpha;
     } else {
       // Block energies and their maximum.
       std::vector<double> energy(size_t(nb), 0.0);
@@ -272,23 +329,9 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       for (int64_t J = 0; J < nb; ++J) above[J] = energy[J] >= double(params.alpha) * energy_max;
     }
     // Keep: above threshold, or always kept (not prunable, sink, window band, last tiles).
-    const bool last_tile = tile >= tiles - (params.final_chunk ? params.last_n : 0);
-    std::vector<char> band(size_t(nb), 0);
-    if (params.window > 0) {
-      for (int64_t pos = geo.first_pos; pos <= geo.last_pos; ++pos) {
-        const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
-        const int64_t diag = pos + s.k_len - s.q_len;
-        const int64_t lo = std::max(keys.lo, diag - params.window + 1), hi = std::min(keys.hi, diag);
-        if (lo > hi) continue;
-        for (int64_t J = lo / B; J <= hi / B; ++J) band[J] = 1;
-      }
-    }
     std::vector<int32_t>& list = lists[size_t(seg)];
     for (int64_t J = 0; J < nb; ++J) {
-      if (!visible[J]) continue;
-      const bool keep = tile_nan || last_tile || above[J] || J * B < params.sink ||
-                        band[J] || !block_fully_visible(in, s, geo, J, B);
-      if (keep) list.push_back(int32_t(J));
+      if (visible[J] && (tile_nan || above[J] || always_kept(J))) list.push_back(int32_t(J));
     }
   });
   compact(lists, index);

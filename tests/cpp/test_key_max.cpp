@@ -272,7 +272,7 @@ TEST(KeyMax, Validation) {
   }
   p.key_rank = 32;
   EXPECT_NO_THROW(build_index(B->in, p));
-  p.rule = static_cast<SelectionRule>(5);
+  p.rule = static_cast<SelectionRule>(6);
   EXPECT_ARG_ERROR(build_index(B->in, p), "rule");
 }
 

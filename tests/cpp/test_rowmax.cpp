@@ -183,7 +183,7 @@ TEST(RowMax, UnknownRuleIsAnArgumentError) {
   std::mt19937_64 rng(1);
   auto B = build(sc(4, 1, 64, F32, {100}, {100}, false, 1), rng);
   SelectionParams p;
-  p.rule = static_cast<SelectionRule>(5);
+  p.rule = static_cast<SelectionRule>(6);
   EXPECT_ARG_ERROR(build_index(B->in, p), "rule");
   p.rule = static_cast<SelectionRule>(-1);
   EXPECT_ARG_ERROR(build_index(B->in, p), "rule");

@@ -34,22 +34,24 @@ def random_qkv(L, seed):
 
 PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
 KEYMAX = dict(score="resid", onepass=2, sinkref=1, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank)
+EXACTMAX = dict(score="kmax", onepass=2, sinkref=1, agg="rowmax")  # ... and of 'exact_max' (cand_mean = candidate_alpha)
 RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass",
-         "keymax": "key_max"}
+         "keymax": "key_max", "exactmax": "exact_max"}
 
 
 def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="rowmax", mean_alpha=0.5,
-          dense_fraction=1.0, block=128, key_rank=16, outputs=True):
+          dense_fraction=1.0, block=128, key_rank=16, candidate_alpha=0.003, outputs=True):
     """dense_fraction 1 (the dense rule off) by default: random inputs keep most blocks, and the rule would turn
     the comparison into full lists on both sides. agg 'keymax': the library's rule='key_max' against the
     emulator's score 'resid' (the library's basis) at rank key_rank, one pass from the diagonal started from the
-    bound and the sink keys' exact maximum."""
+    bound and the sink keys' exact maximum; agg 'exactmax': rule='exact_max' against exact block maxima over the
+    pooled row max's candidates at candidate_alpha, the same one pass."""
     L = q.shape[0]
     cu = np.array([0, L], dtype=np.int32)
     qn, kn, vn = (x.numpy().astype(np.float32) for x in (q, k, v))
     kw = dict(alpha=alpha, block_size=block, sink=sink, window=window, last_n=2, correction=correction,
               head_subgroups=subgroups, rule=RULES[agg], mean_alpha=mean_alpha, dense_fraction=dense_fraction,
-              key_rank=key_rank)
+              key_rank=key_rank, candidate_alpha=candidate_alpha)
     idx = sp.build_index(qn, kn, vn, cu, cu, L, L, softmax_scale=SCALE, **kw)
     rule = dict(alpha=alpha, subgroups=subgroups, correction=correction, sink=sink, window=window, agg=agg,
                 dense_fraction=dense_fraction, block=block)
@@ -57,6 +59,8 @@ def check(q, k, v, subgroups, correction, alpha=0.1, sink=256, window=512, agg="
         rule.update(PROBE, union_mean=mean_alpha, agg="rowmax" if agg == "probe" else "rowmass")
     if agg == "keymax":
         rule.update(KEYMAX, rank=key_rank)
+    if agg == "exactmax":
+        rule.update(EXACTMAX, cand_mean=candidate_alpha)
     sel = emulate.select(q, k, v, rule, SCALE)
     V, T, nb = sel.keep.shape
     mismatched = 0
@@ -173,6 +177,41 @@ def test_key_max_equals_the_emulator(L, block, subgroups, alpha, key_rank, sink)
     d = check(q, k, v, subgroups, False, alpha=alpha, sink=sink, window=64, agg="keymax", block=block,
               key_rank=key_rank)
     assert 0.0 < d <= 1.0
+
+
+@pytest.mark.parametrize("L,block", [(300, 64), (777, 128), (1500, 64)])
+@pytest.mark.parametrize("subgroups", [1, 3])
+@pytest.mark.parametrize("alpha,candidate_alpha,sink", [(0.1, 0.003, 0), (0.5, 0.01, 100), (0.03, 0.0, 200)])
+def test_exact_max_equals_the_emulator(L, block, subgroups, alpha, candidate_alpha, sink):
+    # the library's CPU reference of the two stages (docs/design/exact_max_spec.md) keeps the emulator's blocks;
+    # candidate_alpha 0: every visible block a candidate
+    q, k, v = spiky_qkv(L, L + block + subgroups + 7)
+    d = check(q, k, v, subgroups, False, alpha=alpha, sink=sink, window=64, agg="exactmax", block=block,
+              candidate_alpha=candidate_alpha, outputs=L < 1000)
+    assert 0.0 < d <= 1.0
+
+
+def test_exact_max_prunes_within_its_candidates():
+    """Not vacuous: the exact stage keeps a strict subset of its candidates (the pooled row max at candidate_alpha,
+    the library's own rule='row_max'), and a higher candidate_alpha stays inside the wider candidates too."""
+    q, k, v = spiky_qkv(1500, 25)
+    add_attention_sink(q, k)
+    L = q.shape[0]
+    cu = np.array([0, L], dtype=np.int32)
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    common = dict(block_size=64, sink=64, window=64, last_n=2, head_subgroups=3, dense_fraction=1.0,
+                  softmax_scale=SCALE)
+    cand = sp.build_index(qn, kn, vn, cu, cu, L, L, rule="row_max", alpha=0.003, **common)
+    two = sp.build_index(qn, kn, vn, cu, cu, L, L, rule="exact_max", alpha=0.3, candidate_alpha=0.003, **common)
+    narrow = sp.build_index(qn, kn, vn, cu, cu, L, L, rule="exact_max", alpha=0.3, candidate_alpha=0.3, **common)
+    V, T = 3 * HKV, -(-L * (HQ // HKV // 3) // 128)
+    for vh in range(V):
+        for t in range(T):
+            c, e, n = (set(x.segment(0, vh, t).tolist()) for x in (cand, two, narrow))
+            assert e <= c and n <= c
+    assert two.density < cand.density
+    d = check(q, k, v, 3, False, alpha=0.3, sink=64, window=64, agg="exactmax", block=64, outputs=False)
+    assert abs(d - two.density) < 1e-12
 
 
 def test_key_max_starts_from_the_sink_keys():

@@ -152,6 +152,9 @@ SELECTION_CASES = [
     ("mean_alpha_above_one", dict(mean_alpha=2.0), ValueError, "mean_alpha"),
     ("mean_alpha_nan", dict(mean_alpha=float("nan"), rule="probe_row_max"), ValueError, "mean_alpha"),
     ("mean_alpha_str", dict(mean_alpha="0.5"), TypeError, "mean_alpha"),
+    ("candidate_alpha_negative", dict(candidate_alpha=-0.1, rule="exact_max"), ValueError, "candidate_alpha"),
+    ("candidate_alpha_above_one", dict(candidate_alpha=1.5), ValueError, "candidate_alpha"),  # under every rule
+    ("candidate_alpha_str", dict(candidate_alpha="0.003"), TypeError, "candidate_alpha"),
     ("key_rank_8", dict(key_rank=8, rule="key_max"), ValueError, "key_rank"),
     ("key_rank_64", dict(key_rank=64, rule="key_max"), ValueError, "key_rank"),
     ("key_rank_other_rule", dict(key_rank=24), ValueError, "key_rank"),   # checked under every rule, as mean_alpha

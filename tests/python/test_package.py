@@ -277,7 +277,7 @@ def test_selection_defaults_come_from_the_library():
     assert list(D) == [{"union_lists": "union"}.get(k, k) for k in sp._C.SELECTION_FIELDS]  # one list, C++'s order
     c = {k: getattr(p, {"union": "union_lists"}.get(k, k)) for k in D}
     assert (c["rule"], c["max_kept_blocks"]) == (sp._api._as_rule(D["rule"]), -1) and D["max_kept_blocks"] is None
-    floats = ("rule", "max_kept_blocks", "alpha", "mean_alpha", "dense_fraction")  # float32 in C++, 7 digits here
+    floats = ("rule", "max_kept_blocks", "alpha", "mean_alpha", "candidate_alpha", "dense_fraction")  # float32 in C++, 7 digits here
     assert {k: v for k, v in D.items() if k not in floats} == {k: v for k, v in c.items() if k not in floats}
     assert all(abs(D[k] - c[k]) < 1e-7 for k in floats[2:])
     fns = [sp.build_index, sp.sparse_prefill, sp.chunked_prefill]

@@ -30,7 +30,7 @@ def test_defaults_are_the_librarys():
     c = _C.SelectionParams()  # SelectionParams{} through the binding
     for name in ("block_size", "sink", "window", "last_n", "correction", "head_subgroups", "final_chunk", "key_rank"):
         assert getattr(c, name) == getattr(s, name), name
-    for name in ("alpha", "mean_alpha", "dense_fraction"):
+    for name in ("alpha", "mean_alpha", "candidate_alpha", "dense_fraction"):
         assert abs(getattr(c, name) - getattr(s, name)) < 1e-7, name
     assert c.rule == sp._api._RULES[s.rule] and c.union_lists == s.union and c.max_kept_blocks == -1
     p = s._params  # what crosses the binding
@@ -55,6 +55,28 @@ def test_key_max_rule_and_key_rank_round_trip(call):
     assert np.array_equal(by_kw.block_ids, by_sel.block_ids) and by_kw.density < 1.0
     with pytest.raises(ValueError, match="^key_rank: given both"):
         sp.build_index(*args, selection=s, key_rank=32)
+
+
+def test_exact_max_rule_and_candidate_alpha_round_trip(call):
+    """rule 'exact_max' <-> SelectionRule::kExactMax (5) and candidate_alpha (default 0.003, SelectionParams{})
+    through Selection, its params and a call: keywords and selection= give the same index, inside the candidates
+    (rule 'row_max' at candidate_alpha), and candidate_alpha is read (1: each row's top pooled block and the
+    always-kept ones the only candidates, fewer blocks than 0: every visible block a candidate)."""
+    assert abs(sp.SELECTION_DEFAULTS["candidate_alpha"] - 0.003) < 1e-9
+    assert sp._api._RULES["exact_max"] == 5 and sp._api._RULE_NAMES[5] == "exact_max"
+    s = sp.Selection(rule="exact_max", alpha=0.5, candidate_alpha=0.01, block_size=64, sink=0, window=0, last_n=0,
+                     dense_fraction=1.0)
+    assert (s.rule, s._params.rule) == ("exact_max", 5) and abs(s._params.candidate_alpha - 0.01) < 1e-9
+    assert "candidate_alpha=0.01" in repr(s) and pickle.loads(pickle.dumps(s)) == s
+    by_kw = sp.build_index(*call, rule="exact_max", alpha=0.5, candidate_alpha=0.01, block_size=64, sink=0,
+                           window=0, last_n=0, dense_fraction=1.0)
+    by_sel = sp.build_index(*call, selection=s)
+    assert np.array_equal(by_kw.block_ids, by_sel.block_ids) and by_kw.density < 1.0
+    cand = sp.build_index(*call, selection=s.replace(rule="row_max", alpha=0.01))
+    assert all(set(by_kw.block_ids[a:e]) <= set(cand.block_ids[c:f]) for a, e, c, f in
+               zip(by_kw.segment_start, by_kw.segment_end, cand.segment_start, cand.segment_end))
+    wide, narrow = (sp.build_index(*call, selection=s.replace(candidate_alpha=c)) for c in (0.0, 1.0))
+    assert narrow.kept_blocks < wide.kept_blocks
 
 
 @pytest.mark.parametrize("fields,exc,name", [
@@ -150,9 +172,9 @@ _ALL_KEYWORDS = tuple(sp.Selection().as_dict())  # the library's one table of fi
 _ENTRY_POINTS = ("build_index", "sparse_prefill", "chunked_prefill", "index_workspace_bytes",
                  "sparse_prefill_workspace_bytes", "chunked_prefill_workspace_bytes")
 # a valid value other than the library's default, per keyword
-_OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, key_rank=32, block_size=64, sink=0, window=0, last_n=1,
-              correction=True, head_subgroups=1, dense_fraction=1.0, final_chunk=False, union=True,
-              max_kept_blocks=1000)
+_OTHER = dict(alpha=0.01, rule="tile_energy", mean_alpha=0.25, key_rank=32, candidate_alpha=0.02, block_size=64,
+              sink=0, window=0, last_n=1, correction=True, head_subgroups=1, dense_fraction=1.0, final_chunk=False,
+              union=True, max_kept_blocks=1000)
 
 
 def test_every_field_has_a_value_to_test():
@@ -300,7 +322,7 @@ def test_selection_reaches_the_torch_operators(call):
     t = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in call]
     want = spt.sparse_prefill(*t, **SEL)
     np.testing.assert_array_equal(want.numpy(), sp.sparse_prefill(*call, selection=sp.Selection(**SEL)))
-    with pytest.raises(ValueError, match=r"^rule: must be one of 0 \('tile_energy'\), .*4 \('key_max'\), got 7"):
+    with pytest.raises(ValueError, match=r"^rule: must be one of 0 \('tile_energy'\), .*5 \('exact_max'\), got 7"):
         torch.ops.sparse_prefill.sparse_prefill(*t, rule=7)
     with pytest.raises(ValueError, match="^alpha: must lie in"):
         spt.sparse_prefill(*t, alpha=3.0)
