@@ -20,12 +20,6 @@ cp $W/accuracy_smollm2_*.json "$OUT/" 2>/dev/null
 wait  # the trainings
 G=$(cat $W/card.txt)
 CF="dense_sp,default,emu:score=kmax;alpha=0.05;cand_mean=0.003;subgroups=g,$ONE;alpha=0.05,oracle_0.5"
-L=$(( 580 - SECONDS ))
-for s in 1 2; do
-  (cd bench && timeout $L python3 accuracy/retrieval.py eval --ckpt /tmp/retrieval_seed$s.pt --device cuda --lengths 32768 \
-     --configs "$CF" --n-seq 16 --budget-s $(( L - 40 )) \
-     --out $OUT/accuracy_retrieval_two_stage_seed${s}_${G}.json) > $W/eval_seed$s.log 2>&1 &
-done
-wait
-for s in 1 2; do grep '"step"' $W/train_seed$s.log | tail -1; grep -E '^\[|budget|Error' $W/eval_seed$s.log | tail -8; done
+for s in 1 2; do grep '"step"' $W/train_seed$s.log | tail -1; done
+. bench/lab/device_runs/reval.sh "$OUT" "$CF" 580  # both seeds at 32K -> OUT/accuracy_retrieval_seed{1,2}_<card>.json
 tar czf $OUT/r16.tgz -C $W --exclude='*.json' .
