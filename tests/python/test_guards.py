@@ -41,7 +41,7 @@ def _nan_problem(rng, where):
 
 
 @pytest.mark.parametrize("where", ["q", "k"])
-@pytest.mark.parametrize("rule", ["tile_energy", "row_max"])
+@pytest.mark.parametrize("rule", ["tile_energy", "row_max", "exact_max"])
 def test_nan_scores_keep_every_visible_block(rng, where, rule):
     """docs/semantics.md, NaN policy: a tile with a NaN score keeps every visible block, so sparse attention is NaN
     exactly where dense attention is (and nowhere else)."""
