@@ -190,6 +190,27 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       }
     };
     const double log_alpha = params.alpha > 0.f ? std::log(double(params.alpha)) : kNegInf;
+    // kKeyMax / kExactMax (key_max_spec.md step 4): per row of the loaded q, the pass from the diagonal down over the
+    // blocks `scored` admits, m_J = max(bound, running maximum of sh_J'), C_J = max over the rows of scale (sh_J - m_J);
+    // the bound the larger of `pooled_whole` (max q . k_mean_J over the blocks the row sees whole) and the row's exact
+    // maximum over the sink keys it sees.
+    const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
+    const int64_t sink_end = std::min<int64_t>(s.k_len, num_blocks(params.sink, B) * B);  // the sink blocks' keys
+    auto sees_whole = [&](const KeyRange& keys, int64_t J) {
+      return J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
+    };
+    auto one_pass = [&](const KeyRange& keys, double pooled_whole, const std::vector<double>& sh, auto scored,
+                        std::vector<double>& closeness) {
+      double bound = pooled_whole;
+      for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
+        bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
+      double running = kNegInf;
+      for (int64_t J = keys.hi / B; J >= keys.lo / B; --J) {
+        if (!scored(J)) continue;
+        running = std::max(running, sh[J]);
+        closeness[J] = std::max(closeness[J], double(p.softmax_scale) * (sh[J] - std::max(bound, running)));
+      }
+    };
     if (params.rule == SelectionRule::kRowMax) {
       // keep iff C_J >= ln(alpha) (ln 0 = -inf: every visible block)
       std::vector<double> closeness(size_t(nb), kNegInf);
@@ -198,7 +219,6 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     } else if (is_probe_rule(params.rule)) {
       // Probe rows: the exact log-mass of each block they see (double), then the row-max test at alpha; the rest
       // of the tile's rows through the pooled means at params.mean_alpha.
-      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
       std::vector<double> mass(size_t(rows * nb), kNegInf), logit;
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
         const int64_t pos = r / g;
@@ -235,9 +255,6 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       // rows that see J of scale (sh_J - m_J).
       const std::vector<double>& P = key_basis_of[size_t(b) * H + kvh];
       const std::vector<double>& coords = key_coords_of[size_t(b) * H + kvh];
-      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
-      const int64_t sink_end = std::min<int64_t>(s.k_len, num_blocks(params.sink, B) * B);  // the sink blocks' keys
-      const double scale = double(p.softmax_scale);
       std::vector<double> closeness(size_t(nb), kNegInf), sh(static_cast<size_t>(nb)), pq(static_cast<size_t>(R));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
         const int64_t pos = r / g;
@@ -249,9 +266,8 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           for (int d = 0; d < D; ++d) sum += P[size_t(d) * R + c] * double(q[d]);
           pq[c] = sum;
         }
-        double bound = kNegInf;
-        const int64_t J_lo = keys.lo / B, J_hi = keys.hi / B;
-        for (int64_t J = J_lo; J <= J_hi; ++J) {
+        double pooled_whole = kNegInf;
+        for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
           const double md = mean_dot(J);
           double top = kNegInf;
           for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j) {
@@ -261,16 +277,9 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           }
           sh[J] = md + top;
           if (std::isnan(sh[J])) tile_nan = true;
-          const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
-          if (whole) bound = std::max(bound, md);
+          if (sees_whole(keys, J)) pooled_whole = std::max(pooled_whole, md);
         }
-        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
-          bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
-        double running = kNegInf;
-        for (int64_t J = J_hi; J >= J_lo; --J) {
-          running = std::max(running, sh[J]);
-          closeness[J] = std::max(closeness[J], scale * (sh[J] - std::max(bound, running)));
-        }
+        one_pass(keys, pooled_whole, sh, [](int64_t) { return true; }, closeness);
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
     } else if (params.rule == SelectionRule::kExactMax) {
@@ -283,20 +292,15 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const double log_cand = params.candidate_alpha > 0.f ? std::log(double(params.candidate_alpha)) : kNegInf;
       std::vector<char> cand(size_t(nb), 0);
       for (int64_t J = 0; J < nb; ++J) cand[J] = visible[J] && (pooled[J] >= log_cand || always_kept(J));
-      const SequenceKV& keys_of = kv[size_t(b) * H + kvh];
-      const int64_t sink_end = std::min<int64_t>(s.k_len, num_blocks(params.sink, B) * B);  // the sink blocks' keys
-      const double scale = double(p.softmax_scale);
       std::vector<double> closeness(size_t(nb), kNegInf), e(static_cast<size_t>(nb));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
         const int64_t pos = r / g;
         const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
         if (keys.empty()) continue;
         load_q(pos, kvh * g + int(r % g));
-        double bound = kNegInf;
-        const int64_t J_lo = keys.lo / B, J_hi = keys.hi / B;
-        for (int64_t J = J_lo; J <= J_hi; ++J) {
-          const bool whole = J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
-          if (whole) bound = std::max(bound, mean_dot(J));
+        double pooled_whole = kNegInf;
+        for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
+          if (sees_whole(keys, J)) pooled_whole = std::max(pooled_whole, mean_dot(J));
           if (!cand[J]) continue;
           double top = kNegInf;
           for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j)
@@ -304,14 +308,7 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           e[J] = top;
           if (std::isnan(top)) tile_nan = true;
         }
-        for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
-          bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
-        double running = kNegInf;
-        for (int64_t J = J_hi; J >= J_lo; --J) {
-          if (!cand[J]) continue;
-          running = std::max(running, e[J]);
-          closeness[J] = std::max(closeness[J], scale * (e[J] - std::max(bound, running)));
-        }
+        one_pass(keys, pooled_whole, e, [&](int64_t J) { return cand[J] != 0; }, closeness);
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = cand[J] && closeness[J] >= log_alpha;
     } else {
