@@ -553,20 +553,6 @@ def test_head_subgroups_chunked_mean_cache_on_gpu():
             assert not torch.isnan(got).any() and torch.equal(got, want)
 
 
-def test_exact_max_is_not_built_on_gpu():
-    # rule 'exact_max' has the CPU reference only (docs/design/exact_max_spec.md): the CUDA entry points raise
-    # NotImplementedError before any launch, sparse_support gives the same reason (an engine adapter then runs dense),
-    # and the CPU tensors of the same call build its index
-    rng = np.random.default_rng()
-    cpu, gpu, mq, mk = _bf16_case(rng, [300], [300])
-    for fn in (sp.build_index, sp.sparse_prefill):
-        with pytest.raises(NotImplementedError, match="exact_max"):
-            fn(*gpu, mq, mk, rule="exact_max", dense_fraction=1.0)
-    assert "exact_max" in sp.sparse_support(*gpu, mq, mk, rule="exact_max")
-    assert sp.sparse_support(*cpu, mq, mk, rule="exact_max") is None
-    assert 0.0 < sp.build_index(*cpu, mq, mk, rule="exact_max", dense_fraction=1.0).density <= 1.0
-
-
 def test_head_subgroups_not_dividing_the_group_is_a_clear_error_on_gpu():
     rng = np.random.default_rng()
     _, gpu, mq, mk = _structured_varlen(rng, [300], [300], 8, 2)

@@ -154,6 +154,41 @@ inline constexpr bool is_fp8_v = std::is_same_v<T, __nv_fp8_e4m3>;
 template <typename T>
 using lowp_t = std::conditional_t<is_fp8_v<T>, __nv_bfloat16, T>;
 
+// max that propagates NaN (one FMNMX.NAN, the cost of fmaxf): the scorer's maxima see a NaN score (NaN policy of the
+// selection, docs/semantics.md: a tile with a NaN score keeps every visible block).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Eight consecutive elements of a key row as the scorer's GEMM operand (16 bytes): bf16 / fp16 as they are, e4m3 to
+// bf16 exactly (raw units: the caller multiplies the scores by the descale). vec: one 16-byte (8-byte for e4m3) load.
+template <typename T, typename Element>
+__device__ __forceinline__ uint4 load_key8(const T* src, bool vec) {
+  union {
+    uint4 u;
+    Element e[8];
+  } out;
+  if constexpr (is_fp8_v<T>) {
+    union {
+      uint2 u;
+      T f[8];
+    } in;
+    if (vec) {
+      in.u = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+      for (int i = 0; i < 8; ++i) in.f[i] = src[i];
+    }
+    for (int i = 0; i < 8; ++i) out.e[i] = Element(float(in.f[i]));
+  } else if (vec) {
+    out.u = __ldg(reinterpret_cast<const uint4*>(src));
+  } else {
+    for (int i = 0; i < 8; ++i) out.e[i] = Element(to_float(src[i]));
+  }
+  return out.u;
+}
+
 // A real-unit mean as the e4m3 correction operand: raw units of the same scale, round to nearest even, saturated to
 // +-448 (so a mean never becomes NaN by overflow); 0 where the descale or the mean is 0 (no raw value represents it).
 __device__ inline __nv_fp8_e4m3 to_kernel_mean(float mean_real, float descale) {
@@ -259,6 +294,11 @@ void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const
 void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
                     const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                     const SelectArgs& sel, const DeviceIndex& d);
+// exact_max.cu: SelectionRule::kExactMax, the scorer's limits checked, then the tile's keep bits (d.probe_bits): the
+// candidates of kRowMax at params.candidate_alpha and the always-kept blocks, tested by their exact block maxima.
+void launch_exact_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                      const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                      const SelectArgs& sel, const DeviceIndex& d);
 // union.cu: union mode, one list per (sequence, virtual KV head).
 void launch_union(cudaStream_t stream, const SeqArgs& seq, const VirtualHeads& heads, int batch, int block_size,
                   int64_t nb_max, const DeviceIndex& d);

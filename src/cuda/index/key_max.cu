@@ -104,33 +104,6 @@ struct KeyMaxConfig {
   }
 };
 
-// Eight consecutive elements of a key row as the scorer's GEMM operand (16 bytes): bf16 / fp16 as they are, e4m3 to
-// bf16 exactly (raw units: the caller multiplies the scores by the descale). vec: one 16-byte (8-byte for e4m3) load.
-template <typename T, typename Element>
-__device__ __forceinline__ uint4 load_key8(const T* src, bool vec) {
-  union {
-    uint4 u;
-    Element e[8];
-  } out;
-  if constexpr (is_fp8_v<T>) {
-    union {
-      uint2 u;
-      T f[8];
-    } in;
-    if (vec) {
-      in.u = __ldg(reinterpret_cast<const uint2*>(src));
-    } else {
-      for (int i = 0; i < 8; ++i) in.f[i] = src[i];
-    }
-    for (int i = 0; i < 8; ++i) out.e[i] = Element(float(in.f[i]));
-  } else if (vec) {
-    out.u = __ldg(reinterpret_cast<const uint4*>(src));
-  } else {
-    for (int i = 0; i < 8; ++i) out.e[i] = Element(to_float(src[i]));
-  }
-  return out.u;
-}
-
 // A warpgroup's OR of p (named barrier 1 + warpgroup, 128 threads: a vote of its 4 warps in one instruction).
 __device__ __forceinline__ bool warpgroup_any(bool p) {
   uint32_t r;
@@ -609,10 +582,7 @@ template <typename T, int D, int R>
 void launch_all(cudaStream_t stream, const Problem& p, const Bounds& bd, const VirtualHeads& heads,
                 const SeqArgs& seq, const QArgs& qa, const KVArgs& kv, const SelectArgs& sel, const DeviceIndex& d) {
   const int B = sel.block_size;
-  if (bd.nb_max * (B / kUnitKeys) > 65535) {  // the scorer's lists hold block and unit indices as uint16
-    throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max * B) +
-                              " keys per sequence exceed the scorer's 65535 units of 64 (max_seqlen_k too long)");
-  }
+  // the lists hold block and unit indices as uint16: <= 65535 units (check_index_supported)
   const size_t dyn = KeyMaxConfig<T, D, R>::smem_bytes(bd.nb_max, B);
   if (dyn > key_max_smem_limit<T, D, R>()) {
     throw NotImplementedError("build_index on CUDA, rule key_max: " + std::to_string(bd.nb_max) +

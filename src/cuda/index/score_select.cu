@@ -76,13 +76,6 @@ __device__ __forceinline__ void butterfly_step(float (&v)[32], int lane, Combine
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
-// max that propagates NaN (one FMNMX.NAN, the cost of fmaxf): the scorer's maxima see a NaN score (NaN policy of the
-// selection, docs/semantics.md: a tile with a NaN score keeps every visible block).
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 // One CTA per (tile, KV head), 2 warpgroups of 64 rows. Per chunk of 128 pooled blocks one wgmma, then:
 // Tile energy (SelectionRule::kTileEnergy): S^T = K_mean Q^T, each thread holding 2 blocks x 32 query rows. Per block
@@ -98,7 +91,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
 // energy[]; keep iff
 // C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
 // The last tiles (last_n), which keep every visible block, skip the GEMM.
-// kBitsOnly (SelectionRule::kKeyMax, whose bits key_max.cu computed): no GEMM at all, the keep rules with the bits in
+// kBitsOnly (SelectionRule::kKeyMax / kExactMax, whose bits key_max.cu / exact_max.cu computed): no GEMM at all, the keep rules with the bits in
 // place of the threshold test.
 template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
@@ -457,9 +450,13 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
       throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                 " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
     }
-    if (params.rule == SelectionRule::kKeyMax) {
+    if (params.rule == SelectionRule::kKeyMax || params.rule == SelectionRule::kExactMax) {
       // the per-key pass's bits, merged with the always-kept rules into the CSR (no pooled GEMM here)
-      launch_key_max(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+      if (params.rule == SelectionRule::kKeyMax) {
+        launch_key_max(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+      } else {
+        launch_exact_max(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+      }
       launch_score<T, kD, true, true>(grid, dyn_smem, stream, seq, qa, sel, heads, p.num_kv_heads, d);
     } else if (probe) {
       // the probe rows' bits at alpha, then the pooled-means row max at params.mean_alpha ORs them in

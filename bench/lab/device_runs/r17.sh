@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 17, call 1 of 2 (the SmolLM2 wheel's first half carried, .deps/smollm2.part.aa): build + model, the exact_max
+# CUDA stage's GPU tests against the CPU reference (and key_max's, whose limit check moved), then its price on the
+# topic workload through the package: bench_selection's one-call and index rows for the default and exact_max at
+# alpha 0.05 / 0.03 at 8K / 32K / 128K and a 1024-token chunk step at 128K. Logs come back as OUT/r17.tgz.
+set -u
+OUT=$1
+END=${R17_END:-570}
+export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
+W=/tmp/r17; mkdir -p $W
+left() { echo $(( END - SECONDS )); }
+bash scripts/gpu.sh $W build model > $W/gpu_build.log 2>&1; tail -3 $W/gpu_build.log
+G=$(cat $W/card.txt)
+echo "card $G"
+timeout $(( $(left) * 40 / 100 )) python3 -m pytest -q -p no:cacheprovider -rfE tests/python/test_exact_max_cuda.py \
+  tests/python/test_key_max_cuda.py > $W/test_exact_max.log 2>&1
+tail -25 $W/test_exact_max.log
+EX="sp:rule=exact_max;alpha=0.05,sp:rule=exact_max;alpha=0.03"
+timeout $(( $(left) - 15 )) python3 bench/bench_selection.py --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
+  --chunk-configs "default,sp:rule=exact_max;alpha=0.05" --out "$OUT/selection_exact_max_${G}.json" > $W/bench_selection.log 2>&1
+tail -30 $W/bench_selection.log
+tar czf "$OUT/r17.tgz" -C $W --exclude='*.whl' --exclude='*.part.*' .

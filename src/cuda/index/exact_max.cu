@@ -1,0 +1,476 @@
+// Index stage, the exact_max rule (SelectionRule::kExactMax, docs/design/exact_max_spec.md): two stages in one kernel
+// per (tile, virtual KV head), on tensor cores, after the pooling, no host synchronisation.
+//   Stage 1, the candidates: kRowMax at candidate_alpha over the pooled means (the default rule's index), plus the
+//   always-kept blocks (sink, window band, the blocks not fully visible to the tile), which set the rows' running
+//   maxima too.
+//   Stage 2, the exact block maxima: the candidates' real keys in units of 64 (S = Q K^T on wgmma, float
+//   accumulators), from the diagonal down; per row the block's maximum e_rJ, the running maximum m_r (started at the
+//   bound: the sink keys' exact maximum and the pooled scores of the blocks the row sees whole), the per-row test
+//   e_rJ >= m_r + log2(alpha), a warp vote per block.
+// The tile's keep bits go to d.probe_bits, which score_select's bits-only kernel merges with the always-kept rules into
+// the CSR (as key_max's). Scores are in log2 units (scale_log2; FP8: times the k descale: e4m3 keys are exact in bf16).
+// It is key_max.cu's scorer without the projection: the same prologue (Q, the sink keys in batches) and pooled
+// passes; where key_max scores K' units (64 x r fp16, 2 KB) behind a bound, this scores K itself (64 x D bf16, 16 KB
+// at D 128) for every candidate, so it keeps its own shared memory plan (below) rather than being a mode of key_max.
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "cuda/attention/config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
+#include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
+#include "cuda/common/wgmma.h"
+#include "cuda/index/device_args.cuh"
+#include "cuda/index/q_gather.cuh"
+
+namespace sparse_prefill::cuda::index_stage {
+namespace {
+
+constexpr int kExactThreads = 256;  // 2 warpgroups x 64 packed rows
+static_assert(kTileRows == 2 * 64, "the scorer's tile is two warpgroups' m64 GEMM rows");
+constexpr int kUnitKeys = 64;    // keys per exact wgmma (N): any block_size % 64 == 0 is whole units
+constexpr int kStageUnits = 2;   // units per stage, double-buffered: 4 units of K, 64 KB at D 128
+constexpr int kPooledN = 32;     // pooled blocks per pooled wgmma (N)
+
+template <typename T, int D>
+struct ExactMaxConfig {
+  // both GEMMs' operands: q's dtype (bf16 for FP8 inputs: q dequantised on the way in, e4m3 keys exactly in bf16)
+  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  template <int kN>
+  using Mma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using PooledMma = Mma<kPooledN>;
+  using ExactMma = Mma<kUnitKeys>;
+  template <int kRows>
+  using Atom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element,
+                                                                            cute::Int<kRows>, cute::Int<D>>());
+  using SmemLayoutQ = decltype(cute::tile_to_shape(Atom<kTileRows>{}, cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
+  using SmemLayoutKm =  // two stages: chunk c + 1's means load while chunk c is scored
+      decltype(cute::tile_to_shape(Atom<kPooledN>{}, cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::_2>{}));
+  using SmemLayoutK =  // K units: slot = stage * kStageUnits + unit of the stage
+      decltype(cute::tile_to_shape(Atom<kUnitKeys>{},
+                                   cute::Shape<cute::Int<kUnitKeys>, cute::Int<D>, cute::Int<2 * kStageUnits>>{}));
+  // The sink keys' 32-key chunks in the K units' room, at most the 8 of the default sink (256 keys) per batch.
+  static constexpr int kSinkStages = std::min<int>(8, int(cute::cosize_v<SmemLayoutK> / (kPooledN * D)));
+  using SmemLayoutSink = decltype(cute::tile_to_shape(
+      Atom<kPooledN>{}, cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::Int<kSinkStages>>{}));
+  struct Smem {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    union {  // in turn: the sink keys (prologue), the pooled means (stage 1), the K units (stage 2)
+      cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+      cute::array_aligned<Element, cute::cosize_v<SmemLayoutKm>, 1024> km;
+      cute::array_aligned<Element, cute::cosize_v<SmemLayoutSink>, 1024> sink;
+    } u;
+    int candidates;  // the tile's candidate blocks (the list's length)
+    int nan_flag;
+  };
+  static_assert(cute::cosize_v<SmemLayoutKm> <= cute::cosize_v<SmemLayoutK> &&
+                    cute::cosize_v<SmemLayoutSink> <= cute::cosize_v<SmemLayoutK> && kSinkStages >= 2,
+                "the pooled stages and the sink chunks fit the K units' room");
+  // After Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates and their
+  // units (key rows / 64 of the sequence) as uint16. ~97 KB at D 128 and 32K keys: two CTAs per SM.
+  static size_t smem_bytes(int64_t nb_max, int block_size) {
+    const size_t words = size_t((nb_max + 31) / 32);
+    return sizeof(Smem) + 2 * words * sizeof(uint32_t) +
+           (words * 32 + size_t(nb_max) * (block_size / kUnitKeys)) * sizeof(uint16_t);
+  }
+};
+
+// One CTA per (tile, virtual KV head). Writes the tile's keep bits (words [0, ceil(nvis / 32)) of its segment) of the
+// candidate blocks some row keeps by the per-row test (spec step 4), every bit when a score is NaN; the last tiles
+// (which keep everything) exit at once.
+template <typename T, int D>
+__global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
+    SeqArgs seq, QArgs qa, KVArgs kv, bool k_vec, SelectArgs sel, float log2_candidate_alpha, int group_size,
+    int num_kv_heads, int subgroups, int kv_heads_mem, const int32_t* cu_tiles, const int32_t* cu_blocks,
+    const lowp_t<T>* k_mean_lowp, uint32_t* bits_out, int64_t words_out) {
+  using namespace cute;
+  using Cfg = ExactMaxConfig<T, D>;
+  using Element = typename Cfg::Element;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem_raw + sizeof(typename Cfg::Smem));
+  uint32_t* cand_bits = bits + words_out;
+  uint16_t* cand = reinterpret_cast<uint16_t*>(cand_bits + words_out);
+  uint16_t* cand_units = cand + (words_out * 32);  // after room for nb_max candidates (words_out * 32 >= nb_max)
+
+  const SelectTile st = select_tile(seq, cu_tiles);
+  if (st.b < 0) return;
+  const int kvh = st.kvh, b = st.b, kvh_mem = kvh / subgroups;
+  const int64_t t = st.t, q_len = st.q_len, k_len = st.k_len, off = st.off;
+  if (t >= st.tiles - sel.last_n) return;  // the last tiles keep every visible block (score_select's force)
+  const int64_t nb = cu_blocks[b + 1] - cu_blocks[b];
+  const int64_t rows = min(int64_t(kTileRows), q_len * group_size - t * kTileRows);
+  const int64_t first_pos = t * kTileRows / group_size, last_pos = (t * kTileRows + rows - 1) / group_size;
+  const int64_t hi_first = min(k_len - 1, first_pos + off), hi_last = min(k_len - 1, last_pos + off);
+  const int B = sel.block_size;
+  const int nvis = hi_last >= 0 ? int(hi_last / B + 1) : 0;
+  const int64_t seg = int64_t(num_kv_heads) * cu_tiles[b] + kvh * st.tiles + t;
+  const int words = (nvis + 31) / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (nvis == 0) return;
+
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename Cfg::SmemLayoutQ{});
+  Tensor sKm = make_tensor(make_smem_ptr(sm.u.km.data()), typename Cfg::SmemLayoutKm{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.u.k.data()), typename Cfg::SmemLayoutK{});
+  Tensor sSink = make_tensor(make_smem_ptr(sm.u.sink.data()), typename Cfg::SmemLayoutSink{});
+  const auto smem_addr = [](const auto& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
+
+  for (int w = threadIdx.x; w < words; w += kExactThreads) bits[w] = cand_bits[w] = 0u;
+  if (threadIdx.x == 0) sm.nan_flag = 0;
+
+  // Q as score_select gathers it, in flight with the first sink batch (the first stage barrier waits for both).
+  if constexpr (is_fp8_v<T>) {
+    gather_q_fp8<D, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh_mem));
+  } else if (qa.vec16) {
+    gather_q_cp_async<T, D, 8, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
+  } else {
+    gather_q_cp_async<T, D, 2, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  typename Cfg::PooledMma pmma;
+  typename Cfg::ExactMma emma;
+  auto wg_p = pmma.get_slice((threadIdx.x / 128) * 128);
+  auto wg_e = emma.get_slice((threadIdx.x / 128) * 128);
+  Tensor tPrQ = wg_p.partition_fragment_A(sQ);
+  Tensor tPrK = wg_p.partition_fragment_B(sKm);
+  Tensor tPrSink = wg_p.partition_fragment_B(sSink);
+  Tensor tPrS = partition_fragment_C(pmma, Shape<Int<kTileRows>, Int<kPooledN>>{});
+  Tensor cP = pmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kPooledN>>{}));
+  Tensor tErQ = wg_e.partition_fragment_A(sQ);
+  Tensor tErK = wg_e.partition_fragment_B(sK);
+  Tensor cE = emma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kUnitKeys>>{}));
+  static_assert(decltype(size(cE))::value == 32, "float accumulators: 32 a thread per unit");
+
+  // This thread's two packed rows (the float accumulators' rows 0 and 8 of its quad, the same in both GEMMs: value v
+  // is in row (v / 2) % 2 of these, v % 2 the next column, v / 4 columns + 8): the last key each sees (-1: none), the
+  // last block, the last block it sees whole (every block when it sees the sequence's last key).
+  int hi_row[2], last_block[2], whole_last[2];
+  for (int i = 0; i < 2; ++i) {
+    const int r = get<0>(cP(2 * i));
+    const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+    hi_row[i] = int(hi);
+    last_block[i] = hi >= 0 ? int(hi / B) : -1;
+    whole_last[i] = hi < 0 ? -1 : hi == k_len - 1 ? int(nb - 1) : int((hi + 1) / B - 1);
+  }
+  const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile
+
+  // Pooled chunk c: 32 blocks (block_of(n), n < 32) into stage `buf` of sKm (one cp.async group, waited at the next
+  // stage barrier). A thread's 16-byte chunks are the same in every chunk: their stage-0 addresses computed once.
+  const Element* pooled_src =
+      reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh_mem) * D;
+  constexpr int kVec = D / 8;                                   // 16-byte chunks per row of D
+  constexpr int kMeanLoads = kPooledN * kVec / kExactThreads;   // per thread and chunk
+  static_assert(kPooledN * kVec % kExactThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kPooledN * D * sizeof(Element) % 1024 == 0, "a pooled stage is whole swizzle periods");
+  constexpr uint32_t kMeanStageBytes = kPooledN * D * sizeof(Element);
+  uint32_t km_mine[kMeanLoads];
+  CUTE_UNROLL
+  for (int k = 0; k < kMeanLoads; ++k) {
+    const int i = threadIdx.x + k * kExactThreads;
+    km_mine[k] = smem_addr(sKm(i / kVec, (i % kVec) * 8, 0));
+  }
+  auto load_pooled = [&](int c, int buf) {  // blocks [32 c, 32 c + 32), those past the sequence clamped to its last
+    CUTE_UNROLL
+    for (int k = 0; k < kMeanLoads; ++k) {
+      const int i = threadIdx.x + k * kExactThreads;
+      const int J = min(c * kPooledN + i / kVec, int(nb - 1));
+      const Element* src = pooled_src + int64_t(J) * (kv_heads_mem * D) + (i % kVec) * 8;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(km_mine[k] + buf * kMeanStageBytes), "l"(src));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  auto pooled_gemm = [&](int buf) {
+    wgmma_batch<false>(pmma, tPrQ, tPrK(_, _, _, buf), tPrS, /*zero_init=*/true);
+    warpgroup_wait<0>();
+  };
+  auto stage_barrier = [&] {  // every cp.async of this thread landed and visible to wgmma, then the CTA meets
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+  };
+
+  // The sink keys, the bound's first term: keys [0, sink_end) (the sink blocks'), 32 per pooled-shape GEMM, as
+  // key_max.cu loads them (e4m3 exactly in bf16 with the descale on the score; zeros past the sink and on a bad page).
+  float m_row[2] = {-INFINITY, -INFINITY};  // the rows' running maxima (log2 units)
+  const int64_t sink_end = min(k_len, geometry::num_blocks(sel.sink, B) * B);
+  const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
+  const float key_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
+  const T* k_src = static_cast<const T*>(kv.k);
+  const int64_t k_start = seq.k_start(b);
+  const uint32_t sink_from_km = smem_addr(sSink(0, 0, 0)) - smem_addr(sKm(0, 0, 0));
+  // key j's 16-byte part `part` into shared address dst: cp.async for aligned 16-bit rows, else loads and a store
+  auto load_key = [&](int64_t j, bool in_range, int part, uint32_t dst) {
+    int64_t ko = 0, vo;
+    const bool ok = in_range && kv.offsets(b, k_start, kvh_mem, j, ko, vo);
+    const T* src = k_src + ko + part * 8;
+    if (!is_fp8_v<T> && k_vec) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+    } else {
+      const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    }
+  };
+  for (int c0 = 0; c0 < sink_chunks; c0 += Cfg::kSinkStages) {
+    const int n = min(Cfg::kSinkStages, sink_chunks - c0);
+    for (int u = 0; u < n; ++u) {
+      CUTE_UNROLL
+      for (int k = 0; k < kMeanLoads; ++k) {
+        const int i = threadIdx.x + k * kExactThreads;
+        const int64_t j = int64_t(c0 + u) * kPooledN + i / kVec;
+        load_key(j, j < sink_end, i % kVec, km_mine[k] + sink_from_km + u * kMeanStageBytes);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    stage_barrier();  // the batch (and, the first time, Q) landed and is visible to wgmma
+    for (int u = 0; u < n; ++u) {
+      wgmma_batch<false>(pmma, tPrQ, tPrSink(_, _, _, u), tPrS, /*zero_init=*/true);
+      warpgroup_wait<0>();
+      CUTE_UNROLL
+      for (int v = 0; v < size(tPrS); ++v) {
+        const int i = (v / 2) % 2, j = (c0 + u) * kPooledN + get<1>(cP(v));
+        m_row[i] = j < sink_end && j <= hi_row[i] ? fmaxf(m_row[i], tPrS(v) * key_scale) : m_row[i];
+      }
+    }
+    __syncthreads();  // both warpgroups past the batch's GEMMs before the room is reloaded
+  }
+
+  // Pass 1 over the pooled chunks: per row the maximum over every block it sees (m_all, NaN-propagating: a NaN score
+  // flags the tile) and over the blocks it sees whole (the bound's second term).
+  // Pass 2, backwards from pass 1's last chunk (its scores still in tPrS), the candidates: the blocks J some row sees
+  // with pooled_rJ >= m_all_r + log2(candidate_alpha) (kRowMax's test). Chunk c is in stage c % 2 in both passes.
+  float m_all[2] = {-INFINITY, -INFINITY}, cand_threshold[2];
+  const int nchunks = (nvis + kPooledN - 1) / kPooledN;
+  auto pooled_tests = [&](auto pass, int c) {  // chunk c's scores, in tPrS
+    constexpr int kPass = decltype(pass)::value;
+    uint32_t mask = 0;
+    CUTE_UNROLL
+    for (int v = 0; v < size(tPrS); ++v) {
+      const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
+      const float s = tPrS(v) * sel.scale_log2;
+      if constexpr (kPass == 0) {
+        m_all[i] = J <= last_block[i] ? fmax_nan(m_all[i], s) : m_all[i];
+        m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
+      } else {
+        mask |= uint32_t((J <= last_block[i]) & (s >= cand_threshold[i])) << col;
+      }
+    }
+    if constexpr (kPass == 1) {
+      mask = __reduce_or_sync(0xffffffffu, mask);
+      if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
+    }
+  };
+  load_pooled(0, 0);
+  for (int c = 0; c < nchunks; ++c) {
+    stage_barrier();  // chunk c landed; chunk c - 1's GEMM (the other stage) finished in both warpgroups
+    const int next = c + 1 < nchunks ? c + 1 : c - 1;  // pass 1's next chunk, then pass 2's second
+    if (next >= 0) load_pooled(next, next & 1);
+    pooled_gemm(c & 1);
+    pooled_tests(std::integral_constant<int, 0>{}, c);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int o = 1; o <= 2; o *= 2) {
+      m_row[i] = fmaxf(m_row[i], __shfl_xor_sync(0xffffffffu, m_row[i], o));
+      m_all[i] = fmax_nan(m_all[i], __shfl_xor_sync(0xffffffffu, m_all[i], o));
+    }
+    if (m_all[i] != m_all[i]) sm.nan_flag = 1;  // read after the barriers below
+    cand_threshold[i] = m_all[i] + log2_candidate_alpha;
+  }
+  if (nchunks > 0) pooled_tests(std::integral_constant<int, 1>{}, nchunks - 1);
+  for (int c = nchunks - 2; c >= 0; --c) {
+    stage_barrier();  // chunk c landed; chunk c + 1's GEMM finished in both warpgroups
+    if (c > 0) load_pooled(c - 1, (c - 1) & 1);
+    pooled_gemm(c & 1);
+    pooled_tests(std::integral_constant<int, 1>{}, c);
+  }
+  __syncthreads();  // pass 2's candidate bits set; both warpgroups past its last GEMM before the room is reloaded
+
+  // The always-kept blocks are candidates too (they set the running maxima; score_select keeps them whatever the
+  // bits say): not fully visible to the tile, sink, window band (score_select's keep rules). Round r's warp w owns
+  // word r / 32 + w.
+  {
+    const int hf = int(max(hi_first, int64_t(-1)));
+    const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
+    const int band_lo = int(max(int64_t(0), diag_first - sel.window + 1)), band_hi = int(min(k_len - 1, diag_last));
+    const bool has_band = sel.window > 0 && diag_last >= 0;
+    for (int round = 0; round < nvis; round += kExactThreads) {
+      const int J = round + threadIdx.x;
+      bool always = false;
+      if (J < nvis) {
+        const int first_key = J * B, last_key = first_key + min(B - 1, int(k_len) - 1 - first_key);
+        always = (last_key > hf) | (first_key < sel.sink) | (has_band & (first_key <= band_hi) & (last_key >= band_lo));
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, always);
+      if (lane == 0 && round / 32 + warp < words) cand_bits[round / 32 + warp] |= ballot;
+    }
+  }
+  __syncthreads();
+
+  // The candidates as a list, from the diagonal down (warp 0: each lane a word, the lanes' counts prefix-summed).
+  if (warp == 0) {
+    int base = 0;
+    for (int w0 = words - 1; w0 >= 0; w0 -= 32) {
+      const int w = w0 - lane;
+      uint32_t x = w >= 0 ? cand_bits[w] : 0u;
+      const int n = __popc(x);
+      int incl = n;
+      for (int o = 1; o < 32; o *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      int pos = base + incl - n;
+      while (x) {
+        const int bit = 31 - __clz(x);
+        cand[pos++] = uint16_t(32 * w + bit);
+        x &= ~(1u << bit);
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) sm.candidates = base;
+  }
+  __syncthreads();
+  const int ncand = sm.candidates;
+  // unit n of the scoring order: unit upb - 1 - n % upb of candidate n / upb (keys descending within a block), as
+  // its key row / 64 in the sequence
+  const int upb = B / kUnitKeys;
+  const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
+  for (int n = threadIdx.x; n < units; n += kExactThreads)
+    cand_units[n] = uint16_t(int(cand[n / upb]) * upb + upb - 1 - n % upb);
+  __syncthreads();
+
+  // Stage 2, the exact maxima unit by unit (64 keys) in cand_units' order, in stages of kStageUnits units. A thread's
+  // (key, 16-byte part) of a unit is the same in every unit: its slot-0 address computed once (a slot is whole
+  // swizzle periods, so slot s is slot 0 moved by s units).
+  constexpr int kKeyLoads = kUnitKeys * kVec / kExactThreads;  // per thread and unit
+  constexpr uint32_t kUnitBytes = kUnitKeys * D * sizeof(Element);
+  static_assert(kUnitKeys * kVec % kExactThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kUnitBytes % 1024 == 0, "a K slot is whole swizzle periods: slot s = slot 0 + s * kUnitBytes");
+  uint32_t k_mine[kKeyLoads];
+  CUTE_UNROLL
+  for (int k = 0; k < kKeyLoads; ++k) {
+    const int i = threadIdx.x + k * kExactThreads;
+    k_mine[k] = smem_addr(sK(i / kVec, (i % kVec) * 8, 0));
+  }
+  auto load_stage = [&](int s, int buf) {
+    CUTE_UNROLL
+    for (int u = 0; u < kStageUnits; ++u) {
+      const int n = s * kStageUnits + u;
+      if (n >= units) break;
+      const int64_t key0 = int64_t(cand_units[n]) * kUnitKeys;
+      CUTE_UNROLL
+      for (int k = 0; k < kKeyLoads; ++k) {
+        const int i = threadIdx.x + k * kExactThreads;
+        const int64_t j = key0 + i / kVec;
+        load_key(j, j < k_len, i % kVec, k_mine[k] + uint32_t(buf * kStageUnits + u) * kUnitBytes);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  const float log2_alpha = log2f(sel.alpha);  // alpha 0: -inf, every candidate
+  float run[2] = {-INFINITY, -INFINITY};      // the current block's maxima so far, per row (raw dot products)
+  // Unit (ci, sub) scored in acc: mask, running block maximum; at the block's last unit (sub 0) the score e_rJ, the
+  // running row maximum and the per-row test.
+  auto consume = [&](auto& acc, int ci, int sub) {
+    const int J = cand[ci];
+    const int key0 = J * B + sub * kUnitKeys;
+    if (key0 + kUnitKeys - 1 > tile_min_hi) {  // some key of the unit is past some row's last key
+      CUTE_UNROLL
+      for (int v = 0; v < size(acc); ++v) {
+        if (key0 + get<1>(cE(v)) > hi_row[(v / 2) % 2]) acc(v) = -INFINITY;
+      }
+    }
+    CUTE_UNROLL
+    for (int v = 0; v < size(acc); ++v) run[(v / 2) % 2] = fmax_nan(run[(v / 2) % 2], acc(v));
+    if (sub != 0) return;
+    bool keep = false;
+    for (int i = 0; i < 2; ++i) {
+      float e = fmax_nan(run[i], __shfl_xor_sync(0xffffffffu, run[i], 1));
+      e = fmax_nan(e, __shfl_xor_sync(0xffffffffu, e, 2)) * key_scale;
+      run[i] = -INFINITY;
+      if (J > last_block[i]) continue;
+      if (e != e) sm.nan_flag = 1;  // a NaN key or query reached the scores
+      m_row[i] = fmaxf(m_row[i], e);
+      keep |= e >= m_row[i] + log2_alpha;
+    }
+    if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(&bits[J / 32], 1u << (J % 32));
+  };
+
+  if (units > 0) load_stage(0, 0);
+  Tensor accA = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
+  Tensor accB = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
+  for (int s = 0; s < nstages; ++s) {
+    const int buf = s & 1;
+    stage_barrier();  // stage s landed; the other stage's readers done
+    if (s + 1 < nstages) load_stage(s + 1, buf ^ 1);
+    const int slot0 = buf * kStageUnits;
+    // unit uu + 1's wgmma runs while unit uu is reduced (two accumulators); every slot's wgmma is issued (a wgmma
+    // under a branch is serialized by ptxas, C7518): a slot past the last unit holds stale keys and is not reduced.
+    int ci = s * kStageUnits / upb, sub = upb - 1 - s * kStageUnits % upb;
+    wgmma_batch<false>(emma, tErQ, tErK(_, _, _, slot0), accA, /*zero_init=*/true);
+    CUTE_UNROLL
+    for (int uu = 0; uu < kStageUnits; ++uu) {
+      auto& cur = (uu & 1) ? accB : accA;
+      auto& nxt = (uu & 1) ? accA : accB;
+      if (uu + 1 < kStageUnits) {
+        wgmma_batch<false>(emma, tErQ, tErK(_, _, _, slot0 + uu + 1), nxt, /*zero_init=*/true);
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
+      }
+      if (s * kStageUnits + uu < units) consume(cur, ci, sub);
+      if (sub == 0) {
+        ++ci;
+        sub = upb - 1;
+      } else {
+        --sub;
+      }
+    }
+  }
+  __syncthreads();
+  uint32_t* out = bits_out + seg * words_out;
+  const bool all = sm.nan_flag != 0;  // a NaN score keeps every visible block of the tile
+  for (int w = threadIdx.x; w < words; w += kExactThreads) out[w] = all ? 0xffffffffu : bits[w];
+}
+
+template <typename T, int D>
+size_t exact_max_smem_limit() {
+  static const size_t limit =
+      opt_in_all_shared_memory(exact_max_kernel<T, D>, "cudaFuncSetAttribute(exact_max_kernel)");
+  return limit;
+}
+
+template <typename T, int D>
+void launch_exact(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                  const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                  const SelectArgs& sel, const DeviceIndex& d) {
+  const int B = sel.block_size;
+  // the lists hold block and unit indices as uint16: <= 65535 units (check_index_supported)
+  const size_t dyn = ExactMaxConfig<T, D>::smem_bytes(bd.nb_max, B);
+  if (dyn > exact_max_smem_limit<T, D>()) {
+    throw NotImplementedError("build_index on CUDA, rule exact_max: " + std::to_string(bd.nb_max) +
+                              " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
+  }
+  const bool k_vec = rows_vec8(kv.k, kv.k_stride, kv.block_table != nullptr);  // 16-byte loads of K rows
+  const float log2_candidate_alpha = std::log2(params.candidate_alpha);        // 0: -inf, every visible block
+  exact_max_kernel<T, D><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kExactThreads, dyn, stream>>>(
+      seq, qa, kv, k_vec, sel, log2_candidate_alpha, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads,
+      d.cu_tiles, d.cu_blocks, static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits, d.probe_words);
+}
+
+}  // namespace
+
+void launch_exact_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
+                      const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
+                      const SelectArgs& sel, const DeviceIndex& d) {
+  if (bd.max_tiles <= 0) return;
+  auto launch = [&](auto tag, auto dim) {
+    launch_exact<decltype(tag), decltype(dim)::value>(stream, p, params, bd, heads, seq, qa, kv, sel, d);
+  };
+  with_index_types(p.dtype, p.head_dim, launch);
+  check_cuda(cudaGetLastError(), "exact_max_kernel launch");
+}
+
+}  // namespace sparse_prefill::cuda::index_stage
