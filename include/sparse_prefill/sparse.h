@@ -54,8 +54,8 @@ enum class SelectionRule : int {
   // candidates from the diagonal down keeps J iff scale (e_rJ - m_rJ) >= ln(alpha), m_rJ the larger of kKeyMax's
   // bound (the pooled means over whole blocks, the sink keys exactly) and the running maximum. Why: exact block maxima
   // sit on the oracle's curve (SmolLM2 at 8K, emulated: alpha 0.03-0.05 within a point at 1.0x the oracle's density,
-  // docs/design/selection.md), and the candidates bound their cost by the pooled stage's density. The CPU backend
-  // only for now: on CUDA arrays a call raises NotImplementedError (its kernel is the next step).
+  // docs/design/selection.md), and the candidates bound their cost by the pooled stage's density. On CUDA arrays:
+  // src/cuda/index/exact_max.cu.
   kExactMax = 5,
 };
 // The dense rule (SelectionParams::dense_fraction), after any selection: whether a call whose selection keeps

@@ -277,8 +277,8 @@ def build_index(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
                 always-kept ones) are the candidates; row r scores a candidate by its exact maximum of q_r . k_j over
                 the block's keys it sees, and one pass over the candidates from the diagonal down keeps J iff
                 scale * (score - m) >= ln(alpha), m the larger of 'key_max''s bound and the running maximum
-                (SelectionRule::kExactMax, docs/design/exact_max_spec.md). CPU arrays only for now: on CUDA arrays
-                the call raises NotImplementedError (its kernel is not built; sparse_support() says so).
+                (SelectionRule::kExactMax, docs/design/exact_max_spec.md; on CUDA arrays src/cuda/index/exact_max.cu,
+                exact block maxima on tensor cores over the candidates alone).
         mean_alpha (default 0.5): the pooled-means threshold of the non-probe rows under the probe rules (ignored
             by the other rules).
         key_rank (default 16): the rank of 'key_max''s residual basis, 16 or 32 (at most the head dim; ignored by

@@ -17,7 +17,7 @@
 // one caller-provided workspace, reusable across calls and layers (index_workspace_bytes gives its size from
 // host-known bounds).
 // Files, by role (src/cuda/index/): build.cu (build_index: checks, then the launches in order), plan.cu, pool.cu and
-// mean_cache.cu (step 2), score_select.cu and probe.cu (step 3), union.cu (union mode), dense_rule.cu (step 4),
+// mean_cache.cu (step 2), score_select.cu, probe.cu, key_basis.cu + key_max.cu and exact_max.cu (step 3, by rule), union.cu (union mode), dense_rule.cu (step 4),
 // view.cu (a caller's index view), layout.{h,cpp} (bounds and workspace carving), host_copy.cpp (download to the
 // host); device_args.cuh holds the device structs they share.
 #pragma once
@@ -73,7 +73,7 @@ struct DeviceIndex {
   // SelectionRule::kKeyMax (key_basis.cu, key_max.cu): the residuals' second moment in key_moment_splits() partial
   // sums [split][batch][Hkv][D][D] and the basis [batch][Hkv][D][r] (float32), the projected residuals K'
   // [Hkv][key_rows][r] (fp16; key row cu_blocks[b] * block_size + j) and each block's radius max_j |K'_j|
-  // [Hkv][key_rows / block_size]; its keep bits go to probe_bits.
+  // [Hkv][key_rows / block_size]; its keep bits go to probe_bits (as SelectionRule::kExactMax's, exact_max.cu).
   float* key_moment = nullptr;
   float* key_basis = nullptr;
   void* key_proj = nullptr;
