@@ -16,7 +16,10 @@ timeout $(( $(left) * 40 / 100 )) python3 -m pytest -q -p no:cacheprovider -rfE 
   tests/python/test_key_max_cuda.py > $W/test_exact_max.log 2>&1
 tail -25 $W/test_exact_max.log
 EX="sp:rule=exact_max;alpha=0.05,sp:rule=exact_max;alpha=0.03"
-timeout $(( $(left) - 15 )) python3 bench/bench_selection.py --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
+timeout $(( $(left) - 60 )) python3 bench/bench_selection.py --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
   --chunk-configs "default,sp:rule=exact_max;alpha=0.05" --out "$OUT/selection_exact_max_${G}.json" > $W/bench_selection.log 2>&1
 tail -30 $W/bench_selection.log
+timeout $(( $(left) - 10 )) python3 bench/lab/profile_index.py 32768 131072 --config "sp:rule=exact_max;alpha=0.05" \
+  > $W/profile_index.log 2>&1
+head -40 $W/profile_index.log
 tar czf "$OUT/r17.tgz" -C $W --exclude='*.whl' --exclude='*.part.*' .
