@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 17, call 1 of 2 (the SmolLM2 wheel's first half carried, .deps/smollm2.part.aa): build + model, the exact_max
-# CUDA stage's GPU tests against the CPU reference, then its price on the
-# topic workload through the package: bench_selection's one-call and index rows for the default and exact_max at
-# alpha 0.05 / 0.03 at 8K / 32K / 128K and a 1024-token chunk step at 128K, the index's kernel table, and in the time left key_max's and test_cuda.py's
-# GPU tests. Logs come back as OUT/r17.tgz.
+# CUDA stage's GPU tests against the CPU reference, then its price on the topic workload through the package:
+# bench_selection's one-call and index rows for the default and exact_max at alpha 0.05 / 0.03 at 8K / 32K / 128K and
+# a 1024-token chunk step at 128K, the index's kernel table, and in the time left key_max's and test_cuda.py's GPU
+# tests. Logs come back as OUT/r17.tgz.
 set -u
 OUT=$1
 END=${R17_END:-570}
