@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 17, call 1 of 2 (the SmolLM2 wheel's first half carried, .deps/smollm2.part.aa): build + model, the exact_max
 # CUDA stage's GPU tests against the CPU reference, then its price on the topic workload through the package:
-# bench_selection's one-call and index rows for the default and exact_max at alpha 0.05 / 0.03 at 8K / 32K / 128K and
+# bench_selection's one-call and index rows for the default and exact_max at alpha 0.05 / 0.03 at 32K / 128K (R17_LENGTHS) and
 # a 1024-token chunk step at 128K, the index's kernel table, and in the time left key_max's and test_cuda.py's GPU
-# tests. Logs come back as OUT/r17.tgz.
+# tests, all by R17_END s (default 570; less when the session's device time is short). Logs: OUT/r17.tgz.
 set -u
 OUT=$1
 END=${R17_END:-570}
@@ -17,7 +17,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 
   > $W/test_exact_max.log 2>&1
 tail -25 $W/test_exact_max.log
 EX="sp:rule=exact_max;alpha=0.05,sp:rule=exact_max;alpha=0.03"
-timeout $(( $(left) * 45 / 100 )) python3 bench/bench_selection.py --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
+timeout $(( $(left) * 45 / 100 )) python3 bench/bench_selection.py --lengths "${R17_LENGTHS:-32768,131072}" --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
   --chunk-configs "default,sp:rule=exact_max;alpha=0.05" --out "$OUT/selection_exact_max_${G}.json" > $W/bench_selection.log 2>&1
 tail -30 $W/bench_selection.log
 timeout 45 python3 bench/lab/profile_index.py 32768 131072 --config "sp:rule=exact_max;alpha=0.05" \
