@@ -13,7 +13,7 @@ left() { echo $(( END - SECONDS )); }
 bash scripts/gpu.sh $W build model > $W/gpu_build.log 2>&1; tail -3 $W/gpu_build.log
 G=$(cat $W/card.txt)
 echo "card $G"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 -rfE tests/python/test_exact_max_cuda.py \
+timeout $(( $(left) < 160 ? $(left) - 10 : 150 )) python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 -rfE tests/python/test_exact_max_cuda.py \
   > $W/test_exact_max.log 2>&1
 tail -25 $W/test_exact_max.log
 EX="sp:rule=exact_max;alpha=0.05,sp:rule=exact_max;alpha=0.03"
