@@ -162,33 +162,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return r;
 }
 
-// Eight consecutive elements of a key row as the scorer's GEMM operand (16 bytes): bf16 / fp16 as they are, e4m3 to
-// bf16 exactly (raw units: the caller multiplies the scores by the descale). vec: one 16-byte (8-byte for e4m3) load.
-template <typename T, typename Element>
-__device__ __forceinline__ uint4 load_key8(const T* src, bool vec) {
-  union {
-    uint4 u;
-    Element e[8];
-  } out;
-  if constexpr (is_fp8_v<T>) {
-    union {
-      uint2 u;
-      T f[8];
-    } in;
-    if (vec) {
-      in.u = __ldg(reinterpret_cast<const uint2*>(src));
-    } else {
-      for (int i = 0; i < 8; ++i) in.f[i] = src[i];
-    }
-    for (int i = 0; i < 8; ++i) out.e[i] = Element(float(in.f[i]));
-  } else if (vec) {
-    out.u = __ldg(reinterpret_cast<const uint4*>(src));
-  } else {
-    for (int i = 0; i < 8; ++i) out.e[i] = Element(to_float(src[i]));
-  }
-  return out.u;
-}
-
 // A real-unit mean as the e4m3 correction operand: raw units of the same scale, round to nearest even, saturated to
 // +-448 (so a mean never becomes NaN by overflow); 0 where the descale or the mean is 0 (no raw value represents it).
 __device__ inline __nv_fp8_e4m3 to_kernel_mean(float mean_real, float descale) {

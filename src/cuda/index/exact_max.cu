@@ -21,6 +21,7 @@
 #include "cuda/common/device_info.h"
 #include "cuda/common/wgmma.h"
 #include "cuda/index/device_args.cuh"
+#include "cuda/index/per_key.cuh"
 #include "cuda/index/q_gather.cuh"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -38,14 +39,16 @@ struct ExactMaxConfig {
   using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
   template <int kN>
   using Mma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>>(),
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kTileRows>, cute::Int<kN>, cute::Int<D>>>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using PooledMma = Mma<kPooledN>;
   using ExactMma = Mma<kUnitKeys>;
   template <int kRows>
   using Atom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<cute::GMMA::Major::K, Element,
                                                                             cute::Int<kRows>, cute::Int<D>>());
-  using SmemLayoutQ = decltype(cute::tile_to_shape(Atom<kTileRows>{}, cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
+  using SmemLayoutQ =
+      decltype(cute::tile_to_shape(Atom<kTileRows>{}, cute::Shape<cute::Int<kTileRows>, cute::Int<D>>{}));
   using SmemLayoutKm =  // two stages: chunk c + 1's means load while chunk c is scored
       decltype(cute::tile_to_shape(Atom<kPooledN>{}, cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::_2>{}));
   using SmemLayoutK =  // K units: slot = stage * kStageUnits + unit of the stage
@@ -186,11 +189,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     wgmma_batch<false>(pmma, tPrQ, tPrK(_, _, _, buf), tPrS, /*zero_init=*/true);
     warpgroup_wait<0>();
   };
-  auto stage_barrier = [&] {  // every cp.async of this thread landed and visible to wgmma, then the CTA meets
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-  };
+  auto stage_barrier = [] { cp_async_stage_barrier(); };
 
   // The sink keys, the bound's first term: keys [0, sink_end) (the sink blocks'), 32 per pooled-shape GEMM, as
   // key_max.cu loads them (e4m3 exactly in bf16 with the descale on the score; zeros past the sink and on a bad page).
@@ -201,17 +200,8 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   const T* k_src = static_cast<const T*>(kv.k);
   const int64_t k_start = seq.k_start(b);
   const uint32_t sink_from_km = smem_addr(sSink(0, 0, 0)) - smem_addr(sKm(0, 0, 0));
-  // key j's 16-byte part `part` into shared address dst: cp.async for aligned 16-bit rows, else loads and a store
   auto load_key = [&](int64_t j, bool in_range, int part, uint32_t dst) {
-    int64_t ko = 0, vo;
-    const bool ok = in_range && kv.offsets(b, k_start, kvh_mem, j, ko, vo);
-    const T* src = k_src + ko + part * 8;
-    if (!is_fp8_v<T> && k_vec) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-    } else {
-      const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-    }
+    load_key_part<T, Element>(kv, k_src, b, k_start, kvh_mem, j, in_range, part, k_vec, dst);
   };
   for (int c0 = 0; c0 < sink_chunks; c0 += Cfg::kSinkStages) {
     const int n = min(Cfg::kSinkStages, sink_chunks - c0);
@@ -308,36 +298,16 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   }
   __syncthreads();
 
-  // The candidates as a list, from the diagonal down (warp 0: each lane a word, the lanes' counts prefix-summed).
+  // The candidates as a list, from the diagonal down.
   if (warp == 0) {
-    int base = 0;
-    for (int w0 = words - 1; w0 >= 0; w0 -= 32) {
-      const int w = w0 - lane;
-      uint32_t x = w >= 0 ? cand_bits[w] : 0u;
-      const int n = __popc(x);
-      int incl = n;
-      for (int o = 1; o < 32; o *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      int pos = base + incl - n;
-      while (x) {
-        const int bit = 31 - __clz(x);
-        cand[pos++] = uint16_t(32 * w + bit);
-        x &= ~(1u << bit);
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) sm.candidates = base;
+    const int n = list_candidates(cand_bits, words, cand, lane);
+    if (lane == 0) sm.candidates = n;
   }
   __syncthreads();
   const int ncand = sm.candidates;
-  // unit n of the scoring order: unit upb - 1 - n % upb of candidate n / upb (keys descending within a block), as
-  // its key row / 64 in the sequence
   const int upb = B / kUnitKeys;
   const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
-  for (int n = threadIdx.x; n < units; n += kExactThreads)
-    cand_units[n] = uint16_t(int(cand[n / upb]) * upb + upb - 1 - n % upb);
+  list_units<kExactThreads>(cand, units, upb, cand_units);
   __syncthreads();
 
   // Stage 2, the exact maxima unit by unit (64 keys) in cand_units' order, in stages of kStageUnits units. A thread's

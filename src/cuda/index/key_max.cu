@@ -20,6 +20,7 @@
 #include "cuda/common/device_info.h"
 #include "cuda/common/wgmma.h"
 #include "cuda/index/device_args.cuh"
+#include "cuda/index/per_key.cuh"
 #include "cuda/index/q_gather.cuh"
 
 namespace sparse_prefill::cuda::index_stage {
@@ -289,11 +290,7 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     wgmma_batch<false>(pmma, tPrQ, tPrK(_, _, _, buf), tPrS, /*zero_init=*/true);
     warpgroup_wait<0>();
   };
-  auto stage_barrier = [&] {  // every cp.async of this thread landed and visible to wgmma, then the CTA meets
-    asm volatile("cp.async.wait_group 0;\n" ::);
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-  };
+  auto stage_barrier = [] { cp_async_stage_barrier(); };
   const float log2_alpha = log2f(sel.alpha);  // alpha 0: -inf, every visible block
 
   // The sink keys, the bound's other term: keys [0, sink_end), those of the always-kept sink blocks, as the pooled
@@ -318,16 +315,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
     for (int k = 0; k < kMeanLoads; ++k) {  // the pooled loads' (key, 16-byte part) of this thread
       const int i = threadIdx.x + k * kKeyMaxThreads;
       const int64_t j = int64_t(c) * kPooledN + i / kMeanVec;
-      int64_t ko = 0, vo;
-      const bool ok = j < sink_end && kv.offsets(b, k_start, kvh_mem, j, ko, vo);
-      const T* src = k_src + ko + (i % kMeanVec) * 8;
-      const uint32_t dst = km_mine[k] + sink_from_km + slot * kMeanStageBytes;
-      if (!is_fp8_v<T> && k_vec) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-      } else {
-        const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-      }
+      load_key_part<T, Element>(kv, k_src, b, k_start, kvh_mem, j, j < sink_end, i % kMeanVec, k_vec,
+                                km_mine[k] + sink_from_km + slot * kMeanStageBytes);
     }
   };
   auto sink_max = [&](const auto& acc, int c) {  // chunk c's scores: keys c * 32 + col
@@ -399,36 +388,17 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   }
   __syncthreads();  // both warpgroups past pass 2's last GEMM and candidate bits before the stages are reloaded
 
-  // The candidates as a list, from the diagonal down (warp 0: each lane a word, the lanes' counts prefix-summed).
+  // The candidates as a list, from the diagonal down.
   if (warp == 0) {
-    int base = 0;
-    for (int w0 = words - 1; w0 >= 0; w0 -= 32) {
-      const int w = w0 - lane;
-      uint32_t x = w >= 0 ? cand_bits[w] : 0u;
-      const int n = __popc(x);
-      int incl = n;
-      for (int o = 1; o < 32; o *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      int pos = base + incl - n;
-      while (x) {
-        const int bit = 31 - __clz(x);
-        cand[pos++] = uint16_t(32 * w + bit);
-        x &= ~(1u << bit);
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) sm.candidates = base;
+    const int n = list_candidates(cand_bits, words, cand, lane);
+    if (lane == 0) sm.candidates = n;
   }
   __syncthreads();
   const int ncand = sm.candidates;
-  // unit n of the scoring order: unit upb - 1 - n % upb of candidate n / upb (keys descending within a block), as
-  // its key row / 64 in the sequence (the K' loads' addresses without a division each)
+  // the units' scoring order as key rows / 64 (the K' loads' addresses without a division each)
   const int upb = B / kUnitKeys;
   const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
-  for (int n = threadIdx.x; n < units; n += kKeyMaxThreads)
-    cand_units[n] = uint16_t(int(cand[n / upb]) * upb + upb - 1 - n % upb);
+  list_units<kKeyMaxThreads>(cand, units, upb, cand_units);
   __syncthreads();
 
   // Pass 3, the residual maxima of the candidates, unit by unit (64 keys) in cand_units' order. Stages of 8 units; a
