@@ -74,6 +74,11 @@ constexpr int kProbeStride = 8;          // 1/8 of the rows' Q K^T: ~1/16 of den
 constexpr bool is_probe_rule(SelectionRule rule) {
   return rule == SelectionRule::kProbeRowMax || rule == SelectionRule::kProbeRowMass;
 }
+// The rules whose keys are scored one by one (a per-key scorer: key_max.cu, exact_max.cu; their keep bits in the
+// probe bitmap).
+constexpr bool is_per_key_rule(SelectionRule rule) {
+  return rule == SelectionRule::kKeyMax || rule == SelectionRule::kExactMax;
+}
 
 struct SelectionParams {
   // The threshold of `rule`; alpha = 0 keeps every visible block (dense). 0.003 with one selection per query head:

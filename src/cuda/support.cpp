@@ -125,13 +125,10 @@ void check_index_view_supported(const BlockIndexView& index) {
 
 void check_index_supported(const AttentionInputs& in, const Problem& p, const SelectionParams& params) {
   // The per-key scorers (key_max.cu, exact_max.cu) list a tile's blocks and their 64-key units as uint16.
-  const bool per_key = params.rule == SelectionRule::kKeyMax || params.rule == SelectionRule::kExactMax;
-  if (per_key && geometry::num_blocks(in.max_seqlen_k, params.block_size) * (params.block_size / 64) > 65535) {
-    throw NotImplementedError("build_index on CUDA, rule " + std::string(params.rule == SelectionRule::kKeyMax
-                                                                             ? "key_max"
-                                                                             : "exact_max") +
-                              ": max_seqlen_k " + std::to_string(in.max_seqlen_k) +
-                              " exceeds the per-key scorer's 65535 units of 64 keys");
+  if (is_per_key_rule(params.rule) &&
+      geometry::num_blocks(in.max_seqlen_k, params.block_size) * (params.block_size / 64) > 65535) {
+    throw NotImplementedError("build_index on CUDA, rules key_max and exact_max: max_seqlen_k " +
+                              std::to_string(in.max_seqlen_k) + " exceeds the per-key scorers' 65535 units of 64 keys");
   }
   if (!in.causal || in.window_left >= 0 || in.window_right >= 0) {
     throw NotImplementedError("build_index on CUDA supports causal attention without an attention window only");

@@ -124,13 +124,8 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   if (threadIdx.x == 0) sm.nan_flag = 0;
 
   // Q as score_select gathers it, in flight with the first sink batch (the first stage barrier waits for both).
-  if constexpr (is_fp8_v<T>) {
-    gather_q_fp8<D, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh_mem));
-  } else if (qa.vec16) {
-    gather_q_cp_async<T, D, 8, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
-  } else {
-    gather_q_cp_async<T, D, 2, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
-  }
+  gather_q_tile<T, D, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh,
+                                is_fp8_v<T> ? qa.descale.at(b, kvh_mem) : 1.f);
   asm volatile("cp.async.commit_group;\n" ::);
 
   typename Cfg::PooledMma pmma;
@@ -152,11 +147,8 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   // last block, the last block it sees whole (every block when it sees the sequence's last key).
   int hi_row[2], last_block[2], whole_last[2];
   for (int i = 0; i < 2; ++i) {
-    const int r = get<0>(cP(2 * i));
-    const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
-    hi_row[i] = int(hi);
-    last_block[i] = hi >= 0 ? int(hi / B) : -1;
-    whole_last[i] = hi < 0 ? -1 : hi == k_len - 1 ? int(nb - 1) : int((hi + 1) / B - 1);
+    const RowLimits lim = row_limits(get<0>(cP(2 * i)), rows, t, group_size, off, k_len, nb, B);
+    hi_row[i] = lim.hi, last_block[i] = lim.last_block, whole_last[i] = lim.whole_last;
   }
   const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile
 

@@ -171,13 +171,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   // of the scorer's instructions at 32K (ncu, H100, docs/design/selection.md). Parts: with two, 1.5 % of Q''s fp16
   // values round differently from the exact product's (bf16 q, CPU emulation), with three 0.04 % (the FFMA's 0.1 %).
   Tensor sP = make_tensor(make_smem_ptr(sm.u.p.data()), typename Cfg::SmemLayoutP{});
-  if constexpr (is_fp8_v<T>) {
-    gather_q_fp8<D, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh, qa.descale.at(b, kvh_mem));
-  } else if (qa.vec16) {
-    gather_q_cp_async<T, D, 8, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
-  } else {
-    gather_q_cp_async<T, D, 2, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh);
-  }
+  gather_q_tile<T, D, kKeyMaxThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh,
+                                is_fp8_v<T> ? qa.descale.at(b, kvh_mem) : 1.f);
   asm volatile("cp.async.commit_group;\n" ::);
   const float* p_global = basis + (int64_t(b) * kv_heads_mem + kvh_mem) * D * R;
   for (int i = threadIdx.x; i < D * R; i += kKeyMaxThreads) {  // P [D][R] float -> P^T's parts
@@ -239,11 +234,8 @@ __global__ void __launch_bounds__(kKeyMaxThreads, 2) key_max_kernel(
   float qn[2];
   for (int i = 0; i < 2; ++i) {
     row_of[i] = get<0>(cR(2 * i));  // value 2i: register i, row i of the thread (PTX fp16 accumulator layout)
-    const int64_t hi = row_of[i] < rows ? min(k_len - 1, (t * kTileRows + row_of[i]) / group_size + off) : -1;
-    hi_row[i] = int(hi);
-    last_block[i] = hi >= 0 ? int(hi / B) : -1;
-    // the last block the row sees whole: every block when it sees the last key, else those ending at or before hi
-    whole_last[i] = hi < 0 ? -1 : hi == k_len - 1 ? int(nb - 1) : int((hi + 1) / B - 1);
+    const RowLimits lim = row_limits(row_of[i], rows, t, group_size, off, k_len, nb, B);
+    hi_row[i] = lim.hi, last_block[i] = lim.last_block, whole_last[i] = lim.whole_last;
     qn[i] = sm.qnorm[row_of[i]] * kBoundMargin;
   }
   const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile

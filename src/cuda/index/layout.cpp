@@ -60,11 +60,9 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
                                                "the index: pass a budget below 2^31");
   }
   bd.capacity = params.max_kept_blocks < 0 ? causal : std::min(params.max_kept_blocks, causal);
-  const bool key_max = params.rule == SelectionRule::kKeyMax;
-  const bool per_key = key_max || params.rule == SelectionRule::kExactMax;  // their bits go to probe_bits
-  bd.probe_words = is_probe_rule(params.rule) || per_key ? (bd.nb_max + 31) / 32 : 0;
+  bd.probe_words = is_probe_rule(params.rule) || is_per_key_rule(params.rule) ? (bd.nb_max + 31) / 32 : 0;
   bd.probe_splits = is_probe_rule(params.rule) ? probe_splits(b.total_q, h.group, h.kv, bd.probe_words, num_sms()) : 0;
-  bd.key_rank = key_max ? params.key_rank : 0;
+  bd.key_rank = params.rule == SelectionRule::kKeyMax ? params.key_rank : 0;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }

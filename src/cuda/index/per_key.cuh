@@ -93,4 +93,16 @@ __device__ __forceinline__ void list_units(const uint16_t* cand, int units, int 
     cand_units[n] = uint16_t(int(cand[n / upb]) * upb + upb - 1 - n % upb);
 }
 
+// What packed row r of tile t (r >= rows: past the tile, sees nothing) sees, causal bottom-right: its last key hi
+// (-1: none), its last block and the last block it sees whole (every block when it sees the sequence's last key).
+struct RowLimits {
+  int hi, last_block, whole_last;
+};
+__device__ __forceinline__ RowLimits row_limits(int r, int64_t rows, int64_t t, int group_size, int64_t off,
+                                                int64_t k_len, int64_t nb, int block_size) {
+  const int64_t hi = r < rows ? min(k_len - 1, (t * kTileRows + r) / group_size + off) : -1;
+  return {int(hi), hi >= 0 ? int(hi / block_size) : -1,
+          hi < 0 ? -1 : hi == k_len - 1 ? int(nb - 1) : int((hi + 1) / block_size - 1)};
+}
+
 }  // namespace sparse_prefill::cuda::index_stage

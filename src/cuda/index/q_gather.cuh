@@ -92,4 +92,19 @@ __device__ __forceinline__ void gather_q_fp8(const QArgs& qa, TensorQ& sQ, int64
   }
 }
 
+// The tile's Q by the gather its dtype and alignment allow (FP8 dequantised with the (sequence, KV head) descale of
+// kvh_mem, the memory KV head; 16-bit by 16-byte copies when qa.vec16, else 4-byte ones); the 16-bit paths' cp.async
+// are left uncommitted (the caller commits them, with its first loads where it has them).
+template <typename T, int D, int kThreads, class TensorQ>
+__device__ __forceinline__ void gather_q_tile(const QArgs& qa, TensorQ& sQ, int64_t q_start, int64_t t, int64_t rows,
+                                              int group_size, int kvh, float fp8_descale) {
+  if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
+    gather_q_fp8<D, kThreads>(qa, sQ, q_start, t, rows, group_size, kvh, fp8_descale);
+  } else if (qa.vec16) {
+    gather_q_cp_async<T, D, 8, kThreads>(qa, sQ, q_start, t, rows, group_size, kvh);
+  } else {
+    gather_q_cp_async<T, D, 2, kThreads>(qa, sQ, q_start, t, rows, group_size, kvh);
+  }
+}
+
 }  // namespace sparse_prefill::cuda::index_stage

@@ -91,8 +91,8 @@ struct MaxOp {
 // energy[]; keep iff
 // C_J >= ln(alpha) / scale = log2(alpha) / scale_log2.
 // The last tiles (last_n), which keep every visible block, skip the GEMM.
-// kBitsOnly (SelectionRule::kKeyMax / kExactMax, whose bits key_max.cu / exact_max.cu computed): no GEMM at all, the keep rules with the bits in
-// place of the threshold test.
+// kBitsOnly (the per-key rules, is_per_key_rule: key_max.cu / exact_max.cu computed their bits): no GEMM at all, the
+// keep rules with the bits in place of the threshold test.
 template <typename T, int D, bool kRowMax, bool kBitsOnly = false>
 __global__ void __launch_bounds__(kScoreThreads, 2) score_select_kernel(
     SeqArgs seq, QArgs qa, SelectArgs sel, int group_size, int num_kv_heads, int subgroups, int kv_heads_mem,
@@ -450,7 +450,7 @@ void launch_select(cudaStream_t stream, const Problem& p, const SelectionParams&
       throw NotImplementedError("build_index on CUDA: " + std::to_string(bd.nb_max) +
                                 " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
     }
-    if (params.rule == SelectionRule::kKeyMax || params.rule == SelectionRule::kExactMax) {
+    if (is_per_key_rule(params.rule)) {
       // the per-key pass's bits, merged with the always-kept rules into the CSR (no pooled GEMM here)
       if (params.rule == SelectionRule::kKeyMax) {
         launch_key_max(stream, p, params, bd, heads, seq, qa, kv, sel, d);
