@@ -9,7 +9,8 @@ Rows (bench/results/selection_h200.json), every time a CUDA-graph replay median,
                 speedup_vs_cudnn; dense_ms (our sp.attention) and cudnn_ms.
   kind 'dense_selection'  Gaussian q, k (every block scores alike: the default selection keeps ~all of them, and the
                 dense rule fires): sparse_prefill with the defaults against sp.attention (ratio, the target <= 1.02)
-                and with dense_fraction=1 (the rule off: the sparse kernel over every block) for what the rule saves.
+                and with dense_fraction=1 (the rule off: the sparse kernel over every block) for what the rule saves;
+                one row per --dense-configs entry (its `config`; `default_*` then means that config's call).
   kind 'gate'   the topic workload with the defaults against dense_fraction=1 (no dense launch), alternating calls:
                 what the gated-off dense kernel and the rule's kernel cost a call that stays sparse.
   kind 'chunk'  one 1024-query chunk step at the end of an L-token prompt over a paged cache (page 64) with the
@@ -78,7 +79,7 @@ def one_shot_rows(sp, L, configs, rows, out, peers):
     torch.cuda.empty_cache()
 
 
-def dense_selection_rows(sp, L, rows, out):
+def dense_selection_rows(sp, L, rows, out, name="default"):
     g = torch.Generator(device="cuda").manual_seed(L)
     q = torch.randn(L, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(L, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -88,11 +89,12 @@ def dense_selection_rows(sp, L, rows, out):
     o = torch.empty_like(q)
     aw = workspace(sp.attention_workspace_bytes(D))
     attn = time_graph_ms(lambda: sp.attention(*args, out=o, workspace=aw))
-    row = dict(kind="dense_selection", L=L, attention_ms=attn)
-    for name, kw in (("default", {}), ("rule_off", dict(dense_fraction=1.0))):
+    sel = config(name)
+    row = dict(kind="dense_selection", L=L, config=name, selection=sel, attention_ms=attn)
+    for variant, kw in (("default", sel), ("rule_off", dict(sel, dense_fraction=1.0))):
         pw = workspace(sp.sparse_prefill_workspace_bytes(*args, **kw))
-        row[name + "_ms"] = time_graph_ms(lambda: sp.sparse_prefill(*args, out=o, workspace=pw, **kw))
-        row[name + "_density"] = sp.build_index(*args, **kw).density
+        row[variant + "_ms"] = time_graph_ms(lambda: sp.sparse_prefill(*args, out=o, workspace=pw, **kw))
+        row[variant + "_density"] = sp.build_index(*args, **kw).density
     row["default_over_attention"] = row["default_ms"] / attn
     row["rule_off_over_attention"] = row["rule_off_ms"] / attn
     rows.append(row)
@@ -156,6 +158,7 @@ def main():
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--configs", default="default,previous,fpv2")
     ap.add_argument("--dense-lengths", default="8192,32768,131072")
+    ap.add_argument("--dense-configs", default="default", help="the configs of the dense-selection rows")
     ap.add_argument("--gate-lengths", default="8192,131072")
     ap.add_argument("--chunk", default="131072:1024", help="L:C of the chunk-step rows ('' to skip)")
     ap.add_argument("--chunk-configs", default="default", help="the configs of the chunk-step rows")
@@ -171,7 +174,8 @@ def main():
     for L in ints(args.lengths):
         one_shot_rows(sp, L, configs, rows, args.out, args.peers)
     for L in ints(args.dense_lengths):
-        dense_selection_rows(sp, L, rows, args.out)
+        for name in [c for c in args.dense_configs.split(",") if c]:
+            dense_selection_rows(sp, L, rows, args.out, name)
     for L in ints(args.gate_lengths):
         gate_rows(sp, L, rows, args.out)
     for item in [x for x in args.chunk.split(",") if x]:
@@ -197,7 +201,7 @@ def plot(res, path):
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
     rows = res["rows"]
     topic_rows = [r for r in rows if r.get("kind") == "topic"]
-    dense_sel = [r for r in rows if r.get("kind") == "dense_selection"]
+    dense_sel = [r for r in rows if r.get("kind") == "dense_selection" and r.get("config", "default") == "default"]
     configs = list(dict.fromkeys(r["config"] for r in topic_rows))
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5))
     k_label = lambda L: f"{L // 1024}K"  # noqa: E731

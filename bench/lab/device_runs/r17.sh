@@ -17,7 +17,8 @@ timeout $(( $(left) < 160 ? $(left) - 10 : 150 )) python3 -m pytest -q -p no:cac
   tests/python/test_key_max_cuda.py -k exact_max > $W/test_exact_max.log 2>&1
 tail -25 $W/test_exact_max.log
 EX="sp:rule=exact_max;alpha=0.05,sp:rule=exact_max;alpha=0.03"
-timeout $(( $(left) * 45 / 100 )) python3 bench/bench_selection.py --lengths "${R17_LENGTHS:-32768,131072}" --configs "default,$EX" --dense-lengths "" --gate-lengths "" \
+timeout $(( $(left) * 45 / 100 )) python3 bench/bench_selection.py --lengths "${R17_LENGTHS:-32768,131072}" --configs "default,$EX" --dense-lengths "${R17_DENSE_LENGTHS:-8192,32768}" \
+  --dense-configs "default,sp:rule=exact_max;alpha=0.05" --gate-lengths "" \
   --chunk-configs "default,sp:rule=exact_max;alpha=0.05" --out "$OUT/selection_exact_max_${G}.json" > $W/bench_selection.log 2>&1
 tail -30 $W/bench_selection.log
 timeout 45 python3 bench/lab/profile_index.py 32768 131072 --config "sp:rule=exact_max;alpha=0.05" \
