@@ -6,8 +6,8 @@ A cost model then prices a call relative to dense attention: the sparse kernel's
 at dense_fraction 0.85 makes it 1), the exact stage costs c per candidate block (S = Q K^T over the block's keys, no
 softmax or P V: c ~0.45 in bf16 by FLOPs and issue, ~0.25 with e4m3 operands; measure it on the device as exact_max's
 index time at density 1 over attention's). It prints, for tile gates g (a tile whose candidates reach g of its visible
-blocks skips the exact stage and keeps them all; g > 1: no gate), the mean density and the modelled total of exact_max
-beside the default's.
+blocks skips the exact stage and keeps them all; g > 1: no gate) and the same g per call (a call whose candidates reach
+g of its visible blocks skips it), the mean density and the modelled total of exact_max beside the default's.
 
 Usage (from bench/, with a capture from `python -m accuracy.estimators capture --task kv --layout spread --L 8192`):
     python3 lab/exact_stage_price.py /tmp/cap.pt [--alpha 0.05] [--c 0.25,0.45] [--gates 0.8,0.9,1.0,2.0]
@@ -57,7 +57,13 @@ def main():
                 dens.append(kept)
                 t_exact.append(c * np.where(skip, 0, cand).sum() / nvis.sum() + (1 if kept >= args.dense_fraction else kept))
                 t_default.append(1 if d_cand >= args.dense_fraction else d_cand)
-            print(f"  gate {g:4}: exact_max density {np.mean(dens):.3f}; time / dense: exact_max {np.mean(t_exact):.3f}, "
+            # the same g as a call gate: a call whose candidates reach g of its visible blocks skips the exact stage
+            call = [(cand.sum() / nvis.sum(), fin.sum() / nvis.sum()) for cand, fin, nvis in per_layer]
+            call_dens = [dc if dc >= g else df for dc, df in call]
+            call_t = [(1 if dc >= args.dense_fraction else dc) if dc >= g else
+                      c * dc + (1 if df >= args.dense_fraction else df) for dc, df in call]
+            print(f"  gate {g:4}: tile gate: density {np.mean(dens):.3f}, time / dense {np.mean(t_exact):.3f}; "
+                  f"call gate: density {np.mean(call_dens):.3f}, time / dense {np.mean(call_t):.3f}; "
                   f"the default {np.mean(t_default):.3f}")
 
 
