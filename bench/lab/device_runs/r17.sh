@@ -8,6 +8,7 @@ set -u
 OUT=$1
 END=${R17_END:-570}
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
+export SP_TEST_INSTALLED=1  # pytest against the package gpu.sh installed (tests/conftest.py: else the source tree)
 W=/tmp/r17; mkdir -p $W
 left() { echo $(( END - SECONDS )); }
 bash scripts/gpu.sh $W build model > $W/gpu_build.log 2>&1; tail -3 $W/gpu_build.log
