@@ -4,13 +4,13 @@ default alpha = exact_max's candidate_alpha: the default's index, the dense rule
 
 A cost model then prices a call relative to dense attention: the sparse kernel's time is its density (the dense rule
 at dense_fraction 0.85 makes it 1), the exact stage costs c per candidate block (S = Q K^T over the block's keys, no
-softmax or P V: c ~0.45 in bf16 by FLOPs and issue, ~0.25 with e4m3 operands; measure it on the device as exact_max's
-index time at density 1 over attention's). It prints, for tile gates g (a tile whose candidates reach g of its visible
+softmax or P V: ~0.45 in bf16 by FLOPs, ~0.25 with e4m3 operands; exact_max.cu as built measured 0.80-0.89 on an
+H100, bench/lab/exact_cost_slope.py). It prints, for tile gates g (a tile whose candidates reach g of its visible
 blocks skips the exact stage and keeps them all; g > 1: no gate) and the same g per call (a call whose candidates reach
 g of its visible blocks skips it), the mean density and the modelled total of exact_max beside the default's.
 
 Usage (from bench/, with a capture from `python -m accuracy.estimators capture --task kv --layout spread --L 8192`):
-    python3 lab/exact_stage_price.py /tmp/cap.pt [--alpha 0.05] [--c 0.25,0.45] [--gates 0.8,0.9,1.0,2.0]
+    python3 lab/exact_stage_price.py /tmp/cap.pt [--alpha 0.05] [--c 0.25,0.45,0.8] [--gates 0.8,0.9,1.0,2.0]
 """
 import argparse
 
@@ -29,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("capture")
     ap.add_argument("--alpha", type=float, default=0.05)
-    ap.add_argument("--c", default="0.25,0.45")
+    ap.add_argument("--c", default="0.25,0.45,0.8")
     ap.add_argument("--gates", default="0.8,0.9,0.95,1.0,2.0")
     ap.add_argument("--dense-fraction", type=float, default=0.85)
     args = ap.parse_args()
