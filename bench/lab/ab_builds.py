@@ -38,7 +38,8 @@ HQ, HKV, D = 32, 8, 128
 # The index rows too: at 32K the row-max index is ~0.4 ms of kernels, and one call's host prologue (before the first
 # launch) counts in its event timing; the 2026-12-06 A/B measured index_row_max@32768 at 1.06-1.08 with its kernels'
 # SASS identical to the base's, which the graph rows can tell from a host difference.
-GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max", "index_key_max")
+GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max", "index_key_max",
+           "index_exact_max")
 
 
 def rows_of(quick):
@@ -49,7 +50,8 @@ def rows_of(quick):
     r += [("sparse_prefill", L, 0) for L in sparse] + [("chunked_last_1024", 65536, 64)]
     r += [(f"sparse_random_{d}", 65536, 0) for d in (5, 20, 50)]
     r += [("sparse_fpv2", L, 0) for L in (8192, 32768, 131072)]
-    r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max", "index_key_max") for L in (32768, 131072)]
+    r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max", "index_key_max", "index_exact_max")
+          for L in (32768, 131072)]
     return r
 
 
