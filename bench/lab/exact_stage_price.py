@@ -21,8 +21,8 @@ import sparse_prefill as sp
 
 
 def segment_counts(ix):
-    """Kept blocks per (query head, tile) segment of a one-sequence index."""
-    return np.array([len(ix.segment(0, h, t)) for h in range(ix.num_kv_heads) for t in range(int(ix.tiles[0]))])
+    """Kept blocks per segment of a one-sequence host index, in segment order (query head, then tile)."""
+    return np.asarray(ix.segment_end, dtype=np.int64) - np.asarray(ix.segment_start, dtype=np.int64)
 
 
 def main():
