@@ -270,8 +270,10 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   __syncthreads();  // pass 2's candidate bits set; both warpgroups past its last GEMM before the room is reloaded
 
   // The always-kept blocks are candidates too (they set the running maxima; score_select keeps them whatever the
-  // bits say): not fully visible to the tile, sink, window band (score_select's keep rules). Round r's warp w owns
-  // word r / 32 + w.
+  // bits say): not fully visible to the tile, window band (score_select's keep rules). The sink blocks are not, even
+  // where the pooled pass proposed them: the bound already holds the exact maximum of every sink key a row sees, and
+  // they are the pass's last blocks, so scoring them again changes no running maximum (a NaN sink key reached the
+  // pooled means: pass 1 flagged it). Round r's warp w owns word r / 32 + w.
   {
     const int hf = int(max(hi_first, int64_t(-1)));
     const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
@@ -279,13 +281,15 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     const bool has_band = sel.window > 0 && diag_last >= 0;
     for (int round = 0; round < nvis; round += kExactThreads) {
       const int J = round + threadIdx.x;
-      bool always = false;
+      bool always = false, sink_block = false;
       if (J < nvis) {
         const int first_key = J * B, last_key = first_key + min(B - 1, int(k_len) - 1 - first_key);
-        always = (last_key > hf) | (first_key < sel.sink) | (has_band & (first_key <= band_hi) & (last_key >= band_lo));
+        always = (last_key > hf) | (has_band & (first_key <= band_hi) & (last_key >= band_lo));
+        sink_block = first_key < sel.sink;
       }
-      const uint32_t ballot = __ballot_sync(0xffffffffu, always);
-      if (lane == 0 && round / 32 + warp < words) cand_bits[round / 32 + warp] |= ballot;
+      const uint32_t add = __ballot_sync(0xffffffffu, always), drop = __ballot_sync(0xffffffffu, sink_block);
+      if (lane == 0 && round / 32 + warp < words)
+        cand_bits[round / 32 + warp] = (cand_bits[round / 32 + warp] | add) & ~drop;
     }
   }
   __syncthreads();
