@@ -388,7 +388,6 @@ struct Mainloop {
       n_next = step_block(i + 1);
       wait_kv(pipeline_k, st);
       wgmma_batch<false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS, true);
-      if (i > 1) rescale_o(tOrO, o_scale);
       wait_v(pipeline_v, st_v);
       sanitize_v(st_v.index(), n_prev);
       mma_pv_step(st_v.index(), i == 1);
@@ -402,10 +401,12 @@ struct Mainloop {
       finish_pv();
       pipeline_v.consumer_release(st_v);
       convert_p();
+      // O (through P(i-1) V(i-1)) to step i's row maximum, after its P V and off the two GEMM issues above (FA3's
+      // order for D <= 128): O = (O + P(i-1) V(i-1)) * exp2(m(i-1) - m(i)).
+      rescale_o(tOrO, o_scale);
     }
     wait_v(pipeline_v, st);
     sanitize_v(st.index(), n_cur);
-    if (n_count > 1) rescale_o(tOrO, o_scale);
     mma_pv_step(st.index(), n_count == 1);
     warpgroup_wait<0>();
     finish_pv();
