@@ -110,6 +110,23 @@ def lower_bound_log_mass(m, u, n=B):
     return torch.logaddexp(m, math.log(n - 1) + (n * u - m) / (n - 1))
 
 
+def e4m3(x, group):
+    """x rounded to e4m3 (round to nearest even) with one scale per `group` consecutive rows (amax / 448), back in
+    float32: what an e4m3 GEMM operand holds."""
+    n = x.shape[0]
+    pad = (-n) % group
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    g = xp.view(-1, group, x.shape[1])
+    s = (g.abs().amax((1, 2), keepdim=True) / 448.0).clamp(min=1e-30)
+    return ((g / s).to(torch.float8_e4m3fn).float() * s).view(-1, x.shape[1])[:n]
+
+
+def e4m3_logits(q, k, scale, kind):
+    """Logits from e4m3 operands: q per row, k per 64-key unit (e8u, the exact stage's unit) or one scale per head
+    (e8h); the product in float32."""
+    return (e4m3(q, 1) @ e4m3(k, 64 if kind == "e8u" else k.shape[0]).T) * scale
+
+
 def basis_scores(q, k, scale, kind):
     """key_max's score shape (pooled mean + the best key's residual on a rank-r projection) on other bases: kqb{r} the
     top-r eigenvectors of the group's queries' second moment (per KV head: what the queries look along, so a rare
@@ -177,6 +194,9 @@ def candidates(names):
         elif kind == "exact":
             a = float(rest[0][1:])
             out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
+        elif kind in ("e8u", "e8h"):  # exact block maxima on e4m3 operands (e4m3_logits): K per 64-key unit / per head
+            a = float(rest[0][1:])
+            out[name] = lambda x, a=a, kind=kind: row_max(block_max(x["lgm8"][kind]), x["sees"], a)
         elif kind.startswith("pca"):
             r, a = int(kind[3:]), float(rest[0][1:])
 
@@ -260,6 +280,9 @@ SETS = {
     "qbasis2": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.03",
                 "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
+    # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
+    "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
+             "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],
 }
 
 
@@ -304,7 +327,9 @@ def score(args):
             pm = P.view(L, nb, B).sum(-1)
             Ob = torch.einsum("rjb,jbd->rjd", P.view(L, nb, B), v[:, h // g].reshape(nb, B, -1))
             od = Ob.sum(1)
-            x = dict(L=L, lg=lg, lgm=lgm, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
+            lgm8 = {kd: e4m3_logits(q[:, h], k[:, h // g], scale, kd).masked_fill(~causal, -math.inf)
+                    for kd in {p.split("_")[0] for p in parts if p.startswith(("e8u", "e8h"))}}
+            x = dict(L=L, lg=lg, lgm=lgm, lgm8=lgm8, pm=pm, sees=sees, al_rows=al_rows, q=q[:, h], k=k[:, h // g],
                      scale=scale, causal=causal, kms={r: s[:, h] for r, s in kms.items()},
                      kpx={kd: s[:, h] for kd, s in kpx.items()}, kqb={kd: s[:, h] for kd, s in kqb.items()})
             for n, f in cands.items():

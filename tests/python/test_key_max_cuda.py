@@ -167,12 +167,13 @@ def test_key_max_nan_key_keeps_the_tile(rule):
 
 
 @PER_KEY
-def test_key_max_chunked_paged_union_on_gpu(rule):
+@pytest.mark.parametrize("page_size", [64, 16])  # whole 64-key units in a page, and units across pages
+def test_key_max_chunked_paged_union_on_gpu(rule, page_size):
     """Chunks of 1024 over a paged cache (the basis and K' from the whole cache each step): each step's GPU index
     matches the CPU reference's on the step's inputs, per tile and in union mode."""
     rng = np.random.default_rng()
     L, C = 4000, 1024
-    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L)
+    qg, kc, vc, bt, _, _ = _paged_prompt(rng, L, ps=page_size)
     for c0 in range(0, L, C):
         c1 = min(L, c0 + C)
         q, k, v, cu_q, bt_, used, mq, mk = _chunk_step(qg, kc, vc, bt, c0, c1)

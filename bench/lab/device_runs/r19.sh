@@ -7,21 +7,8 @@ set -u
 OUT=$1
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
 W=/tmp/r19; mkdir -p $W
-cat > $W/one_index.py <<'PY'
-import sys
-sys.path.insert(0, "bench")
-import torch
-import sparse_prefill as sp
-from _common import topic
-L = 32768
-q, k, v = topic(L)
-cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
-for _ in range(2):
-    sp.build_index(q, k, v, cu, cu, L, L, rule="exact_max", alpha=0.05)
-torch.cuda.synchronize()
-PY
 timeout 150 ncu --clock-control none --set full --launch-skip 1 --launch-count 1 -k regex:exact_max_kernel \
-  -o $W/exact32k python3 $W/one_index.py > $W/ncu.log 2>&1
+  -o $W/exact32k python3 bench/lab/device_runs/exact_index_once.py > $W/ncu.log 2>&1
 tail -3 $W/ncu.log
 ncu -i $W/exact32k.ncu-rep --page details > $OUT/ncu_exact_max_32k.txt 2>&1
 grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Hit|DRAM Throughput|Executed Ipc" $OUT/ncu_exact_max_32k.txt | head -20

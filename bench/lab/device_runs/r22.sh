@@ -11,21 +11,8 @@ OUT=$1
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
 bash bench/lab/device_runs/r20.sh "$OUT"
 W=/tmp/r22; mkdir -p $W
-cat > $W/one_index.py <<'PY'
-import sys
-sys.path.insert(0, "bench")
-import torch
-import sparse_prefill as sp
-from _common import topic
-L = 32768
-q, k, v = topic(L)
-cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
-for _ in range(2):
-    sp.build_index(q, k, v, cu, cu, L, L, rule="exact_max", alpha=0.05)
-torch.cuda.synchronize()
-PY
 timeout 200 ncu --clock-control none --set full --import-source yes --launch-skip 1 --launch-count 1 \
-  -k regex:exact_max_kernel -o $W/exact32k python3 $W/one_index.py > $W/ncu.log 2>&1
+  -k regex:exact_max_kernel -o $W/exact32k python3 bench/lab/device_runs/exact_index_once.py > $W/ncu.log 2>&1
 tail -3 $W/ncu.log
 ncu -i $W/exact32k.ncu-rep --page details > "$OUT/ncu_exact_max_32k.txt" 2>&1
 ncu -i $W/exact32k.ncu-rep --page source --csv --print-source sass > $W/source.csv 2>/dev/null
