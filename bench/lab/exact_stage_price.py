@@ -46,6 +46,9 @@ def main():
         nvis = np.array([min(L - 1, (t + 1) * rows_per_tile - 1) // B + 1 for t in range(tiles)] * cand.num_kv_heads)
         per_layer.append((segment_counts(cand), segment_counts(exact), nvis))
         print(f"layer {li:2d}: candidates {cand.density:.3f}, exact_max {exact.density:.3f}", flush=True)
+    def attention_time(d):  # the sparse kernel over dense at density d (the dense rule: 1 from its fraction)
+        return 1 if d >= args.dense_fraction else d
+
     for c in (float(x) for x in args.c.split(",")):
         print(f"c = {c}: the exact stage per candidate block, relative to a dense block")
         for g in (float(x) for x in args.gates.split(",")):
@@ -55,13 +58,12 @@ def main():
                 kept = np.where(skip, cand, fin).sum() / nvis.sum()
                 d_cand = cand.sum() / nvis.sum()
                 dens.append(kept)
-                t_exact.append(c * np.where(skip, 0, cand).sum() / nvis.sum() + (1 if kept >= args.dense_fraction else kept))
-                t_default.append(1 if d_cand >= args.dense_fraction else d_cand)
+                t_exact.append(c * np.where(skip, 0, cand).sum() / nvis.sum() + attention_time(kept))
+                t_default.append(attention_time(d_cand))
             # the same g as a call gate: a call whose candidates reach g of its visible blocks skips the exact stage
             call = [(cand.sum() / nvis.sum(), fin.sum() / nvis.sum()) for cand, fin, nvis in per_layer]
             call_dens = [dc if dc >= g else df for dc, df in call]
-            call_t = [(1 if dc >= args.dense_fraction else dc) if dc >= g else
-                      c * dc + (1 if df >= args.dense_fraction else df) for dc, df in call]
+            call_t = [attention_time(dc) if dc >= g else c * dc + attention_time(df) for dc, df in call]
             print(f"  gate {g:4}: tile gate: density {np.mean(dens):.3f}, time / dense {np.mean(t_exact):.3f}; "
                   f"call gate: density {np.mean(call_dens):.3f}, time / dense {np.mean(call_t):.3f}; "
                   f"the default {np.mean(t_default):.3f}")

@@ -18,14 +18,6 @@ wait  # the trainings
 G=$(cat $W/card.txt)
 for s in 1 2; do grep '"step"' $W/train_seed$s.log | tail -1 | cut -c1-200; done
 EX="sp:rule=exact_max"
-mkdir -p /tmp/ret
-left=$(( 575 - SECONDS ))
-for s in 1 2; do
-  (cd bench && timeout $left python3 accuracy/retrieval.py eval --ckpt /tmp/retrieval_seed$s.pt --device cuda \
-     --lengths 32768,16384 --n-seq 16 --budget-s $(( left - 50 )) \
-     --configs "dense_sp,default,$EX;alpha=0.05,$EX;alpha=0.1,$EX;alpha=0.2,oracle_0.5,oracle_0.7,sp:dense_fraction=1.0" \
-     --out /tmp/ret/accuracy_retrieval_seed${s}_${G}.json) > "$OUT/retrieval_eval_seed$s.log" 2>&1 &
-done
-wait
-for s in 1 2; do grep -E '^\[|budget|Error' "$OUT/retrieval_eval_seed$s.log" | tail -20 | cut -c1-220; cp /tmp/ret/accuracy_retrieval_seed${s}_${G}.json "$OUT/" 2>/dev/null; done
+. bench/lab/device_runs/reval.sh "$OUT" \
+  "dense_sp,default,$EX;alpha=0.05,$EX;alpha=0.1,$EX;alpha=0.2,oracle_0.5,oracle_0.7,sp:dense_fraction=1.0" 575 32768,16384
 tar czf "$OUT/r21.tgz" -C $W --exclude='*.json' .
