@@ -52,10 +52,11 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
   cand_mean a (0 = off): two stages (issue 44's "exact block maxima restricted to the candidate blocks a generous
            pooled-means pass proposes"): the candidates are the blocks the library's row-max rule over pooled means
            keeps at alpha a (per row, union over the tile: today's default at a = 0.003); the rule above then keeps
-           only candidates, and agg 'rowmax' takes each row's reference m_r over the tile's candidate and always-kept
-           blocks only (what a kernel scoring just those blocks sees); with onepass the running maximum visits only
-           those blocks (from the diagonal down, then the pooled bound / sinkref as above): one GEMM per candidate
-           block and no stored scores. The always-kept blocks stay kept.
+           only candidates, and agg 'rowmax' takes each row's reference m_r over the blocks the stage scores only:
+           the candidates that are not always kept, plus the blocks not fully visible to the tile (the diagonal's;
+           what a kernel scoring just those blocks sees); with onepass the running maximum visits only those blocks
+           (from the diagonal down, then the pooled bound / sinkref as above): one GEMM per scored block and no
+           stored scores. The always-kept blocks stay kept.
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
   layers dense), dense_fraction (the library's dense rule: a selection keeping at least this fraction of the visible
   blocks keeps them all; 1 = off).
@@ -381,11 +382,11 @@ def select(q, k, v, rule, scale):
         mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
         return (torch.exp(sm - mm) >= a).any(2)
 
-    cand = None  # [V, T, nb]: the pooled-means stage's candidates (cand_mean), always-kept blocks included
-    if r["cand_mean"] > 0:
+    cand = None  # [V, T, nb]: the blocks the second stage scores (cand_mean): the pooled-means stage's candidates
+    if r["cand_mean"] > 0:  # less the always-kept blocks, plus the blocks not fully visible to the tile
         if agg != "rowmax":
             raise ValueError("cand_mean restricts the row-max rule: it needs agg 'rowmax'")
-        cand = (pooled_row_max_keep(r["cand_mean"]) & visible[None]) | always[None]
+        cand = (pooled_row_max_keep(r["cand_mean"]) & visible[None] & ~always[None]) | (~fully & visible)[None]
     if agg == "sum":
         M = st.amax(dim=(2, 3), keepdim=True)
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0

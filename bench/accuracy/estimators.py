@@ -21,8 +21,9 @@ q . k (per-pair work: the cost of Q K^T); pca{r}_a{alpha} the same on q . k proj
 directions of [K; Q]; maxcum_{F} per-row mass target F on softmax(block max); kmx{r}_a{alpha} / kmx{r}_{F} the row max
 test / the mass target F on the library's key_max scores at rank r (emulate.key_max_scores: pooled mean + the best
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
-oracle_{F} the exact per-row mass target; kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus
-c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+oracle_{F} the exact per-row mass target; exnb_a{alpha} / exdg_a{alpha} the exact row max test with the row's
+maximum taken without the always-kept blocks' exact maxima (exdg: but with the tile's diagonal block's, exact_max's
+rule); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
 estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """
@@ -194,6 +195,29 @@ def candidates(names):
         elif kind == "exact":
             a = float(rest[0][1:])
             out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
+        elif kind in ("exnb", "exdg"):
+            # exact_max's ratio rule with the row's maximum taken without the always-kept blocks' exact maxima (the
+            # window band and the diagonal: scored today only to set it): the bound (pooled means of the blocks the row
+            # sees whole, the sink keys exactly) and the other candidates' exact maxima; exdg keeps the tile's
+            # diagonal block's exact maximum in it (one block a tile scored instead of the band's ~5)
+            a = float(rest[0][1:])
+
+            def f(x, a=a, kind=kind):
+                L = x["L"]
+                bm = block_max(x["lgm"])
+                nbk = bm.shape[1]
+                pos = torch.arange(L)
+                fk = torch.arange(nbk) * B
+                whole = (fk + B - 1)[None, :] <= pos[:, None]
+                sink = (fk < SINK)[None, :] & x["sees"]
+                free = ~x["al_rows"] & x["sees"]
+                src = sink | free
+                if kind == "exdg":
+                    src = src | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
+                m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
+                                  sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
+                return free & (bm >= m[:, None] + math.log(a))
+            out[name] = f
         elif kind in ("e8u", "e8h"):  # exact block maxima on e4m3 operands (e4m3_logits): K per 64-key unit / per head
             a = float(rest[0][1:])
             out[name] = lambda x, a=a, kind=kind: row_max(block_max(x["lgm8"][kind]), x["sees"], a)
@@ -281,6 +305,13 @@ SETS = {
                 "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
     # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
+    # a ratio rule that prunes the retrieval models' diffuse heads (alpha 0.05-0.1) united with a mass target on the
+    # block maxima that keeps SmolLM2's spread tail (the one-default question, exact maxima)
+    "exunion": ["oracle_0.8", "oracle_0.9", "exact_a0.03", "exact_a0.05", "exact_a0.1", "maxcum_0.8", "maxcum_0.9",
+                "exact_a0.05+maxcum_0.8", "exact_a0.05+maxcum_0.9", "exact_a0.1+maxcum_0.9",
+                "exact_a0.1+maxcum_0.95"],
+    # exact_max without the window band's exact maxima in the row's maximum (exact_max_spec.md step 2)
+    "band": ["oracle_0.9", "exact_a0.03", "exact_a0.05", "exnb_a0.03", "exnb_a0.05", "exdg_a0.03", "exdg_a0.05"],
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],
 }
@@ -301,7 +332,7 @@ def score(args):
     rows = d.get("answer_rows", None if d.get("pos") is None else d["pos"] - 1)
     ans = torch.as_tensor(rows) if rows is not None else None
     causal = torch.ones(L, L, dtype=torch.bool).tril_()
-    names = [n for s in args.set.split(",") for n in SETS[s]]
+    names = [n for s in args.set.split(",") for n in (SETS[s] if s in SETS else [s])]  # a set or one estimator
     cands = candidates(names)
     acc = {n: dict(kept=0, visible=0, miss=0.0, n=0, low50=0, err=0.0, ans_miss=0.0, ans_n=0, ans_low50=0)
            for n in names}

@@ -283,15 +283,16 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
     } else if (params.rule == SelectionRule::kExactMax) {
-      // docs/design/exact_max_spec.md. Candidates C: kRowMax at candidate_alpha over the pooled scores, plus the
-      // always-kept blocks. Per row: e_J = max over the keys j of J in C it sees of q . k_j (unscaled); one pass from
-      // the diagonal down over C, m_J = max(bound, max_{J' in C, J' >= J} e_J'), the bound as kKeyMax's; C_J = max
-      // over the rows that see J of scale (e_J - m_J).
+      // docs/design/exact_max_spec.md. Scored blocks C: kRowMax at candidate_alpha over the pooled scores less the
+      // always-kept blocks, plus the blocks not fully visible to the tile. Per row: e_J = max over the keys j of J in
+      // C it sees of q . k_j (unscaled); one pass from the diagonal down over C, m_J = max(bound,
+      // max_{J' in C, J' >= J} e_J'), the bound as kKeyMax's; C_J = max over the rows that see J of scale (e_J - m_J).
       std::vector<double> pooled(size_t(nb), kNegInf);
       row_max_closeness(score, pooled);
       const double log_cand = params.candidate_alpha > 0.f ? std::log(double(params.candidate_alpha)) : kNegInf;
       std::vector<char> cand(size_t(nb), 0);
-      for (int64_t J = 0; J < nb; ++J) cand[J] = visible[J] && (pooled[J] >= log_cand || always_kept(J));
+      for (int64_t J = 0; J < nb; ++J)
+        cand[J] = visible[J] && ((pooled[J] >= log_cand && !always_kept(J)) || !block_fully_visible(in, s, geo, J, B));
       std::vector<double> closeness(size_t(nb), kNegInf), e(static_cast<size_t>(nb));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
         const int64_t pos = r / g;

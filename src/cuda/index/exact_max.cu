@@ -269,11 +269,13 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   }
   __syncthreads();  // pass 2's candidate bits set; both warpgroups past its last GEMM before the room is reloaded
 
-  // The always-kept blocks are candidates too (they set the running maxima; score_select keeps them whatever the
-  // bits say): not fully visible to the tile, window band (score_select's keep rules). The sink blocks are not, even
-  // where the pooled pass proposed them: the bound already holds the exact maximum of every sink key a row sees, and
-  // they are the pass's last blocks, so scoring them again changes no running maximum (a NaN sink key reached the
-  // pooled means: pass 1 flagged it). Round r's warp w owns word r / 32 + w.
+  // Of the always-kept blocks (score_select keeps them whatever the bits say) only those not fully visible to the tile
+  // are scored: the diagonal's, which hold the row's nearest keys and so most often its maximum. The window band's
+  // other blocks and the sink blocks are not, even where the pooled pass proposed them (exact_max_spec.md step 2):
+  // the sink keys' exact maxima are in the bound, and the band's whole blocks are in it through their pooled means.
+  // Scoring the band cost ~4 of the ~8 blocks a tile scores at 32K (topic workload) for a threshold 0.01-0.02 lower
+  // in density (offline, SmolLM2 8K; bench/lab/results/exact_band_offline_smollm2_cpu.md). Round r's warp w owns word
+  // r / 32 + w.
   {
     const int hf = int(max(hi_first, int64_t(-1)));
     const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
@@ -281,13 +283,13 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     const bool has_band = sel.window > 0 && diag_last >= 0;
     for (int round = 0; round < nvis; round += kExactThreads) {
       const int J = round + threadIdx.x;
-      bool always = false, sink_block = false;
+      bool partial = false, kept_whole = false;  // scored (added) / not scored (dropped; sink blocks either way)
       if (J < nvis) {
         const int first_key = J * B, last_key = first_key + min(B - 1, int(k_len) - 1 - first_key);
-        always = (last_key > hf) | (has_band & (first_key <= band_hi) & (last_key >= band_lo));
-        sink_block = first_key < sel.sink;
+        partial = last_key > hf;
+        kept_whole = (first_key < sel.sink) | (!partial & has_band & (first_key <= band_hi) & (last_key >= band_lo));
       }
-      const uint32_t add = __ballot_sync(0xffffffffu, always), drop = __ballot_sync(0xffffffffu, sink_block);
+      const uint32_t add = __ballot_sync(0xffffffffu, partial), drop = __ballot_sync(0xffffffffu, kept_whole);
       if (lane == 0 && round / 32 + warp < words)
         cand_bits[round / 32 + warp] = (cand_bits[round / 32 + warp] | add) & ~drop;
     }
