@@ -49,14 +49,15 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows
-  cand_mean a (0 = off): two stages (issue 44's "exact block maxima restricted to the candidate blocks a generous
-           pooled-means pass proposes"): the candidates are the blocks the library's row-max rule over pooled means
-           keeps at alpha a (per row, union over the tile: today's default at a = 0.003); the rule above then keeps
-           only candidates, and agg 'rowmax' takes each row's reference m_r over the blocks the stage scores only:
-           the candidates that are not always kept, plus the blocks not fully visible to the tile (the diagonal's;
-           what a kernel scoring just those blocks sees); with onepass the running maximum visits only those blocks
-           (from the diagonal down, then the pooled bound / sinkref as above): one GEMM per scored block and no
-           stored scores. The always-kept blocks stay kept.
+  cand_mean a (None = off; 0: every visible block a candidate, as candidate_alpha 0): two stages (issue 44's "exact
+           block maxima restricted to the candidate blocks a generous pooled-means pass proposes"): the candidates
+           are the blocks the library's row-max rule over pooled means keeps at alpha a (per row, union over the
+           tile: today's default at a = 0.003); the rule above then keeps only candidates, and agg 'rowmax' takes
+           each row's reference m_r over the candidates and the always-kept blocks (two-pass); with onepass the
+           running maximum visits only the blocks exact_max scores (from the diagonal down, then the pooled bound /
+           sinkref as above): the candidates that are not always kept, plus the blocks not fully visible to the
+           tile (the diagonal's; exact_max_spec.md step 2): one GEMM per scored block and no stored scores. The
+           always-kept blocks stay kept.
   subgroups S (head_subgroups; 0 = one per query head), sink, window, last_n, block, correction, dense_layers (first n
   layers dense), dense_fraction (the library's dense rule: a selection keeping at least this fraction of the visible
   blocks keeps them all; 1 = off).
@@ -69,7 +70,7 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=0.0, qk="f32")
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=None, qk="f32")
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -382,11 +383,16 @@ def select(q, k, v, rule, scale):
         mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
         return (torch.exp(sm - mm) >= a).any(2)
 
-    cand = None  # [V, T, nb]: the blocks the second stage scores (cand_mean): the pooled-means stage's candidates
-    if r["cand_mean"] > 0:  # less the always-kept blocks, plus the blocks not fully visible to the tile
+    # cand_mean: [V, T, nb] the pooled-means stage's candidates with the always-kept blocks (cand: the blocks a rule
+    # may keep, and the two-pass reference's m_r), and the blocks the one pass scores: the candidates less the
+    # always-kept blocks, plus the blocks not fully visible to the tile (exact_max_spec.md step 2)
+    cand = scored = None
+    if r["cand_mean"] is not None:
         if agg != "rowmax":
             raise ValueError("cand_mean restricts the row-max rule: it needs agg 'rowmax'")
-        cand = (pooled_row_max_keep(r["cand_mean"]) & visible[None] & ~always[None]) | (~fully & visible)[None]
+        proposed = pooled_row_max_keep(r["cand_mean"]) & visible[None]
+        cand = proposed | always[None]
+        scored = (proposed & ~always[None]) | (~fully & visible)[None]
     if agg == "sum":
         M = st.amax(dim=(2, 3), keepdim=True)
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
@@ -397,7 +403,7 @@ def select(q, k, v, rule, scale):
         else:
             w = st + torch.log(counts)[None, None, None, :]
         if agg == "rowmax" and r["onepass"]:
-            wc = w if cand is None else w.masked_fill(~cand[:, :, None, :], -math.inf)  # the blocks the pass scores
+            wc = w if scored is None else w.masked_fill(~scored[:, :, None, :], -math.inf)  # the blocks it scores
             m = wc.flip(-1).cummax(-1).values.flip(-1)  # running max of a pass from the diagonal down to block 0
             if r["onepass"] == 2:  # started from the pooled means' bound over the blocks the row sees whole
                 # (the library's float32 means, as its key_max rule)

@@ -44,7 +44,7 @@ POOLED_INDEX_MS_128K = 2.78   # the row-max index at 128K (selection_h200.json, 
 def est_cost_ms(rule, L=131072, hq=HQ):
     """(est_index_ms, pairs) of an emulated rule at length L (see the module doc); None for pooled-means rules."""
     r = E.full_rule(rule)
-    if r["score"] not in E.BLOCK_MAX_SCORES or r["cand_mean"] > 0:  # two stages: est_exact_fp8_ms instead
+    if r["score"] not in E.BLOCK_MAX_SCORES or r["cand_mean"] is not None:  # two stages: est_exact_fp8_ms instead
         return None, 0
     pairs = hq * L * (L + 1) / 2 / r["rstride"]
     k = D if r["score"] == "kmax" else max(16, r["rank"]) + (16 if r["perp"] else 0)  # perp: one more K chunk
@@ -107,8 +107,8 @@ def main(argv=None):
                        library_default_density_raw=lib, est_index_ms_128k=est, pairs_128k=pairs,
                        seconds=round(time.time() - t1, 2))
             cm = E.full_rule(rule)["cand_mean"]
-            if cm > 0:  # the pooled stage alone: the candidates' density (the exact stage's share of the pairs)
-                pooled_stage = dict(rule, score="mean", alpha=cm, cand_mean=0.0, onepass=0, sinkref=0, qk="f32",
+            if cm is not None:  # the pooled stage alone: the candidates' density (the exact stage's share of the pairs)
+                pooled_stage = dict(rule, score="mean", alpha=cm, cand_mean=None, onepass=0, sinkref=0, qk="f32",
                                     dense_fraction=1.0)
                 cand = E.select(qf, kf, vf, pooled_stage, scale).density
                 row.update(cand_density_raw=cand, est_exact_fp8_ms_at_L=est_exact_fp8_ms(L, cand))
