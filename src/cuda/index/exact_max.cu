@@ -308,30 +308,32 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   list_units<kExactThreads>(cand, units, upb, cand_units);
   __syncthreads();
 
-  // Stage 2, the exact maxima unit by unit (64 keys) in cand_units' order, in stages of kStageUnits units. A thread's
-  // (key, 16-byte part) of a unit is the same in every unit: its slot-0 address computed once (a slot is whole
-  // swizzle periods, so slot s is slot 0 moved by s units).
-  constexpr int kKeyLoads = kUnitKeys * kVec / kExactThreads;  // per thread and unit
+  // Stage 2, the exact maxima unit by unit (64 keys) in cand_units' order, in stages of kStageUnits units. Four
+  // threads a key: thread x loads key x / 4 of every unit, its 16-byte parts x % 4, x % 4 + 4, ..., so that the key's
+  // address (a page lookup on paged KV) is computed once a unit rather than once a part, and a warp's load
+  // instruction reads 8 keys' 64 contiguous bytes each (whole 32-byte sectors). Those parts' slot-0 addresses are
+  // computed once (a slot is whole swizzle periods, so slot s is slot 0 moved by s units).
+  constexpr int kThreadsPerKey = kExactThreads / kUnitKeys;
+  constexpr int kKeyLoads = kVec / kThreadsPerKey;  // 16-byte parts per thread and unit
   constexpr uint32_t kUnitBytes = kUnitKeys * D * sizeof(Element);
-  static_assert(kUnitKeys * kVec % kExactThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kExactThreads % kUnitKeys == 0 && kVec % kThreadsPerKey == 0, "whole 16-byte parts per thread");
   static_assert(kUnitBytes % 1024 == 0, "a K slot is whole swizzle periods: slot s = slot 0 + s * kUnitBytes");
+  const int my_key = threadIdx.x / kThreadsPerKey, my_part = threadIdx.x % kThreadsPerKey;
   uint32_t k_mine[kKeyLoads];
   CUTE_UNROLL
-  for (int k = 0; k < kKeyLoads; ++k) {
-    const int i = threadIdx.x + k * kExactThreads;
-    k_mine[k] = smem_addr(sK(i / kVec, (i % kVec) * 8, 0));
-  }
+  for (int k = 0; k < kKeyLoads; ++k) k_mine[k] = smem_addr(sK(my_key, (k * kThreadsPerKey + my_part) * 8, 0));
   auto load_stage = [&](int s, int buf) {
     CUTE_UNROLL
     for (int u = 0; u < kStageUnits; ++u) {
       const int n = s * kStageUnits + u;
       if (n >= units) break;
-      const int64_t key0 = int64_t(cand_units[n]) * kUnitKeys;
+      const int64_t j = int64_t(cand_units[n]) * kUnitKeys + my_key;
+      bool ok;
+      const T* row = key_row(kv, k_src, b, k_start, kvh_mem, j, j < k_len, ok);
       CUTE_UNROLL
       for (int k = 0; k < kKeyLoads; ++k) {
-        const int i = threadIdx.x + k * kExactThreads;
-        const int64_t j = key0 + i / kVec;
-        load_key(j, j < k_len, i % kVec, k_mine[k] + uint32_t(buf * kStageUnits + u) * kUnitBytes);
+        load_key_chunk<T, Element>(row, ok, k * kThreadsPerKey + my_part, k_vec,
+                                   k_mine[k] + uint32_t(buf * kStageUnits + u) * kUnitBytes);
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
