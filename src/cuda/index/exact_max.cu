@@ -13,8 +13,11 @@
 // passes; where key_max scores K' units (64 x r fp16, 2 KB) behind a bound, this scores K itself (64 x D bf16, 16 KB
 // at D 128) for every candidate, so it keeps its own shared memory plan (below) rather than being a mode of key_max.
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <type_traits>
+
+#include <cutlass/arch/barrier.h>  // stage 2's TMA path: mbarriers
 
 #include "cuda/attention/config.h"  // CuTe / CUTLASS: GMMA atoms, swizzled K-major smem atoms, proxy fence
 #include "cuda/common/check.h"
@@ -65,8 +68,24 @@ struct ExactMaxConfig {
       cute::array_aligned<Element, cute::cosize_v<SmemLayoutKm>, 1024> km;
       cute::array_aligned<Element, cute::cosize_v<SmemLayoutSink>, 1024> sink;
     } u;
-    int candidates;  // the tile's candidate blocks (the list's length)
+    uint64_t unit_full[2];   // UnitTma: stage buf's units landed (transaction bytes)
+    uint64_t unit_empty[2];  // UnitTma: every warp past its GEMMs on stage buf (one arrival a warp)
+    int candidates;          // the tile's candidate blocks (the list's length)
     int nan_flag;
+  };
+  // Stage 2's units by TMA (16-bit keys in a row space TMA can address: contiguous, or pages of a multiple of 64 keys
+  // laid out page after page): a (rows, D, heads) map of K and the 64 x D box of one slot. rows == 0: the cp.async
+  // gather (FP8 keys, which become bf16 on the way in; pages of other sizes; unaligned rows).
+  using GmemK = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                           cute::Shape<int32_t, int32_t, int32_t>{},
+                                           cute::Stride<int64_t, cute::_1, int64_t>{}));
+  using SmemLayoutUnit = decltype(cute::take<0, 2>(SmemLayoutK{}));
+  using TmaUnit = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemK{}, SmemLayoutUnit{},
+                                               cute::Shape<cute::Int<kUnitKeys>, cute::Int<D>>{}, cute::_1{}));
+  struct UnitTma {
+    TmaUnit copy;
+    int rows = 0;   // rows of the row space (paged: num_pages * page_size); 0: no TMA
+    int heads = 0;  // KV heads in memory
   };
   static_assert(cute::cosize_v<SmemLayoutKm> <= cute::cosize_v<SmemLayoutK> &&
                     cute::cosize_v<SmemLayoutSink> <= cute::cosize_v<SmemLayoutK> && kSinkStages >= 2,
@@ -87,7 +106,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     SeqArgs seq, QArgs qa, KVArgs kv, bool k_vec, SelectArgs sel, float log2_candidate_alpha, int group_size,
     int num_kv_heads, int subgroups, int kv_heads_mem, const int32_t* cu_tiles, const int32_t* cu_blocks,
-    const lowp_t<T>* k_mean_lowp, uint32_t* bits_out, int64_t words_out) {
+    const lowp_t<T>* k_mean_lowp, uint32_t* bits_out, int64_t words_out,
+    const __grid_constant__ typename ExactMaxConfig<T, D>::UnitTma unit_tma) {
   using namespace cute;
   using Cfg = ExactMaxConfig<T, D>;
   using Element = typename Cfg::Element;
@@ -121,7 +141,14 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   const auto smem_addr = [](const auto& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
 
   for (int w = threadIdx.x; w < words; w += kExactThreads) bits[w] = cand_bits[w] = 0u;
-  if (threadIdx.x == 0) sm.nan_flag = 0;
+  if (threadIdx.x == 0) {
+    sm.nan_flag = 0;
+    for (int i = 0; i < 2; ++i) {  // used by stage 2's TMA path only; visible after the barriers below
+      cutlass::arch::ClusterTransactionBarrier::init(&sm.unit_full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&sm.unit_empty[i], kExactThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
 
   // Q as score_select gathers it, in flight with the first sink batch (the first stage barrier waits for both).
   gather_q_tile<T, D, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh,
@@ -306,6 +333,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   const int upb = B / kUnitKeys;
   const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
   list_units<kExactThreads>(cand, units, upb, cand_units);
+  if (unit_tma.rows > 0) cutlass::arch::fence_view_async_shared();  // this thread's writes to the room before TMA's
   __syncthreads();
 
   // Stage 2, the exact maxima unit by unit (64 keys) in cand_units' order, in stages of kStageUnits units. Four
@@ -338,6 +366,31 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
+  // The same stage by TMA from thread 0: one 64 x D box a unit into its slot, the stage's bytes on unit_full[buf]. A
+  // unit past the sequence (the tail of its last block) or on a bad page (reported) is a box past the row space's
+  // end, zero-filled (its keys are masked anyway); a paged unit lies in one page (page_size % 64 == 0).
+  const bool use_tma = unit_tma.rows > 0;
+  auto load_stage_tma = [&](int s, int buf) {
+    const int n0 = s * kStageUnits, n = min(kStageUnits, units - n0);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.unit_full[buf], uint32_t(n) * kUnitBytes);
+    Tensor mK = unit_tma.copy.get_tma_tensor(make_shape(unit_tma.rows, int32_t(D), unit_tma.heads));
+    for (int u = 0; u < n; ++u) {
+      const int64_t key0 = int64_t(cand_units[n0 + u]) * kUnitKeys;
+      int64_t row = unit_tma.rows;
+      if (key0 < k_len) {
+        if (kv.block_table == nullptr) {
+          row = k_start + key0;
+        } else {
+          const int64_t pg = kv.page(b, key0);
+          if (pg >= 0) row = geometry::paged_row(pg, key0, kv.page_size);
+        }
+      }
+      Tensor gK = local_tile(domain_offset(make_coord(int32_t(row), _0{}), mK(_, _, kvh_mem)),
+                             Shape<Int<kUnitKeys>, Int<D>>{}, make_coord(_0{}, _0{}));
+      auto [tKg, tKs] = tma_partition(unit_tma.copy, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      copy(unit_tma.copy.with(sm.unit_full[buf], 0), tKg, tKs(_, buf * kStageUnits + u));
+    }
+  };
 
   const float log2_alpha = log2f(sel.alpha);  // alpha 0: -inf, every candidate
   float run[2] = {-INFINITY, -INFINITY};      // the current block's maxima so far, per row (raw dot products)
@@ -368,13 +421,30 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(&bits[J / 32], 1u << (J % 32));
   };
 
-  if (units > 0) load_stage(0, 0);
+  if (units > 0) {
+    if (!use_tma) {
+      load_stage(0, 0);
+    } else if (threadIdx.x == 0) {
+      load_stage_tma(0, 0);
+    }
+  }
   Tensor accA = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
   Tensor accB = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
   for (int s = 0; s < nstages; ++s) {
     const int buf = s & 1;
-    stage_barrier();  // stage s landed; the other stage's readers done
-    if (s + 1 < nstages) load_stage(s + 1, buf ^ 1);
+    if (!use_tma) {
+      stage_barrier();  // stage s landed; the other stage's readers done
+      if (s + 1 < nstages) load_stage(s + 1, buf ^ 1);
+    } else {
+      // Thread 0 refills the other slots once every warp released them (stage s - 1), then all wait for stage s:
+      // no CTA barrier, and no thread but one computes an address.
+      if (threadIdx.x == 0 && s + 1 < nstages) {
+        if (s >= 1) cutlass::arch::ClusterBarrier::wait(&sm.unit_empty[buf ^ 1], ((s - 1) >> 1) & 1);
+        load_stage_tma(s + 1, buf ^ 1);
+      }
+      __syncwarp();
+      cutlass::arch::ClusterTransactionBarrier::wait(&sm.unit_full[buf], (s >> 1) & 1);
+    }
     const int slot0 = buf * kStageUnits;
     // unit uu + 1's wgmma runs while unit uu is reduced (two accumulators); every slot's wgmma is issued (a wgmma
     // under a branch is serialized by ptxas, C7518): a slot past the last unit holds stale keys and is not reduced.
@@ -389,6 +459,10 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
         warpgroup_wait<1>();
       } else {
         warpgroup_wait<0>();
+        if (use_tma) {  // this warp's GEMMs on the stage's slots are done: thread 0 may refill them
+          __syncwarp();
+          if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.unit_empty[buf]);
+        }
       }
       if (s * kStageUnits + uu < units) consume(cur, ci, sub);
       if (sub == 0) {
@@ -425,9 +499,27 @@ void launch_exact(cudaStream_t stream, const Problem& p, const SelectionParams& 
   }
   const bool k_vec = rows_vec8(kv.k, kv.k_stride, kv.block_table != nullptr);  // 16-byte loads of K rows
   const float log2_candidate_alpha = std::log2(params.candidate_alpha);        // 0: -inf, every visible block
+  typename ExactMaxConfig<T, D>::UnitTma unit_tma{};
+  if constexpr (!is_fp8_v<T>) {  // stage 2's units by TMA where the row space allows (ExactMaxConfig::UnitTma)
+    const bool paged = kv.block_table != nullptr;
+    const int64_t row_stride = kv.k_stride[paged ? 1 : 0], head_stride = kv.k_stride[paged ? 2 : 1];
+    const bool rows_ok = row_stride > 0 && head_stride > 0 &&
+                         (!paged || (kv.page_size % kUnitKeys == 0 && kv.k_stride[0] == kv.page_size * row_stride));
+    if (k_vec && rows_ok && p.total_k > 0 && p.total_k < INT32_MAX) {
+      using namespace cute;
+      using Element = typename ExactMaxConfig<T, D>::Element;
+      const auto gK = make_tensor(make_gmem_ptr(static_cast<Element const*>(kv.k)),
+                                  make_shape(int32_t(p.total_k), int32_t(D), int32_t(p.num_kv_heads)),
+                                  make_stride(row_stride, _1{}, head_stride));
+      unit_tma.copy = make_tma_copy(SM90_TMA_LOAD{}, gK, typename ExactMaxConfig<T, D>::SmemLayoutUnit{},
+                                    Shape<Int<kUnitKeys>, Int<D>>{}, _1{});
+      unit_tma.rows = int(p.total_k);
+      unit_tma.heads = p.num_kv_heads;
+    }
+  }
   exact_max_kernel<T, D><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kExactThreads, dyn, stream>>>(
       seq, qa, kv, k_vec, sel, log2_candidate_alpha, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads,
-      d.cu_tiles, d.cu_blocks, static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits, d.probe_words);
+      d.cu_tiles, d.cu_blocks, static_cast<const lowp_t<T>*>(d.k_mean_lowp), d.probe_bits, d.probe_words, unit_tma);
 }
 
 }  // namespace
