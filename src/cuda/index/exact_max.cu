@@ -300,9 +300,9 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   // are scored: the diagonal's, which hold the row's nearest keys and so most often its maximum. The window band's
   // other blocks and the sink blocks are not, even where the pooled pass proposed them (exact_max_spec.md step 2):
   // the sink keys' exact maxima are in the bound, and the band's whole blocks are in it through their pooled means.
-  // Scoring the band cost ~4 of the ~8 blocks a tile scores at 32K (topic workload) for a threshold 0.01-0.02 lower
-  // in density (offline, SmolLM2 8K; bench/lab/results/exact_band_offline_smollm2_cpu.md). Round r's warp w owns word
-  // r / 32 + w.
+  // Scoring the band cost ~4 of the ~8 blocks a tile scored at 32K (topic workload) and bought 0.01-0.02 less density
+  // at the same alpha (offline, SmolLM2 8K; bench/lab/results/exact_band_offline_smollm2_cpu.md). Round r's warp w
+  // owns word r / 32 + w.
   {
     const int hf = int(max(hi_first, int64_t(-1)));
     const int64_t diag_first = first_pos + off, diag_last = last_pos + off;
