@@ -23,7 +23,7 @@ test / the mass target F on the library's key_max scores at rank r (emulate.key_
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
 oracle_{F} the exact per-row mass target; exnb_a{alpha} / exdg_a{alpha} the exact row max test with the row's
 maximum taken without the always-kept blocks' exact maxima (exdg: but with the tile's diagonal block's, exact_max's
-rule); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+rule; exds: exdg without the sink keys' exact maxima in the bound); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
 estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """
@@ -195,7 +195,7 @@ def candidates(names):
         elif kind == "exact":
             a = float(rest[0][1:])
             out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
-        elif kind in ("exnb", "exdg"):
+        elif kind in ("exnb", "exdg", "exds"):
             # exact_max's ratio rule with the row's maximum taken without the always-kept blocks' exact maxima (the
             # window band and the diagonal: scored today only to set it): the bound (pooled means of the blocks the row
             # sees whole, the sink keys exactly) and the other candidates' exact maxima; exdg keeps the tile's
@@ -211,8 +211,8 @@ def candidates(names):
                 whole = (fk + B - 1)[None, :] <= pos[:, None]
                 sink = (fk < SINK)[None, :] & x["sees"]
                 free = ~x["al_rows"] & x["sees"]
-                src = sink | free
-                if kind == "exdg":
+                src = free if kind == "exds" else sink | free
+                if kind in ("exdg", "exds"):
                     src = src | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
                 m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
                                   sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
@@ -311,7 +311,8 @@ SETS = {
                 "exact_a0.05+maxcum_0.8", "exact_a0.05+maxcum_0.9", "exact_a0.1+maxcum_0.9",
                 "exact_a0.1+maxcum_0.95"],
     # exact_max without the window band's exact maxima in the row's maximum (exact_max_spec.md step 2)
-    "band": ["oracle_0.9", "exact_a0.03", "exact_a0.05", "exnb_a0.03", "exnb_a0.05", "exdg_a0.03", "exdg_a0.05"],
+    "band": ["oracle_0.9", "exact_a0.03", "exact_a0.05", "exnb_a0.03", "exnb_a0.05", "exdg_a0.03", "exdg_a0.05",
+             "exds_a0.03", "exds_a0.05"],
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],
 }
