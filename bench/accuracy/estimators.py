@@ -23,7 +23,8 @@ test / the mass target F on the library's key_max scores at rank r (emulate.key_
 key's residual on the rank-r basis; the row max here is the two-pass one, the library's one-pass keeps a superset);
 oracle_{F} the exact per-row mass target; exnb_a{alpha} / exdg_a{alpha} the exact row max test with the row's
 maximum taken without the always-kept blocks' exact maxima (exdg: but with the tile's diagonal block's, exact_max's
-rule; exds: exdg without the sink keys' exact maxima in the bound); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
+rule; exds: exdg without the sink keys' exact maxima in the bound; exdc{ca}_a{alpha}: exdg within the tiles'
+candidates at candidate_alpha ca, exact_max as the library computes it, two-pass); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
 estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """
@@ -195,6 +196,24 @@ def candidates(names):
         elif kind == "exact":
             a = float(rest[0][1:])
             out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
+        elif kind.startswith("exdc"):  # exdc{ca}_a{alpha}: exdg within the tiles' candidates at candidate_alpha ca
+            ca, a = float(kind[4:]), float(rest[0][1:])
+
+            def f(x, ca=ca, a=a):
+                L = x["L"]
+                bm = block_max(x["lgm"])
+                nbk = bm.shape[1]
+                pos = torch.arange(L)
+                fk = torch.arange(nbk) * B
+                whole = (fk + B - 1)[None, :] <= pos[:, None]
+                T = (L + TILE - 1) // TILE
+                cand = tile_any(row_max(sub_means(x["lg"], B), x["sees"], ca) & x["sees"], T)[pos // TILE] & x["sees"]
+                free = cand & ~x["al_rows"]
+                src = ((fk < SINK)[None, :] & x["sees"]) | free | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
+                m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
+                                  sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
+                return free & (bm >= m[:, None] + math.log(a))
+            out[name] = f
         elif kind in ("exnb", "exdg", "exds"):
             # exact_max's ratio rule with the row's maximum taken without the always-kept blocks' exact maxima (the
             # window band and the diagonal: scored today only to set it): the bound (pooled means of the blocks the row
