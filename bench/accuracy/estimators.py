@@ -106,6 +106,27 @@ def block_max(lgm):
     return lgm.view(lgm.shape[0], -1, B).amax(-1)
 
 
+def exact_max_offline(x, a, kind, ca):
+    """The exnb / exdg / exds / exdc estimators (candidates()): [L, nb] the blocks the rule keeps beyond the always-kept
+    ones, two-pass."""
+    L = x["L"]
+    bm = block_max(x["lgm"])
+    nbk = bm.shape[1]
+    pos = torch.arange(L)
+    fk = torch.arange(nbk) * B
+    whole = (fk + B - 1)[None, :] <= pos[:, None]
+    free = ~x["al_rows"] & x["sees"]
+    if ca is not None:  # the pooled row max's candidates at ca, per tile
+        T = (L + TILE - 1) // TILE
+        free &= tile_any(row_max(sub_means(x["lg"], B), x["sees"], ca) & x["sees"], T)[pos // TILE]
+    src = free if kind == "exds" else free | ((fk < SINK)[None, :] & x["sees"])
+    if kind != "exnb":
+        src = src | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
+    m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
+                      sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
+    return free & (bm >= m[:, None] + math.log(a))
+
+
 def lower_bound_log_mass(m, u, n=B):
     """log of exp(m) + (n - 1) exp((n u - m) / (n - 1)) <= log sum_j exp(s_j) for n logits s_j with maximum m >= u and
     mean u: the maximum's key plus the other n - 1 at their mean (Jensen); equal when the others are alike."""
@@ -196,47 +217,15 @@ def candidates(names):
         elif kind == "exact":
             a = float(rest[0][1:])
             out[name] = lambda x, a=a: row_max(block_max(x["lgm"]), x["sees"], a)
-        elif kind.startswith("exdc"):  # exdc{ca}_a{alpha}: exdg within the tiles' candidates at candidate_alpha ca
-            ca, a = float(kind[4:]), float(rest[0][1:])
-
-            def f(x, ca=ca, a=a):
-                L = x["L"]
-                bm = block_max(x["lgm"])
-                nbk = bm.shape[1]
-                pos = torch.arange(L)
-                fk = torch.arange(nbk) * B
-                whole = (fk + B - 1)[None, :] <= pos[:, None]
-                T = (L + TILE - 1) // TILE
-                cand = tile_any(row_max(sub_means(x["lg"], B), x["sees"], ca) & x["sees"], T)[pos // TILE] & x["sees"]
-                free = cand & ~x["al_rows"]
-                src = ((fk < SINK)[None, :] & x["sees"]) | free | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
-                m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
-                                  sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
-                return free & (bm >= m[:, None] + math.log(a))
-            out[name] = f
-        elif kind in ("exnb", "exdg", "exds"):
+        elif kind.startswith(("exnb", "exdg", "exds", "exdc")):
             # exact_max's ratio rule with the row's maximum taken without the always-kept blocks' exact maxima (the
-            # window band and the diagonal: scored today only to set it): the bound (pooled means of the blocks the row
-            # sees whole, the sink keys exactly) and the other candidates' exact maxima; exdg keeps the tile's
-            # diagonal block's exact maximum in it (one block a tile scored instead of the band's ~5)
+            # window band and the diagonal, scored until the twentieth session only to set it): the bound (pooled
+            # means of the blocks the row sees whole, the sink keys exactly) and the other blocks' exact maxima; exdg
+            # keeps the tile's diagonal block's in it (exact_max's rule), exds drops the sink keys' from the bound,
+            # exdc{ca} is exdg within the tiles' candidates at candidate_alpha ca (the library's two stages)
             a = float(rest[0][1:])
-
-            def f(x, a=a, kind=kind):
-                L = x["L"]
-                bm = block_max(x["lgm"])
-                nbk = bm.shape[1]
-                pos = torch.arange(L)
-                fk = torch.arange(nbk) * B
-                whole = (fk + B - 1)[None, :] <= pos[:, None]
-                sink = (fk < SINK)[None, :] & x["sees"]
-                free = ~x["al_rows"] & x["sees"]
-                src = free if kind == "exds" else sink | free
-                if kind in ("exdg", "exds"):
-                    src = src | (torch.arange(nbk)[None, :] == (pos // TILE)[:, None])
-                m = torch.maximum(bm.masked_fill(~src, -math.inf).amax(-1),
-                                  sub_means(x["lg"], B).masked_fill(~whole, -math.inf).amax(-1))
-                return free & (bm >= m[:, None] + math.log(a))
-            out[name] = f
+            ca = float(kind[4:]) if kind.startswith("exdc") else None
+            out[name] = lambda x, a=a, kind=kind[:4], ca=ca: exact_max_offline(x, a, kind, ca)
         elif kind in ("e8u", "e8h"):  # exact block maxima on e4m3 operands (e4m3_logits): K per 64-key unit / per head
             a = float(rest[0][1:])
             out[name] = lambda x, a=a, kind=kind: row_max(block_max(x["lgm8"][kind]), x["sees"], a)
