@@ -89,5 +89,23 @@ def topic_batch(q_lens, k_lens, hq=4, hkv=2, d=64, seed=0, block=64):
     return np.concatenate(qs), np.concatenate(ks), np.concatenate(vs), cu_q, cu_k
 
 
+# exact_max_spec.md step 2's constructed case (test_selection.py on the CPU, test_exact_max_cuda.py on the kernel): one
+# head, D 64, every query e_0; key 300 (block 2) has logit 5 and key spike_key logit 10 (x scale 1/8), every other 0.
+# Tile 6 (positions 768-895) sees the window band's blocks 4-6 (window 256) and the sink block 0; at alpha 0.05 (ln -3)
+# block 2 is kept iff the spike sets no row's maximum, i.e. iff its block is not scored.
+BAND_CASE_SELECTION = dict(rule="exact_max", alpha=0.05, candidate_alpha=0.0, block_size=128, sink=128, window=256,
+                           last_n=0, dense_fraction=1.0, softmax_scale=0.125)
+
+
+def band_case(spike_key, dtype=np.float32):
+    """q, k, cu, L of the constructed case (numpy; bf16 holds every value exactly)."""
+    L, D = 1024, 64
+    q = np.zeros((L, 1, D), dtype)
+    k = np.zeros((L, 1, D), dtype)
+    q[:, 0, 0] = 1.0
+    k[spike_key, 0, 0], k[300, 0, 0] = 80.0, 40.0
+    return q, k, np.array([0, L], np.int32), L
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU and a CUDA build (skipped elsewhere)")

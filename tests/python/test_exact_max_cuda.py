@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import sparse_prefill as sp
-from conftest import make_varlen
+from conftest import BAND_CASE_SELECTION, band_case, make_varlen
 
 torch = pytest.importorskip("torch")
 if not (torch.cuda.is_available() and sp._C.with_cuda):
@@ -55,16 +55,10 @@ def test_exact_max_scores_the_diagonal_block_not_the_window_band_on_gpu(spike_ke
     """test_selection.py's constructed case on the kernel (exact_max_spec.md step 2): a spike of logit 10 in the window
     band's whole block 5 is not scored, so tile 6 keeps block 2 (logit 5); in the diagonal block 6 it is, and block 2
     (-5 < ln 0.05) is dropped. bf16 holds every value exactly; the GPU's index equals the CPU reference's."""
-    L, D = 1024, 64
-    q = torch.zeros(L, 1, D, dtype=torch.bfloat16)
-    k = torch.zeros(L, 1, D, dtype=torch.bfloat16)
-    q[:, 0, 0] = 1.0
-    k[spike_key, 0, 0], k[300, 0, 0] = 80.0, 40.0  # x scale 1/8: logits 10 and 5
-    cu = torch.tensor([0, L], dtype=torch.int32)
-    kw = dict(rule="exact_max", alpha=0.05, candidate_alpha=0.0, block_size=128, sink=128, window=256, last_n=0,
-              dense_fraction=1.0, softmax_scale=0.125)
-    ref = sp.build_index(q, k, k.clone(), cu, cu, L, L, **kw)
-    got = sp.build_index(q.cuda(), k.cuda(), k.cuda(), cu.cuda(), cu.cuda(), L, L, **kw).to_host()
+    q, k, cu, L = band_case(spike_key)
+    q, k, cu = torch.from_numpy(q).to(torch.bfloat16), torch.from_numpy(k).to(torch.bfloat16), torch.from_numpy(cu)
+    ref = sp.build_index(q, k, k.clone(), cu, cu, L, L, **BAND_CASE_SELECTION)
+    got = sp.build_index(q.cuda(), k.cuda(), k.cuda(), cu.cuda(), cu.cuda(), L, L, **BAND_CASE_SELECTION).to_host()
     blocks = set(got.segment(0, 0, 6).tolist())
     assert blocks == set(ref.segment(0, 0, 6).tolist())
     assert {0, 4, 5, 6} <= blocks and (2 in blocks) == far_kept and 1 not in blocks

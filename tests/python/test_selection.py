@@ -10,7 +10,7 @@ import pytest
 
 import sparse_prefill as sp
 from sparse_prefill import _C
-from conftest import make_varlen
+from conftest import BAND_CASE_SELECTION, band_case, make_varlen
 
 Q_LENS, K_LENS = [300, 129], [300, 500]
 SEL = dict(block_size=64, sink=64, window=64, last_n=1, alpha=0.3)
@@ -85,14 +85,8 @@ def test_exact_max_scores_the_diagonal_block_not_the_window_band(spike_key, far_
     (positions 768-895, block 128, window 256: band blocks 4-6) sees a key of logit 10 and, in block 2, one of logit
     5; every other logit is 0 and alpha 0.05 (ln -3). In the band's block 5 (fully visible) the spike sets no row's
     maximum, so block 2 is the rows' top and kept; in the diagonal block 6 it is scored, and block 2 (-5) is dropped."""
-    L, D = 1024, 64
-    q = np.zeros((L, 1, D), np.float32)
-    k = np.zeros((L, 1, D), np.float32)
-    q[:, 0, 0] = 1.0
-    k[spike_key, 0, 0], k[300, 0, 0] = 80.0, 40.0  # x scale 1/8: logits 10 and 5
-    cu = np.array([0, L], np.int32)
-    idx = sp.build_index(q, k, k.copy(), cu, cu, L, L, rule="exact_max", alpha=0.05, candidate_alpha=0.0,
-                         block_size=128, sink=128, window=256, last_n=0, dense_fraction=1.0, softmax_scale=0.125)
+    q, k, cu, L = band_case(spike_key)
+    idx = sp.build_index(q, k, k.copy(), cu, cu, L, L, **BAND_CASE_SELECTION)
     blocks = set(idx.segment(0, 0, 6).tolist())
     assert {0, 4, 5, 6} <= blocks  # sink, band, diagonal: always kept
     assert (2 in blocks) == far_kept and 1 not in blocks  # block 1 (logit 0) is 10 or 5 below the top either way

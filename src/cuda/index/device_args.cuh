@@ -92,8 +92,9 @@ struct KVArgs {
   }
 
   // Element offsets of key j of sequence b at KV head h in K and V (k_start: the sequence's first row in a contiguous
-  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). The one place the index
-  // stage's kernels resolve the two layouts. Callers that read K only ignore vo (dead code).
+  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). Where the index stage's
+  // kernels resolve the two layouts, but for exact_max's TMA units, which need a row of the (rows, heads) space TMA
+  // addresses (k_start + j, or geometry::paged_row of page(b, j)). Callers that read K only ignore vo (dead code).
   __device__ __forceinline__ bool offsets(int b, int64_t k_start, int h, int64_t j, int64_t& ko, int64_t& vo) const {
     if (block_table) {
       const int64_t pg = page(b, j);
