@@ -4,7 +4,7 @@
 # trained side by side (3.5 min) after the package builds, then both evaluated concurrently at 32K (then 16K) on the
 # dense path, the default, exact_max at alpha 0.05 / 0.1 / 0.2, the oracle at half / 70 % of each row's mass and the
 # default with the dense rule off (its candidate density) until ~570 s. Files: OUT/accuracy_retrieval_seed{1,2}_<card>.json,
-# the eval logs, r21.tgz.
+# the eval logs, r21.tgz. R21_CONFIGS replaces the configs (session 21: exact_max after the band change).
 set -u
 OUT=$1
 export SP_COMMIT=${SP_COMMIT:?pass SP_COMMIT=<the full hash of the tree this call carries>} PYTHONUNBUFFERED=1
@@ -19,5 +19,6 @@ G=$(cat $W/card.txt)
 for s in 1 2; do grep '"step"' $W/train_seed$s.log | tail -1 | cut -c1-200; done
 EX="sp:rule=exact_max"
 . bench/lab/device_runs/reval.sh "$OUT" \
-  "dense_sp,default,$EX;alpha=0.05,$EX;alpha=0.1,$EX;alpha=0.2,oracle_0.5,oracle_0.7,sp:dense_fraction=1.0" 575 32768,16384
+  "${R21_CONFIGS:-dense_sp,default,$EX;alpha=0.05,$EX;alpha=0.1,$EX;alpha=0.2,oracle_0.5,oracle_0.7,sp:dense_fraction=1.0}" \
+  575 32768,16384
 tar czf "$OUT/r21.tgz" -C $W --exclude='*.json' .
