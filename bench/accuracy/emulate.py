@@ -16,8 +16,9 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    (cost: 1/xs of the dense QK^T)
            Per-key block maxima (issue 44): s_rJ = max over the keys j of J that row r sees of scale * q_r . k~_j
            'kmax'    k~ = k: exact block maxima (the cost of the dense QK^T); qk 'e4m3': q and k rounded to float8
-                     e4m3 first (a scale per KV head from its amax, q's shared by the group's query heads, as
-                     sp.quantize_fp8), the products in float32: what an FP8 wgmma stage would see
+                     e4m3 first as the library's exact_max rounds them (exact_max_spec.md step 3: a scale per row
+                     of q and per unit of 64 keys, each group's largest magnitude to 448; e4m3_scaled), the
+                     products in float64 times the two scales
            'lowrank' k~ = P P^T k, P [D, rank] the top `rank` eigenvectors of the KV head's key second moment K^T K
                      over the prompt (Loki): a rank-`rank` GEMM per pair
            'resid'   k~_j = kmean_J + P P^T (k_j - kmean_J), P from the residuals' second moment: the pooled mean at
@@ -229,13 +230,44 @@ def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, ba
     return scale * (mean + resid)
 
 
-def e4m3_round(x, num_kv_heads):
-    """x [L, H, D] rounded through float8 e4m3 with one scale per KV head group (amax / 448), back in float32."""
+def e4m3_scaled(x, rows):
+    """x [L, H, D] in groups of `rows` consecutive positions per head (q: 1, each row; k: 64, the exact stage's
+    units), each group scaled so that its largest magnitude is 448 and rounded to float8 e4m3, as the library's
+    exact_max does (float32: inv = 448 / amax, 0 where amax is 0; a NaN is not a magnitude; nearest even) ->
+    (the e4m3 values [L, H, D] float32, each position's group scale amax / 448 [L, H] float32)."""
     L, H, D = x.shape
-    xg = x.float().reshape(L, num_kv_heads, H // num_kv_heads, D)
-    amax = xg.abs().amax(dim=(0, 2, 3), keepdim=True).clamp(min=1e-30)
-    scale = 448.0 / amax
-    return ((xg * scale).to(torch.float8_e4m3fn).float() / scale).reshape(L, H, D)
+    n = -(-L // rows) * rows
+    xf = torch.cat([x.float(), x.new_zeros(n - L, H, D, dtype=torch.float32)])
+    mag = xf.abs().nan_to_num(nan=0.0).view(n // rows, rows, H, D)
+    amax = mag.amax(dim=(1, 3), keepdim=True)  # [groups, 1, H, 1]
+    inv = torch.where(amax > 0, torch.tensor(448.0) / amax, torch.zeros_like(amax))
+    vals = (xf.view(n // rows, rows, H, D) * inv).to(torch.float8_e4m3fn).float()
+    scale = (amax / 448.0).expand(-1, rows, -1, -1)
+    return vals.reshape(n, H, D)[:L], scale.reshape(n, H)[:L]
+
+
+def e4m3_block_max(q, k, scale, block, rows=None):
+    """block_max on the e4m3 operands of e4m3_scaled (q per row, k per 64-key unit): max over the keys j of J that
+    row r sees of scale * (sigma_r (q8_r . k8_j) kappa_j), in float64 (the products exact), as the CPU reference."""
+    q8, sq = e4m3_scaled(q, 1)
+    k8, sk = e4m3_scaled(k, 64)
+    L, Hq, D = q.shape
+    g = Hq // k.shape[1]
+    nb = (L + block - 1) // block
+    P = nb * block
+    kp = torch.cat([k8.double(), k8.new_zeros(P - L, k.shape[1], D, dtype=torch.float64)])
+    kap = torch.cat([sk.double(), sk.new_zeros(P - L, k.shape[1], dtype=torch.float64)])
+    pos = torch.arange(L, device=q.device) if rows is None else rows
+    keyi = torch.arange(P, device=q.device)
+    out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
+    for h in range(Hq):
+        for c in range(0, len(pos), 2048):
+            pr = pos[c:c + 2048]
+            lg = (q8[pr, h].double() @ kp[:, h // g].T) * sq[pr, h].double()[:, None] * kap[:, h // g][None, :]
+            lg = lg * scale
+            lg.masked_fill_(keyi[None, :] > pr[:, None], -math.inf)
+            out[pr, h] = lg.view(len(pr), nb, block).amax(-1)
+    return out
 
 
 def projected_keys(k, score, rank, block, basis="lib"):
@@ -339,7 +371,7 @@ def select(q, k, v, rule, scale):
         if r["score"] == "resid" and r["basis"] in ("lib", "query"):
             bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
         elif r["qk"] == "e4m3":
-            bm = block_max(e4m3_round(q, Hkv), e4m3_round(k, Hkv), scale, B, pr)
+            bm = e4m3_block_max(q, k, scale, B, pr)
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)

@@ -1,7 +1,8 @@
-// Scalar conversions between float and the 16-bit storage types (round to nearest even), and the decoding of
-// float8_e4m3fn; host only.
+// Scalar conversions between float and the 16-bit storage types (round to nearest even), and float8_e4m3fn's
+// (decoding; encoding as the GPU's cvt.rn.satfinite); host only.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -92,6 +93,23 @@ inline float fp8e4m3_to_float(uint8_t x) {
     std::memcpy(&f, &bits, 4);
   }
   return sign ? -f : f;
+}
+
+// float -> float8_e4m3fn, round to nearest even, saturating as the GPU's cvt.rn.satfinite.e4m3x2.f32 does:
+// magnitudes past 448 (and infinities) become +-448, NaN stays NaN (S.1111.111).
+inline uint8_t float_to_fp8e4m3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80u : 0u;
+  const float a = std::fabs(f);
+  if (std::isnan(a)) return uint8_t(sign | 0x7fu);
+  if (a >= 448.f) return uint8_t(sign | 0x7eu);
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (an exact scaling); 8 steps round up to 2^-6 = 0x08
+    return uint8_t(sign | uint8_t(std::nearbyint(a * 512.f)));  // nearbyint: the default mode, ties to even
+  }
+  int e;
+  const float m = std::frexp(a, &e);                    // a = m * 2^e, m in [0.5, 1)
+  const int q = int(std::nearbyint((m * 2.f - 1.f) * 8.f));  // 3 mantissa bits of 1.xxx, exact scaling
+  const int code = ((e - 1 + 7) << 3) + q;              // q == 8 carries into the exponent: still the right code
+  return uint8_t(sign | uint8_t(code > 0x7e ? 0x7e : code));
 }
 
 // Reads element `i` (in elements from `base`) of a float-like tensor as float.

@@ -17,6 +17,9 @@
 namespace sparse_prefill::reference {
 namespace {
 
+// kExactMax's units (exact_max_spec.md step 3): the keys that share one e4m3 scale, the CUDA stage's GEMM N (kUnitKeys).
+constexpr int kExactUnitKeys = 64;
+
 // Blocks that some row of the tile sees (at least one key).
 std::vector<char> tile_visible_blocks(const AttentionInputs& in, const SequenceInfo& s, const TileGeometry& geo,
                                       int block_size, int64_t nb) {
@@ -45,6 +48,18 @@ void compact(const std::vector<std::vector<int32_t>>& lists, BlockIndex& index) 
     index.block_ids.insert(index.block_ids.end(), lists[s].begin(), lists[s].end());
     index.segment_end[s] = int32_t(index.block_ids.size());
   }
+}
+
+// kExactMax's operands (exact_max_spec.md step 3): the n values x rounded to float8 e4m3 after scaling their
+// largest magnitude to 448, as the CUDA stage rounds them (float32: inv = 448 / amax, 0 when amax is 0; e4m3 of
+// x * inv, nearest even, saturating); out gets the e4m3 values, the return is the scale amax / 448 they carry. A NaN
+// is not a magnitude (as fmaxf) and stays NaN.
+float round_e4m3_scaled(const float* x, int64_t n, float* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 448.f / amax : 0.f;
+  for (int64_t i = 0; i < n; ++i) out[i] = fp8e4m3_to_float(float_to_fp8e4m3(x[i] * inv));
+  return amax / 448.f;
 }
 
 }  // namespace
@@ -112,6 +127,27 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       const float* km = &index.k_mean[(size_t(index.cu_blocks[item / H]) * H + item % H) * D];
       key_basis_of[item] = key_basis(kv[item], km, int64_t(H) * D, D, R, B);
       key_coords_of[item] = key_coordinates(kv[item], km, int64_t(H) * D, D, key_basis_of[item], R, B);
+    });
+  }
+  // kExactMax: every key rounded to e4m3 per unit of 64 keys of its sequence and KV head (keys past the sequence
+  // zero), and each unit's scale (exact_max_spec.md step 3).
+  std::vector<std::vector<float>> exact_keys_of, exact_scales_of;
+  if (params.rule == SelectionRule::kExactMax) {
+    exact_keys_of.resize(kv.size());
+    exact_scales_of.resize(kv.size());
+    parallel_for(int64_t(kv.size()), [&](int64_t item) {
+      const SequenceKV& s = kv[item];
+      const int64_t units = (s.len + kExactUnitKeys - 1) / kExactUnitKeys;
+      std::vector<float> unit(size_t(kExactUnitKeys) * D);
+      exact_keys_of[item].assign(size_t(s.len) * D, 0.f);
+      exact_scales_of[item].assign(size_t(units), 0.f);
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t lo = u * kExactUnitKeys, n = std::min<int64_t>(kExactUnitKeys, s.len - lo);
+        std::fill(unit.begin(), unit.end(), 0.f);
+        std::copy(&s.k[size_t(lo) * D], &s.k[size_t(lo + n) * D], unit.begin());
+        exact_scales_of[item][size_t(u)] = round_e4m3_scaled(unit.data(), int64_t(kExactUnitKeys) * D, unit.data());
+        std::copy(unit.begin(), unit.begin() + n * D, &exact_keys_of[item][size_t(lo) * D]);
+      }
     });
   }
   const std::vector<int64_t> seg_offset = segment_offsets(p);
@@ -294,18 +330,25 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
       for (int64_t J = 0; J < nb; ++J)
         cand[J] = visible[J] && ((pooled[J] >= log_cand && !always_kept(J)) || !block_fully_visible(in, s, geo, J, B));
       std::vector<double> closeness(size_t(nb), kNegInf), e(static_cast<size_t>(nb));
+      const std::vector<float>& k8 = exact_keys_of[size_t(b) * H + kvh];
+      const std::vector<float>& k8_scale = exact_scales_of[size_t(b) * H + kvh];
+      std::vector<float> q8(static_cast<size_t>(D));
       for (int64_t r = geo.row_begin; r < geo.row_end; ++r) {
         const int64_t pos = r / g;
         const KeyRange keys = visible_keys(pos, s.q_len, s.k_len, in.causal, in.window_left, in.window_right);
         if (keys.empty()) continue;
         load_q(pos, kvh * g + int(r % g));
+        const double q8_scale = round_e4m3_scaled(q.data(), D, q8.data());
         double pooled_whole = kNegInf;
         for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
           if (sees_whole(keys, J)) pooled_whole = std::max(pooled_whole, mean_dot(J));
           if (!cand[J]) continue;
-          double top = kNegInf;
-          for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j)
-            top = std::max(top, dot(q.data(), &keys_of.k[size_t(j) * D], D));
+          double top = kNegInf;  // NaN-propagating, as the kernel's maxima
+          for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j) {
+            const double x =
+                dot(q8.data(), &k8[size_t(j) * D], D) * q8_scale * double(k8_scale[size_t(j / kExactUnitKeys)]);
+            if (std::isnan(x) || x > top) top = x;
+          }
           e[J] = top;
           if (std::isnan(top)) tile_nan = true;
         }

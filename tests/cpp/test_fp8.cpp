@@ -1,4 +1,5 @@
-// float8_e4m3fn decoding (every code against its definition) and the FP8 argument checks of the C++ API.
+// float8_e4m3fn decoding (every code against its definition), encoding (nearest even, saturating: what exact_max's
+// reference rounds with) and the FP8 argument checks of the C++ API.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -29,6 +30,29 @@ TEST(Fp8, DecodesEveryCodeByItsDefinition) {
   EXPECT_EQ(sparse_prefill::fp8e4m3_to_float(0x7e), 448.f);           // largest finite
   EXPECT_EQ(sparse_prefill::fp8e4m3_to_float(0x01), std::ldexp(1.f, -9));  // smallest subnormal
   EXPECT_EQ(sparse_prefill::fp8e4m3_to_float(0x38), 1.f);
+}
+
+TEST(Fp8, EncodesToNearestEvenAndSaturates) {
+  using sparse_prefill::float_to_fp8e4m3;
+  using sparse_prefill::fp8e4m3_to_float;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;  // NaN
+    EXPECT_EQ(int(float_to_fp8e4m3(fp8e4m3_to_float(uint8_t(c)))), c) << c;  // every value is its own code
+  }
+  // between neighbouring codes c and c + 1 (same sign): below the midpoint c, above it c + 1, at it the even one
+  for (int c = 0; c < 0x7e; ++c) {
+    const double lo = fp8e4m3_to_float(uint8_t(c)), hi = fp8e4m3_to_float(uint8_t(c + 1)), mid = (lo + hi) / 2;
+    EXPECT_EQ(int(float_to_fp8e4m3(float(mid))), c % 2 == 0 ? c : c + 1) << c;
+    EXPECT_EQ(int(float_to_fp8e4m3(std::nextafter(float(mid), 0.f))), c) << c;
+    EXPECT_EQ(int(float_to_fp8e4m3(std::nextafter(float(mid), 1e30f))), c + 1) << c;
+    EXPECT_EQ(int(float_to_fp8e4m3(-float(mid))), (c % 2 == 0 ? c : c + 1) | 0x80) << c;
+  }
+  EXPECT_EQ(int(float_to_fp8e4m3(464.f)), 0x7e);  // past 448: saturated (cvt.rn.satfinite), never NaN
+  EXPECT_EQ(int(float_to_fp8e4m3(1e30f)), 0x7e);
+  EXPECT_EQ(int(float_to_fp8e4m3(-INFINITY)), 0xfe);
+  EXPECT_EQ(int(float_to_fp8e4m3(std::ldexp(1.f, -11))), 0);  // a quarter of the smallest subnormal: zero
+  EXPECT_EQ(int(float_to_fp8e4m3(-0.f)), 0x80);
+  EXPECT_TRUE(std::isnan(fp8e4m3_to_float(float_to_fp8e4m3(NAN))));
 }
 
 // One FP8 sequence of 4 tokens, Hq 2, Hkv 1, D 64; descale arrays [1, 1].

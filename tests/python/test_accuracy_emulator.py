@@ -34,7 +34,7 @@ def random_qkv(L, seed):
 
 PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
 KEYMAX = dict(score="resid", onepass=2, sinkref=1, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank)
-EXACTMAX = dict(score="kmax", onepass=2, sinkref=1, agg="rowmax")  # ... and of 'exact_max' (cand_mean = candidate_alpha)
+EXACTMAX = dict(score="kmax", onepass=2, sinkref=1, agg="rowmax", qk="e4m3")  # ... and of 'exact_max' (cand_mean = candidate_alpha)
 RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass",
          "keymax": "key_max", "exactmax": "exact_max"}
 
@@ -454,13 +454,19 @@ def test_candidates_restrict_the_exact_rule_to_the_pooled_stage():
 
 
 def test_e4m3_operands_round_within_half_a_step_and_select_near_the_exact_rule():
-    # qk 'e4m3': q and k through float8 e4m3 with one scale per KV head (amax -> 448): each value within half a step
-    # of its 3-bit mantissa (2^-4 relative) above the subnormal range, and the exact maxima's selection on the
+    # qk 'e4m3' (the library's exact_max operands): q per row and k per unit of 64 keys through float8 e4m3, each
+    # group's largest magnitude scaled to 448 exactly: each value within half a step of its 3-bit mantissa (2^-4
+    # relative) above the subnormal range, a zero unit stays zero (scale 0), and the exact maxima's selection on the
     # rounded operands differs from the float32 one only in a few near-threshold blocks
     q, k, v = random_qkv(3000, 18)
-    kr = emulate.e4m3_round(k, HKV)
-    big = k.abs() > k.abs().amax() * 2.0 ** -6
-    assert bool(((kr - k).abs() <= k.abs() * 2.0 ** -4 + 1e-7)[big].all()) and not bool(torch.equal(kr, k))
+    k[64:128, 1] = 0.0
+    k8, sk = emulate.e4m3_scaled(k, 64)
+    kr = k8 * sk[..., None]
+    units = k8.abs()[:2944].view(46, 64, HKV, D).amax(dim=(1, 3))  # 3000 keys: 46 whole units and 56 keys
+    assert bool((units[units > 0] == 448.0).all()) and int((units == 0).sum()) == 1 and float(units[1, 1]) == 0.0
+    assert bool((sk[64:128, 1] == 0).all()) and bool((k8[64:128, 1] == 0).all())
+    big = k.abs() >= 2.0 ** -6 * sk[..., None]  # above e4m3's subnormals once scaled
+    assert bool(((kr - k).abs() <= k.abs() * 2.0 ** -4 * (1 + 1e-6))[big].all()) and not bool(torch.equal(kr, k))
     common = dict(score="kmax", agg="rowmax", alpha=0.3, sink=128, window=128, last_n=1, dense_fraction=1.0,
                   cand_mean=0.01)
     exact = emulate.select(q, k, v, common, SCALE)

@@ -1,8 +1,9 @@
 """rule='exact_max' (issue 44, docs/design/exact_max_spec.md) on the GPU: the CUDA index stage (exact_max.cu: the
-candidates of row_max at candidate_alpha over the bf16 pooled means, then the exact block maxima of the candidates'
-keys on wgmma with float accumulators, one pass from the diagonal down) against the CPU reference (double) on the same
-inputs. The GPU's pooled scores are bf16 means (the candidates may flip near candidate_alpha's threshold, as
-row_max's do) and its exact scores float32 sums: the symmetric difference of the kept sets is bounded as
+candidates of row_max at candidate_alpha over the bf16 pooled means, then the block maxima of the candidates' keys on
+e4m3 operands, rounded as the reference rounds them, on FP8 wgmma with float accumulators, one pass from the diagonal
+down) against the CPU reference (double) on the same inputs. The GPU's pooled scores are bf16 means (the candidates
+may flip near candidate_alpha's threshold, as row_max's do) and its exact scores the tensor cores' sums of the e4m3
+products: the symmetric difference of the kept sets is bounded as
 test_key_max_cuda's; densities agree to 0.01. The cases both per-key rules share (sink keys, window band and padded
 rows, GQA 3 at D 64, fp16 and block 256, poisoned workspace, NaN key, chunked paged union, topic, FP8) are
 test_key_max_cuda.py's, parametrized by rule. Skipped without a GPU or without a CUDA build (scripts/gpu.sh runs

@@ -79,6 +79,11 @@ struct DeviceIndex {
   void* key_proj = nullptr;
   float* key_radius = nullptr;
   int64_t key_rows = 0;
+  // SelectionRule::kExactMax (exact_max.cu): each key row's values rounded to e4m3 per unit of kExactUnitKeys keys,
+  // [Hkv][key_rows / 64][64 x D] bytes, a unit in the swizzled order of the scorer's shared-memory slot (one bulk
+  // copy brings it), and the units' scales amax / 448 [Hkv][key_rows / 64] (docs/design/exact_max_spec.md step 3).
+  void* exact_keys = nullptr;
+  float* exact_key_scales = nullptr;
   unsigned long long* counters = nullptr;  // [kNumCounters] (IndexCounter)
   // The sparse kernel's scheduler counter and, for chunk shapes (split_planned), the split-KV plan and partials
   // (SparseLaunchWorkspace, split_kv/split_kv.h; about 35 MB on 132 SMs): one workspace serves one launch at a time, so
@@ -89,6 +94,7 @@ struct DeviceIndex {
 // key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial
 // sum: about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle,
 // 3.9 ms on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
+constexpr int kExactUnitKeys = 64;  // exact_max: keys per unit, its GEMM's N and the keys sharing an e4m3 scale
 constexpr int kMaxKeyMomentSplits = 16;  // the basis kernel keeps one load per slice in flight
 inline int key_moment_splits(int batch, int num_kv_heads) {
   const int heads = std::max(1, batch * num_kv_heads);

@@ -63,6 +63,7 @@ Bounds bounds_of(const IndexBinding& b, const SelectionParams& params) {
   bd.probe_words = is_probe_rule(params.rule) || is_per_key_rule(params.rule) ? (bd.nb_max + 31) / 32 : 0;
   bd.probe_splits = is_probe_rule(params.rule) ? probe_splits(b.total_q, h.group, h.kv, bd.probe_words, num_sms()) : 0;
   bd.key_rank = params.rule == SelectionRule::kKeyMax ? params.key_rank : 0;
+  bd.exact_keys = params.rule == SelectionRule::kExactMax;
   bd.split_kv = split_planned(b.split_kv, b.max_seqlen_q, b.max_seqlen_k);
   return bd;
 }
@@ -106,6 +107,12 @@ size_t carve(const IndexBinding& b, const Bounds& bd, char* base, DeviceIndex* i
     d.key_rows = bd.max_blocks * b.block_size;
     d.key_proj = take(size_t(b.num_kv_heads) * d.key_rows * bd.key_rank * 2);
     d.key_radius = reinterpret_cast<float*>(take(size_t(b.num_kv_heads) * bd.max_blocks * sizeof(float)));
+  }
+  if (bd.exact_keys) {  // exact_max.cu: every key row of the pooled blocks in e4m3 units of 64, and their scales
+    d.key_rows = bd.max_blocks * b.block_size;
+    d.exact_keys = take(size_t(b.num_kv_heads) * d.key_rows * b.head_dim);
+    d.exact_key_scales =
+        reinterpret_cast<float*>(take(size_t(b.num_kv_heads) * (d.key_rows / kExactUnitKeys) * sizeof(float)));
   }
   const int sms = num_sms();
   char* launch = take(sparse_launch_workspace_bytes(sms, b.head_dim, bd.split_kv));

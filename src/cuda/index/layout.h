@@ -17,6 +17,7 @@ struct Bounds {
   int64_t probe_words;  // is_probe_rule(params.rule): words of each segment's probe bitmap (else 0)
   int probe_splits;     // is_probe_rule(params.rule): key splits of each probe CTA (probe_splits(), else 0)
   int key_rank;         // SelectionRule::kKeyMax: SelectionParams::key_rank (its basis and K' arrays), else 0
+  bool exact_keys;      // SelectionRule::kExactMax: its e4m3 key units and their scales (exact_max.cu)
   bool split_kv;  // the attention launch over this index may run split-KV (split_planned): carve the split arrays
 };
 
