@@ -92,9 +92,8 @@ struct KVArgs {
   }
 
   // Element offsets of key j of sequence b at KV head h in K and V (k_start: the sequence's first row in a contiguous
-  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). Where the index stage's
-  // kernels resolve the two layouts, but for exact_max's TMA units, which need a row of the (rows, heads) space TMA
-  // addresses (k_start + j, or geometry::paged_row of page(b, j)). Callers that read K only ignore vo (dead code).
+  // K / V; unused when paged); false for a key on a bad page (reported; ko and vo untouched). The one place the index
+  // stage's kernels resolve the two layouts. Callers that read K only ignore vo (dead code).
   __device__ __forceinline__ bool offsets(int b, int64_t k_start, int h, int64_t j, int64_t& ko, int64_t& vo) const {
     if (block_table) {
       const int64_t pg = page(b, j);
@@ -268,8 +267,9 @@ void launch_key_basis(cudaStream_t stream, const Problem& p, int key_rank, const
 void launch_key_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
                     const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                     const SelectArgs& sel, const DeviceIndex& d);
-// exact_max.cu: SelectionRule::kExactMax, the scorer's limits checked, then the tile's keep bits (d.probe_bits): the
-// candidates of kRowMax at params.candidate_alpha and the always-kept blocks, tested by their exact block maxima.
+// exact_max.cu: SelectionRule::kExactMax, the scorer's limits checked, the keys' e4m3 units (d.exact_keys), then the
+// tile's keep bits (d.probe_bits): the candidates of kRowMax at params.candidate_alpha and the blocks not fully
+// visible to the tile, tested by their block maxima on e4m3 operands.
 void launch_exact_max(cudaStream_t stream, const Problem& p, const SelectionParams& params, const Bounds& bd,
                       const VirtualHeads& heads, const SeqArgs& seq, const QArgs& qa, const KVArgs& kv,
                       const SelectArgs& sel, const DeviceIndex& d);
