@@ -33,7 +33,7 @@
 #             calls on a warm machine; the first half waits in ~/, the second completes and installs it (/tmp/acc-site)
 #   accuracy  issue 37 on SmolLM2 (needs the model phase in this or an earlier call): bench/accuracy/run.py through
 #             the package at SP_ACCURACY_LENGTHS (default 8192,4096): copy, NLL and kv in 3 layouts x 2 formats
-#             (>= 1000 scored tokens each), dense, the library's default (no selection keyword), the exact oracle
+#             (>= 3000 scored tokens each), dense, the library's default (no selection keyword), the exact oracle
 #             (oracle_0.5/0.7/0.9 per query head, oracle_tile_* per PackGQA tile, dense_torch) and the candidates
 #             SP_ACCURACY_CONFIGS (default rowmax_a003_head,probe_mass_head; names, 'sp:k=v;...' or 'emu:k=v;...'),
 #             each row with its paired-bootstrap interval; the index of every library config timed at 128K on the
