@@ -91,10 +91,11 @@ struct DeviceIndex {
   SparseLaunchWorkspace launch;
 };
 
+constexpr int kExactUnitKeys = 64;  // exact_max: keys per unit, its GEMM's N and the keys sharing an e4m3 scale
+
 // key_basis.cu: the moment's sampled keys in this many slices per (sequence, KV head), each its own CTA and partial
 // sum: about 256 CTAs in all, at most 16 slices (one CTA per (sequence, KV head) ran at 0.2 instructions per cycle,
 // 3.9 ms on the H100 for 8 heads); the partials take splits * batch * Hkv * D^2 floats of the workspace.
-constexpr int kExactUnitKeys = 64;  // exact_max: keys per unit, its GEMM's N and the keys sharing an e4m3 scale
 constexpr int kMaxKeyMomentSplits = 16;  // the basis kernel keeps one load per slice in flight
 inline int key_moment_splits(int batch, int num_kv_heads) {
   const int heads = std::max(1, batch * num_kv_heads);
