@@ -51,6 +51,25 @@ def test_exact_max_index_on_gpu_matches_cpu(q_lens, k_lens, hkv, alpha, candidat
     _agree(ref, got, len(q_lens), hkv * (8 // hkv if subgroups == 0 else subgroups))
 
 
+def test_exact_max_zero_units_and_rows_match_cpu():
+    """The e4m3 operands' edge cases (exact_max_spec.md step 3): a unit of 64 zero keys (amax 0: scale 0, its scores
+    0, not NaN) inside a candidate block, one at the sequence's tail, and zero query rows (scale 0: every score 0),
+    against the reference, which rounds alike."""
+    rng = np.random.default_rng()
+    cpu, gpu, mq, mk = _structured_varlen(rng, [1500], [1500], 8, 2)
+    q, k = cpu[0].clone(), cpu[1].clone()
+    k[640:704] = 0   # a whole unit
+    k[1472:] = 0     # the tail unit (keys 1472-1499)
+    q[900:903] = 0   # three positions: every head's row zero
+    cpu = [q, k, cpu[2], cpu[3], cpu[4]]
+    gpu = [q.cuda(), k.cuda()] + gpu[2:]
+    kw = dict(alpha=0.05, rule="exact_max", dense_fraction=1.0, candidate_alpha=0.0)
+    ref = sp.build_index(*cpu, mq, mk, **kw)
+    got = sp.build_index(*gpu, mq, mk, **kw).to_host()
+    _agree(ref, got, 1, 8)
+    assert ref.density < 1.0
+
+
 @pytest.mark.parametrize("spike_key,far_kept", [(700, True), (768, False)])
 def test_exact_max_scores_the_diagonal_block_not_the_window_band_on_gpu(spike_key, far_kept):
     """test_selection.py's constructed case on the kernel (exact_max_spec.md step 2): a spike of logit 10 in the window
