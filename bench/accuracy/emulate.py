@@ -246,28 +246,12 @@ def e4m3_scaled(x, rows):
     return vals.reshape(n, H, D)[:L], scale.reshape(n, H)[:L]
 
 
-def e4m3_block_max(q, k, scale, block, rows=None):
-    """block_max on the e4m3 operands of e4m3_scaled (q per row, k per 64-key unit): max over the keys j of J that
-    row r sees of scale * (sigma_r (q8_r . k8_j) kappa_j), in float64 (the products exact), as the CPU reference."""
+def e4m3_operands(q, k):
+    """The library's exact_max operands (exact_max_spec.md step 3): q per row and k per 64-key unit through
+    e4m3_scaled, as the float64 values they stand for (sigma q8, kappa k8: exact products of e4m3 and float32)."""
     q8, sq = e4m3_scaled(q, 1)
     k8, sk = e4m3_scaled(k, 64)
-    L, Hq, D = q.shape
-    g = Hq // k.shape[1]
-    nb = (L + block - 1) // block
-    P = nb * block
-    kp = torch.cat([k8.double(), k8.new_zeros(P - L, k.shape[1], D, dtype=torch.float64)])
-    kap = torch.cat([sk.double(), sk.new_zeros(P - L, k.shape[1], dtype=torch.float64)])
-    pos = torch.arange(L, device=q.device) if rows is None else rows
-    keyi = torch.arange(P, device=q.device)
-    out = torch.full((L, Hq, nb), -math.inf, dtype=torch.float64, device=q.device)
-    for h in range(Hq):
-        for c in range(0, len(pos), 2048):
-            pr = pos[c:c + 2048]
-            lg = (q8[pr, h].double() @ kp[:, h // g].T) * sq[pr, h].double()[:, None] * kap[:, h // g][None, :]
-            lg = lg * scale
-            lg.masked_fill_(keyi[None, :] > pr[:, None], -math.inf)
-            out[pr, h] = lg.view(len(pr), nb, block).amax(-1)
-    return out
+    return q8.double() * sq.double()[..., None], k8.double() * sk.double()[..., None]
 
 
 def projected_keys(k, score, rank, block, basis="lib"):
@@ -371,7 +355,7 @@ def select(q, k, v, rule, scale):
         if r["score"] == "resid" and r["basis"] in ("lib", "query"):
             bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
         elif r["qk"] == "e4m3":
-            bm = e4m3_block_max(q, k, scale, B, pr)
+            bm = block_max(*e4m3_operands(q, k), scale, B, pr, dtype=torch.float64)
         else:
             bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)

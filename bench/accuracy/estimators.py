@@ -24,8 +24,9 @@ key's residual on the rank-r basis; the row max here is the two-pass one, the li
 oracle_{F} the exact per-row mass target; exnb_a{alpha} / exdg_a{alpha} the exact row max test with the row's
 maximum taken without the always-kept blocks' exact maxima (exdg: but with the tile's diagonal block's, exact_max's
 rule; exds: exdg without the sink keys' exact maxima in the bound; exdc{ca}_a{alpha}: exdg within the tiles'
-candidates at candidate_alpha ca, exact_max as the library computes it, two-pass); kpx{r}c{c}_a{alpha} the row max test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row mass targets on a block-mass
-estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
+candidates at candidate_alpha ca, exact_max as the library computes it, two-pass); kpx{r}c{c}_a{alpha} the row max
+test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row
+mass targets on a block-mass estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
 union of two estimators' selections.
 """
 import argparse
@@ -312,7 +313,6 @@ SETS = {
     "qbasis2": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "kmx16_a0.03", "kmx16_a0.1", "kmx16_a0.3", "kqb16_a0.03",
                 "kqb16_a0.1", "kqb16_a0.3", "kqb8_a0.1", "kqb8_a0.3"],
     "rank": ["kmx16_a0.03", "kmx16_a0.1", "kmx32_a0.03", "kmx32_a0.1", "kmx32_a0.3", "maxcum_0.9"],
-    # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
     # a ratio rule that prunes the retrieval models' diffuse heads (alpha 0.05-0.1) united with a mass target on the
     # block maxima that keeps SmolLM2's spread tail (the one-default question, exact maxima)
     "exunion": ["oracle_0.8", "oracle_0.9", "exact_a0.03", "exact_a0.05", "exact_a0.1", "maxcum_0.8", "maxcum_0.9",
@@ -321,6 +321,7 @@ SETS = {
     # exact_max without the window band's exact maxima in the row's maximum (exact_max_spec.md step 2)
     "band": ["oracle_0.9", "exact_a0.03", "exact_a0.05", "exnb_a0.03", "exnb_a0.05", "exdg_a0.03", "exdg_a0.05",
              "exds_a0.03", "exds_a0.05"],
+    # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],
 }

@@ -17,7 +17,8 @@
 namespace sparse_prefill::reference {
 namespace {
 
-// kExactMax's units (exact_max_spec.md step 3): the keys that share one e4m3 scale, the CUDA stage's GEMM N (kUnitKeys).
+// kExactMax's units (exact_max_spec.md step 3): the keys that share one e4m3 scale, the CUDA stage's GEMM N
+// (kUnitKeys).
 constexpr int kExactUnitKeys = 64;
 
 // Blocks that some row of the tile sees (at least one key).
@@ -135,18 +136,13 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
   if (params.rule == SelectionRule::kExactMax) {
     exact_keys_of.resize(kv.size());
     exact_scales_of.resize(kv.size());
-    parallel_for(int64_t(kv.size()), [&](int64_t item) {
+    parallel_for(int64_t(kv.size()), [&](int64_t item) {  // the zeros past the sequence add nothing to a unit's amax
       const SequenceKV& s = kv[item];
-      const int64_t units = (s.len + kExactUnitKeys - 1) / kExactUnitKeys;
-      std::vector<float> unit(size_t(kExactUnitKeys) * D);
-      exact_keys_of[item].assign(size_t(s.len) * D, 0.f);
-      exact_scales_of[item].assign(size_t(units), 0.f);
-      for (int64_t u = 0; u < units; ++u) {
-        const int64_t lo = u * kExactUnitKeys, n = std::min<int64_t>(kExactUnitKeys, s.len - lo);
-        std::fill(unit.begin(), unit.end(), 0.f);
-        std::copy(&s.k[size_t(lo) * D], &s.k[size_t(lo + n) * D], unit.begin());
-        exact_scales_of[item][size_t(u)] = round_e4m3_scaled(unit.data(), int64_t(kExactUnitKeys) * D, unit.data());
-        std::copy(unit.begin(), unit.begin() + n * D, &exact_keys_of[item][size_t(lo) * D]);
+      std::vector<float>& keys = exact_keys_of[item];
+      keys.assign(s.k.begin(), s.k.begin() + s.len * D);
+      for (int64_t lo = 0; lo < s.len; lo += kExactUnitKeys) {
+        const int64_t n = std::min<int64_t>(kExactUnitKeys, s.len - lo) * D;
+        exact_scales_of[item].push_back(round_e4m3_scaled(&keys[size_t(lo) * D], n, &keys[size_t(lo) * D]));
       }
     });
   }

@@ -34,7 +34,8 @@ def random_qkv(L, seed):
 
 PROBE = dict(score="probe", probe=8)  # emulate.py's spelling of rule='probe_row_max' (agg rowmax, union_mean)
 KEYMAX = dict(score="resid", onepass=2, sinkref=1, agg="rowmax")  # ... and of rule='key_max' (rank = key_rank)
-EXACTMAX = dict(score="kmax", onepass=2, sinkref=1, agg="rowmax", qk="e4m3")  # ... and of 'exact_max' (cand_mean = candidate_alpha)
+# ... and of 'exact_max' (cand_mean = candidate_alpha)
+EXACTMAX = dict(score="kmax", onepass=2, sinkref=1, agg="rowmax", qk="e4m3")
 RULES = {"rowmax": "row_max", "sum": "tile_energy", "probe": "probe_row_max", "probe_mass": "probe_row_mass",
          "keymax": "key_max", "exactmax": "exact_max"}
 

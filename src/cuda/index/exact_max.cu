@@ -106,6 +106,23 @@ struct ExactMaxConfig {
   }
 };
 
+// Spec step 3's rounding, shared by the pre-pass (keys) and the scorer (Q): a group whose largest magnitude is amax
+// is multiplied by e4m3_inv(amax) (0 when amax is 0) and rounded to e4m3 (nearest even, saturated); its scale is
+// amax / 448. IEEE divisions, as the CPU reference's float32 arithmetic.
+__device__ __forceinline__ float e4m3_inv(float amax) { return amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f; }
+__device__ __forceinline__ float e4m3_scale(float amax) { return __fdiv_rn(amax, 448.f); }
+// 16 values times inv as 16 e4m3 bytes, in order.
+__device__ __forceinline__ uint4 to_e4m3x16(const float (&x)[16], float inv) {
+  union {
+    uint4 u;
+    __nv_fp8x2_storage_t p[8];
+  } out;
+  CUTE_UNROLL
+  for (int e = 0; e < 8; ++e)
+    out.p[e] = __nv_cvt_float2_to_fp8x2(make_float2(x[2 * e] * inv, x[2 * e + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+  return out.u;
+}
+
 // The pre-pass (exact_max_spec.md step 3): one CTA per (unit of 64 key rows of the pooled blocks, KV head); the keys
 // in real units (FP8: times the k descale; zeros past the sequence and on a bad page), scaled so that the unit's
 // largest magnitude is 448 (float32: inv = 448 / amax, 0 when amax is 0), rounded to e4m3 (nearest even, saturated),
@@ -155,22 +172,14 @@ __global__ void __launch_bounds__(kKeyThreads) exact_keys_kernel(SeqArgs seq, KV
   __syncthreads();
   CUTE_UNROLL
   for (int w = 0; w < kKeyThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f;
+  const float inv = e4m3_inv(amax);
   uint8_t* unit = keys8 + (int64_t(h) * units_total + U) * Cfg::kUnitBytes;
   CUTE_UNROLL
   for (int i = 0; i < kParts; ++i) {
-    union {
-      uint4 u;
-      __nv_fp8x2_storage_t p[8];
-    } out;
-    CUTE_UNROLL
-    for (int e = 0; e < 8; ++e)
-      out.p[e] = __nv_cvt_float2_to_fp8x2(make_float2(x[i][2 * e] * inv, x[i][2 * e + 1] * inv), __NV_SATFINITE,
-                                          __NV_E4M3);
     const int c = (i * kThreadsPerKey + part0) * 16;
-    *reinterpret_cast<uint4*>(unit + typename Cfg::SmemLayoutUnit8{}(key, c)) = out.u;
+    *reinterpret_cast<uint4*>(unit + typename Cfg::SmemLayoutUnit8{}(key, c)) = to_e4m3x16(x[i], inv);
   }
-  if (threadIdx.x == 0) scales[int64_t(h) * units_total + U] = __fdiv_rn(amax, 448.f);
+  if (threadIdx.x == 0) scales[int64_t(h) * units_total + U] = e4m3_scale(amax);
 }
 
 // One CTA per (tile, virtual KV head). Writes the tile's keep bits (words [0, ceil(nvis / 32)) of its segment) of the
@@ -454,22 +463,16 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     CUTE_UNROLL
     for (int i = 0; i < kHalf; ++i) amax = fmaxf(amax, fabsf(value(i)));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f;
+    const float inv = e4m3_inv(amax);
     __syncthreads();  // every row read before the e4m3 tile overwrites the bf16 one
     CUTE_UNROLL
     for (int c = 0; c < kHalf / 16; ++c) {
-      union {
-        uint4 u;
-        __nv_fp8x2_storage_t p[8];
-      } out;
+      float x[16];
       CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        out.p[i] = __nv_cvt_float2_to_fp8x2(make_float2(value(16 * c + 2 * i) * inv, value(16 * c + 2 * i + 1) * inv),
-                                            __NV_SATFINITE, __NV_E4M3);
-      }
-      *reinterpret_cast<uint4*>(&sQ8(r, c0 + 16 * c)) = out.u;
+      for (int i = 0; i < 16; ++i) x[i] = value(16 * c + i);
+      *reinterpret_cast<uint4*>(&sQ8(r, c0 + 16 * c)) = to_e4m3x16(x, inv);
     }
-    if (threadIdx.x % 2 == 0) sm.q_scale[r] = __fdiv_rn(amax, 448.f);
+    if (threadIdx.x % 2 == 0) sm.q_scale[r] = e4m3_scale(amax);
   }
   cutlass::arch::fence_view_async_shared();  // the e4m3 tile and the lists before wgmma and the bulk copies
   __syncthreads();

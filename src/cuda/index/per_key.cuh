@@ -43,20 +43,6 @@ __device__ __forceinline__ uint4 load_key8(const T* src, bool vec) {
   return out.u;
 }
 
-// Elements [8 part, 8 part + 8) of a key row (src: the row's first element) into the shared address dst as the
-// scorer's GEMM operand: cp.async for aligned 16-bit rows (k_vec), else loads and a shared store (e4m3 exactly in
-// bf16: raw units, the caller scales the scores by the descale); zeros when !ok.
-template <typename T, typename Element>
-__device__ __forceinline__ void load_key_chunk(const T* src, bool ok, int part, bool k_vec, uint32_t dst) {
-  src += part * 8;
-  if (!is_fp8_v<T> && k_vec) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-  } else {
-    const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
-  }
-}
-
 // Key j of sequence b at KV head h (k_src: the K base, k_start: the sequence's first row when contiguous): its row's
 // first element; ok false when !in_range or on a bad page (reported by kv.offsets), the row then read as zeros.
 template <typename T>
@@ -67,13 +53,20 @@ __device__ __forceinline__ const T* key_row(const KVArgs& kv, const T* k_src, in
   return k_src + ko;
 }
 
-// Elements [8 part, 8 part + 8) of key j (key_row, then load_key_chunk).
+// Elements [8 part, 8 part + 8) of key j (key_row) into the shared address dst as the scorer's GEMM operand: cp.async
+// for aligned 16-bit rows (k_vec), else loads and a shared store (e4m3 exactly in bf16: raw units, the caller scales
+// the scores by the descale); zeros when !in_range or on a bad page.
 template <typename T, typename Element>
 __device__ __forceinline__ void load_key_part(const KVArgs& kv, const T* k_src, int b, int64_t k_start, int h,
                                               int64_t j, bool in_range, int part, bool k_vec, uint32_t dst) {
   bool ok;
-  const T* src = key_row(kv, k_src, b, k_start, h, j, in_range, ok);
-  load_key_chunk<T, Element>(src, ok, part, k_vec, dst);
+  const T* src = key_row(kv, k_src, b, k_start, h, j, in_range, ok) + part * 8;
+  if (!is_fp8_v<T> && k_vec) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+  } else {
+    const uint4 x = ok ? load_key8<T, Element>(src, k_vec) : make_uint4(0u, 0u, 0u, 0u);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+  }
 }
 
 // Warp 0: the blocks of the candidate bits (words [0, words)) as a list from the diagonal down, cand[0, n); returns n
