@@ -44,8 +44,8 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    price of scoring each pair once; onepass 2: the same pass started from the pooled means' bound
                    max_J scale q_r . kmean_J over the blocks the row sees whole (a block's maximum is >= its mean)
                    sinkref 1 (with onepass): the pass also starts from the row's exact maximum over the keys of the
-                   always-kept sink blocks (full-D q . k; on SmolLM2 the row's top block for most rows on exact
-                   scores, which a pass from the diagonal reaches last)
+                   always-kept sink blocks (full-D q . k, on the e4m3 operands with qk 'e4m3'; on SmolLM2 the
+                   row's top block for most rows on exact scores, which a pass from the diagonal reaches last)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
@@ -428,8 +428,13 @@ def select(q, k, v, rule, scale):
                 sm = sm.masked_fill(~whole[None], -math.inf).view(V, T, TILE_ROWS, nb)
                 m = torch.maximum(m, sm.amax(-1, keepdim=True))
             nsk = min(L, -(-r["sink"] // B) * B)
-            if r["sinkref"] and nsk > 0:  # the exact maximum over the sink blocks' keys the row sees
-                ex = torch.einsum("vrd,jvd->vrj", qv, k[:nsk].double()[:, kvh]) * scale
+            if r["sinkref"] and nsk > 0:  # the maximum over the sink blocks' keys the row sees (qk 'e4m3': on the
+                # library's e4m3 operands, as exact_max_spec.md step 4; else exactly)
+                qs, ks = (qv, k.double()) if r["qk"] != "e4m3" else e4m3_operands(q, k)
+                if r["qk"] == "e4m3":  # packed as qv
+                    qs = qs.reshape(L, V, gs, D).permute(1, 0, 2, 3).reshape(V, R, D)
+                    qs = torch.cat([qs, qs.new_zeros(V, Rp - R, D)], 1)
+                ex = torch.einsum("vrd,jvd->vrj", qs, ks[:nsk][:, kvh]) * scale
                 ex = ex.masked_fill(torch.arange(nsk, device=dev)[None, None, :] > pos[None, :, None], -math.inf)
                 m = torch.maximum(m, ex.amax(-1).view(V, T, TILE_ROWS, 1))
         else:

@@ -231,11 +231,11 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
     auto sees_whole = [&](const KeyRange& keys, int64_t J) {
       return J * B >= keys.lo && std::min<int64_t>(J * B + B, s.k_len) - 1 <= keys.hi;
     };
+    // sink_score(j): the row's score of sink key j in the bound (kKeyMax: exact; kExactMax: on its e4m3 operands).
     auto one_pass = [&](const KeyRange& keys, double pooled_whole, const std::vector<double>& sh, auto scored,
-                        std::vector<double>& closeness) {
+                        auto sink_score, std::vector<double>& closeness) {
       double bound = pooled_whole;
-      for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j)
-        bound = std::max(bound, dot(q.data(), &keys_of.k[size_t(j) * D], D));
+      for (int64_t j = keys.lo; j <= std::min(keys.hi, sink_end - 1); ++j) bound = std::max(bound, sink_score(j));
       double running = kNegInf;
       for (int64_t J = keys.hi / B; J >= keys.lo / B; --J) {
         if (!scored(J)) continue;
@@ -311,14 +311,17 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
           if (std::isnan(sh[J])) tile_nan = true;
           if (sees_whole(keys, J)) pooled_whole = std::max(pooled_whole, md);
         }
-        one_pass(keys, pooled_whole, sh, [](int64_t) { return true; }, closeness);
+        one_pass(
+            keys, pooled_whole, sh, [](int64_t) { return true; },
+            [&](int64_t j) { return dot(q.data(), &keys_of.k[size_t(j) * D], D); }, closeness);
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = visible[J] && closeness[J] >= log_alpha;
     } else if (params.rule == SelectionRule::kExactMax) {
       // docs/design/exact_max_spec.md. Scored blocks C: kRowMax at candidate_alpha over the pooled scores less the
       // always-kept blocks, plus the blocks not fully visible to the tile. Per row: e_J = max over the keys j of J in
-      // C it sees of q . k_j (unscaled); one pass from the diagonal down over C, m_J = max(bound,
-      // max_{J' in C, J' >= J} e_J'), the bound as kKeyMax's; C_J = max over the rows that see J of scale (e_J - m_J).
+      // C it sees of its e4m3 score (step 3; unscaled); one pass from the diagonal down over C, m_J = max(bound,
+      // max_{J' in C, J' >= J} e_J'), the bound as kKeyMax's but the sink keys' scores on the same e4m3 operands;
+      // C_J = max over the rows that see J of scale (e_J - m_J).
       std::vector<double> pooled(size_t(nb), kNegInf);
       row_max_closeness(score, pooled);
       const double log_cand = params.candidate_alpha > 0.f ? std::log(double(params.candidate_alpha)) : kNegInf;
@@ -335,20 +338,22 @@ BlockIndex build_index(const AttentionInputs& in, const Problem& p, const Select
         if (keys.empty()) continue;
         load_q(pos, kvh * g + int(r % g));
         const double q8_scale = round_e4m3_scaled(q.data(), D, q8.data());
+        auto score8 = [&](int64_t j) {  // spec step 3: sigma_r kappa_u(j) (q8_r . k8_j)
+          return dot(q8.data(), &k8[size_t(j) * D], D) * q8_scale * double(k8_scale[size_t(j / kExactUnitKeys)]);
+        };
         double pooled_whole = kNegInf;
         for (int64_t J = keys.lo / B; J <= keys.hi / B; ++J) {
           if (sees_whole(keys, J)) pooled_whole = std::max(pooled_whole, mean_dot(J));
           if (!cand[J]) continue;
           double top = kNegInf;  // NaN-propagating, as the kernel's maxima
           for (int64_t j = std::max(keys.lo, J * B); j <= std::min(keys.hi, J * B + B - 1); ++j) {
-            const double x =
-                dot(q8.data(), &k8[size_t(j) * D], D) * q8_scale * double(k8_scale[size_t(j / kExactUnitKeys)]);
+            const double x = score8(j);
             if (std::isnan(x) || x > top) top = x;
           }
           e[J] = top;
           if (std::isnan(top)) tile_nan = true;
         }
-        one_pass(keys, pooled_whole, e, [&](int64_t J) { return cand[J] != 0; }, closeness);
+        one_pass(keys, pooled_whole, e, [&](int64_t J) { return cand[J] != 0; }, score8, closeness);
       }
       for (int64_t J = 0; J < nb; ++J) above[J] = cand[J] && closeness[J] >= log_alpha;
     } else {

@@ -192,6 +192,16 @@ def test_exact_max_equals_the_emulator(L, block, subgroups, alpha, candidate_alp
     assert 0.0 < d <= 1.0
 
 
+@pytest.mark.parametrize("alpha", [0.05, 0.3])
+def test_exact_max_bound_takes_the_sink_keys_on_e4m3_operands(alpha):
+    """exact_max_spec.md step 4: the bound's sink term is the sink keys' e4m3 score, as the candidates'. With an
+    attention sink (the bound's top term for most rows) the library keeps the emulator's blocks; on this input the
+    sink's exact scores would keep another block (one segment differs: checked when the step changed)."""
+    q, k, v = spiky_qkv(1500, 30)
+    add_attention_sink(q, k)
+    check(q, k, v, 3, False, alpha=alpha, sink=64, window=64, agg="exactmax", block=64, outputs=False)
+
+
 def test_exact_max_prunes_within_its_candidates():
     """Not vacuous: the exact stage keeps a strict subset of its candidates (the pooled row max at candidate_alpha,
     the library's own rule='row_max'), and a higher candidate_alpha stays inside the wider candidates too."""

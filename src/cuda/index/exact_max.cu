@@ -1,20 +1,21 @@
 // Index stage, the exact_max rule (SelectionRule::kExactMax, docs/design/exact_max_spec.md): two stages in one kernel
 // per (tile, virtual KV head), on tensor cores, after the pooling, no host synchronisation.
-//   Stage 1, the candidates: kRowMax at candidate_alpha over the pooled means (the default rule's index), plus the
-//   always-kept blocks (sink, window band, the blocks not fully visible to the tile), which set the rows' running
-//   maxima too.
-//   Stage 2, the exact block maxima on e4m3 operands (spec step 3): the candidates' keys in units of 64, rounded to
-//   e4m3 with a scale per unit by a pre-pass (exact_keys_kernel, once per call into the workspace), Q rounded per
-//   row in shared memory; S = Q K^T on FP8 wgmma (float accumulators), from the diagonal down; per row the block's
-//   maximum e_rJ (times the row's and the unit's scales), the running maximum m_r (started at the bound: the sink
-//   keys' exact maximum and the pooled scores of the blocks the row sees whole), the per-row test
-//   e_rJ >= m_r + log2(alpha), a warp vote per block.
+//   Stage 1, the candidates: kRowMax at candidate_alpha over the pooled means (the default rule's index), less the
+//   always-kept blocks, plus the blocks not fully visible to the tile (spec step 2); and each row's maximum pooled
+//   score over the blocks it sees whole, the bound's first term.
+//   Stage 2, the block maxima on e4m3 operands (spec step 3): the keys in units of 64, rounded to e4m3 with a scale
+//   per unit by a pre-pass (exact_keys_kernel, once per call into the workspace), Q rounded per row in shared memory;
+//   S = Q K^T on FP8 wgmma (float accumulators). First the sink keys' units: their maxima complete the bound (spec
+//   step 4). Then the candidates' from the diagonal down: per row the block's maximum e_rJ (times the row's and the
+//   unit's scales), the running maximum m_r (started at the bound), the per-row test e_rJ >= m_r + log2(alpha), a
+//   warp vote per block.
 // The tile's keep bits go to d.probe_bits, which score_select's bits-only kernel merges with the always-kept rules into
-// the CSR (as key_max's). Scores are in log2 units (scale_log2; FP8 inputs: the sink keys times the k descale, e4m3
-// keys being exact in bf16; the units carry theirs in their scales).
-// It is key_max.cu's scorer without the projection: the same prologue (Q, the sink keys in batches) and pooled
-// passes; where key_max scores K' units (64 x r fp16, 2 KB) behind a bound, this scores K itself (64 x D e4m3, 8 KB
-// at D 128) for every candidate, so it keeps its own shared memory plan (below) rather than being a mode of key_max.
+// the CSR (as key_max's). Scores are in log2 units (scale_log2; FP8 inputs: the units carry the k descale in their
+// scales).
+// It is key_max.cu's scorer without the projection: the same Q gather and pooled passes (not its sink batches: the
+// sink keys are units here); where key_max scores K' units (64 x r fp16, 2 KB) behind a bound, this scores K itself
+// (64 x D e4m3, 8 KB at D 128) for every candidate, so it keeps its own shared memory plan (below) rather than being
+// a mode of key_max.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -45,8 +46,8 @@ constexpr int kPooledN = 32;  // pooled blocks per pooled wgmma (N)
 
 template <typename T, int D>
 struct ExactMaxConfig {
-  // the pooled and sink GEMMs' operands: q's dtype (bf16 for FP8 inputs: q dequantised on the way in, e4m3 keys
-  // exactly in bf16); stage 2's: e4m3 (Element8)
+  // the pooled GEMMs' operands: q's dtype (bf16 for FP8 inputs: q dequantised on the way in); stage 2's: e4m3
+  // (Element8)
   using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
   using Element8 = cutlass::float_e4m3_t;
   template <class E, int kN>
@@ -72,19 +73,14 @@ struct ExactMaxConfig {
   using SmemLayoutUnit8 = decltype(cute::take<0, 2>(SmemLayoutK8{}));
   static constexpr int kUnitBytes = kUnitKeys * D;  // e4m3
   static constexpr int kRoomBytes = int(cute::cosize_v<SmemLayoutK8>);
-  // The sink keys' 32-key chunks in the K units' room, at most the 8 of the default sink (256 keys) per batch.
-  static constexpr int kSinkStages = std::min<int>(8, kRoomBytes / int(kPooledN * D * sizeof(Element)));
-  using SmemLayoutSink = decltype(cute::tile_to_shape(
-      Atom<Element, kPooledN>{}, cute::Shape<cute::Int<kPooledN>, cute::Int<D>, cute::Int<kSinkStages>>{}));
   struct Smem {
-    union {  // the bf16 tile (the sink and pooled GEMMs), then the e4m3 tile (stage 2)
+    union {  // the bf16 tile (the pooled GEMMs), then the e4m3 tile (stage 2)
       cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
       cute::array_aligned<Element8, cute::cosize_v<SmemLayoutQ8>, 1024> q8;
     } t;
-    union {  // in turn: the sink keys (prologue), the pooled means (stage 1), the K units (stage 2)
+    union {  // in turn: the pooled means (stage 1), the K units (stage 2)
       cute::array_aligned<Element8, cute::cosize_v<SmemLayoutK8>, 1024> k8;
       cute::array_aligned<Element, cute::cosize_v<SmemLayoutKm>, 1024> km;
-      cute::array_aligned<Element, cute::cosize_v<SmemLayoutSink>, 1024> sink;
     } u;
     uint64_t unit_full[kStages];   // stage buf's units landed (transaction bytes)
     uint64_t unit_empty[kStages];  // every warp past its GEMMs on stage buf (one arrival a warp)
@@ -92,17 +88,16 @@ struct ExactMaxConfig {
     int candidates;                // the tile's candidate blocks (the list's length)
     int nan_flag;
   };
-  static_assert(cute::cosize_v<SmemLayoutKm> * sizeof(Element) <= kRoomBytes &&
-                    cute::cosize_v<SmemLayoutSink> * sizeof(Element) <= kRoomBytes && kSinkStages >= 2,
-                "the pooled stages and the sink chunks fit the K units' room");
+  static_assert(cute::cosize_v<SmemLayoutKm> * sizeof(Element) <= kRoomBytes, "the pooled stages fit the units' room");
   static_assert(cute::cosize_v<SmemLayoutQ8> <= cute::cosize_v<SmemLayoutQ> * sizeof(Element),
                 "the e4m3 tile fits the bf16 tile's room");
-  // After Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates and their
-  // units (key rows / 64 of the sequence) as uint16. ~98 KB at D 128 and 32K keys: two CTAs per SM.
-  static size_t smem_bytes(int64_t nb_max, int block_size) {
+  // After Smem: the tile's keep bits and candidate bits (a word per 32 blocks each), then the candidates and the
+  // units stage 2 scores (the sink's, then the candidates'; key rows / 64 of the sequence) as uint16. ~98 KB at D 128
+  // and 32K keys: two CTAs per SM.
+  static size_t smem_bytes(int64_t nb_max, int block_size, int64_t sink_units) {
     const size_t words = size_t((nb_max + 31) / 32);
     return sizeof(Smem) + 2 * words * sizeof(uint32_t) +
-           (words * 32 + size_t(nb_max) * (block_size / kUnitKeys)) * sizeof(uint16_t);
+           (words * 32 + size_t(sink_units) + size_t(nb_max) * (block_size / kUnitKeys)) * sizeof(uint16_t);
   }
 };
 
@@ -187,7 +182,7 @@ __global__ void __launch_bounds__(kKeyThreads) exact_keys_kernel(SeqArgs seq, KV
 // (which keep everything) exit at once.
 template <typename T, int D>
 __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
-    SeqArgs seq, QArgs qa, KVArgs kv, bool k_vec, SelectArgs sel, float log2_candidate_alpha, int group_size,
+    SeqArgs seq, QArgs qa, SelectArgs sel, float log2_candidate_alpha, int group_size,
     int num_kv_heads, int subgroups, int kv_heads_mem, const int32_t* cu_tiles, const int32_t* cu_blocks,
     const lowp_t<T>* k_mean_lowp, const uint8_t* keys8, const float* key_scales, int64_t units_total,
     uint32_t* bits_out, int64_t words_out) {
@@ -222,7 +217,6 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   Tensor sQ8 = make_tensor(make_smem_ptr(sm.t.q8.data()), typename Cfg::SmemLayoutQ8{});
   Tensor sKm = make_tensor(make_smem_ptr(sm.u.km.data()), typename Cfg::SmemLayoutKm{});
   Tensor sK8 = make_tensor(make_smem_ptr(sm.u.k8.data()), typename Cfg::SmemLayoutK8{});
-  Tensor sSink = make_tensor(make_smem_ptr(sm.u.sink.data()), typename Cfg::SmemLayoutSink{});
   const auto smem_addr = [](const auto& e) { return static_cast<uint32_t>(__cvta_generic_to_shared(&e)); };
 
   for (int w = threadIdx.x; w < words; w += kExactThreads) bits[w] = cand_bits[w] = 0u;
@@ -235,7 +229,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     cutlass::arch::fence_barrier_init();
   }
 
-  // Q as score_select gathers it, in flight with the first sink batch (the first stage barrier waits for both).
+  // Q as score_select gathers it, in flight with the first pooled chunk (the first stage barrier waits for both).
   gather_q_tile<T, D, kExactThreads>(qa, sQ, seq.q_start(b), t, rows, group_size, kvh,
                                 is_fp8_v<T> ? qa.descale.at(b, kvh_mem) : 1.f);
   asm volatile("cp.async.commit_group;\n" ::);
@@ -246,7 +240,6 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   auto wg_e = emma.get_slice((threadIdx.x / 128) * 128);
   Tensor tPrQ = wg_p.partition_fragment_A(sQ);
   Tensor tPrK = wg_p.partition_fragment_B(sKm);
-  Tensor tPrSink = wg_p.partition_fragment_B(sSink);
   Tensor tPrS = partition_fragment_C(pmma, Shape<Int<kTileRows>, Int<kPooledN>>{});
   Tensor cP = pmma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kTileRows>, Int<kPooledN>>{}));
   Tensor tErQ = wg_e.partition_fragment_A(sQ8);
@@ -295,41 +288,8 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   };
   auto stage_barrier = [] { cp_async_stage_barrier(); };
 
-  // The sink keys, the bound's first term: keys [0, sink_end) (the sink blocks'), 32 per pooled-shape GEMM, as
-  // key_max.cu loads them (e4m3 exactly in bf16 with the descale on the score; zeros past the sink and on a bad page).
-  float m_row[2] = {-INFINITY, -INFINITY};  // the rows' running maxima (log2 units)
-  const int64_t sink_end = min(k_len, geometry::num_blocks(sel.sink, B) * B);
-  const int sink_chunks = int((sink_end + kPooledN - 1) / kPooledN);
-  const float key_scale = sel.scale_log2 * (is_fp8_v<T> ? kv.k_descale.at(b, kvh_mem) : 1.f);
-  const T* k_src = static_cast<const T*>(kv.k);
-  const int64_t k_start = seq.k_start(b);
-  const uint32_t sink_from_km = smem_addr(sSink(0, 0, 0)) - smem_addr(sKm(0, 0, 0));
-  auto load_key = [&](int64_t j, bool in_range, int part, uint32_t dst) {
-    load_key_part<T, Element>(kv, k_src, b, k_start, kvh_mem, j, in_range, part, k_vec, dst);
-  };
-  for (int c0 = 0; c0 < sink_chunks; c0 += Cfg::kSinkStages) {
-    const int n = min(Cfg::kSinkStages, sink_chunks - c0);
-    for (int u = 0; u < n; ++u) {
-      CUTE_UNROLL
-      for (int k = 0; k < kMeanLoads; ++k) {
-        const int i = threadIdx.x + k * kExactThreads;
-        const int64_t j = int64_t(c0 + u) * kPooledN + i / kVec;
-        load_key(j, j < sink_end, i % kVec, km_mine[k] + sink_from_km + u * kMeanStageBytes);
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-    stage_barrier();  // the batch (and, the first time, Q) landed and is visible to wgmma
-    for (int u = 0; u < n; ++u) {
-      wgmma_batch<false>(pmma, tPrQ, tPrSink(_, _, _, u), tPrS, /*zero_init=*/true);
-      warpgroup_wait<0>();
-      CUTE_UNROLL
-      for (int v = 0; v < size(tPrS); ++v) {
-        const int i = (v / 2) % 2, j = (c0 + u) * kPooledN + get<1>(cP(v));
-        m_row[i] = j < sink_end && j <= hi_row[i] ? fmaxf(m_row[i], tPrS(v) * key_scale) : m_row[i];
-      }
-    }
-    __syncthreads();  // both warpgroups past the batch's GEMMs before the room is reloaded
-  }
+  float m_row[2] = {-INFINITY, -INFINITY};  // the rows' running maxima (log2 units): the bound, then stage 2's
+  const int64_t sink_end = min(k_len, geometry::num_blocks(sel.sink, B) * B);  // the sink blocks' keys (spec step 4)
 
   // Pass 1 over the pooled chunks: per row the maximum over every block it sees (m_all, NaN-propagating: a NaN score
   // flags the tile) and over the blocks it sees whole (the bound's second term).
@@ -384,7 +344,8 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   // Of the always-kept blocks (score_select keeps them whatever the bits say) only those not fully visible to the tile
   // are scored: the diagonal's, which hold the row's nearest keys and so most often its maximum. The window band's
   // other blocks and the sink blocks are not, even where the pooled pass proposed them (exact_max_spec.md step 2):
-  // the sink keys' exact maxima are in the bound, and the band's whole blocks are in it through their pooled means.
+  // the sink keys' maxima are in the bound (stage 2's first units), and the band's whole blocks are in it through
+  // their pooled means (a partial sink block's maxima are those of its sink keys: in the bound already).
   // Scoring the band cost ~4 of the ~8 blocks a tile scored at 32K (topic workload) and bought 0.01-0.02 less density
   // at the same alpha (offline, SmolLM2 8K; bench/lab/results/exact_band_offline_smollm2_cpu.md). Round r's warp w
   // owns word r / 32 + w.
@@ -414,10 +375,15 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     if (lane == 0) sm.candidates = n;
   }
   __syncthreads();
+  // Stage 2's units: the sink keys' (ns, keys [0, sink_end): the bound's second term, spec step 4), then the
+  // candidates'. Scored at 64 keys a QGMMA from the pre-pass's e4m3 units, the sink costs what ns candidate units
+  // cost; as 32-key bf16 batches through kv.offsets it was ~29 % of the kernel's instructions at 32K (ncu, 8b85de5).
   const int ncand = sm.candidates;
   const int upb = B / kUnitKeys;
-  const int units = ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
-  list_units<kExactThreads>(cand, units, upb, cand_units);
+  const int ns = int((sink_end + kUnitKeys - 1) / kUnitKeys);
+  const int units = ns + ncand * upb, nstages = (units + kStageUnits - 1) / kStageUnits;
+  for (int n = threadIdx.x; n < ns; n += kExactThreads) cand_units[n] = uint16_t(n);
+  list_units<kExactThreads>(cand, ncand * upb, upb, cand_units + ns);
 
   // Q in e4m3 (spec step 3), in place of the bf16 tile, whose GEMMs are done: two threads a packed row, D / 2
   // columns each; the row's largest magnitude scaled to 448 (inv = 448 / amax, 0 when amax is 0), nearest even.
@@ -501,12 +467,15 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   for (int i = 0; i < 2; ++i) row_factor[i] = sm.q_scale[get<0>(cP(2 * i))] * sel.scale_log2;
   const float log2_alpha = log2f(sel.alpha);  // alpha 0: -inf, every candidate
   float run[2] = {-INFINITY, -INFINITY};      // the current block's maxima so far, per row (times the units' scales)
-  // Unit (ci, sub) scored in acc, its scale kappa: mask, the unit's maxima times kappa into the running block
-  // maximum (a row that sees none of its keys adds nothing: no -inf * 0); at the block's last unit (sub 0) the score
-  // e_rJ, the running row maximum and the per-row test.
-  auto consume = [&](auto& acc, int ci, int sub, float kappa) {
-    const int J = cand[ci];
-    const int key0 = J * B + sub * kUnitKeys;
+  // Unit n scored in acc, its scale kappa. Masked to the keys each row sees, the unit's row maxima times kappa. A sink
+  // unit (n < ns): into the rows' bound (maxima over the quad's columns, fmaxf: a NaN key is the pooled stage's to
+  // flag). A candidate unit (ci, sub): into the running block maximum (a row that sees none of its keys adds
+  // nothing: no -inf * 0); at the block's last unit (sub 0) the score e_rJ, the running row maximum and the test.
+  auto consume = [&](auto& acc, int n, float kappa) {
+    const bool sink_unit = n < ns;
+    const int c = n - ns, ci = sink_unit ? 0 : c / upb, sub = sink_unit ? 0 : upb - 1 - (c - ci * upb);
+    const int J = sink_unit ? 0 : cand[ci];
+    const int key0 = sink_unit ? n * kUnitKeys : J * B + sub * kUnitKeys;
     if (key0 + kUnitKeys - 1 > tile_min_hi) {  // some key of the unit is past some row's last key
       CUTE_UNROLL
       for (int v = 0; v < size(acc); ++v) {
@@ -516,6 +485,14 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     float um[2] = {-INFINITY, -INFINITY};
     CUTE_UNROLL
     for (int v = 0; v < size(acc); ++v) um[(v / 2) % 2] = fmax_nan(um[(v / 2) % 2], acc(v));
+    if (sink_unit) {
+      for (int i = 0; i < 2; ++i) {
+        float e = fmaxf(um[i], __shfl_xor_sync(0xffffffffu, um[i], 1));
+        e = fmaxf(e, __shfl_xor_sync(0xffffffffu, e, 2));
+        if (e != -INFINITY) m_row[i] = fmaxf(m_row[i], e * kappa * row_factor[i]);
+      }
+      return;
+    }
     for (int i = 0; i < 2; ++i) {
       if (um[i] != -INFINITY) run[i] = fmax_nan(run[i], um[i] * kappa);
     }
@@ -554,7 +531,6 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     const int slot0 = buf * kStageUnits;
     // unit uu + 1's wgmma runs while unit uu is reduced (two accumulators); every slot's wgmma is issued (a wgmma
     // under a branch is serialized by ptxas, C7518): a slot past the last unit holds stale keys and is not reduced.
-    int ci = s * kStageUnits / upb, sub = upb - 1 - s * kStageUnits % upb;
     wgmma_batch<false>(emma, tErQ, tErK(_, _, _, slot0), accA, /*zero_init=*/true);
     CUTE_UNROLL
     for (int uu = 0; uu < kStageUnits; ++uu) {
@@ -568,13 +544,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
         __syncwarp();  // this warp's GEMMs on the stage's slots are done: thread 0 may refill them
         if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.unit_empty[buf]);
       }
-      if (s * kStageUnits + uu < units) consume(cur, ci, sub, kappa[uu]);
-      if (sub == 0) {
-        ++ci;
-        sub = upb - 1;
-      } else {
-        --sub;
-      }
+      if (s * kStageUnits + uu < units) consume(cur, s * kStageUnits + uu, kappa[uu]);
     }
   }
   __syncthreads();
@@ -596,7 +566,8 @@ void launch_exact(cudaStream_t stream, const Problem& p, const SelectionParams& 
                   const SelectArgs& sel, const DeviceIndex& d) {
   const int B = sel.block_size;
   // the lists hold block and unit indices as uint16: <= 65535 units (check_index_supported)
-  const size_t dyn = ExactMaxConfig<T, D>::smem_bytes(bd.nb_max, B);
+  const int64_t sink_units = (std::min(geometry::num_blocks(sel.sink, B), bd.nb_max) * B + kUnitKeys - 1) / kUnitKeys;
+  const size_t dyn = ExactMaxConfig<T, D>::smem_bytes(bd.nb_max, B, sink_units);
   if (dyn > exact_max_smem_limit<T, D>()) {
     throw NotImplementedError("build_index on CUDA, rule exact_max: " + std::to_string(bd.nb_max) +
                               " blocks per sequence exceed the scorer's shared memory (max_seqlen_k too long)");
@@ -613,7 +584,7 @@ void launch_exact(cudaStream_t stream, const Problem& p, const SelectionParams& 
                                         static_cast<uint8_t*>(d.exact_keys), d.exact_key_scales);
   }
   exact_max_kernel<T, D><<<dim3(unsigned(bd.max_tiles), unsigned(heads.kv)), kExactThreads, dyn, stream>>>(
-      seq, qa, kv, k_vec, sel, log2_candidate_alpha, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads,
+      seq, qa, sel, log2_candidate_alpha, heads.group, heads.kv, heads.num_subgroups, p.num_kv_heads,
       d.cu_tiles, d.cu_blocks, static_cast<const lowp_t<T>*>(d.k_mean_lowp), static_cast<const uint8_t*>(d.exact_keys),
       d.exact_key_scales, units_total, d.probe_bits, d.probe_words);
 }
