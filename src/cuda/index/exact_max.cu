@@ -42,7 +42,9 @@ constexpr int kUnitKeys = kExactUnitKeys;  // keys per exact wgmma (N): any bloc
 // two stages of two took. The wait for a stage's units was the top stall with two stages (ncu at 32K, 43ef6ad).
 constexpr int kStageUnits = 2;
 constexpr int kStages = 4;
-constexpr int kPooledN = 32;  // pooled blocks per pooled wgmma (N)
+// Pooled blocks per pooled wgmma (N): 64, half the chunks (each a CTA barrier, a cp.async round trip and a GEMM's
+// wait) of 32, which the sink batches' share of the room had set; the accumulators (32 a thread) are stage 2's.
+constexpr int kPooledN = 64;
 
 template <typename T, int D>
 struct ExactMaxConfig {
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   }
   const int tile_min_hi = rows == kTileRows ? int(hi_first) : -1;  // keys <= it: seen by every row of the tile
 
-  // Pooled chunk c: 32 blocks (block_of(n), n < 32) into stage `buf` of sKm (one cp.async group, waited at the next
+  // Pooled chunk c: kPooledN blocks into stage `buf` of sKm (one cp.async group, waited at the next
   // stage barrier). A thread's 16-byte chunks are the same in every chunk: their stage-0 addresses computed once.
   const Element* pooled_src =
       reinterpret_cast<const Element*>(k_mean_lowp) + (int64_t(cu_blocks[b]) * kv_heads_mem + kvh_mem) * D;
@@ -272,7 +274,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     const int i = threadIdx.x + k * kExactThreads;
     km_mine[k] = smem_addr(sKm(i / kVec, (i % kVec) * 8, 0));
   }
-  auto load_pooled = [&](int c, int buf) {  // blocks [32 c, 32 c + 32), those past the sequence clamped to its last
+  auto load_pooled = [&](int c, int buf) {  // blocks [N c, N c + N), those past the sequence clamped to its last
     CUTE_UNROLL
     for (int k = 0; k < kMeanLoads; ++k) {
       const int i = threadIdx.x + k * kExactThreads;
@@ -299,7 +301,10 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   const int nchunks = (nvis + kPooledN - 1) / kPooledN;
   auto pooled_tests = [&](auto pass, int c) {  // chunk c's scores, in tPrS
     constexpr int kPass = decltype(pass)::value;
-    uint32_t mask = 0;
+    // A thread's values v hold columns 8 (v / 4) + [0, 8): word w of the chunk's bits is values [w V, w V + V), V
+    // = size(tPrS) / kWords.
+    constexpr int kWords = kPooledN / 32, kPerWord = int(decltype(size(tPrS))::value) / kWords;
+    uint32_t mask[kWords] = {};
     CUTE_UNROLL
     for (int v = 0; v < size(tPrS); ++v) {
       const int i = (v / 2) % 2, col = get<1>(cP(v)), J = c * kPooledN + col;
@@ -308,12 +313,15 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
         m_all[i] = J <= last_block[i] ? fmax_nan(m_all[i], s) : m_all[i];
         m_row[i] = J <= whole_last[i] ? fmaxf(m_row[i], s) : m_row[i];
       } else {
-        mask |= uint32_t((J <= last_block[i]) & (s >= cand_threshold[i])) << col;
+        mask[v / kPerWord] |= uint32_t((J <= last_block[i]) & (s >= cand_threshold[i])) << (col % 32);
       }
     }
     if constexpr (kPass == 1) {
-      mask = __reduce_or_sync(0xffffffffu, mask);
-      if (lane == 0 && mask) atomicOr(&cand_bits[c], mask);
+      CUTE_UNROLL
+      for (int w = 0; w < kWords; ++w) {  // a word past nvis's has no bit set: not written
+        const uint32_t m = __reduce_or_sync(0xffffffffu, mask[w]);
+        if (lane == 0 && m) atomicOr(&cand_bits[c * kWords + w], m);
+      }
     }
   };
   load_pooled(0, 0);
