@@ -56,11 +56,11 @@ def test_exact_max_zero_units_and_rows_match_cpu():
     0, not NaN) inside a candidate block, one at the sequence's tail, and zero query rows (scale 0: every score 0),
     against the reference, which rounds alike."""
     rng = np.random.default_rng()
-    cpu, gpu, mq, mk = _structured_varlen(rng, [1500], [1500], 8, 2)
+    cpu, gpu, mq, mk = _structured_varlen(rng, [3000], [3000], 8, 2)  # 3000 tokens prune (density ~0.75; 1500 ~1.0)
     q, k = cpu[0].clone(), cpu[1].clone()
     k[640:704] = 0   # a whole unit
-    k[1472:] = 0     # the tail unit (keys 1472-1499)
-    q[900:903] = 0   # three positions: every head's row zero
+    k[2944:] = 0     # the tail unit (keys 2944-2999)
+    q[2100:2103] = 0  # three positions: every head's row zero
     cpu = [q, k, cpu[2], cpu[3], cpu[4]]
     gpu = [q.cuda(), k.cuda()] + gpu[2:]
     kw = dict(alpha=0.05, rule="exact_max", dense_fraction=1.0, candidate_alpha=0.0)
