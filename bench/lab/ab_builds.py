@@ -39,7 +39,7 @@ HQ, HKV, D = 32, 8, 128
 # launch) counts in its event timing; the 2026-12-06 A/B measured index_row_max@32768 at 1.06-1.08 with its kernels'
 # SASS identical to the base's, which the graph rows can tell from a host difference.
 GRAPHED = ("split_kv_decode", "chunked_last_1024", "index_tile_energy", "index_row_max", "index_key_max",
-           "index_exact_max")
+           "index_exact_max", "index_exact_max_all")
 
 
 def rows_of(quick):
@@ -52,6 +52,10 @@ def rows_of(quick):
     r += [("sparse_fpv2", L, 0) for L in (8192, 32768, 131072)]
     r += [(kind, L, 0) for kind in ("index_tile_energy", "index_row_max", "index_key_max", "index_exact_max")
           for L in (32768, 131072)]
+    # exact_max with every visible block a candidate (candidate_alpha 0): the regime of the retrieval subjects and of
+    # Gaussian inputs, where stage 2's per-candidate cost is the whole price (session 22: its cost slope moved
+    # 6.45 -> 6.99 ms across sessions with the sink-units change, never A/B'd in one call); 32K only (~7 ms a call)
+    r += [("index_exact_max_all", 32768, 0)]
     return r
 
 
@@ -126,6 +130,8 @@ def worker(args):
             fn = lambda: sp.sparse_attention(q, k, v, idx, cu, cu, L, L, out=out)
         elif kind.startswith("index_"):  # the index stage alone, into a caller workspace, with this row's rule
             sel = dict(SEL, rule=kind[len("index_"):], correction=False)
+            if kind == "index_exact_max_all":
+                sel.update(rule="exact_max", candidate_alpha=0.0, dense_fraction=1.0)  # the dense rule off: the stage
             n = sp.index_workspace_bytes(q, k, v, cu, cu, L, L, **sel)
             ws = torch.empty(n, dtype=torch.uint8, device=dev)
             fn = lambda: sp.build_index(q, k, v, cu, cu, L, L, workspace=ws, **sel)
