@@ -98,6 +98,34 @@ def test_train_and_eval_end_to_end(tmp_path):
     assert json.load(open(out))["rows"] == before
 
 
+def test_estimators_capture_a_retrieval_model(tmp_path):
+    """estimators.py's capture of a retrieval checkpoint (issue 44's offline study on the second subject): every
+    layer's q, k, v at the prompt's length, the answer rows the evaluation scores, and a score over all its layers
+    where the oracle misses at most its mass target's complement and keeps no more than dense."""
+    from accuracy import estimators as E
+    ck = _train_tiny(tmp_path)
+    cap = str(tmp_path / "cap.pt")
+    with pytest.raises(SystemExit, match="--L: a positive multiple of 128"):
+        E.main(["capture", "--retrieval", ck, "--L", "1000", "--out", cap])
+    L = 1024
+    E.main(["capture", "--retrieval", ck, "--L", str(L), "--seed", "3", "--out", cap])
+    d = torch.load(cap)
+    assert sorted(d["layers"]) == list(range(TINY["layers"])) and d["L"] == L
+    q, k, v = d["layers"][0]
+    assert q.shape == (L, TINY["n_q_heads"], TINY["head_dim"]) and k.shape == v.shape == (L, TINY["n_kv_heads"],
+                                                                                          TINY["head_dim"])
+    g = torch.Generator().manual_seed(3 * 1000003 + L)  # retrieval.evaluate's first prompt for --seed 3
+    _, labels, _ = R.make_batch(1, L, vocab=TINY["vocab"], generator=g, **R.eval_task(L))
+    assert d["answer_rows"] == (labels[0] != -100).nonzero().flatten().tolist() and len(d["answer_rows"]) > 0
+    acc = E.main(["score", cap, "--layers", "", "--set", "oracle_0.5,oracle_0.9,exact_a0.1,maxcum_0.9",
+                  "--device", "cpu"])
+    for name, a in acc.items():
+        assert 0 < a["kept"] <= a["visible"] and a["ans_n"] == len(d["answer_rows"]) * TINY["n_q_heads"] * 2, name
+    for F in (0.5, 0.9):
+        assert acc[f"oracle_{F}"]["miss"] / acc[f"oracle_{F}"]["n"] <= 1 - F + 1e-6
+    assert acc["oracle_0.5"]["kept"] <= acc["oracle_0.9"]["kept"]
+
+
 def test_training_stage_advance():
     """The curriculum's rule: a stage moves on at 0.9 running accuracy or at its deadline, but the first one only
     once its plateau is broken (>= LEARNED) or at 60 % of the budget; the last never moves on."""
