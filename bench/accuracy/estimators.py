@@ -28,7 +28,7 @@ rule; exds: exdg without the sink keys' exact maxima in the bound; exdc{ca}_a{al
 candidates at candidate_alpha ca, exact_max as the library computes it, two-pass); kpx{r}c{c}_a{alpha} the row max
 test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row
 mass targets on a block-mass estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
-union of two estimators' selections.
+union of two estimators' selections, a&b their intersection (binds tighter than +).
 """
 import argparse
 import math
@@ -229,6 +229,10 @@ def candidates(names):
             parts = list(candidates(name.split("+")).values())
             out[name] = lambda x, parts=parts: torch.stack([f(x) for f in parts]).any(0)
             continue
+        if "&" in name:  # the intersection: e.g. a ratio rule capped by a mass target (a diffuse row keeps less)
+            parts = list(candidates(name.split("&")).values())
+            out[name] = lambda x, parts=parts: torch.stack([f(x) for f in parts]).all(0)
+            continue
         kind, *rest = name.split("_")
         if kind == "mean":
             a = float(rest[0][1:])
@@ -356,7 +360,9 @@ SETS = {
     # density: ratio rules, mass targets on the block maxima / on mass bounds, the default's pooled row max
     "retrieval": ["oracle_0.5", "oracle_0.7", "oracle_0.9", "mean_a0.003", "exact_a0.03", "exact_a0.05", "exact_a0.1",
                   "exact_a0.2", "exdc0.003_a0.05", "exdc0.003_a0.1", "maxcum_0.5", "maxcum_0.7", "maxcum_0.9",
-                  "lbcum_0.5", "lbcum_0.7", "lbcum_0.9", "meancum_0.7", "exact_a0.2+maxcum_0.9"],
+                  "lbcum_0.5", "lbcum_0.7", "lbcum_0.9", "meancum_0.7", "exact_a0.2+maxcum_0.9",
+                  "exact_a0.05&maxcum_0.9", "exact_a0.05&maxcum_0.95", "exact_a0.03&maxcum_0.9",
+                  "exact_a0.05&lbcum_0.9"],
     # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],
@@ -384,7 +390,7 @@ def score(args):
     acc = {n: dict(kept=0, visible=0, miss=0.0, n=0, low50=0, err=0.0, ans_miss=0.0, ans_n=0, ans_low50=0)
            for n in names}
     layers = [int(x) for x in args.layers.split(",")] if args.layers else sorted(cap)
-    parts = [p for n in names for p in n.split("+")]
+    parts = [p for n in names for u in n.split("+") for p in u.split("&")]
     ranks = sorted({int(p.split("_")[0][3:]) for p in parts if p.startswith("kmx")} |
                    {int(p.split("_")[0][6:]) for p in parts if p.startswith("klbcum")})
     for layer in layers:
