@@ -151,9 +151,12 @@ def test_block_mass_lower_bound_and_estimators():
     lgm = torch.randn(L, nb * E.B, generator=g).masked_fill(torch.arange(nb * E.B)[None, :] > pos[:, None], -math.inf)
     x = dict(L=L, lg=torch.randn(L, nb * E.B, generator=g), lgm=lgm, sees=sees, al_rows=al[pos // E.TILE],
              kms={16: torch.randn(L, nb, generator=g)})
-    c = E.candidates(["kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5", "lbcum_0.9", "meancum_0.7"])
-    a, b, u = (c[k](x) for k in ("kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5"))
+    c = E.candidates(["kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5", "lbcum_0.9", "meancum_0.7",
+                      "kmx16_a0.3&klbcum16_0.5", "lbcum_0.9+kmx16_a0.3&klbcum16_0.5"])
+    a, b, u, i = (c[k](x) for k in ("kmx16_a0.3", "klbcum16_0.5", "kmx16_a0.3+klbcum16_0.5", "kmx16_a0.3&klbcum16_0.5"))
     assert torch.equal(u, a | b) and bool(u.any()) and not bool(u.all())
+    assert torch.equal(i, a & b) and not torch.equal(i, u)  # & intersects, and binds tighter than +
+    assert torch.equal(c["lbcum_0.9+kmx16_a0.3&klbcum16_0.5"](x), c["lbcum_0.9"](x) | i)
     for k in ("lbcum_0.9", "meancum_0.7"):
         kept = c[k](x) & sees
         assert bool(kept.any(-1).all()), k  # every row keeps something it sees
