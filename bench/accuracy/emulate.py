@@ -49,7 +49,11 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
-                   whose cumulative pi reaches gamma; union over the tile's rows
+                   whose cumulative pi reaches gamma; union over the tile's rows. With a block-maximum score pi is
+                   softmax over the blocks' maxima (cummass 'max', estimators.py's maxcum), or (cummass 'lb') over
+                   the lower bound of each block's log mass from its maximum m and its pooled mean logit u,
+                   log(exp(m) + (n - 1) exp((n u - m) / (n - 1))) (estimators.py's lbcum: a spike counts as itself,
+                   a block of alike keys as n times its mean)
   cand_mean a (None = off; 0: every visible block a candidate, as candidate_alpha 0): two stages (issue 44's "exact
            block maxima restricted to the candidate blocks a generous pooled-means pass proposes"): the candidates
            are the blocks the library's row-max rule over pooled means keeps at alpha a (per row, union over the
@@ -71,7 +75,8 @@ import torch
 TILE_ROWS = 128
 RULE_DEFAULTS = dict(score="mean", agg="rowmax", alpha=0.003, gamma=0.9, subgroups=0, sink=256, window=512, last_n=2,
                      block=128, correction=False, dense_layers=0, probe=8, xs=8, union_mean=0.0, dense_fraction=0.85,
-                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=None, qk="f32")
+                     rank=16, rstride=1, onepass=0, basis="lib", perp=0.0, sinkref=0, cand_mean=None, qk="f32",
+                     cummass="max")
 BLOCK_MAX_SCORES = ("kmax", "lowrank", "resid")
 
 
@@ -317,6 +322,8 @@ class Selection:
 def select(q, k, v, rule, scale):
     """q [L, Hq, D], k, v [L, Hkv, D] (one sequence, Lq == Lk, causal) -> Selection."""
     r = full_rule(rule)
+    if r["cummass"] not in ("max", "lb"):
+        raise ValueError(f"cummass: 'max' or 'lb', got {r['cummass']!r}")
     if r["qk"] not in ("f32", "e4m3") or (r["qk"] == "e4m3" and r["score"] != "kmax"):
         raise ValueError(f"qk: 'f32', or 'e4m3' with score 'kmax' (the exact maxima's operands), got {r['qk']!r}")
     L, Hq, D = q.shape
@@ -414,7 +421,14 @@ def select(q, k, v, rule, scale):
         E = torch.exp(st - M).sum(2)  # [V, T, nb]; -inf entries give 0
         sel = E >= alpha * E.amax(-1, keepdim=True)
     elif agg in ("rowmax", "rowmass", "rowcum"):
-        if agg == "rowmax" or mass or r["score"] in BLOCK_MAX_SCORES:
+        if agg == "rowcum" and r["cummass"] == "lb":
+            if r["score"] not in BLOCK_MAX_SCORES:
+                raise ValueError("cummass 'lb' bounds a block's mass from its maximum: it needs a block-max score")
+            u = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale  # the pooled mean logit
+            n = counts[None, None, None, :]
+            lb = torch.logaddexp(st, torch.log(n - 1) + (n * u.view(V, T, TILE_ROWS, nb) - st) / (n - 1))
+            w = torch.where(n > 1, lb, st).masked_fill(~torch.isfinite(st), -math.inf)  # one key: its maximum
+        elif agg == "rowmax" or mass or r["score"] in BLOCK_MAX_SCORES:
             w = st
         else:
             w = st + torch.log(counts)[None, None, None, :]

@@ -116,3 +116,34 @@ def test_chunk_rows_bound_memory():
     assert a[1:] == b[1:] and float((a[0] - b[0]).abs().max()) < 1e-5
     with pytest.raises(AssertionError):
         next(E.oracle_chunks(q, k, SCALE, 0.5, chunk=100))
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.7])
+def test_rowcum_on_the_mass_lower_bound_is_the_oracle_for_alike_keys(frac):
+    """emulate.select's cummass 'lb' (estimators.py's lbcum, end to end): each block's mass bounded from its maximum and
+    its pooled mean logit is its exact mass when the block's keys are alike, so the per-row mass target on the bound
+    selects what the oracle selects, but where a row's diagonal block counts keys it does not see; and the options
+    are checked."""
+    L, hq, hkv = 1500, 6, 2  # ~24 blocks a row: most are neither sink, window nor diagonal
+    q, k, v = topic_qkv(L, hq, hkv, seed=int(100 * frac))
+    nb = (L + B - 1) // B
+    g = torch.Generator().manual_seed(7)
+    k = (torch.randn(nb, hkv, 64, generator=g) * 3).repeat_interleave(B, 0)[:L]  # one key per block, repeated
+    geom = dict(GEOM, dense_fraction=1.0)
+    ref = E.select(q, k, v, dict(score="exact", agg="rowcum", gamma=frac, **geom), SCALE)
+    got = E.select(q, k, v, dict(score="kmax", agg="rowcum", gamma=frac, cummass="lb", **geom), SCALE)
+    assert ref.density < 0.9, "the data must make the oracle prune"
+    a, b = ref.keep & ref.visible[None], got.keep & got.visible[None]
+    # equal but for a row's partly seen diagonal block: its pooled mean holds the keys the row does not see yet, so the
+    # bound counts the whole block (here n alike keys where the row sees fewer); always kept and first in the order, it
+    # reaches the target sooner: a subset, a block or a few a call
+    assert bool((b & ~a).sum() == 0) and int((a & ~b).sum()) <= 0.01 * int(a.sum()), (int((a & ~b).sum()), int(a.sum()))
+    # on keys that differ within their blocks the bound is not softmax over the maxima (cummass 'max')
+    q2, k2, v2 = topic_qkv(L, hq, hkv, seed=int(100 * frac))
+    lb, mx = (E.select(q2, k2, v2, dict(score="kmax", agg="rowcum", gamma=frac, cummass=c, **geom), SCALE).keep
+              for c in ("lb", "max"))
+    assert not torch.equal(lb, mx)
+    with pytest.raises(ValueError, match="cummass"):
+        E.select(q, k, v, dict(score="kmax", agg="rowcum", cummass="sum", **GEOM), SCALE)
+    with pytest.raises(ValueError, match="cummass 'lb'"):
+        E.select(q, k, v, dict(score="mean", agg="rowcum", cummass="lb", **GEOM), SCALE)
