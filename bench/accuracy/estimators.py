@@ -369,8 +369,12 @@ SETS = {
 
 
 def score(args):
+    with torch.device(args.device):  # every tensor made inside, the estimators' own included (cuda: 16K-32K captures)
+        return score_on_device(args)
+
+
+def score_on_device(args):
     torch.set_num_threads(args.threads)
-    torch.set_default_device(args.device)  # every tensor below, the estimators' own included (cuda: 16K-32K captures)
     d = torch.load(args.capture, map_location=args.device)
     cap = d["layers"]
     L = d["L"] if "L" in d else len(d["ids"])
