@@ -27,7 +27,9 @@ maximum taken without the always-kept blocks' exact maxima (exdg: but with the t
 rule; exds: exdg without the sink keys' exact maxima in the bound; exdc{ca}_a{alpha}: exdg within the tiles'
 candidates at candidate_alpha ca, exact_max as the library computes it, two-pass); kpx{r}c{c}_a{alpha} the row max
 test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row
-mass targets on a block-mass estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r); a+b the
+mass targets on a block-mass estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r);
+lbshare_{beta} / lbsharep_{beta} a block kept iff its bound mass is >= beta of the row's total (over the bounds / over
+the pooled means: a one-pass kernel's form); a+b the
 union of two estimators' selections, a&b their intersection (binds tighter than +).
 """
 import argparse
@@ -304,6 +306,18 @@ def candidates(names):
                     w = lower_bound_log_mass(m, u)
                 return rowcum(torch.softmax(w.masked_fill(~x["sees"], -math.inf), -1), F, x["al_rows"])
             out[name] = f
+        elif kind in ("lbshare", "lbsharep"):
+            # a per-row share, not a cumulative target: keep J iff its bound mass (lbcum's) is at least beta of the
+            # row's total, the total over the bounds (lbshare) or over the pooled means' |B| exp(mean logit)
+            # (lbsharep, <= the bounds' by Jensen: stage 1 of a kernel knows it before stage 2's one pass decides)
+            beta = float(rest[0])
+
+            def f(x, beta=beta, kind=kind):
+                u = sub_means(x["lg"], B)
+                w = lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf)
+                z = (w if kind == "lbshare" else (u + math.log(B)).masked_fill(~x["sees"], -math.inf)).logsumexp(-1)
+                return w >= z[:, None] + math.log(beta)
+            out[name] = f
         elif kind == "maxcum":
             F = float(rest[0])
             out[name] = lambda x, F=F: rowcum(torch.softmax(block_max(x["lgm"]).masked_fill(~x["sees"], -math.inf),
@@ -361,7 +375,7 @@ SETS = {
                   "exact_a0.2", "exdc0.003_a0.05", "exdc0.003_a0.1", "maxcum_0.5", "maxcum_0.7", "maxcum_0.9",
                   "lbcum_0.5", "lbcum_0.7", "lbcum_0.9", "meancum_0.7", "exact_a0.2+maxcum_0.9",
                   "exact_a0.05&maxcum_0.9", "exact_a0.05&maxcum_0.95", "exact_a0.03&maxcum_0.9",
-                  "exact_a0.05&lbcum_0.9"],
+                  "exact_a0.05&lbcum_0.9", "lbshare_0.01", "lbshare_0.02", "lbsharep_0.01"],
     # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],

@@ -157,6 +157,12 @@ def test_block_mass_lower_bound_and_estimators():
     assert torch.equal(u, a | b) and bool(u.any()) and not bool(u.all())
     assert torch.equal(i, a & b) and not torch.equal(i, u)  # & intersects, and binds tighter than +
     assert torch.equal(c["lbcum_0.9+kmx16_a0.3&klbcum16_0.5"](x), c["lbcum_0.9"](x) | i)
+    sh = E.candidates(["lbshare_0.05", "lbshare_0.3", "lbsharep_0.3"])
+    keep = {k: f(x) & sees for k, f in sh.items()}
+    # a larger share keeps fewer; normalised by the pooled means' total (<= the bounds', Jensen) it keeps more
+    assert bool((keep["lbshare_0.3"] & ~keep["lbshare_0.05"]).sum() == 0)
+    assert bool((keep["lbshare_0.3"] & ~keep["lbsharep_0.3"]).sum() == 0)
+    assert int(keep["lbshare_0.05"].sum()) > int(keep["lbshare_0.3"].sum())
     for k in ("lbcum_0.9", "meancum_0.7"):
         kept = c[k](x) & sees
         assert bool(kept.any(-1).all()), k  # every row keeps something it sees
