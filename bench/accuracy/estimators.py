@@ -29,7 +29,9 @@ candidates at candidate_alpha ca, exact_max as the library computes it, two-pass
 test on key_max's scores plus c |q_perp| |x_perp| (emulate.py's perp); meancum_{F} / lbcum_{F} / klbcum{r}_{F} per-row
 mass targets on a block-mass estimate (|B| exp(mean logit); the lower bound from the block's maximum and mean, exact or key_max at rank r);
 lbshare_{beta} / lbsharep_{beta} a block kept iff its bound mass is >= beta of the row's total (over the bounds / over
-the pooled means: a one-pass kernel's form); a+b the
+the pooled means); lbs1p_{beta} lbshare decided in one pass (the total from the pooled means, each block's bound
+swapped in before its test, sink blocks first, then from the diagonal down); lbk1p_{beta} the same with each
+block's bound from its exact logits' maximum and mean over the keys the row sees (no pooled mean in stage 2); a+b the
 union of two estimators' selections, a&b their intersection (binds tighter than +).
 """
 import argparse
@@ -318,6 +320,55 @@ def candidates(names):
                 z = (w if kind == "lbshare" else (u + math.log(B)).masked_fill(~x["sees"], -math.inf)).logsumexp(-1)
                 return w >= z[:, None] + math.log(beta)
             out[name] = f
+        elif kind == "lbk1p":
+            # lbs1p as exact_max's stage 2 could compute it without another GEMM: each scored block's mean logit is
+            # the mean of its exact logits over the keys the row sees (a sum beside the maximum over the same
+            # accumulators), its bound from that maximum and mean over those n_r keys; the total starts at the
+            # pooled means' (stage 1, every visible block at |B| keys) and each scored block swaps |B| exp(pooled
+            # mean logit) for its bound, before its own test
+            beta = float(rest[0])
+
+            def f(x, beta=beta):
+                lgm = x["lgm"]
+                L_, nkeys = lgm.shape
+                nbk = nkeys // B
+                seen = torch.isfinite(lgm).view(L_, nbk, B)
+                n = seen.sum(-1).clamp(min=1).to(lgm.dtype)
+                ue = torch.where(seen, lgm.view(L_, nbk, B), torch.zeros((), dtype=lgm.dtype)).sum(-1) / n
+                m = block_max(lgm)
+                w = torch.logaddexp(m, torch.log((n - 1).clamp(min=1e-30)) + (n * ue - m) / (n - 1).clamp(min=1))
+                w = torch.where(n > 1, w, m).masked_fill(~x["sees"], -math.inf)
+                pm = (sub_means(x["lg"], B) + math.log(B)).masked_fill(~x["sees"], -math.inf)
+                sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True)).clamp(min=-1e30)
+                ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
+                sink = torch.arange(nbk) * B < SINK
+                order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
+                z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)
+                keep = torch.empty_like(x["sees"])
+                keep[:, order] = ew[:, order] >= beta * z
+                return keep & x["sees"]
+            out[name] = f
+        elif kind == "lbs1p":
+            # lbshare in one pass, as a kernel would decide it: the row's total starts at the pooled means' (stage 1)
+            # and each block, in exact_max's order (the sink blocks, then from the diagonal down), swaps its pooled
+            # estimate for its bound (>= it, Jensen) before its own test: a running total below the final one, so a
+            # superset of lbshare's blocks (every visible block scored: candidate_alpha 0)
+            beta = float(rest[0])
+
+            def f(x, beta=beta):
+                u = sub_means(x["lg"], B)
+                nbk = u.shape[1]
+                w = lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf)
+                pm = (u + math.log(B)).masked_fill(~x["sees"], -math.inf)
+                sh = w.amax(-1, keepdim=True).clamp(min=-1e30)  # exp(w - sh) <= 1
+                ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
+                sink = torch.arange(nbk) * B < SINK
+                order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
+                z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)  # after each block's swap
+                keep = torch.empty_like(x["sees"])
+                keep[:, order] = ew[:, order] >= beta * z
+                return keep & x["sees"]
+            out[name] = f
         elif kind == "maxcum":
             F = float(rest[0])
             out[name] = lambda x, F=F: rowcum(torch.softmax(block_max(x["lgm"]).masked_fill(~x["sees"], -math.inf),
@@ -375,7 +426,8 @@ SETS = {
                   "exact_a0.2", "exdc0.003_a0.05", "exdc0.003_a0.1", "maxcum_0.5", "maxcum_0.7", "maxcum_0.9",
                   "lbcum_0.5", "lbcum_0.7", "lbcum_0.9", "meancum_0.7", "exact_a0.2+maxcum_0.9",
                   "exact_a0.05&maxcum_0.9", "exact_a0.05&maxcum_0.95", "exact_a0.03&maxcum_0.9",
-                  "exact_a0.05&lbcum_0.9", "lbshare_0.01", "lbshare_0.02", "lbsharep_0.01"],
+                  "exact_a0.05&lbcum_0.9", "lbshare_0.01", "lbshare_0.02", "lbsharep_0.01", "lbk1p_0.01",
+                  "lbk1p_0.02", "lbk1p_0.03"],
     # exact block maxima on e4m3 operands (the exact stage at twice the tensor rate) beside the same in float32
     "e4m3": ["oracle_0.5", "oracle_0.9", "exact_a0.02", "exact_a0.03", "exact_a0.05", "exact_a0.1", "e8u_a0.02",
              "e8u_a0.03", "e8u_a0.05", "e8u_a0.1", "e8h_a0.03", "e8h_a0.05"],

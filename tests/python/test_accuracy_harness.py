@@ -163,6 +163,13 @@ def test_block_mass_lower_bound_and_estimators():
     assert bool((keep["lbshare_0.3"] & ~keep["lbshare_0.05"]).sum() == 0)
     assert bool((keep["lbshare_0.3"] & ~keep["lbsharep_0.3"]).sum() == 0)
     assert int(keep["lbshare_0.05"].sum()) > int(keep["lbshare_0.3"].sum())
+    # the one-pass forms decide against a running total below the final one: a superset of lbshare's blocks
+    one = E.candidates(["lbs1p_0.3", "lbk1p_0.3", "lbk1p_1e-9"])
+    lbs1p = one["lbs1p_0.3"](x) & sees
+    assert bool((keep["lbshare_0.3"] & ~lbs1p).sum() == 0) and bool(lbs1p.any())
+    k1 = one["lbk1p_0.3"](x) & sees
+    assert bool(k1.any()) and not bool(k1.all())
+    assert torch.equal(one["lbk1p_1e-9"](x) & sees, sees)  # a vanishing share keeps every visible block
     for k in ("lbcum_0.9", "meancum_0.7"):
         kept = c[k](x) & sees
         assert bool(kept.any(-1).all()), k  # every row keeps something it sees
