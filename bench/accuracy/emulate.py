@@ -48,6 +48,10 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
                    row's top block for most rows on exact scores, which a pass from the diagonal reaches last)
            'rowmass' per-row estimated softmax mass pi_rJ = |B_J| exp(s_rJ) / sum_J' |B_J'| exp(s_rJ'),
                    keep J iff max_r pi_rJ >= alpha
+           'share1p' (score 'kmax'): per row a block's bound mass (from its exact maximum and mean logit over the
+                   keys the row sees) >= alpha of the row's running total, decided in one pass as a kernel would
+                   (the total from the pooled means, each block's bound swapped in before its test; estimators.py's
+                   lbk1p); union over the tile's rows
            'rowcum' FlexPrefill: per row, always-kept blocks first, then blocks by decreasing pi_rJ, the fewest
                    whose cumulative pi reaches gamma; union over the tile's rows. With a block-maximum score pi is
                    softmax over the blocks' maxima (cummass 'max', estimators.py's maxcum), or (cummass 'lb') over
@@ -278,10 +282,10 @@ def projected_keys(k, score, rank, block, basis="lib"):
     return (kmean + torch.einsum("lhr,hdr->lhd", torch.einsum("lhd,hdr->lhr", x, P), P)).float()
 
 
-def block_max(q, kt, scale, block, rows=None, chunk=2048, dtype=torch.float32):
+def block_max(q, kt, scale, block, rows=None, chunk=2048, dtype=torch.float32, mean=None):
     """max over the keys of each block that the row sees of scale * q . kt: q [L, Hq, E], kt [L, Hkv, E] ->
     [L, Hq, nb] float64 (-inf where the row sees no key of the block or is not in `rows`). One causal sequence;
-    the products in `dtype`."""
+    the products in `dtype`. mean: a tensor like the result that receives the mean over the same keys (0 where none)."""
     L, Hq, E = q.shape
     g = Hq // kt.shape[1]
     nb = (L + block - 1) // block
@@ -296,6 +300,10 @@ def block_max(q, kt, scale, block, rows=None, chunk=2048, dtype=torch.float32):
             lg = (q[pr, h].to(dtype) @ kp[:, h // g].T) * scale
             lg.masked_fill_(keyi[None, :] > pr[:, None], -math.inf)
             out[pr, h] = lg.view(len(pr), nb, block).amax(-1).double()
+            if mean is not None:
+                seen = (keyi[None, :] <= pr[:, None]).view(len(pr), nb, block)
+                tot = torch.where(seen, lg.view(len(pr), nb, block), torch.zeros((), dtype=lg.dtype)).double().sum(-1)
+                mean[pr, h] = tot / seen.sum(-1).clamp(min=1).double()
     return out
 
 
@@ -364,7 +372,9 @@ def select(q, k, v, rule, scale):
         elif r["qk"] == "e4m3":
             bm = block_max(*e4m3_operands(q, k), scale, B, pr, dtype=torch.float64)
         else:
-            bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr)
+            kt = projected_keys(k, r["score"], r["rank"], B, r["basis"])
+            bmean = torch.zeros(L, Hq, nb, dtype=torch.float64, device=dev) if r["agg"] == "share1p" else None
+            bm = block_max(q, kt, scale, B, pr, mean=bmean)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
     elif r["score"] == "mean":
@@ -475,6 +485,33 @@ def select(q, k, v, rule, scale):
                 keep_rows = torch.zeros_like(take)
                 keep_rows.scatter_(-1, order, take)
                 sel = keep_rows.any(2)
+    elif agg == "share1p":
+        # a per-row share of each block's bound mass, decided in one pass as exact_max's stage 2 would
+        # (estimators.py's lbk1p): the bound from the block's maximum m and mean logit u over the n keys the row
+        # sees, log(exp(m) + (n - 1) exp((n u - m) / (n - 1))); the row's total starts at the pooled means' (|B| exp
+        # of the pooled mean logit, every visible block) and each block, the sink blocks first and then from the
+        # diagonal down, swaps that estimate for its bound before its own test: keep iff bound >= alpha x total
+        if r["score"] != "kmax" or r["qk"] != "f32" or r["rstride"] != 1:
+            raise ValueError("agg 'share1p' needs score 'kmax' with qk 'f32' and rstride 1 (the exact logits' maxima "
+                             "and means)")
+        u = bmean.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
+        u = torch.cat([u, u.new_zeros(V, Rp - R, nb)], 1).view(V, T, TILE_ROWS, nb)
+        n = (pos[:, None] - first_key[None, :] + 1).clamp(min=0, max=None)
+        n = torch.minimum(n, counts.long()[None, :]).double().view(T, TILE_ROWS, nb)[None]
+        lb = torch.logaddexp(st, torch.log((n - 1).clamp(min=1e-300)) + (n * u - st) / (n - 1).clamp(min=1))
+        w = torch.where(n > 1, lb, st).masked_fill(~torch.isfinite(st), -math.inf)
+        pmean = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale + torch.log(counts)[None, None, :]
+        pmean = pmean.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
+        sh = torch.maximum(w.amax(-1, keepdim=True), pmean.amax(-1, keepdim=True))
+        sh = torch.where(torch.isfinite(sh), sh, torch.zeros_like(sh))
+        ew, ep = torch.exp(w - sh), torch.exp(pmean - sh)
+        sink = first_key < r["sink"]
+        blocks = torch.arange(nb, device=dev)
+        order = torch.cat([blocks[sink], blocks.flip(0)[~sink.flip(0)]])
+        z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[..., order], -1)
+        keep_rows = torch.zeros_like(ew, dtype=torch.bool)
+        keep_rows[..., order] = (ew[..., order] >= alpha * z) & (ew[..., order] > 0)
+        sel = keep_rows.any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha

@@ -173,3 +173,34 @@ def test_block_mass_lower_bound_and_estimators():
     for k in ("lbcum_0.9", "meancum_0.7"):
         kept = c[k](x) & sees
         assert bool(kept.any(-1).all()), k  # every row keeps something it sees
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.1])
+def test_emulated_share1p_equals_the_offline_lbk1p(beta):
+    """emulate.select's agg 'share1p' (the one-pass share of the bound mass, end to end) keeps per query head exactly
+    the blocks estimators.py's lbk1p keeps offline (same geometry: 128-key blocks, sink 256, window 512, last 2 tiles),
+    on inputs whose tiles attend to a few earlier topics; and refuses a score without exact maxima."""
+    from accuracy import emulate as EM
+    from accuracy import estimators as E
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    L, Hq, D, nb = 3072, 2, 64, 3072 // 128
+    t = torch.randn(nb, 1, D, generator=g)
+    k = t.repeat_interleave(128, 0) + torch.randn(L, 1, D, generator=g)
+    tgt = (torch.rand(nb, 2, generator=g) * torch.arange(nb).clamp(min=1)[:, None]).long()
+    q = t[tgt.reshape(-1), 0].reshape(nb, 2, D).sum(1).repeat_interleave(128, 0)[:, None, :].repeat(1, Hq, 1) * 1.5
+    q = q + torch.randn(L, Hq, D, generator=g)
+    v = torch.randn(L, 1, D, generator=g)
+    sel = EM.select(q, k, v, dict(score="kmax", agg="share1p", alpha=beta, subgroups=0, dense_fraction=1.0), 0.125)
+    assert sel.density < 0.8, "the data must make the rule prune"
+    al, vis = E.always_kept(L)
+    pos = torch.arange(L)
+    sees = (torch.arange(nb) * E.B)[None, :] <= pos[:, None]
+    causal = torch.ones(L, L, dtype=torch.bool).tril_()
+    f = E.candidates([f"lbk1p_{beta}"])[f"lbk1p_{beta}"]
+    for h in range(Hq):
+        lg = (q[:, h] @ k[:, 0].T) * 0.125
+        x = dict(L=L, lg=lg, lgm=lg.masked_fill(~causal, -math.inf), sees=sees, al_rows=al[pos // E.TILE])
+        want = (E.tile_any(f(x) & sees, L // E.TILE) & vis) | al
+        assert torch.equal(sel.keep[h] & sel.visible, want), h
+    with pytest.raises(ValueError, match="share1p"):
+        EM.select(q, k, v, dict(score="mean", agg="share1p"), 0.125)

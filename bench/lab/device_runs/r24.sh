@@ -6,7 +6,8 @@
 # side by side), captures one evaluation prompt of each at 16K and 32K (estimators.py capture --retrieval), scores
 # the `retrieval` set on the GPU over all four layers (density, missed mass, the answer rows' missed mass, against
 # the oracle's curve), then, with R24_EVAL set (configs, e.g. the emulator's maxcum and lbcum
-# "oracle_0.5,sp:rule=exact_max;alpha=0.05,emu:score=kmax;agg=rowcum;gamma=0.9;subgroups=g,emu:score=kmax;agg=rowcum;gamma=0.9;cummass=lb;subgroups=g"), evaluates them end to
+# "oracle_0.5,sp:rule=exact_max;alpha=0.05,emu:score=kmax;agg=rowcum;gamma=0.9;cummass=lb;subgroups=g,emu:score=kmax;agg=share1p;alpha=0.02;subgroups=g";
+# share1p is the one-pass share rule a kernel would compute, estimators.py's lbk1p), evaluates them end to
 # end on both models at 16K until ~570 s. One call on a fresh machine, no carry beyond the CUTLASS headers. ~420 s
 # without R24_EVAL. Files: OUT/estimators_retrieval.txt, OUT/r24.tgz (+ reval.sh's four with R24_EVAL).
 set -u
