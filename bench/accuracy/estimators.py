@@ -167,6 +167,22 @@ def lower_bound_log_mass(m, u, n=B):
     return torch.logaddexp(m, math.log(n - 1) + (n * u - m) / (n - 1))
 
 
+def share_one_pass(w, u, sees, beta):
+    """[L, nb] the blocks whose bound log mass w is >= beta of the row's running total, decided in one pass in
+    exact_max's order (the sink blocks, then from the diagonal down): the total starts at the pooled means' |B|
+    exp(u) over the visible blocks and each block swaps its term for exp(w) before its own test."""
+    nbk = w.shape[1]
+    pm = (u + math.log(B)).masked_fill(~sees, -math.inf)
+    sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True)).clamp(min=-1e30)
+    ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
+    sink = torch.arange(nbk) * B < SINK
+    order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
+    z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)  # after each block's swap
+    keep = torch.empty_like(sees)
+    keep[:, order] = ew[:, order] >= beta * z
+    return keep & sees
+
+
 def e4m3(x, group):
     """x rounded to e4m3 (round to nearest even) with one scale per `group` consecutive rows (amax / 448), back in
     float32: what an e4m3 GEMM operand holds."""
@@ -330,23 +346,14 @@ def candidates(names):
 
             def f(x, beta=beta):
                 lgm = x["lgm"]
-                L_, nkeys = lgm.shape
-                nbk = nkeys // B
+                L_, nbk = lgm.shape[0], lgm.shape[1] // B
                 seen = torch.isfinite(lgm).view(L_, nbk, B)
                 n = seen.sum(-1).clamp(min=1).to(lgm.dtype)
                 ue = torch.where(seen, lgm.view(L_, nbk, B), torch.zeros((), dtype=lgm.dtype)).sum(-1) / n
                 m = block_max(lgm)
                 w = torch.logaddexp(m, torch.log((n - 1).clamp(min=1e-30)) + (n * ue - m) / (n - 1).clamp(min=1))
                 w = torch.where(n > 1, w, m).masked_fill(~x["sees"], -math.inf)
-                pm = (sub_means(x["lg"], B) + math.log(B)).masked_fill(~x["sees"], -math.inf)
-                sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True)).clamp(min=-1e30)
-                ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
-                sink = torch.arange(nbk) * B < SINK
-                order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
-                z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)
-                keep = torch.empty_like(x["sees"])
-                keep[:, order] = ew[:, order] >= beta * z
-                return keep & x["sees"]
+                return share_one_pass(w, sub_means(x["lg"], B), x["sees"], beta)
             out[name] = f
         elif kind == "lbs1p":
             # lbshare in one pass, as a kernel would decide it: the row's total starts at the pooled means' (stage 1)
@@ -357,17 +364,8 @@ def candidates(names):
 
             def f(x, beta=beta):
                 u = sub_means(x["lg"], B)
-                nbk = u.shape[1]
                 w = lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf)
-                pm = (u + math.log(B)).masked_fill(~x["sees"], -math.inf)
-                sh = w.amax(-1, keepdim=True).clamp(min=-1e30)  # exp(w - sh) <= 1
-                ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
-                sink = torch.arange(nbk) * B < SINK
-                order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
-                z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)  # after each block's swap
-                keep = torch.empty_like(x["sees"])
-                keep[:, order] = ew[:, order] >= beta * z
-                return keep & x["sees"]
+                return share_one_pass(w, u, x["sees"], beta)
             out[name] = f
         elif kind == "maxcum":
             F = float(rest[0])
