@@ -239,6 +239,32 @@ def key_max_scores(q, k, scale, block, rank, rows=None, chunk=2048, perp=0.0, ba
     return scale * (mean + resid)
 
 
+def log_mass_lower_bound(m, u, n):
+    """log of exp(m) + (n - 1) exp((n u - m) / (n - 1)) <= log sum_j exp(s_j) for n logits s_j with maximum m >= u and
+    mean u: the maximum's key plus the other n - 1 at their mean (Jensen); equal when the others are alike. n a number
+    or a tensor broadcasting with m; one key (n 1): m; -inf where m is not finite (a block the row does not see)."""
+    n = torch.as_tensor(n, dtype=torch.float64, device=m.device)
+    lb = torch.logaddexp(m, torch.log((n - 1).clamp(min=1e-300)) + (n * u - m) / (n - 1).clamp(min=1))
+    return torch.where(n > 1, lb, m).masked_fill(~torch.isfinite(m), -math.inf)
+
+
+def share_one_pass(w, pm, sink, alpha):
+    """[..., nb] the blocks whose bound log mass w is >= alpha of the row's running total, decided in one pass in
+    exact_max's order (the blocks where `sink` [nb], then from the diagonal down): the total starts at the pooled
+    estimates' exp(pm) over the row's blocks, and each block swaps its term for exp(w) before its own test (a running
+    total below the final one). w, pm: -inf where the row does not see the block."""
+    nb = w.shape[-1]
+    sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True))
+    sh = torch.where(torch.isfinite(sh), sh, torch.zeros_like(sh))
+    ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
+    blocks = torch.arange(nb, device=w.device)
+    order = torch.cat([blocks[sink], blocks.flip(0)[~sink.flip(0)]])
+    z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[..., order], -1)  # after each block's swap
+    keep = torch.zeros_like(ew, dtype=torch.bool)
+    keep[..., order] = (ew[..., order] >= alpha * z) & (ew[..., order] > 0)
+    return keep
+
+
 def e4m3_scaled(x, rows):
     """x [L, H, D] in groups of `rows` consecutive positions per head (q: 1, each row; k: 64, the exact stage's
     units), each group scaled so that its largest magnitude is 448 and rounded to float8 e4m3, as the library's
@@ -435,9 +461,7 @@ def select(q, k, v, rule, scale):
             if r["score"] not in BLOCK_MAX_SCORES:
                 raise ValueError("cummass 'lb' bounds a block's mass from its maximum: it needs a block-max score")
             u = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale  # the pooled mean logit
-            n = counts[None, None, None, :]
-            lb = torch.logaddexp(st, torch.log(n - 1) + (n * u.view(V, T, TILE_ROWS, nb) - st) / (n - 1))
-            w = torch.where(n > 1, lb, st).masked_fill(~torch.isfinite(st), -math.inf)  # one key: its maximum
+            w = log_mass_lower_bound(st, u.view(V, T, TILE_ROWS, nb), counts)
         elif agg == "rowmax" or mass or r["score"] in BLOCK_MAX_SCORES:
             w = st
         else:
@@ -496,22 +520,11 @@ def select(q, k, v, rule, scale):
                              "and means)")
         u = bmean.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         u = torch.cat([u, u.new_zeros(V, Rp - R, nb)], 1).view(V, T, TILE_ROWS, nb)
-        n = (pos[:, None] - first_key[None, :] + 1).clamp(min=0, max=None)
-        n = torch.minimum(n, counts.long()[None, :]).double().view(T, TILE_ROWS, nb)[None]
-        lb = torch.logaddexp(st, torch.log((n - 1).clamp(min=1e-300)) + (n * u - st) / (n - 1).clamp(min=1))
-        w = torch.where(n > 1, lb, st).masked_fill(~torch.isfinite(st), -math.inf)
+        n = torch.minimum((pos[:, None] - first_key[None, :] + 1).clamp(min=0), counts.long()[None, :])
+        w = log_mass_lower_bound(st, u, n.view(T, TILE_ROWS, nb)[None])
         pmean = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale + torch.log(counts)[None, None, :]
         pmean = pmean.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
-        sh = torch.maximum(w.amax(-1, keepdim=True), pmean.amax(-1, keepdim=True))
-        sh = torch.where(torch.isfinite(sh), sh, torch.zeros_like(sh))
-        ew, ep = torch.exp(w - sh), torch.exp(pmean - sh)
-        sink = first_key < r["sink"]
-        blocks = torch.arange(nb, device=dev)
-        order = torch.cat([blocks[sink], blocks.flip(0)[~sink.flip(0)]])
-        z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[..., order], -1)
-        keep_rows = torch.zeros_like(ew, dtype=torch.bool)
-        keep_rows[..., order] = (ew[..., order] >= alpha * z) & (ew[..., order] > 0)
-        sel = keep_rows.any(2)
+        sel = share_one_pass(w, pmean, first_key < r["sink"], alpha).any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha

@@ -162,25 +162,16 @@ def exact_max_offline(x, a, kind, ca):
 
 
 def lower_bound_log_mass(m, u, n=B):
-    """log of exp(m) + (n - 1) exp((n u - m) / (n - 1)) <= log sum_j exp(s_j) for n logits s_j with maximum m >= u and
-    mean u: the maximum's key plus the other n - 1 at their mean (Jensen); equal when the others are alike."""
-    return torch.logaddexp(m, math.log(n - 1) + (n * u - m) / (n - 1))
+    """emulate.log_mass_lower_bound for blocks of n keys (the bound the lbcum / lbshare / lb*1p rules use)."""
+    return emulate.log_mass_lower_bound(m, u, n)
 
 
 def share_one_pass(w, u, sees, beta):
-    """[L, nb] the blocks whose bound log mass w is >= beta of the row's running total, decided in one pass in
-    exact_max's order (the sink blocks, then from the diagonal down): the total starts at the pooled means' |B|
-    exp(u) over the visible blocks and each block swaps its term for exp(w) before its own test."""
+    """emulate.share_one_pass on [L, nb] rows: the pooled estimate |B| exp(u) over the blocks the row sees, the sink
+    blocks (SINK) first."""
     nbk = w.shape[1]
     pm = (u + math.log(B)).masked_fill(~sees, -math.inf)
-    sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True)).clamp(min=-1e30)
-    ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
-    sink = torch.arange(nbk) * B < SINK
-    order = torch.cat([torch.arange(nbk)[sink], torch.arange(nbk - 1, -1, -1)[~sink.flip(0)]])
-    z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[:, order], -1)  # after each block's swap
-    keep = torch.empty_like(sees)
-    keep[:, order] = ew[:, order] >= beta * z
-    return keep & sees
+    return emulate.share_one_pass(w, pm, torch.arange(nbk) * B < SINK, beta) & sees
 
 
 def e4m3(x, group):
@@ -350,9 +341,7 @@ def candidates(names):
                 seen = torch.isfinite(lgm).view(L_, nbk, B)
                 n = seen.sum(-1).clamp(min=1).to(lgm.dtype)
                 ue = torch.where(seen, lgm.view(L_, nbk, B), torch.zeros((), dtype=lgm.dtype)).sum(-1) / n
-                m = block_max(lgm)
-                w = torch.logaddexp(m, torch.log((n - 1).clamp(min=1e-30)) + (n * ue - m) / (n - 1).clamp(min=1))
-                w = torch.where(n > 1, w, m).masked_fill(~x["sees"], -math.inf)
+                w = lower_bound_log_mass(block_max(lgm), ue, n).masked_fill(~x["sees"], -math.inf)
                 return share_one_pass(w, sub_means(x["lg"], B), x["sees"], beta)
             out[name] = f
         elif kind == "lbs1p":

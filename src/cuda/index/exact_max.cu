@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   const int64_t sink_end = min(k_len, geometry::num_blocks(sel.sink, B) * B);  // the sink blocks' keys (spec step 4)
 
   // Pass 1 over the pooled chunks: per row the maximum over every block it sees (m_all, NaN-propagating: a NaN score
-  // flags the tile) and over the blocks it sees whole (the bound's second term).
+  // flags the tile) and over the blocks it sees whole (the bound's first term; the sink keys' maxima are its second).
   // Pass 2, backwards from pass 1's last chunk (its scores still in tPrS), the candidates: the blocks J some row sees
   // with pooled_rJ >= m_all_r + log2(candidate_alpha) (kRowMax's test). Chunk c is in stage c % 2 in both passes.
   float m_all[2] = {-INFINITY, -INFINITY}, cand_threshold[2];
