@@ -479,28 +479,31 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
   // unit (n < ns): into the rows' bound (maxima over the quad's columns, fmaxf: a NaN key is the pooled stage's to
   // flag). A candidate unit (ci, sub): into the running block maximum (a row that sees none of its keys adds
   // nothing: no -inf * 0); at the block's last unit (sub 0) the score e_rJ, the running row maximum and the test.
-  auto consume = [&](auto& acc, int n, float kappa) {
-    const bool sink_unit = n < ns;
-    const int c = n - ns, ci = sink_unit ? 0 : c / upb, sub = sink_unit ? 0 : upb - 1 - (c - ci * upb);
-    const int J = sink_unit ? 0 : cand[ci];
-    const int key0 = sink_unit ? n * kUnitKeys : J * B + sub * kUnitKeys;
+  // (ci, sub) advance with the units, as before the sink's units joined the list: a division per unit (c / upb, a
+  // runtime block size) cost ~20 instructions of the ~194 a unit step issued at 32K (ncu, 58c336c).
+  auto unit_maxima = [&](auto& acc, int key0, float (&um)[2]) {
     if (key0 + kUnitKeys - 1 > tile_min_hi) {  // some key of the unit is past some row's last key
       CUTE_UNROLL
       for (int v = 0; v < size(acc); ++v) {
         if (key0 + get<1>(cE(v)) > hi_row[(v / 2) % 2]) acc(v) = -INFINITY;
       }
     }
-    float um[2] = {-INFINITY, -INFINITY};
     CUTE_UNROLL
     for (int v = 0; v < size(acc); ++v) um[(v / 2) % 2] = fmax_nan(um[(v / 2) % 2], acc(v));
-    if (sink_unit) {
-      for (int i = 0; i < 2; ++i) {
-        float e = fmaxf(um[i], __shfl_xor_sync(0xffffffffu, um[i], 1));
-        e = fmaxf(e, __shfl_xor_sync(0xffffffffu, e, 2));
-        if (e != -INFINITY) m_row[i] = fmaxf(m_row[i], e * kappa * row_factor[i]);
-      }
-      return;
+  };
+  auto consume_sink = [&](auto& acc, int n, float kappa) {
+    float um[2] = {-INFINITY, -INFINITY};
+    unit_maxima(acc, n * kUnitKeys, um);
+    for (int i = 0; i < 2; ++i) {
+      float e = fmaxf(um[i], __shfl_xor_sync(0xffffffffu, um[i], 1));
+      e = fmaxf(e, __shfl_xor_sync(0xffffffffu, e, 2));
+      if (e != -INFINITY) m_row[i] = fmaxf(m_row[i], e * kappa * row_factor[i]);
     }
+  };
+  auto consume_candidate = [&](auto& acc, int ci, int sub, float kappa) {
+    const int J = cand[ci];
+    float um[2] = {-INFINITY, -INFINITY};
+    unit_maxima(acc, J * B + sub * kUnitKeys, um);
     for (int i = 0; i < 2; ++i) {
       if (um[i] != -INFINITY) run[i] = fmax_nan(run[i], um[i] * kappa);
     }
@@ -517,6 +520,7 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
     }
     if (__any_sync(0xffffffffu, keep) && lane == 0) atomicOr(&bits[J / 32], 1u << (J % 32));
   };
+  int ci = 0, sub = upb - 1;  // the next candidate unit: candidate ci's unit sub (a block's units last to first)
 
   Tensor accA = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
   Tensor accB = partition_fragment_C(emma, Shape<Int<kTileRows>, Int<kUnitKeys>>{});
@@ -552,7 +556,14 @@ __global__ void __launch_bounds__(kExactThreads, 2) exact_max_kernel(
         __syncwarp();  // this warp's GEMMs on the stage's slots are done: thread 0 may refill them
         if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.unit_empty[buf]);
       }
-      if (s * kStageUnits + uu < units) consume(cur, s * kStageUnits + uu, kappa[uu]);
+      const int n = s * kStageUnits + uu;
+      if (n < ns) {
+        consume_sink(cur, n, kappa[uu]);
+      } else if (n < units) {
+        consume_candidate(cur, ci, sub, kappa[uu]);
+        ci += sub == 0;
+        sub = sub == 0 ? upb - 1 : sub - 1;
+      }
     }
   }
   __syncthreads();
