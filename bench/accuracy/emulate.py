@@ -61,7 +61,8 @@ A rule is a dict (see RULE_DEFAULTS: the library's default selection, sp.SELECTI
   cand_mean a (None = off; 0: every visible block a candidate, as candidate_alpha 0): two stages (issue 44's "exact
            block maxima restricted to the candidate blocks a generous pooled-means pass proposes"): the candidates
            are the blocks the library's row-max rule over pooled means keeps at alpha a (per row, union over the
-           tile: today's default at a = 0.003); the rule above then keeps only candidates, and agg 'rowmax' takes
+           tile: today's default at a = 0.003); the rule above then keeps only candidates (agg 'share1p': its one
+           pass scores only them and the sink blocks; exact_max_spec.md "A share test"), and agg 'rowmax' takes
            each row's reference m_r over the candidates and the always-kept blocks (two-pass); with onepass the
            running maximum visits only the blocks exact_max scores (from the diagonal down, then the pooled bound /
            sinkref as above): the candidates that are not always kept, plus the blocks not fully visible to the
@@ -447,8 +448,9 @@ def select(q, k, v, rule, scale):
     # always-kept blocks, plus the blocks not fully visible to the tile (exact_max_spec.md step 2)
     cand = scored = None
     if r["cand_mean"] is not None:
-        if agg != "rowmax":
-            raise ValueError("cand_mean restricts the row-max rule: it needs agg 'rowmax'")
+        if agg not in ("rowmax", "share1p"):
+            raise ValueError("cand_mean restricts the row-max rule or the one-pass share: it needs agg 'rowmax' or "
+                             "'share1p'")
         proposed = pooled_row_max_keep(r["cand_mean"]) & visible[None]
         cand = proposed | always[None]
         scored = (proposed & ~always[None]) | (~fully & visible)[None]
@@ -524,7 +526,18 @@ def select(q, k, v, rule, scale):
         w = log_mass_lower_bound(st, u, n.view(T, TILE_ROWS, nb)[None])
         pmean = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale + torch.log(counts)[None, None, :]
         pmean = pmean.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
-        sel = share_one_pass(w, pmean, first_key < r["sink"], alpha).any(2)
+        sink = first_key < r["sink"]
+        if scored is None:
+            sel = share_one_pass(w, pmean, sink, alpha).any(2)
+        else:
+            # exact_share (exact_max_spec.md, "A share test"): only the candidates and the sink blocks are scored;
+            # the total starts over the blocks the row sees whole (a partial block enters with its bound); a block
+            # not scored keeps its pooled term (w = its pooled estimate: a swap of nothing), and `cand` below drops
+            # it unless always kept
+            whole = (n == counts.long()[None, :]).view(T, TILE_ROWS, nb)[None]
+            pm = pmean.masked_fill(~whole, -math.inf)
+            swapped = (scored | sink[None, None, :])[:, :, None, :]
+            sel = share_one_pass(torch.where(swapped, w, pm), pm, sink, alpha).any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha

@@ -204,3 +204,54 @@ def test_emulated_share1p_equals_the_offline_lbk1p(beta):
         assert torch.equal(sel.keep[h] & sel.visible, want), h
     with pytest.raises(ValueError, match="share1p"):
         EM.select(q, k, v, dict(score="mean", agg="share1p"), 0.125)
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.1])
+def test_emulated_share1p_within_candidates_follows_the_share_spec(beta):
+    """agg 'share1p' with cand_mean (exact_max_spec.md, "A share test") against the text written out row by row in
+    float64: candidates the pooled row max at cand_mean (union over the tile) less the always-kept blocks plus the
+    diagonal's; per row the total starts at |B| exp(pooled logit) over the blocks it sees whole; the sink blocks, then
+    the blocks from the diagonal down, each scored one (sink or candidate) swapping |B| exp(its exact mean logit) (a
+    whole block) for its bound mass and kept iff a candidate with bound >= beta x the total; union over the tile."""
+    from accuracy import emulate as EM
+    from accuracy import estimators as E
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    L, Hq, D, nb, ca = 2944, 2, 64, 23, 0.003
+    t = torch.randn(nb, 1, D, generator=g)
+    k = t.repeat_interleave(128, 0) + torch.randn(L, 1, D, generator=g)
+    tgt = (torch.rand(nb, 2, generator=g) * torch.arange(nb).clamp(min=1)[:, None]).long()
+    q = t[tgt.reshape(-1), 0].reshape(nb, 2, D).sum(1).repeat_interleave(128, 0)[:, None, :].repeat(1, Hq, 1) * 1.5
+    q = q + torch.randn(L, Hq, D, generator=g)
+    v = torch.randn(L, 1, D, generator=g)
+    rule = dict(score="kmax", agg="share1p", alpha=beta, cand_mean=ca, subgroups=0, dense_fraction=1.0)
+    sel = EM.select(q, k, v, rule, 0.125)
+    al, vis = E.always_kept(L)
+    T, pos, jb = L // 128, torch.arange(L), torch.arange(nb)
+    kmean = EM.library_means(k, 128)[:, 0]  # [nb, D] float64, as the library pools
+    causal = torch.ones(L, L, dtype=torch.bool).tril_()
+    n = (pos[:, None] - jb[None, :] * 128 + 1).clamp(min=0, max=128)  # keys of J row r sees
+    whole, seen = n == 128, n > 0
+    order = torch.cat([jb[jb * 128 < E.SINK], jb.flip(0)[jb.flip(0) * 128 >= E.SINK]])
+    for h in range(Hq):
+        qh = q[:, h].double()
+        lg = (qh @ k[:, 0].double().T * 0.125).masked_fill(~causal, -math.inf).view(L, nb, 128)
+        m = lg.amax(-1)
+        u = torch.where(torch.isfinite(lg), lg, torch.zeros((), dtype=torch.float64)).sum(-1) / n.clamp(min=1)
+        w = torch.where(n > 1, torch.logaddexp(m, torch.log((n - 1).clamp(min=1).double()) +
+                                               (n * u - m) / (n - 1).clamp(min=1)), m)
+        s = qh @ kmean.T * 0.125  # pooled logits [L, nb]
+        sm = s.masked_fill(~seen, -math.inf)
+        prop = E.tile_any(torch.exp(sm - sm.amax(-1, keepdim=True)) >= ca, T) & vis  # [T, nb]
+        diag = jb[None, :] == torch.arange(T)[:, None]
+        assert bool((vis & ~al & ~prop).any()), "the candidates must leave blocks out"
+        scored = ((prop & ~al) | diag)[pos // 128]  # [L, nb] per row its tile's
+        swapped = scored | (jb * 128 < E.SINK)[None, :]
+        z = torch.where(whole, 128 * torch.exp(s), torch.zeros((), dtype=torch.float64)).sum(-1)
+        keep = torch.zeros(L, nb, dtype=torch.bool)
+        for J in order.tolist():
+            on = swapped[:, J] & seen[:, J]
+            z = torch.where(on, z + torch.exp(w[:, J]) - torch.where(whole[:, J], 128 * torch.exp(u[:, J]), 0.0), z)
+            keep[:, J] = on & scored[:, J] & (torch.exp(w[:, J]) >= beta * z)
+        want = (E.tile_any(keep, T) & vis) | al
+        assert sel.density < 0.8, "the data must make the rule prune"
+        assert torch.equal(sel.keep[h] & sel.visible, want), (h, int((sel.keep[h] & sel.visible ^ want).sum()))
