@@ -249,18 +249,20 @@ def log_mass_lower_bound(m, u, n):
     return torch.where(n > 1, lb, m).masked_fill(~torch.isfinite(m), -math.inf)
 
 
-def share_one_pass(w, pm, sink, alpha):
+def share_one_pass(w, pm, sink, alpha, out=None):
     """[..., nb] the blocks whose bound log mass w is >= alpha of the row's running total, decided in one pass in
     exact_max's order (the blocks where `sink` [nb], then from the diagonal down): the total starts at the pooled
-    estimates' exp(pm) over the row's blocks, and each block swaps its term for exp(w) before its own test (a running
-    total below the final one). w, pm: -inf where the row does not see the block."""
+    estimates' exp(pm) over the row's blocks, and each block swaps its term (exp(out), default exp(pm)) for exp(w)
+    before its own test (a running total below the final one). w, pm, out: -inf where the row does not see the
+    block."""
+    out = pm if out is None else out
     nb = w.shape[-1]
     sh = torch.maximum(w.amax(-1, keepdim=True), pm.amax(-1, keepdim=True))
     sh = torch.where(torch.isfinite(sh), sh, torch.zeros_like(sh))
     ew, ep = torch.exp(w - sh), torch.exp(pm - sh)
     blocks = torch.arange(nb, device=w.device)
     order = torch.cat([blocks[sink], blocks.flip(0)[~sink.flip(0)]])
-    z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - ep)[..., order], -1)  # after each block's swap
+    z = ep.sum(-1, keepdim=True) + torch.cumsum((ew - torch.exp(out - sh))[..., order], -1)  # after each swap
     keep = torch.zeros_like(ew, dtype=torch.bool)
     keep[..., order] = (ew[..., order] >= alpha * z) & (ew[..., order] > 0)
     return keep
@@ -396,12 +398,12 @@ def select(q, k, v, rule, scale):
             pr = torch.unique(torch.cat([torch.arange(n - 1, L, n, device=dev), torch.tensor([L - 1], device=dev)]))
         if r["score"] == "resid" and r["basis"] in ("lib", "query"):
             bm = key_max_scores(q, k, scale, B, r["rank"], pr, perp=r["perp"], basis=r["basis"])
-        elif r["qk"] == "e4m3":
-            bm = block_max(*e4m3_operands(q, k), scale, B, pr, dtype=torch.float64)
         else:
-            kt = projected_keys(k, r["score"], r["rank"], B, r["basis"])
             bmean = torch.zeros(L, Hq, nb, dtype=torch.float64, device=dev) if r["agg"] == "share1p" else None
-            bm = block_max(q, kt, scale, B, pr, mean=bmean)
+            if r["qk"] == "e4m3":
+                bm = block_max(*e4m3_operands(q, k), scale, B, pr, dtype=torch.float64, mean=bmean)
+            else:
+                bm = block_max(q, projected_keys(k, r["score"], r["rank"], B, r["basis"]), scale, B, pr, mean=bmean)
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
     elif r["score"] == "mean":
@@ -517,9 +519,8 @@ def select(q, k, v, rule, scale):
         # sees, log(exp(m) + (n - 1) exp((n u - m) / (n - 1))); the row's total starts at the pooled means' (|B| exp
         # of the pooled mean logit, every visible block) and each block, the sink blocks first and then from the
         # diagonal down, swaps that estimate for its bound before its own test: keep iff bound >= alpha x total
-        if r["score"] != "kmax" or r["qk"] != "f32" or r["rstride"] != 1:
-            raise ValueError("agg 'share1p' needs score 'kmax' with qk 'f32' and rstride 1 (the exact logits' maxima "
-                             "and means)")
+        if r["score"] != "kmax" or r["rstride"] != 1:
+            raise ValueError("agg 'share1p' needs score 'kmax' and rstride 1 (the exact logits' maxima and means)")
         u = bmean.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         u = torch.cat([u, u.new_zeros(V, Rp - R, nb)], 1).view(V, T, TILE_ROWS, nb)
         n = torch.minimum((pos[:, None] - first_key[None, :] + 1).clamp(min=0), counts.long()[None, :])
@@ -531,13 +532,15 @@ def select(q, k, v, rule, scale):
             sel = share_one_pass(w, pmean, sink, alpha).any(2)
         else:
             # exact_share (exact_max_spec.md, "A share test"): only the candidates and the sink blocks are scored;
-            # the total starts over the blocks the row sees whole (a partial block enters with its bound); a block
-            # not scored keeps its pooled term (w = its pooled estimate: a swap of nothing), and `cand` below drops
-            # it unless always kept
-            whole = (n == counts.long()[None, :]).view(T, TILE_ROWS, nb)[None]
+            # the total starts over the blocks the row sees whole (a partial block enters with its bound); a scored
+            # whole block swaps |B| exp(its exact mean logit) for its bound; a block not scored keeps its pooled term
+            # (w = out = its pooled estimate: a swap of nothing), and `cand` below drops it unless always kept
+            nt = n.view(T, TILE_ROWS, nb)[None]
+            whole = nt == counts.long()[None, None, None, :]
             pm = pmean.masked_fill(~whole, -math.inf)
             swapped = (scored | sink[None, None, :])[:, :, None, :]
-            sel = share_one_pass(torch.where(swapped, w, pm), pm, sink, alpha).any(2)
+            out = torch.where(whole, torch.log(nt.clamp(min=1).double()) + u, torch.full_like(u, -math.inf))
+            sel = share_one_pass(torch.where(swapped, w, pm), pm, sink, alpha, torch.where(swapped, out, pm)).any(2)
     else:
         raise ValueError(agg)
     if r["union_mean"] > 0:  # plus the library's row-max rule over pooled means at this alpha
