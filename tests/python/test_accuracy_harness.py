@@ -175,6 +175,18 @@ def test_block_mass_lower_bound_and_estimators():
         assert bool(kept.any(-1).all()), k  # every row keeps something it sees
 
 
+def _topic_tiles(L, Hq, D=64):
+    """One KV head of L = 128 n keys in n topics (a block each) and Hq query heads whose tile t attends to two of the
+    topics 0..t (fresh seed): tiles that keep a few earlier blocks and drop the rest."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    nb = L // 128
+    t = torch.randn(nb, 1, D, generator=g)
+    k = t.repeat_interleave(128, 0) + torch.randn(L, 1, D, generator=g)
+    tgt = (torch.rand(nb, 2, generator=g) * torch.arange(nb).clamp(min=1)[:, None]).long()
+    q = t[tgt.reshape(-1), 0].reshape(nb, 2, D).sum(1).repeat_interleave(128, 0)[:, None, :].repeat(1, Hq, 1) * 1.5
+    return q + torch.randn(L, Hq, D, generator=g), k, torch.randn(L, 1, D, generator=g)
+
+
 @pytest.mark.parametrize("beta", [0.01, 0.1])
 def test_emulated_share1p_equals_the_offline_lbk1p(beta):
     """emulate.select's agg 'share1p' (the one-pass share of the bound mass, end to end) keeps per query head exactly
@@ -182,14 +194,8 @@ def test_emulated_share1p_equals_the_offline_lbk1p(beta):
     on inputs whose tiles attend to a few earlier topics; and refuses a score without exact maxima."""
     from accuracy import emulate as EM
     from accuracy import estimators as E
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    L, Hq, D, nb = 3072, 2, 64, 3072 // 128
-    t = torch.randn(nb, 1, D, generator=g)
-    k = t.repeat_interleave(128, 0) + torch.randn(L, 1, D, generator=g)
-    tgt = (torch.rand(nb, 2, generator=g) * torch.arange(nb).clamp(min=1)[:, None]).long()
-    q = t[tgt.reshape(-1), 0].reshape(nb, 2, D).sum(1).repeat_interleave(128, 0)[:, None, :].repeat(1, Hq, 1) * 1.5
-    q = q + torch.randn(L, Hq, D, generator=g)
-    v = torch.randn(L, 1, D, generator=g)
+    L, Hq, nb = 3072, 2, 3072 // 128
+    q, k, v = _topic_tiles(L, Hq)
     sel = EM.select(q, k, v, dict(score="kmax", agg="share1p", alpha=beta, subgroups=0, dense_fraction=1.0), 0.125)
     assert sel.density < 0.8, "the data must make the rule prune"
     al, vis = E.always_kept(L)
@@ -215,14 +221,8 @@ def test_emulated_share1p_within_candidates_follows_the_share_spec(beta):
     whole block) for its bound mass and kept iff a candidate with bound >= beta x the total; union over the tile."""
     from accuracy import emulate as EM
     from accuracy import estimators as E
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    L, Hq, D, nb, ca = 2944, 2, 64, 23, 0.003
-    t = torch.randn(nb, 1, D, generator=g)
-    k = t.repeat_interleave(128, 0) + torch.randn(L, 1, D, generator=g)
-    tgt = (torch.rand(nb, 2, generator=g) * torch.arange(nb).clamp(min=1)[:, None]).long()
-    q = t[tgt.reshape(-1), 0].reshape(nb, 2, D).sum(1).repeat_interleave(128, 0)[:, None, :].repeat(1, Hq, 1) * 1.5
-    q = q + torch.randn(L, Hq, D, generator=g)
-    v = torch.randn(L, 1, D, generator=g)
+    L, Hq, nb, ca = 2944, 2, 23, 0.003
+    q, k, v = _topic_tiles(L, Hq)
     rule = dict(score="kmax", agg="share1p", alpha=beta, cand_mean=ca, subgroups=0, dense_fraction=1.0)
     sel = EM.select(q, k, v, rule, 0.125)
     al, vis = E.always_kept(L)
