@@ -378,6 +378,12 @@ def select(q, k, v, rule, scale):
     qv = torch.cat([qv, qv.new_zeros(V, Rp - R, D)], 1)
     dev = q.device
     kvh = torch.arange(V, device=dev) // S
+    memo = {}
+
+    def pooled_logits():  # [V, Rp, nb] scale * q_r . kmean_J (the pooled mean logit), computed once
+        if "pl" not in memo:
+            memo["pl"] = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        return memo["pl"]
     mass = r["score"] in ("exact", "probe", "antidiag")  # s is already a log block mass per row
     if mass:
         if r["score"] == "antidiag":
@@ -407,7 +413,7 @@ def select(q, k, v, rule, scale):
         s = bm.reshape(L, V, gs, nb).permute(1, 0, 2, 3).reshape(V, R, nb)
         s = torch.cat([s, s.new_full((V, Rp - R, nb), -math.inf)], 1)
     elif r["score"] == "mean":
-        s = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        s = pooled_logits()
     elif r["score"] == "quest":
         s = (torch.einsum("vrd,jvd->vrj", qv.clamp(min=0), kmax[:, kvh]) +
              torch.einsum("vrd,jvd->vrj", qv.clamp(max=0), kmin[:, kvh])) * scale
@@ -439,7 +445,7 @@ def select(q, k, v, rule, scale):
     always = always & visible
 
     def pooled_row_max_keep(a):  # the library's row-max rule over pooled means at alpha a: [V, T, nb]
-        sm = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale
+        sm = pooled_logits()
         sm = sm.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
         mm = sm.amax(-1, keepdim=True)
         mm = torch.where(torch.isfinite(mm), mm, torch.zeros_like(mm))
@@ -464,7 +470,7 @@ def select(q, k, v, rule, scale):
         if agg == "rowcum" and r["cummass"] == "lb":
             if r["score"] not in BLOCK_MAX_SCORES:
                 raise ValueError("cummass 'lb' bounds a block's mass from its maximum: it needs a block-max score")
-            u = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale  # the pooled mean logit
+            u = pooled_logits()
             w = log_mass_lower_bound(st, u.view(V, T, TILE_ROWS, nb), counts)
         elif agg == "rowmax" or mass or r["score"] in BLOCK_MAX_SCORES:
             w = st
@@ -525,7 +531,7 @@ def select(q, k, v, rule, scale):
         u = torch.cat([u, u.new_zeros(V, Rp - R, nb)], 1).view(V, T, TILE_ROWS, nb)
         n = torch.minimum((pos[:, None] - first_key[None, :] + 1).clamp(min=0), counts.long()[None, :])
         w = log_mass_lower_bound(st, u, n.view(T, TILE_ROWS, nb)[None])
-        pmean = torch.einsum("vrd,jvd->vrj", qv, kmean[:, kvh]) * scale + torch.log(counts)[None, None, :]
+        pmean = pooled_logits() + torch.log(counts)[None, None, :]
         pmean = pmean.masked_fill(~see[None], -math.inf).view(V, T, TILE_ROWS, nb)
         sink = first_key < r["sink"]
         if scored is None:

@@ -166,6 +166,13 @@ def lower_bound_log_mass(m, u, n=B):
     return emulate.log_mass_lower_bound(m, u, n)
 
 
+def exact_bound(x):
+    """lbcum's block mass bound on exact maxima: lower_bound_log_mass of each block's exact maximum and pooled mean
+    logit u, -inf where the row does not see the block -> (w, u), both [L, nb]."""
+    u = sub_means(x["lg"], B)
+    return lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf), u
+
+
 def share_one_pass(w, u, sees, beta):
     """emulate.share_one_pass on [L, nb] rows: the pooled estimate |B| exp(u) over the blocks the row sees, the sink
     blocks (SINK) first."""
@@ -322,8 +329,7 @@ def candidates(names):
             beta = float(rest[0])
 
             def f(x, beta=beta, kind=kind):
-                u = sub_means(x["lg"], B)
-                w = lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf)
+                w, u = exact_bound(x)
                 z = (w if kind == "lbshare" else (u + math.log(B)).masked_fill(~x["sees"], -math.inf)).logsumexp(-1)
                 return w >= z[:, None] + math.log(beta)
             out[name] = f
@@ -352,8 +358,7 @@ def candidates(names):
             beta = float(rest[0])
 
             def f(x, beta=beta):
-                u = sub_means(x["lg"], B)
-                w = lower_bound_log_mass(torch.maximum(block_max(x["lgm"]), u), u).masked_fill(~x["sees"], -math.inf)
+                w, u = exact_bound(x)
                 return share_one_pass(w, u, x["sees"], beta)
             out[name] = f
         elif kind == "maxcum":
